@@ -1,0 +1,100 @@
+"""The Redis key layout, in one place.
+
+Everything thinkfleet keeps in Redis lives under ``{prefix}:`` (default ``tf``). Kombu's own keys (the
+queue list named after the queue, ``unacked``, ``unacked_index``, ``unacked_mutex``) are Celery's and
+are named by its transport options; :func:`kombu_transport_options` sets them from the same settings so
+one Redis can serve several isolated deployments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "tf"
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key builder bound to a prefix: ``Keys("tf").job("demo") == "tf:job:demo"``."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    # -- jobs ---------------------------------------------------------------------------------
+    @property
+    def jobs(self) -> str:
+        """SET of job names."""
+        return f"{self.prefix}:jobs"
+
+    def job(self, job: str) -> str:
+        """HASH: the job record (JSON-encoded fields: datasets, tokenizer, sampling params, …)."""
+        return f"{self.prefix}:job:{job}"
+
+    def prompts(self, job: str) -> str:
+        """HASH prompt_id → content hash of every prompt submitted to the job."""
+        return f"{self.prefix}:job:{job}:prompts"
+
+    def prompt_dataset(self, job: str) -> str:
+        """HASH prompt_id → dataset name (status counts per dataset)."""
+        return f"{self.prefix}:job:{job}:prompt_dataset"
+
+    def done(self, job: str) -> str:
+        """SET of prompt_ids whose row is committed to storage (a cache of storage, which is the truth)."""
+        return f"{self.prefix}:job:{job}:done"
+
+    def dead(self, job: str) -> str:
+        """HASH prompt_id → JSON dead-letter record {error_class, message, attempts, worker, at}."""
+        return f"{self.prefix}:job:{job}:dead"
+
+    def claims(self, job: str) -> str:
+        """HASH prompt_id → JSON claim {worker, part, at}: who is generating/committing a prompt now."""
+        return f"{self.prefix}:job:{job}:claims"
+
+    def counters(self, job: str) -> str:
+        """HASH of job counters (done, output_tokens, think_end, truncated, retried, dead, …)."""
+        return f"{self.prefix}:job:{job}:counters"
+
+    def dataset_counters(self, job: str, dataset: str) -> str:
+        """HASH of per-dataset counters (submitted, done, dead, output_tokens)."""
+        return f"{self.prefix}:job:{job}:ds:{dataset}"
+
+    def worker_counters(self, job: str) -> str:
+        """HASH worker → output tokens for this job (per-host throughput in status)."""
+        return f"{self.prefix}:job:{job}:worker_tokens"
+
+    def timeline(self, job: str) -> str:
+        """ZSET of per-flush samples "ts:rows:tokens" scored by time (tokens/s and ETA)."""
+        return f"{self.prefix}:job:{job}:timeline"
+
+    def alarm(self, job: str) -> str:
+        """STRING: set when the reasoning alarm fired (JSON with the evidence)."""
+        return f"{self.prefix}:job:{job}:alarm"
+
+    # -- workers ------------------------------------------------------------------------------
+    @property
+    def workers(self) -> str:
+        """HASH worker identity → JSON info (host, pid, sglang_url, metrics port, started_at)."""
+        return f"{self.prefix}:workers"
+
+    def heartbeat(self, worker: str) -> str:
+        """STRING with TTL = lease: present while the worker is alive."""
+        return f"{self.prefix}:hb:{worker}"
+
+    def held(self, worker: str) -> str:
+        """SET of kombu delivery tags this worker holds (their visibility is renewed while alive)."""
+        return f"{self.prefix}:held:{worker}"
+
+
+def kombu_transport_options(prefix: str, visibility_timeout_s: float) -> dict[str, object]:
+    """Redis transport options that keep kombu's ack-emulation keys under our prefix.
+
+    The visibility timeout must be identical everywhere Celery reads it (broker transport options,
+    result backend options and ``visibility_timeout``); callers pass this dict to all of them.
+    """
+    return {
+        "visibility_timeout": int(visibility_timeout_s),
+        "unacked_key": f"{prefix}:kombu:unacked",
+        "unacked_index_key": f"{prefix}:kombu:unacked_index",
+        "unacked_mutex_key": f"{prefix}:kombu:unacked_mutex",
+        # A lost worker's messages are restored by our reaper, so the mutex only guards the sweep.
+        "unacked_mutex_expire": 300,
+    }

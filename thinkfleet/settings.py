@@ -1,0 +1,119 @@
+"""One settings object for every entry point (producer, worker, simulator helpers, bench).
+
+Values come from, in increasing precedence: defaults here, a ``.env`` file, ``THINKFLEET_*``
+environment variables, then CLI flags (entry points call :meth:`Settings.with_overrides`).
+Units live in the names (``_s`` seconds, ``_ms`` milliseconds).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from thinkfleet.keys import DEFAULT_PREFIX, Keys
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="THINKFLEET_", env_file=".env", extra="ignore")
+
+    # -- where things are ---------------------------------------------------------------------------
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for job state (and broker).")
+    broker_url: str | None = Field(
+        None, description="Celery broker; defaults to redis_url. amqp://… selects RabbitMQ."
+    )
+    sglang_url: str = Field("http://127.0.0.1:30000", description="This host's SGLang server.")
+    output_uri: str = Field(
+        "./thinkfleet-output", description="Root for Parquet parts: a local path or s3://bucket/prefix."
+    )
+    s3_endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto, …).")
+    key_prefix: str = Field(DEFAULT_PREFIX, description="Prefix of every thinkfleet key in Redis.")
+    queue: str = Field("thinkfleet", description="Celery queue the prompts travel on.")
+
+    # -- worker: concurrency ------------------------------------------------------------------------
+    max_inflight: int = Field(150, ge=1, description="Requests in flight to the local SGLang server.")
+    worker_name: str | None = Field(None, description="Worker identity; default hostname-pid.")
+    metrics_port: int = Field(
+        0, ge=0, description="Prometheus port of this worker; 0 picks a free one (registered in Redis)."
+    )
+
+    # -- worker: requests ---------------------------------------------------------------------------
+    connect_timeout_s: float = Field(10.0, gt=0, description="TCP connect timeout to SGLang.")
+    request_timeout_floor_s: float = Field(
+        120.0, gt=0, description="Fixed part of a request's deadline (queueing + prefill)."
+    )
+    request_min_decode_tok_s: float = Field(
+        5.0, gt=0, description="Slowest acceptable decode rate: deadline += max_new_tokens / this."
+    )
+    retry_max_attempts: int = Field(8, ge=1, description="Attempts per prompt for transient faults.")
+    retry_base_s: float = Field(0.5, gt=0, description="First backoff; doubles per attempt, jittered.")
+    retry_max_backoff_s: float = Field(30.0, gt=0, description="Backoff ceiling.")
+    health_interval_s: float = Field(5.0, gt=0, description="Health probe period while serving.")
+    preflight_timeout_s: float = Field(30.0, gt=0, description="Timeout of one health/info probe.")
+
+    # -- worker: durability -------------------------------------------------------------------------
+    lease_s: float = Field(
+        60.0, gt=0, description="A silent worker's prompts are re-run by others after this long."
+    )
+    reaper_interval_s: float = Field(5.0, gt=0, description="How often live workers look for dead ones.")
+    flush_rows: int = Field(512, ge=1, description="Group commit: rows per Parquet part at most.")
+    flush_interval_s: float = Field(0.5, gt=0, description="Group commit: longest a row waits to commit.")
+    shutdown_grace_s: float = Field(
+        20.0, ge=0, description="On SIGTERM, how long in-flight requests may finish before hand-back."
+    )
+
+    # -- reasoning alarm ----------------------------------------------------------------------------
+    alarm_min_rows: int = Field(100, ge=1, description="Rows observed before the alarm may fire.")
+    alarm_missing_share: float = Field(
+        0.95, gt=0, le=1, description="Fire when this share of rows lacks a think-end token."
+    )
+
+    log_level: str = Field("INFO", description="Python logging level.")
+
+    @field_validator("output_uri")
+    @classmethod
+    def _strip_slash(cls, value: str) -> str:
+        return value.rstrip("/") or value
+
+    @model_validator(mode="after")
+    def _default_broker(self) -> Settings:
+        if not self.broker_url:
+            self.broker_url = self.redis_url
+        return self
+
+    # -- derived --------------------------------------------------------------------------------------
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.key_prefix)
+
+    @property
+    def visibility_timeout_s(self) -> float:
+        """Celery's visibility timeout equals the lease: live workers renew it, dead ones lose it."""
+        return self.lease_s
+
+    @property
+    def worker_identity(self) -> str:
+        return self.worker_name or f"{socket.gethostname()}-{os.getpid()}"
+
+    def request_deadline_s(self, max_new_tokens: int) -> float:
+        """Per-request deadline scaled to the generation budget (no fixed 300 s ceiling)."""
+        return self.request_timeout_floor_s + max_new_tokens / self.request_min_decode_tok_s
+
+    def with_overrides(self, **overrides: Any) -> Settings:
+        """A copy with CLI flags applied; ``None`` means "flag not given"."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if not given:
+            return self
+        data = self.model_dump()
+        if "redis_url" in given and "broker_url" not in given and self.broker_url == self.redis_url:
+            data["broker_url"] = None
+        data.update(given)
+        return Settings.model_validate(data)
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings from env/.env with CLI overrides applied."""
+    return Settings().with_overrides(**overrides)
