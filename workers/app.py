@@ -1,0 +1,119 @@
+"""The Celery app, configured from :class:`thinkfleet.settings.Settings`.
+
+``celery -A workers.app worker`` and the ``worker`` console script load the same module-level
+``app``. Choices, each answering a trap in ../shared/reference/celery-redis-flower.md:
+
+- msgpack (ids travel as bytes) and json only: a pickle message is refused, never executed.
+- Late acks + prefetch multiplier 1 + a thread pool sized to the in-flight bound: a host holds only
+  messages it is working on, and a prompt is acknowledged only after its row is committed.
+- The visibility timeout equals ``lease_s`` everywhere Celery reads it; live workers renew the
+  visibility of what they hold (workers/lease.py), and kombu's own sweep — run every
+  ``reaper_interval_s`` instead of the 100 s default — restores a dead worker's messages.
+- No result backend: results go to Parquet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+from kombu import Exchange, Queue
+
+from thinkfleet.keys import kombu_transport_options
+from thinkfleet.message import TASK_NAME
+from thinkfleet.settings import Settings, load_settings
+
+
+def commit_headroom(max_inflight: int) -> int:
+    """Extra worker threads beyond the in-flight bound.
+
+    A finished request waits up to ``flush_interval_s`` for its group commit before the task may ack;
+    these threads let the next prompts take the freed request slots meanwhile, so in-flight stays at
+    the bound. They hold at most this many messages that are not yet sending.
+    """
+    return max(4, max_inflight // 4)
+
+
+def broker_transport_options(settings: Settings) -> dict[str, Any]:
+    options: dict[str, Any] = dict(
+        kombu_transport_options(settings.key_prefix, settings.visibility_timeout_s)
+    )
+    # kombu >= 5.6.3: sweep for expired unacked messages every reaper_interval_s (default ≈100 s).
+    options["unacked_restore_interval"] = max(1, int(settings.reaper_interval_s))
+    options["unacked_restore_throttle"] = 1
+    return options
+
+
+def task_queue(settings: Settings) -> Queue:
+    exchange = Exchange(settings.queue, type="direct")
+    arguments = None
+    if settings.broker_url and settings.broker_url.startswith(("amqp", "pyamqp")):
+        # Quorum queues replicate and survive a broker node restart (RabbitMQ brokers only).
+        arguments = {"x-queue-type": "quorum"}
+    return Queue(settings.queue, exchange, routing_key=settings.queue, queue_arguments=arguments)
+
+
+def configure(app: Celery, settings: Settings) -> Celery:
+    transport = broker_transport_options(settings)
+    is_amqp = bool(settings.broker_url and settings.broker_url.startswith(("amqp", "pyamqp")))
+    app.conf.update(
+        broker_url=settings.broker_url,
+        broker_transport_options=transport,
+        result_backend=None,
+        result_backend_transport_options=transport,
+        visibility_timeout=int(settings.visibility_timeout_s),
+        task_ignore_result=True,
+        task_serializer="msgpack",
+        accept_content=["msgpack", "json"],
+        event_serializer="json",
+        task_acks_late=True,
+        # A prompt that raises is dead-lettered by the task itself before it returns; acking it then is
+        # right. A worker killed mid-task must not ack: its prompt is re-run (storage dedupes).
+        task_acks_on_failure_or_timeout=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        worker_pool="threads",
+        worker_concurrency=settings.max_inflight + commit_headroom(settings.max_inflight),
+        task_default_queue=settings.queue,
+        task_default_exchange=settings.queue,
+        task_default_routing_key=settings.queue,
+        task_queues=[task_queue(settings)],
+        task_create_missing_queues=False,
+        task_routes={TASK_NAME: {"queue": settings.queue}},
+        worker_send_task_events=True,
+        task_send_sent_event=False,
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,
+        broker_pool_limit=None if is_amqp else 10,
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+        # Warm shutdown waits for our own drain (workers/lifecycle.py), which hands work back itself.
+        worker_soft_shutdown_timeout=settings.shutdown_grace_s,
+        worker_enable_soft_shutdown_on_idle=False,
+        task_time_limit=None,
+        task_soft_time_limit=None,
+    )
+    return app
+
+
+def make_app(settings: Settings | None = None, register: bool = True) -> Celery:
+    """A configured Celery app; ``register=False`` gives a publisher-only app (the producer)."""
+    settings = settings or load_settings()
+    app = Celery("thinkfleet", set_as_current=False)
+    configure(app, settings)
+    app.thinkfleet_settings = settings  # type: ignore[attr-defined]
+    if register:
+        from workers.tasks import register_tasks
+
+        register_tasks(app, settings)
+    return app
+
+
+def _module_app() -> Celery:
+    try:
+        return make_app()
+    except ImportError:  # workers.tasks not importable yet: a publisher-only app still works
+        return make_app(register=False)
+
+
+app = _module_app()

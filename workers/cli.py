@@ -1,0 +1,73 @@
+"""``worker``: start a Celery worker for this host's SGLang server with the right pool and bound.
+
+Flags override ``THINKFLEET_*`` settings; the result is exactly ``celery -A workers.app worker`` with
+the thread pool sized to the in-flight bound, so both start the same worker.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+_FLAG_TO_ENV = {
+    "redis_url": "THINKFLEET_REDIS_URL",
+    "broker_url": "THINKFLEET_BROKER_URL",
+    "sglang_url": "THINKFLEET_SGLANG_URL",
+    "output_uri": "THINKFLEET_OUTPUT_URI",
+    "max_inflight": "THINKFLEET_MAX_INFLIGHT",
+    "name": "THINKFLEET_WORKER_NAME",
+    "queue": "THINKFLEET_QUEUE",
+    "key_prefix": "THINKFLEET_KEY_PREFIX",
+    "lease_s": "THINKFLEET_LEASE_S",
+    "metrics_port": "THINKFLEET_METRICS_PORT",
+    "s3_endpoint_url": "THINKFLEET_S3_ENDPOINT_URL",
+}
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.option("--sglang-url", help="This host's SGLang server [THINKFLEET_SGLANG_URL].")
+@click.option("--max-inflight", type=int, help="Requests in flight to SGLang [THINKFLEET_MAX_INFLIGHT].")
+@click.option("--redis-url", help="Redis (job state and broker) [THINKFLEET_REDIS_URL].")
+@click.option("--broker-url", help="Celery broker if not Redis [THINKFLEET_BROKER_URL].")
+@click.option("--output-uri", help="Parquet root: a path or s3://… [THINKFLEET_OUTPUT_URI].")
+@click.option("--name", help="Worker identity (default hostname-pid) [THINKFLEET_WORKER_NAME].")
+@click.option("--queue", "--queues", "queue", help="Queue to consume [THINKFLEET_QUEUE].")
+@click.option("--key-prefix", help="Redis key prefix [THINKFLEET_KEY_PREFIX].")
+@click.option("--lease-s", type=float, help="Seconds before a silent worker's prompts re-run elsewhere.")
+@click.option("--metrics-port", type=int, help="Prometheus port (0 = any free port).")
+@click.option("--s3-endpoint-url", help="S3-compatible endpoint for s3:// output.")
+@click.option("--loglevel", "-l", default="INFO", show_default=True)
+@click.pass_context
+def main(ctx: click.Context, loglevel: str, **flags: object) -> None:
+    """Run a thinkfleet worker (extra arguments are passed to `celery worker`)."""
+    for flag, value in flags.items():
+        if value is not None:
+            os.environ[_FLAG_TO_ENV[flag]] = str(value)
+    # Imported after the environment is set: workers.app builds its settings at import.
+    from workers.app import app
+
+    settings = app.thinkfleet_settings
+    argv = [
+        "worker",
+        "--pool",
+        "threads",
+        "--concurrency",
+        str(app.conf.worker_concurrency),
+        "--queues",
+        settings.queue,
+        "--loglevel",
+        loglevel,
+        "--events",
+        "--without-mingle",
+        "--without-gossip",
+    ]
+    if settings.worker_name:
+        argv += ["--hostname", f"{settings.worker_name}@%h"]
+    argv += list(ctx.args)
+    sys.exit(app.worker_main(argv))
+
+
+if __name__ == "__main__":
+    main()

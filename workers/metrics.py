@@ -1,0 +1,70 @@
+"""Prometheus metrics of one worker process (its own registry, served on its own port)."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class WorkerMetrics:
+    def __init__(self, worker: str, max_inflight: int) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.port: int | None = None
+        self.inflight = Gauge("thinkfleet_inflight_requests", "Requests in flight to SGLang", registry=r)
+        self.bound = Gauge("thinkfleet_inflight_bound", "Configured THINKFLEET_MAX_INFLIGHT", registry=r)
+        self.bound.set(max_inflight)
+        self.inflight_seconds = Counter(
+            "thinkfleet_inflight_seconds", "Integral of in-flight requests over time (occupancy)", registry=r
+        )
+        self.held = Gauge("thinkfleet_held_messages", "Queue messages this worker holds", registry=r)
+        self.completed = Counter("thinkfleet_completed", "Rows committed", ["dataset"], registry=r)
+        self.output_tokens = Counter("thinkfleet_output_tokens", "Output tokens committed", registry=r)
+        self.retried = Counter("thinkfleet_retried", "Attempts retried", ["error_class"], registry=r)
+        self.dead = Counter("thinkfleet_dead_lettered", "Prompts dead-lettered", ["error_class"], registry=r)
+        self.handed_back = Counter("thinkfleet_handed_back", "Prompts handed back to the queue", registry=r)
+        self.skipped = Counter(
+            "thinkfleet_skipped_stored", "Redeliveries skipped (already stored)", registry=r
+        )
+        self.errors = Counter("thinkfleet_internal_errors", "Our own crashes, by kind", ["kind"], registry=r)
+        self.healthy = Gauge(
+            "thinkfleet_server_healthy", "1 when the local SGLang server is healthy", registry=r
+        )
+        self.alarm = Gauge("thinkfleet_reasoning_alarm", "1 when rows lack </think> (seed's bug)", registry=r)
+        self.latency = Histogram(
+            "thinkfleet_request_latency_seconds",
+            "/generate latency",
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1200, 2400),
+            registry=r,
+        )
+        self.commit_seconds = Histogram(
+            "thinkfleet_commit_seconds",
+            "Group-commit duration",
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 5),
+            registry=r,
+        )
+        self._inflight = 0
+        self._since = time.monotonic()
+
+    def serve(self, port: int) -> int:
+        server, _thread = start_http_server(port, addr="0.0.0.0", registry=self.registry)
+        self.port = int(server.server_port)
+        return self.port
+
+    def _accumulate(self) -> None:
+        now = time.monotonic()
+        self.inflight_seconds.inc(self._inflight * (now - self._since))
+        self._since = now
+
+    def request_started(self) -> None:
+        self._accumulate()
+        self._inflight += 1
+        self.inflight.set(self._inflight)
+
+    def request_finished(self, latency_s: float | None = None) -> None:
+        self._accumulate()
+        self._inflight -= 1
+        self.inflight.set(self._inflight)
+        if latency_s is not None:
+            self.latency.observe(latency_s)

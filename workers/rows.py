@@ -1,0 +1,85 @@
+"""A validated generation → one Parquet row (column names from storage.schema)."""
+
+from __future__ import annotations
+
+import json
+import socket
+from datetime import UTC, datetime
+from typing import Any
+
+from storage.spans import compute_spans
+
+from thinkfleet.message import PromptTask
+from workers.jobs import JobSpec
+from workers.ledger import FinalRow
+from workers.sglang import Generation
+
+_HOST = socket.gethostname()
+
+
+def build_row(
+    task: PromptTask,
+    job: JobSpec,
+    input_ids: list[int],
+    gen: Generation,
+    sampling_params: dict[str, Any],
+    worker: str,
+    model: str,
+    attempt: int,
+    latency_s: float,
+) -> tuple[dict[str, Any], FinalRow]:
+    spans = compute_spans(
+        gen.output_ids,
+        prompt_ends_with_think_start=bool(input_ids) and input_ids[-1] == job.think_start_id,
+        think_start_id=job.think_start_id,
+        think_end_id=job.think_end_id,
+        tool_section_begin_id=job.tool_section_begin_id,
+        tool_section_end_id=job.tool_section_end_id,
+        tool_call_begin_id=job.tool_call_begin_id,
+        tool_call_end_id=job.tool_call_end_id,
+        stop_token_ids=job.stop_token_ids,
+    )
+    seed = sampling_params.get("sampling_seed")
+    row = {
+        "job": task.job,
+        "dataset": task.dataset,
+        "prompt_id": task.prompt_id,
+        "row_index": task.row_index,
+        "sample_index": task.sample_index,
+        "revision": task.revision,
+        "attempt": attempt,
+        "input_ids": input_ids,
+        "output_ids": gen.output_ids,
+        "reasoning_start": spans.reasoning_start,
+        "reasoning_end": spans.reasoning_end,
+        "has_think_end": spans.has_think_end,
+        "answer_start": spans.answer_start,
+        "answer_end": spans.answer_end,
+        "tool_call_spans": [{"start": s, "end": e} for s, e in spans.tool_call_spans],
+        "stop_token": spans.stop_token,
+        "finish_reason": gen.finish_type,
+        "finish_matched": gen.finish_matched,
+        "prompt_tokens": gen.prompt_tokens or len(input_ids),
+        "completion_tokens": gen.completion_tokens,
+        "cached_tokens": gen.cached_tokens,
+        "reasoning_tokens": gen.reasoning_tokens,
+        "num_retractions": gen.num_retractions,
+        "latency_s": latency_s,
+        "worker": worker,
+        "worker_host": _HOST,
+        "model": model,
+        "weight_version": gen.weight_version,
+        "sampling_params": json.dumps(sampling_params, sort_keys=True),
+        "sampling_seed": None if seed is None else int(seed),
+        "tokenizer_fingerprint": job.tokenizer_fingerprint,
+        "chat_template_hash": job.chat_template_hash,
+        "content_hash": task.content_hash,
+        "created_at": datetime.now(UTC),
+    }
+    final = FinalRow(
+        prompt_id=task.prompt_id,
+        completion_tokens=gen.completion_tokens,
+        has_think_end=spans.has_think_end,
+        truncated=gen.finish_type == "length",
+    )
+    return row, final
