@@ -35,9 +35,7 @@ def commit_headroom(max_inflight: int) -> int:
 
 
 def broker_transport_options(settings: Settings) -> dict[str, Any]:
-    options: dict[str, Any] = dict(
-        kombu_transport_options(settings.key_prefix, settings.visibility_timeout_s)
-    )
+    options: dict[str, Any] = dict(kombu_transport_options(settings.key_prefix, settings.visibility_timeout_s))
     # kombu >= 5.6.3: sweep for expired unacked messages every reaper_interval_s (default ≈100 s).
     options["unacked_restore_interval"] = max(1, int(settings.reaper_interval_s))
     options["unacked_restore_throttle"] = 1

@@ -95,9 +95,7 @@ class HealthGate:
             elif not ok and self._state is not False:
                 self._state = False
                 self._healthy.clear()
-                log.warning(
-                    "SGLang at %s is unhealthy: handing work back, not consuming", self.client.base_url
-                )
+                log.warning("SGLang at %s is unhealthy: handing work back, not consuming", self.client.base_url)
                 self.on_down()
             self._probe_now.clear()
             try:

@@ -82,8 +82,6 @@ class JobCache:
             if job not in self._specs:
                 raw = await self.r.hgetall(self.keys.job(job))
                 if not raw:
-                    raise UnknownJob(
-                        f"job {job!r} has no record at {self.keys.job(job)}; re-run producer submit"
-                    )
+                    raise UnknownJob(f"job {job!r} has no record at {self.keys.job(job)}; re-run producer submit")
                 self._specs[job] = spec_from_record(job, _decode(raw))
         return self._specs[job]

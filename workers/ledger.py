@@ -12,14 +12,17 @@ the part exists and only finalizes it, so no second row is generated.
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import redis.asyncio as aioredis
 
 from thinkfleet.keys import Keys
+from thinkfleet.message import PromptTask
 
 _CLAIM = """
 -- KEYS: done, dead, claims ; ARGV: prompt_id, worker, claim_json, heartbeat_prefix
@@ -160,9 +163,9 @@ class Ledger:
         """Set the job's alarm once; True if this call set it."""
         return bool(await self.r.set(self.keys.alarm(job), json.dumps(evidence), nx=True))
 
-    async def dead_letter(
-        self, job: str, dataset: str, prompt_id: str, error_class: str, message: str, attempts: int
-    ) -> None:
+    async def dead_letter(self, task: PromptTask, error_class: str, message: str, attempts: int) -> None:
+        """Record a permanent failure; the record keeps the whole message so `producer retry` can resend it."""
+        job, dataset, prompt_id = task.job, task.dataset, task.prompt_id
         record = json.dumps(
             {
                 "error_class": error_class,
@@ -171,6 +174,7 @@ class Ledger:
                 "worker": self.worker,
                 "at": time.time(),
                 "dataset": dataset,
+                "task": base64.b64encode(msgpack.packb(task.to_args())).decode(),
             }
         )
         async with self.r.pipeline(transaction=True) as p:

@@ -24,13 +24,9 @@ class WorkerMetrics:
         self.retried = Counter("thinkfleet_retried", "Attempts retried", ["error_class"], registry=r)
         self.dead = Counter("thinkfleet_dead_lettered", "Prompts dead-lettered", ["error_class"], registry=r)
         self.handed_back = Counter("thinkfleet_handed_back", "Prompts handed back to the queue", registry=r)
-        self.skipped = Counter(
-            "thinkfleet_skipped_stored", "Redeliveries skipped (already stored)", registry=r
-        )
+        self.skipped = Counter("thinkfleet_skipped_stored", "Redeliveries skipped (already stored)", registry=r)
         self.errors = Counter("thinkfleet_internal_errors", "Our own crashes, by kind", ["kind"], registry=r)
-        self.healthy = Gauge(
-            "thinkfleet_server_healthy", "1 when the local SGLang server is healthy", registry=r
-        )
+        self.healthy = Gauge("thinkfleet_server_healthy", "1 when the local SGLang server is healthy", registry=r)
         self.alarm = Gauge("thinkfleet_reasoning_alarm", "1 when rows lack </think> (seed's bug)", registry=r)
         self.latency = Histogram(
             "thinkfleet_request_latency_seconds",

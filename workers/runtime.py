@@ -173,7 +173,7 @@ class WorkerRuntime:
         try:
             job = await self.jobs.get(task.job)
         except UnknownJob as exc:
-            await self.ledger.dead_letter(task.job, task.dataset, task.prompt_id, "unknown_job", str(exc), 0)
+            await self.ledger.dead_letter(task, "unknown_job", str(exc), 0)
             self.metrics.dead.labels("unknown_job").inc()
             log.error("%s", exc)
             return "dead"
@@ -223,12 +223,8 @@ class WorkerRuntime:
             await asyncio.sleep(0.5)
 
     async def _finish_orphan(self, task: PromptTask, part: str) -> None:
-        log.info(
-            "prompt %s/%s was committed in %s by a dead worker: finalizing", task.job, task.prompt_id, part
-        )
-        await self.ledger.finalize(
-            task.job, task.dataset, [FinalRow(task.prompt_id, 0, True, False)], 10**9, 1.0
-        )
+        log.info("prompt %s/%s was committed in %s by a dead worker: finalizing", task.job, task.prompt_id, part)
+        await self.ledger.finalize(task.job, task.dataset, [FinalRow(task.prompt_id, 0, True, False)], 10**9, 1.0)
 
     async def _generate_and_store(self, task: PromptTask, job: JobSpec) -> str:
         sampling = {**job.sampling_params, **task.overrides}
@@ -247,14 +243,7 @@ class WorkerRuntime:
         try:
             gen, attempts, latency = await self._generate(task, input_ids, sampling)
         except PermanentError as exc:
-            await self.ledger.dead_letter(
-                task.job,
-                task.dataset,
-                task.prompt_id,
-                exc.error_class,
-                exc.message,
-                getattr(exc, "attempts", 1),
-            )
+            await self.ledger.dead_letter(task, exc.error_class, exc.message, getattr(exc, "attempts", 1))
             self.metrics.dead.labels(exc.error_class).inc()
             log.warning("dead-lettered %s/%s: %s: %s", task.job, task.prompt_id, exc.error_class, exc.message)
             return "dead"

@@ -1,0 +1,131 @@
+"""Real processes for tests, benchmarks and the demo: worker subprocesses and their environment.
+
+Everything here starts real things — ``worker`` (a real ``celery worker``) as a subprocess — so a
+test can SIGKILL or SIGTERM it exactly as an operator or a spot preemption would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import redis
+
+from thinkfleet.keys import Keys
+
+
+def worker_env(
+    redis_url: str,
+    sglang_url: str,
+    output_uri: str,
+    max_inflight: int = 16,
+    key_prefix: str = "tf",
+    queue: str = "thinkfleet",
+    **settings: object,
+) -> dict[str, str]:
+    """Environment for a worker subprocess: THINKFLEET_* from keyword settings (``lease_s=5`` …)."""
+    env = dict(os.environ)
+    values: dict[str, object] = {
+        "redis_url": redis_url,
+        "sglang_url": sglang_url,
+        "output_uri": output_uri,
+        "max_inflight": max_inflight,
+        "key_prefix": key_prefix,
+        "queue": queue,
+        **settings,
+    }
+    for name, value in values.items():
+        if value is not None:
+            env[f"THINKFLEET_{name.upper()}"] = str(value)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+class WorkerProcess:
+    """One ``worker`` subprocess with a fixed identity; its log goes to ``log_path``."""
+
+    def __init__(self, name: str, env: Mapping[str, str], log_dir: Path, extra_args: tuple[str, ...] = ()):
+        self.name = name
+        self.env = dict(env)
+        self.log_path = Path(log_dir) / f"worker-{name}.log"
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self) -> WorkerProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 — owned by the child for its lifetime
+        args = [sys.executable, "-m", "workers.cli", "--name", self.name, "--loglevel", "INFO", *self.extra_args]
+        self.proc = subprocess.Popen(args, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self.starts += 1
+        return self
+
+    def wait_ready(self, client: redis.Redis, keys: Keys, timeout_s: float = 60.0) -> WorkerProcess:
+        """Until the worker's heartbeat is in Redis (its runtime started and Celery is consuming)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"worker {self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            if client.exists(keys.heartbeat(self.name)):
+                return self
+            time.sleep(0.1)
+        raise TimeoutError(f"worker {self.name} not ready after {timeout_s}s:\n{self.tail()}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup at all (a host dying)."""
+        if self.alive():
+            assert self.proc is not None
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def terminate(self, timeout_s: float = 60.0) -> int | None:
+        """SIGTERM (spot preemption) and wait for the warm shutdown."""
+        if not self.alive():
+            return self.proc.returncode if self.proc else None
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(10)
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def wait_until(
+    predicate: Callable[[], object], timeout_s: float, interval_s: float = 0.2, what: str = "condition"
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval_s)
+    raise TimeoutError(f"{what} not reached within {timeout_s}s")
+
+
+def job_progress(client: redis.Redis, keys: Keys, job: str) -> dict[str, int]:
+    """done / dead / submitted counts straight from Redis."""
+    return {
+        "submitted": int(client.hlen(keys.prompts(job))),
+        "done": int(client.scard(keys.done(job))),
+        "dead": int(client.hlen(keys.dead(job))),
+    }
+
+
+def dead_letters(client: redis.Redis, keys: Keys, job: str) -> dict[str, dict[str, object]]:
+    return {k.decode(): json.loads(v) for k, v in client.hgetall(keys.dead(job)).items()}
