@@ -69,6 +69,14 @@ class Keys:
         """STRING: set when the reasoning alarm fired (JSON with the evidence)."""
         return f"{self.prefix}:job:{job}:alarm"
 
+    def submit_lock(self, job: str) -> str:
+        """STRING with TTL: held by the one `producer submit` of this job running now."""
+        return f"{self.prefix}:job:{job}:submit_lock"
+
+    def staging(self, job: str, token: str) -> str:
+        """LIST with TTL: a submit's messages before they are moved onto the queue all at once."""
+        return f"{self.prefix}:job:{job}:staging:{token}"
+
     # -- workers ------------------------------------------------------------------------------
     @property
     def workers(self) -> str:

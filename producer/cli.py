@@ -1,0 +1,294 @@
+"""The ``producer`` command: ``submit``, ``status``, ``wait`` (+ storage's verify/export/report/compact and
+the workers' ``retry`` when those packages provide them)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+import redis
+from rich.console import Console
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from producer.inputs import Columns
+from producer.status import DEFAULT_WINDOW_S, StatusReader, confirm_stored, format_duration
+from producer.submit import SubmitError, SubmitOptions, submit
+from producer.view import status_view, submit_report
+from thinkfleet.settings import Settings, load_settings
+
+#: ``producer wait`` exit codes.
+EXIT_TIMEOUT = 124
+EXIT_INCONSISTENT = 3
+
+
+def common_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Flags that override Settings (and THINKFLEET_* environment variables)."""
+    for flag, env in reversed(
+        (
+            ("--redis-url", "THINKFLEET_REDIS_URL"),
+            ("--output-uri", "THINKFLEET_OUTPUT_URI"),
+            ("--key-prefix", "THINKFLEET_KEY_PREFIX"),
+            ("--queue", "THINKFLEET_QUEUE"),
+            ("--s3-endpoint-url", "THINKFLEET_S3_ENDPOINT_URL"),
+        )
+    ):
+        fn = click.option(flag, default=None, help=f"Overrides {env}.")(fn)
+    return fn
+
+
+def _settings(overrides: dict[str, Any]) -> Settings:
+    names = ("redis_url", "output_uri", "key_prefix", "queue", "s3_endpoint_url")
+    return load_settings(**{k: overrides.pop(k, None) for k in names})
+
+
+@click.group()
+def cli() -> None:
+    """thinkfleet producer: datasets → token ids → Redis, and job progress."""
+
+
+@cli.command("submit")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--job", required=True, help="Job name (re-submitting the same job enqueues only what is missing).")
+@click.option("--tokenizer", required=True, help="Tokenizer directory or hub id (local cache only).")
+@click.option("--trust-remote-code", is_flag=True, help="Allow the tokenizer's own code (Kimi's needs it).")
+@click.option("--chat-template-kwargs", default=None, help='JSON merged over {"thinking": true}.')
+@click.option("--think-start-id", type=int, help="Override the <think> id read from the tokenizer.")
+@click.option("--think-end-id", type=int, help="Override the </think> id read from the tokenizer.")
+@click.option("--dataset-name", "dataset_names", multiple=True, help="Dataset name per PATH (default: file stem).")
+@click.option("--messages-column", help="Column of OpenAI messages (default: 'messages' if present).")
+@click.option("--conversations-column", help="Column of ShareGPT turns (default: 'conversations').")
+@click.option("--prompt-column", help="Column of plain prompts (default: 'prompt').")
+@click.option("--system-column", help="Column of system prompts for --prompt/--conversations rows.")
+@click.option("--tools-column", help="Column of tool declarations (default: 'tools' if present).")
+@click.option("--id-column", default="id", show_default=True, help="Stable row id column; '' = row numbers.")
+@click.option("--split", help="Split of a save_to_disk DatasetDict.")
+@click.option("--samples", default=1, show_default=True, type=click.IntRange(1), help="Generations per prompt.")
+@click.option("--max-prompt-tokens", type=int, help="Rows with longer prompts are problems.")
+@click.option("--max-new-tokens", type=int, help="Generation budget [10240].")
+@click.option("--temperature", type=float, help="[1.0]")
+@click.option("--top-p", type=float, help="[0.95]")
+@click.option("--top-k", type=int, help="[-1]")
+@click.option("--min-p", type=float, help="[0.0]")
+@click.option("--seed", type=int, help="SGLang sampling_seed (samples get seed + index).")
+@click.option("--stop-token-ids", help="Comma-separated ids [tokenizer eos ∪ generation_config eos].")
+@click.option("--expect-model", help="Model path workers' servers must serve.")
+@click.option("--skip-invalid", is_flag=True, help="Skip bad rows (recorded in the job record) instead of failing.")
+@click.option("--dry-run", is_flag=True, help="Tokenize and report; enqueue nothing.")
+@click.option("--processes", type=int, help="Tokenizer processes [all cores].")
+@click.option("--hosts", default=1, show_default=True, type=click.IntRange(1), help="Dry run: GPU hosts.")
+@click.option("--server-tok-s", default=860.0, show_default=True, help="Dry run: output tokens/s per host.")
+@click.option("--mean-output-tokens", default=1416.0, show_default=True, help="Dry run: tokens per answer.")
+@click.option("--progress/--no-progress", default=None, help="Progress bar [on a terminal].")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@common_options
+def submit_cmd(paths: tuple[Path, ...], as_json: bool, progress: bool | None, **flags: Any) -> None:
+    """Tokenize PATH… with the model's chat template and enqueue the prompts of job JOB."""
+    settings = _settings(flags)
+    opts = _submit_options(list(paths), flags)
+    err = Console(stderr=True)
+    opts.progress = err.is_terminal if progress is None else progress
+    try:
+        report = _with_progress(err, settings, opts) if opts.progress else submit(settings, opts)
+    except SubmitError as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False, markup=True, soft_wrap=True)
+        sys.exit(1)
+    if as_json:
+        click.echo(json.dumps(report.to_json()))
+        for w in report.warnings:
+            err.print(f"[bold red]WARNING:[/] {w}", soft_wrap=True)
+    else:
+        Console().print(submit_report(report, opts.hosts, opts.server_tok_s, opts.mean_output_tokens))
+
+
+def _submit_options(paths: list[Path], f: dict[str, Any]) -> SubmitOptions:
+    kwargs: dict[str, Any] = {"thinking": True}
+    if f["chat_template_kwargs"]:
+        try:
+            given = json.loads(f["chat_template_kwargs"])
+        except ValueError as e:
+            raise click.BadParameter(f"not JSON: {e}", param_hint="--chat-template-kwargs") from e
+        if not isinstance(given, dict):
+            raise click.BadParameter("must be a JSON object", param_hint="--chat-template-kwargs")
+        kwargs.update(given)
+    stops = None
+    if f["stop_token_ids"]:
+        try:
+            stops = [int(t) for t in f["stop_token_ids"].replace(" ", "").split(",") if t]
+        except ValueError as e:
+            raise click.BadParameter(
+                "comma-separated integers, e.g. 163586,163585", param_hint="--stop-token-ids"
+            ) from e
+    return SubmitOptions(
+        paths=paths,
+        job=f["job"],
+        tokenizer=f["tokenizer"],
+        dataset_names=list(f["dataset_names"]),
+        columns=Columns(
+            messages=f["messages_column"],
+            conversations=f["conversations_column"],
+            prompt=f["prompt_column"],
+            system=f["system_column"],
+            tools=f["tools_column"],
+            id=f["id_column"],
+        ),
+        split=f["split"],
+        samples=f["samples"],
+        trust_remote_code=f["trust_remote_code"],
+        chat_template_kwargs=kwargs,
+        think_start_id=f["think_start_id"],
+        think_end_id=f["think_end_id"],
+        max_prompt_tokens=f["max_prompt_tokens"],
+        sampling={
+            "max_new_tokens": f["max_new_tokens"],
+            "temperature": f["temperature"],
+            "top_p": f["top_p"],
+            "top_k": f["top_k"],
+            "min_p": f["min_p"],
+            "seed": f["seed"],
+            "stop_token_ids": stops,
+        },
+        expected_model=f["expect_model"],
+        skip_invalid=f["skip_invalid"],
+        dry_run=f["dry_run"],
+        processes=f["processes"],
+        hosts=f["hosts"],
+        server_tok_s=f["server_tok_s"],
+        mean_output_tokens=f["mean_output_tokens"],
+    )
+
+
+def _with_progress(console: Console, settings: Settings, opts: SubmitOptions) -> Any:
+    columns = (
+        TextColumn("[bold]tokenizing"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]:,.0f} prompts/s"),
+        TextColumn("{task.fields[tokens]:,} tokens"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task("render", total=None, rate=0.0, tokens=0)
+        started = time.monotonic()
+        state = {"n": 0, "tokens": 0}
+
+        def on_progress(n: int, tokens: int) -> None:
+            state["n"] += n
+            state["tokens"] += tokens
+            rate = state["n"] / max(1e-6, time.monotonic() - started)
+            bar.update(task, advance=n, rate=rate, tokens=state["tokens"])
+
+        return submit(settings, opts, on_progress=on_progress)
+
+
+@cli.command("status")
+@click.argument("job")
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+@click.option("--watch", is_flag=True, help="Live view until the job finishes (Ctrl-C to leave).")
+@click.option("--interval", default=2.0, show_default=True, help="Seconds between refreshes with --watch.")
+@click.option("--window", default=DEFAULT_WINDOW_S, show_default=True, help="Seconds of the current rates.")
+@common_options
+def status_cmd(job: str, as_json: bool, watch: bool, interval: float, window: float, **flags: Any) -> None:
+    """Queued / running / done / dead counts per dataset, rates, ETA and the reasoning alarm of JOB."""
+    settings = _settings(flags)
+    reader = StatusReader(redis.Redis.from_url(settings.redis_url), settings, job, window)
+    if as_json and not watch:
+        click.echo(json.dumps(reader.read()))
+        return
+    console = Console()
+    if not watch:
+        console.print(status_view(reader.read()))
+        return
+    try:
+        with Live(status_view(reader.read()), console=console, refresh_per_second=4) as live:
+            while True:
+                st = reader.read()
+                live.update(status_view(st))
+                if as_json:
+                    click.echo(json.dumps(st))
+                if st.get("finished"):
+                    return
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+
+
+@cli.command("wait")
+@click.argument("job")
+@click.option("--timeout", "timeout_s", type=float, help="Give up after this many seconds (exit 124).")
+@click.option("--interval", default=2.0, show_default=True, help="Seconds between checks.")
+@click.option("--json", "as_json", is_flag=True, help="Print the final status as JSON.")
+@common_options
+def wait_cmd(job: str, timeout_s: float | None, interval: float, as_json: bool, **flags: Any) -> None:
+    """Block until every prompt of JOB is stored or dead-lettered (exit 0); 124 on timeout."""
+    settings = _settings(flags)
+    client = redis.Redis.from_url(settings.redis_url)
+    reader = StatusReader(client, settings, job)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    err = Console(stderr=True)
+    while True:
+        st = reader.read()
+        if not st.get("exists"):
+            _emit(st, as_json)
+            err.print(f"[bold red]error:[/] job {job!r} has no record in Redis; submit it first")
+            sys.exit(1)
+        if st["finished"]:
+            done = {m.decode() for m in client.smembers(settings.keys.done(job))}
+            missing = confirm_stored(settings, job, done)
+            st["missing_from_storage"] = len(missing)
+            _emit(st, as_json)
+            if missing:
+                err.print(
+                    f"[bold red]{len(missing)} prompt(s) are done in Redis but not in storage[/] "
+                    f"(e.g. {sorted(missing)[:3]}); run `producer verify {job}`"
+                )
+                sys.exit(EXIT_INCONSISTENT)
+            return
+        if deadline is not None and time.monotonic() >= deadline:
+            _emit(st, as_json)
+            err.print(
+                f"timed out: {st['remaining']:,} of {st['total']:,} prompts not finished "
+                f"(ETA {format_duration(st['eta_s'])})"
+            )
+            sys.exit(EXIT_TIMEOUT)
+        time.sleep(interval if deadline is None else max(0.0, min(interval, deadline - time.monotonic())))
+
+
+def _emit(st: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(st))
+    else:
+        Console().print(status_view(st))
+
+
+def _register_optional_commands() -> None:
+    """Commands other packages own, shown under ``producer`` when they are installed."""
+    try:
+        from storage import cli as storage_cli
+    except ImportError:
+        storage_cli = None
+    for name in ("verify", "export", "report", "compact"):
+        command = getattr(storage_cli, name, None)
+        if isinstance(command, click.Command):
+            cli.add_command(command, name)
+    try:
+        from workers.retry import retry
+    except ImportError:
+        return
+    cli.add_command(retry, "retry")
+
+
+_register_optional_commands()
+
+
+def main() -> None:
+    cli()
+
+
+if __name__ == "__main__":
+    main()

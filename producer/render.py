@@ -1,0 +1,269 @@
+"""Conversations → prompt token ids with the model's own tokenizer and chat template.
+
+The tokenizer is loaded from a local directory or the local Hugging Face cache only (never a
+download). Rendering runs on every core in a process pool: the pool is forked after the tokenizer is
+loaded, so each process has it without loading it again; each batch returns compact results (packed
+ids, length, content hash), never Python lists of ints, so the parent stays cheap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from thinkfleet.message import pack_ids
+
+#: Conversations per task sent to a pool process (big enough to amortize IPC, small for a smooth bar).
+DEFAULT_BATCH = 64
+THINK_START = "<think>"
+THINK_END = "</think>"
+#: Job-record field → marker token; workers find tool-call spans with these ids.
+TOOL_TOKENS = {
+    "tool_section_begin_id": "<|tool_calls_section_begin|>",
+    "tool_section_end_id": "<|tool_calls_section_end|>",
+    "tool_call_begin_id": "<|tool_call_begin|>",
+    "tool_call_argument_begin_id": "<|tool_call_argument_begin|>",
+    "tool_call_end_id": "<|tool_call_end|>",
+}
+
+
+class TokenizerError(Exception):
+    """The tokenizer cannot be loaded or cannot render prompts."""
+
+
+#: Loaded tokenizers by (source, trust_remote_code, files' stat): one process may submit many times.
+_LOADED: dict[tuple[Any, ...], Any] = {}
+
+
+def _cache_key(source: str, trust_remote_code: bool) -> tuple[Any, ...]:
+    path = Path(source)
+    files: tuple[Any, ...] = ()
+    if path.is_dir():
+        files = tuple(sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in path.iterdir() if p.is_file()))
+    return (str(path.resolve()) if path.is_dir() else source, trust_remote_code, files)
+
+
+def load_tokenizer(source: str, trust_remote_code: bool = False) -> Any:
+    """A tokenizer from a local directory or the local hub cache (``local_files_only``)."""
+    key = _cache_key(source, trust_remote_code)
+    if key not in _LOADED:
+        _LOADED.clear()  # keep one: tokenizers are large
+        _LOADED[key] = _load(source, trust_remote_code)
+    return _LOADED[key]
+
+
+def _load(source: str, trust_remote_code: bool) -> Any:
+    if (source.startswith((".", "~")) or os.path.isabs(source)) and not Path(source).expanduser().is_dir():
+        raise TokenizerError(
+            f"cannot load tokenizer {source!r}: no such directory\n"
+            "  → pass the directory that holds tokenizer_config.json (or a hub id in the local cache)"
+        )
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    try:
+        tok = AutoTokenizer.from_pretrained(
+            str(Path(source).expanduser()) if source.startswith("~") else source,
+            local_files_only=True,
+            trust_remote_code=trust_remote_code,
+        )
+    except Exception as e:
+        hint = (
+            "pass a local directory with the tokenizer files, or fetch it once with "
+            f"`huggingface-cli download {source}` (submit never downloads)"
+        )
+        if "trust_remote_code" in str(e) and not trust_remote_code:
+            hint = "this tokenizer ships its own code (Kimi's does): add --trust-remote-code"
+        raise TokenizerError(f"cannot load tokenizer {source!r}: {e}\n  → {hint}") from e
+    if not getattr(tok, "chat_template", None):
+        raise TokenizerError(f"tokenizer {source!r} has no chat_template; use the model's own tokenizer directory")
+    return tok
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What the job record says about the tokenizer (so workers and verify can check it)."""
+
+    source: str
+    fingerprint: str  # hash of the vocabulary and the special tokens
+    chat_template_hash: str
+    think_start_id: int | None
+    think_end_id: int | None
+    tool_ids: dict[str, int] = field(default_factory=dict)  # TOOL_TOKENS field → id, those present
+    stop_token_ids: list[int] = field(default_factory=list)  # eos of tokenizer ∪ generation_config
+
+
+def fingerprint(tok: Any, vocab: dict[str, int]) -> str:
+    """Hash of the vocabulary (in id order) and the added tokens with their special flags."""
+    by_id: list[str] = [""] * (max(vocab.values()) + 1 if vocab else 0)
+    for token, token_id in vocab.items():  # O(n), not a sort: vocabularies are dense
+        by_id[token_id] = token
+    added = sorted((int(i), str(t), bool(getattr(t, "special", True))) for i, t in tok.added_tokens_decoder.items())
+    digest = hashlib.sha256("\x00".join(by_id).encode("utf-8", "surrogatepass"))
+    digest.update(json.dumps(added, ensure_ascii=False).encode())
+    return digest.hexdigest()[:16]
+
+
+def describe_tokenizer(
+    tok: Any, source: str, think_start_id: int | None = None, think_end_id: int | None = None
+) -> TokenizerInfo:
+    vocab = tok.get_vocab()
+    template = tok.chat_template
+    template_text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+    return TokenizerInfo(
+        source=source,
+        fingerprint=fingerprint(tok, vocab),
+        chat_template_hash=hashlib.sha256(template_text.encode()).hexdigest()[:16],
+        think_start_id=think_start_id if think_start_id is not None else vocab.get(THINK_START),
+        think_end_id=think_end_id if think_end_id is not None else vocab.get(THINK_END),
+        tool_ids={f: vocab[t] for f, t in TOOL_TOKENS.items() if t in vocab},
+        stop_token_ids=_stop_ids(tok, source),
+    )
+
+
+def _stop_ids(tok: Any, source: str) -> list[int]:
+    """``tokenizer.eos_token_id`` ∪ ``generation_config.json`` ``eos_token_id`` (what SGLang stops on)."""
+    ids: list[int] = []
+    config: dict[str, Any] = {}
+    path = Path(source) / "generation_config.json"
+    try:
+        if path.is_file():
+            config = json.loads(path.read_text())
+        else:
+            from transformers.utils import cached_file
+
+            found = cached_file(
+                source, "generation_config.json", local_files_only=True, _raise_exceptions_for_missing_entries=False
+            )
+            if found:
+                config = json.loads(Path(found).read_text())
+    except Exception:
+        config = {}
+    eos = config.get("eos_token_id")
+    for value in [*(eos if isinstance(eos, list) else [eos]), tok.eos_token_id]:
+        if isinstance(value, int) and value not in ids:
+            ids.append(value)
+    return ids
+
+
+# -- rendering -------------------------------------------------------------------------------------------
+#: Per-process state: (tokenizer, chat-template kwargs, think-start id). Set before forking.
+_STATE: tuple[Any, dict[str, Any], int | None] | None = None
+
+#: One result: (packed ids, token count, content hash, ends with think-start) or an error message.
+Result = tuple[bytes, int, str, bool] | str
+
+
+def content_hash(ids: np.ndarray) -> str:
+    """Hash of the prompt ids (uint32 LE): a re-submit whose content changed is caught with it."""
+    return hashlib.blake2b(np.ascontiguousarray(ids, dtype="<u4").tobytes(), digest_size=8).hexdigest()
+
+
+def render_ids(
+    tok: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, chat_template_kwargs: dict[str, Any]
+) -> list[int]:
+    """The prompt ids exactly as ``apply_chat_template(..., add_generation_prompt=True)`` makes them."""
+    text = tok.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True, **chat_template_kwargs
+    )
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _render_batch(batch: Sequence[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]]) -> list[Result]:
+    assert _STATE is not None, "render process started without a tokenizer"
+    tok, kwargs, think_start = _STATE
+    texts: list[str | None] = []
+    errors: dict[int, str] = {}
+    for i, (messages, tools) in enumerate(batch):
+        try:
+            texts.append(
+                tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs)
+            )
+        except Exception as e:  # a template error on one row must not sink the batch
+            errors[i] = f"chat template failed: {type(e).__name__}: {e}"
+            texts.append(None)
+    good = [t for t in texts if t is not None]
+    encoded = iter(tok(good, add_special_tokens=False)["input_ids"] if good else [])
+    out: list[Result] = []
+    for i, text in enumerate(texts):
+        if text is None:
+            out.append(errors[i])
+            continue
+        ids = np.asarray(next(encoded), dtype="<u4")
+        ends = bool(len(ids)) and think_start is not None and int(ids[-1]) == think_start
+        out.append((pack_ids(ids), len(ids), content_hash(ids), ends))
+    return out
+
+
+def _init_spawned(source: str, trust_remote_code: bool, kwargs: dict[str, Any], think_start: int | None) -> None:
+    global _STATE
+    if _STATE is None:  # forked children already have it
+        _STATE = (load_tokenizer(source, trust_remote_code), kwargs, think_start)
+
+
+class RenderPool:
+    """Renders conversations on ``processes`` cores; ``processes=1`` renders in this process."""
+
+    def __init__(
+        self,
+        tok: Any,
+        source: str,
+        chat_template_kwargs: dict[str, Any],
+        think_start_id: int | None,
+        processes: int | None = None,
+        trust_remote_code: bool = False,
+    ) -> None:
+        global _STATE
+        _STATE = (tok, dict(chat_template_kwargs), think_start_id)
+        self.processes = max(1, processes or os.cpu_count() or 1)
+        self._pool = None
+        if self.processes > 1:
+            method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+            self._pool = mp.get_context(method).Pool(
+                self.processes,
+                initializer=_init_spawned,
+                initargs=(source, trust_remote_code, dict(chat_template_kwargs), think_start_id),
+            )
+
+    def render(
+        self, items: Iterable[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]], batch_size: int = DEFAULT_BATCH
+    ) -> Iterator[list[Result]]:
+        """Results per batch, in input order."""
+        batches = _chunks(items, batch_size)
+        if self._pool is None:
+            yield from map(_render_batch, batches)
+        else:
+            yield from self._pool.imap(_render_batch, batches, chunksize=1)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+    def __enter__(self) -> RenderPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    batch: list[Any] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

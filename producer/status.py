@@ -1,0 +1,155 @@
+"""``producer status`` / ``producer wait``: progress of a job from what workers write to Redis.
+
+Counts come from sets, not counters, so they stay right through redeliveries: done = the ``done`` SET,
+dead = the ``dead`` HASH, running = the job's messages in kombu's unacked hash, queued = the rest.
+Rates come from the timeline ZSET workers append to at every group commit ("ts:rows:tokens").
+Scanning the queue list itself (hundreds of MB) is left to ``submit``, which needs exact ids.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from producer.enqueue import queue_keys, running_prompt_ids
+from producer.job import JobRecord
+from thinkfleet.settings import Settings
+
+#: Window of the "current" rates (and so of the ETA).
+DEFAULT_WINDOW_S = 60.0
+
+
+@dataclass
+class StatusReader:
+    """Reads a job's status; caches the prompt → dataset map (it only changes on submit)."""
+
+    client: redis.Redis
+    settings: Settings
+    job: str
+    window_s: float = DEFAULT_WINDOW_S
+    _dataset_of: dict[str, str] | None = None
+    _dataset_of_count: int = -1
+    _last: tuple[float, dict[str, int]] | None = field(default=None, repr=False)
+
+    def dataset_of(self) -> dict[str, str]:
+        key = self.settings.keys.prompt_dataset(self.job)
+        count = self.client.hlen(key)
+        if self._dataset_of is None or count != self._dataset_of_count:
+            raw = self.client.hgetall(key)
+            self._dataset_of = {k.decode(): v.decode() for k, v in raw.items()}
+            self._dataset_of_count = count
+        return self._dataset_of
+
+    def read(self) -> dict[str, Any]:
+        keys, job, r = self.settings.keys, self.job, self.client
+        record = JobRecord.load(r, keys, job)
+        now = time.time()
+        if record is None:
+            return {"job": job, "exists": False, "finished": False, "at": now}
+        dataset_of = self.dataset_of()
+        done = {m.decode() for m in r.smembers(keys.done(job))} & dataset_of.keys()
+        dead = {k.decode() for k in r.hkeys(keys.dead(job))} & dataset_of.keys()
+        running = running_prompt_ids(r, self.settings, job) & dataset_of.keys()
+        running -= done | dead
+        datasets: dict[str, dict[str, int]] = {}
+        for pid, ds in dataset_of.items():
+            d = datasets.setdefault(ds, {"total": 0, "queued": 0, "running": 0, "done": 0, "dead": 0})
+            d["total"] += 1
+            state = "done" if pid in done else "dead" if pid in dead else "running" if pid in running else "queued"
+            d[state] += 1
+        totals = {s: sum(d[s] for d in datasets.values()) for s in ("total", "queued", "running", "done", "dead")}
+        counters = {k.decode(): int(float(v)) for k, v in r.hgetall(keys.counters(job)).items()}
+        workers = {k.decode(): int(float(v)) for k, v in r.hgetall(keys.worker_counters(job)).items()}
+        rates = self._rates(now, counters, workers)
+        mean_out = counters.get("output_tokens", 0) / counters["done"] if counters.get("done") else None
+        remaining = totals["total"] - totals["done"] - totals["dead"]
+        tok_s = rates["output_tokens_per_s"]
+        eta = remaining * mean_out / tok_s if remaining and mean_out and tok_s else (0.0 if not remaining else None)
+        alarm_raw = r.get(keys.alarm(job))
+        return {
+            "job": job,
+            "exists": True,
+            "at": now,
+            **totals,
+            "remaining": remaining,
+            "finished": remaining == 0 and totals["total"] > 0,
+            "datasets": dict(sorted(datasets.items())),
+            "rates": rates,
+            "workers": rates.pop("workers"),
+            "mean_output_tokens": None if mean_out is None else round(mean_out, 1),
+            "eta_s": None if eta is None else round(eta, 1),
+            "alarm": _json_or_text(alarm_raw),
+            "queue_length": sum(r.llen(k) for k in queue_keys(r, self.settings.queue)),
+            "output_tokens": counters.get("output_tokens", 0),
+            "truncated": counters.get("truncated", 0),
+            "missing_think_end": counters.get("missing_think_end", 0),
+            "max_new_tokens": record.max_new_tokens,
+        }
+
+    def _rates(self, now: float, counters: dict[str, int], workers: dict[str, int]) -> dict[str, Any]:
+        tl = self.settings.keys.timeline(self.job)
+        first = self.client.zrange(tl, 0, 0, withscores=True)
+        recent = self.client.zrangebyscore(tl, now - self.window_s, "+inf")
+        rows = tokens = 0
+        for member in recent:
+            _ts, n, t = member.decode().rsplit(":", 2)
+            rows += int(n)
+            tokens += int(t)
+        started = first[0][1] if first else None
+        span = min(self.window_s, now - started) if started else 0.0
+        elapsed = now - started if started else 0.0
+        out: dict[str, Any] = {
+            "window_s": self.window_s,
+            "prompts_per_s": round(rows / span, 3) if span > 0 else 0.0,
+            "output_tokens_per_s": round(tokens / span, 1) if span > 0 else 0.0,
+            "overall_prompts_per_s": round(counters.get("done", 0) / elapsed, 3) if elapsed > 0 else 0.0,
+            "overall_output_tokens_per_s": round(counters.get("output_tokens", 0) / elapsed, 1) if elapsed > 0 else 0.0,
+            "elapsed_s": round(elapsed, 1),
+        }
+        # Per worker: the average since the job started, and the rate since the previous read (watch).
+        previous = self._last
+        self._last = (now, dict(workers))
+        per_worker = {}
+        for name, tok in sorted(workers.items()):
+            entry: dict[str, Any] = {
+                "output_tokens": tok,
+                "avg_tokens_per_s": round(tok / elapsed, 1) if elapsed > 0 else 0.0,
+            }
+            if previous is not None and now > previous[0]:
+                entry["tokens_per_s"] = round((tok - previous[1].get(name, 0)) / (now - previous[0]), 1)
+            per_worker[name] = entry
+        out["workers"] = per_worker
+        return out
+
+
+def _json_or_text(raw: bytes | None) -> Any:
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
+def confirm_stored(settings: Settings, job: str, done: set[str]) -> set[str]:
+    """Prompt ids Redis calls done that storage does not hold (empty = consistent)."""
+    from producer.submit import stored_prompt_ids
+
+    try:
+        import storage.reader  # noqa: F401
+    except ImportError:
+        return set()
+    return done - stored_prompt_ids(settings, job)
+
+
+def format_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "—"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"

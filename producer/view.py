@@ -1,0 +1,130 @@
+"""Rich renderings of a submit report and of a job's status (the CLI prints these)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Group
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from producer.status import format_duration
+from producer.submit import SubmitReport
+
+
+def submit_report(report: SubmitReport, hosts: int, server_tok_s: float, mean_output_tokens: float) -> Group:
+    table = Table(title=f"job {report.job}" + (" — dry run, nothing enqueued" if report.dry_run else ""))
+    for col in (
+        "dataset",
+        "rows",
+        "prompts",
+        "enqueued",
+        "already done",
+        "queued/running",
+        "dead",
+        "skipped",
+        "prompt tokens",
+    ):
+        table.add_column(col, justify="left" if col == "dataset" else "right")
+    for name, d in report.datasets.items():
+        table.add_row(
+            name,
+            f"{d.rows:,}",
+            f"{d.prompts:,}",
+            f"{d.enqueued:,}",
+            f"{d.already_done:,}",
+            f"{d.already_queued:,}",
+            f"{d.dead:,}",
+            f"{d.skipped:,}",
+            f"{d.prompt_tokens:,}",
+        )
+    parts: list[Any] = [table]
+    s = report.lengths
+    if s.get("count"):
+        parts.append(
+            Text(
+                f"prompt length (tokens): min {s['min']:,}  median {s['median']:,.0f}  mean {s['mean']:,.1f}"
+                f"  p99 {s['p99']:,}  max {s['max']:,}"
+            )
+        )
+    verb = "would enqueue" if report.dry_run else "enqueued"
+    parts.append(
+        Text(
+            f"{verb} {report.enqueued:,} prompts ({report.prompt_tokens_enqueued:,} prompt tokens) "
+            f"in {report.elapsed_s:.1f} s; Redis ≈ {report.estimated_redis_bytes / 2**20:,.1f} MiB"
+        )
+    )
+    if report.dry_run:
+        parts.append(
+            Text(
+                f"projected wall time: {report.projected_wall_s / 3600:,.1f} h on {hosts} host(s) at "
+                f"{server_tok_s:,.0f} output tokens/s each, {mean_output_tokens:,.0f} tokens per answer"
+            )
+        )
+    if report.problems:
+        parts.append(Text(f"skipped {len(report.problems)} row(s) (recorded in the job record):", style="yellow"))
+        parts.extend(Text(f"  {p}", style="yellow") for p in report.problems[:10])
+    for w in report.warnings:
+        parts.append(Panel(Text(w, style="bold red"), title="WARNING", border_style="red"))
+    return Group(*parts)
+
+
+def status_view(st: dict[str, Any]) -> Group:
+    if not st.get("exists"):
+        return Group(
+            Text(
+                f"job {st['job']!r} has no record in Redis (never submitted, or Redis lost it: re-run producer submit)",
+                style="bold red",
+            )
+        )
+    parts: list[Any] = []
+    if st.get("alarm") is not None:
+        parts.append(
+            Panel(
+                Text(
+                    f"REASONING ALARM: rows lack </think> — the seed's bug?\n{st['alarm']}", style="bold white on red"
+                ),
+                border_style="red",
+            )
+        )
+    table = Table(title=f"job {st['job']}")
+    for col in ("dataset", "progress", "total", "queued", "running", "done", "dead"):
+        table.add_column(col, justify="left" if col in ("dataset", "progress") else "right")
+    for name, d in st["datasets"].items():
+        finished = d["done"] + d["dead"]
+        table.add_row(
+            name,
+            ProgressBar(total=max(1, d["total"]), completed=finished, width=30),
+            *(f"{d[k]:,}" for k in ("total", "queued", "running", "done", "dead")),
+        )
+    table.add_row(
+        "[bold]all",
+        ProgressBar(total=max(1, st["total"]), completed=st["done"] + st["dead"], width=30),
+        *(f"[bold]{st[k]:,}" for k in ("total", "queued", "running", "done", "dead")),
+    )
+    parts.append(table)
+    r = st["rates"]
+    parts.append(
+        Text(
+            f"now ({r['window_s']:.0f} s): {r['prompts_per_s']:.2f} prompts/s, "
+            f"{r['output_tokens_per_s']:,.0f} tokens/s   "
+            f"overall: {r['overall_prompts_per_s']:.2f} prompts/s, {r['overall_output_tokens_per_s']:,.0f} tokens/s   "
+            f"mean answer {st['mean_output_tokens'] or 0:,.0f} tokens   ETA {format_duration(st['eta_s'])}   "
+            f"queue length (all jobs) {st['queue_length']:,}"
+        )
+    )
+    if st["workers"]:
+        wt = Table(title="workers")
+        for col in ("worker", "output tokens", "avg tokens/s", "tokens/s now"):
+            wt.add_column(col, justify="left" if col == "worker" else "right")
+        for name, w in st["workers"].items():
+            now = w.get("tokens_per_s")
+            wt.add_row(
+                name, f"{w['output_tokens']:,}", f"{w['avg_tokens_per_s']:,.0f}", "—" if now is None else f"{now:,.0f}"
+            )
+        parts.append(wt)
+    if st.get("finished"):
+        parts.append(Text("finished: every prompt is stored or dead-lettered", style="bold green"))
+    return Group(*parts)

@@ -1,0 +1,1 @@
+"""Helpers for tests, benchmarks and demos (no test framework imports here)."""

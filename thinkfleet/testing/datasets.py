@@ -1,0 +1,37 @@
+"""Synthetic chat datasets for tests and benchmarks (deterministic, any size)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from thinkfleet.testing.corpus import synthetic_text
+
+
+def chat_rows(
+    n: int, words: int = 60, seed: int = 0, with_ids: bool = True, answer: bool = True
+) -> list[dict[str, Any]]:
+    """``n`` OpenAI-messages rows: system + user (+ an assistant answer that submit drops)."""
+    rows = []
+    for i in range(n):
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are a careful assistant."},
+            {"role": "user", "content": synthetic_text(words, seed * 1_000_003 + i)},
+        ]
+        if answer:
+            messages.append({"role": "assistant", "content": "An old answer.", "reasoning_content": "old"})
+        row: dict[str, Any] = {"messages": messages}
+        if with_ids:
+            row = {"id": f"r{i}", **row}
+        rows.append(row)
+    return rows
+
+
+def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return path
