@@ -1,0 +1,183 @@
+"""End to end with real parts: a real redis-server, real `worker` (celery) subprocesses, the SGLang
+simulator over loopback, real Parquet. Each test proves one promise of the worker."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import redis
+
+from sglang_sim.content import expected_generation
+from storage.reader import raw_duplicates, read_committed
+from tests.worker_harness import isolated_settings, make_prompts, simulator, submit_ids
+from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until, worker_env
+
+FAST = ("--time-scale", "400")
+
+
+def _env(settings, sim_url: str, **extra: object) -> dict[str, str]:
+    values = {
+        "lease_s": 4,
+        "reaper_interval_s": 1,
+        "flush_interval_s": 0.2,
+        "health_interval_s": 0.5,
+        "retry_base_s": 0.05,
+        "retry_max_backoff_s": 0.5,
+        "request_timeout_floor_s": 5,
+        "request_min_decode_tok_s": 2000,
+        "shutdown_grace_s": 2,
+    }
+    values.update(extra)
+    return worker_env(
+        settings.redis_url, sim_url, settings.output_uri, key_prefix=settings.key_prefix, queue=settings.queue, **values
+    )
+
+
+def _assert_byte_exact(settings, job) -> None:
+    table = read_committed(settings.output_uri, job.name)
+    rows = {r["prompt_id"]: r for r in table.to_pylist()}
+    assert set(rows) == set(job.prompts), "every submitted prompt is stored"
+    for pid, ids in job.prompts.items():
+        want = expected_generation(ids, job.sampling_params)
+        assert rows[pid]["input_ids"] == ids
+        assert rows[pid]["output_ids"] == want.output_ids, pid
+        assert rows[pid]["completion_tokens"] == len(want.output_ids)
+    assert raw_duplicates(settings.output_uri, job.name).num_rows == 0, "no prompt stored twice"
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    (tmp_path / "logs").mkdir()
+    return tmp_path
+
+
+def test_happy_path_stores_byte_exact_output_ids(redis_url: str, workdir: Path) -> None:
+    settings = isolated_settings(redis_url, str(workdir / "out"))
+    client = redis.Redis.from_url(redis_url)
+    with simulator(workdir / "logs", *FAST) as sim:
+        worker = WorkerProcess("w1", _env(settings, sim, max_inflight=8), workdir / "logs").start()
+        try:
+            worker.wait_ready(client, settings.keys)
+            job = submit_ids(settings, "happy", make_prompts(30))
+            wait_until(lambda: job_progress(client, settings.keys, "happy")["done"] == 30, 120, what="30 rows")
+        finally:
+            worker.terminate()
+    _assert_byte_exact(settings, job)
+    assert not client.exists(settings.keys.alarm("happy")), "the reasoning alarm stays quiet on normal output"
+    assert job_progress(client, settings.keys, "happy")["dead"] == 0
+
+
+def test_context_overflow_is_dead_lettered_with_its_reason(redis_url: str, workdir: Path) -> None:
+    settings = isolated_settings(redis_url, str(workdir / "out"))
+    client = redis.Redis.from_url(redis_url)
+    prompts = make_prompts(6)
+    prompts["too-long"] = prompts["p00000"] * 40  # ~2,500 ids + 2,048 new > the 4,096 context
+    with simulator(workdir / "logs", *FAST, "--context-length", "4096") as sim:
+        worker = WorkerProcess("w1", _env(settings, sim), workdir / "logs").start()
+        try:
+            worker.wait_ready(client, settings.keys)
+            submit_ids(settings, "poison", prompts)
+            wait_until(
+                lambda: sum(job_progress(client, settings.keys, "poison")[k] for k in ("done", "dead")) == 7,
+                120,
+                what="all resolved",
+            )
+        finally:
+            worker.terminate()
+    dead = dead_letters(client, settings.keys, "poison")
+    assert set(dead) == {"too-long"}
+    assert dead["too-long"]["error_class"] == "context_overflow"
+    assert "context length" in dead["too-long"]["message"]
+    assert dead["too-long"]["attempts"] == 1, "a permanent error is never retried"
+
+
+def test_faults_and_an_outage_lose_nothing_and_dead_letter_nothing(redis_url: str, workdir: Path) -> None:
+    settings = isolated_settings(redis_url, str(workdir / "out"))
+    client = redis.Redis.from_url(redis_url)
+    faults = ("--fault-503-rate", "0.1", "--fault-drop-rate", "0.05", "--fault-hang-rate", "0.03", "--fault-seed", "3")
+    with simulator(workdir / "logs", *FAST, *faults) as sim:
+        worker = WorkerProcess("w1", _env(settings, sim, max_inflight=8), workdir / "logs").start()
+        try:
+            worker.wait_ready(client, settings.keys)
+            job = submit_ids(settings, "faults", make_prompts(40))
+            wait_until(lambda: job_progress(client, settings.keys, "faults")["done"] >= 10, 120, what="10 rows")
+            import urllib.request
+
+            urllib.request.urlopen(  # a timed outage: 503 everywhere, health included
+                urllib.request.Request(
+                    f"{sim}/control/outage",
+                    data=json.dumps({"duration_s": 3}).encode(),
+                    headers={"Content-Type": "application/json"},
+                    method="POST",
+                ),
+                timeout=5,
+            )
+            wait_until(lambda: job_progress(client, settings.keys, "faults")["done"] == 40, 240, what="40 rows")
+        finally:
+            worker.terminate()
+    _assert_byte_exact(settings, job)
+    assert dead_letters(client, settings.keys, "faults") == {}
+
+
+def test_killed_worker_loses_no_prompt_and_duplicates_none(redis_url: str, workdir: Path) -> None:
+    settings = isolated_settings(redis_url, str(workdir / "out"))
+    client = redis.Redis.from_url(redis_url)
+    with simulator(workdir / "logs", "--time-scale", "60") as sim:
+        env = _env(settings, sim, max_inflight=6)
+        victim = WorkerProcess("victim", env, workdir / "logs").start()
+        survivor = WorkerProcess("survivor", env, workdir / "logs").start()
+        try:
+            victim.wait_ready(client, settings.keys)
+            survivor.wait_ready(client, settings.keys)
+            job = submit_ids(settings, "kill", make_prompts(40))
+            wait_until(lambda: job_progress(client, settings.keys, "kill")["done"] >= 5, 120, what="5 rows")
+            victim.kill()
+            wait_until(lambda: job_progress(client, settings.keys, "kill")["done"] == 40, 240, what="40 rows")
+        finally:
+            victim.kill()
+            survivor.terminate()
+    _assert_byte_exact(settings, job)
+
+
+def test_redelivered_stored_prompt_makes_no_server_call(redis_url: str, workdir: Path) -> None:
+    settings = isolated_settings(redis_url, str(workdir / "out"))
+    client = redis.Redis.from_url(redis_url)
+    with simulator(workdir / "logs", *FAST) as sim:
+        worker = WorkerProcess("w1", _env(settings, sim), workdir / "logs").start()
+        try:
+            worker.wait_ready(client, settings.keys)
+            prompts = make_prompts(3)
+            submit_ids(settings, "redeliver", prompts)
+            wait_until(lambda: job_progress(client, settings.keys, "redeliver")["done"] == 3, 60, what="3 rows")
+            import urllib.request
+
+            before = json.loads(urllib.request.urlopen(f"{sim}/control/stats", timeout=5).read())
+            submit_ids(settings, "redeliver", {"p00001": prompts["p00001"]})  # the same message again
+            wait_until(
+                lambda: client.llen(settings.queue) == 0 and not client.hlen(f"{settings.key_prefix}:kombu:unacked"),
+                60,
+                what="the copy consumed",
+            )
+            after = json.loads(urllib.request.urlopen(f"{sim}/control/stats", timeout=5).read())
+        finally:
+            worker.terminate()
+    assert after["generate_calls"] == before["generate_calls"], "a stored prompt costs no server call"
+    assert len(read_committed(settings.output_uri, "redeliver")) == 3
+
+
+def test_reasoning_alarm_fires_when_no_row_has_think_end(redis_url: str, workdir: Path) -> None:
+    settings = isolated_settings(redis_url, str(workdir / "out"))
+    client = redis.Redis.from_url(redis_url)
+    with simulator(workdir / "logs", *FAST, "--no-think-end") as sim:
+        worker = WorkerProcess("w1", _env(settings, sim, alarm_min_rows=20), workdir / "logs").start()
+        try:
+            worker.wait_ready(client, settings.keys)
+            submit_ids(settings, "seedbug", make_prompts(25))
+            wait_until(lambda: job_progress(client, settings.keys, "seedbug")["done"] == 25, 120, what="25 rows")
+        finally:
+            worker.terminate()
+    alarm = json.loads(client.get(settings.keys.alarm("seedbug")))
+    assert alarm["rows"] == 20 and alarm["missing_think_end"] == 20
+    assert "REASONING ALARM" in worker.log_path.read_text()
