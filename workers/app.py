@@ -107,11 +107,5 @@ def make_app(settings: Settings | None = None, register: bool = True) -> Celery:
     return app
 
 
-def _module_app() -> Celery:
-    try:
-        return make_app()
-    except ImportError:  # workers.tasks not importable yet: a publisher-only app still works
-        return make_app(register=False)
-
-
-app = _module_app()
+#: What ``celery -A workers.app worker`` and the ``worker`` script run.
+app = make_app()
