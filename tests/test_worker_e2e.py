@@ -181,3 +181,33 @@ def test_reasoning_alarm_fires_when_no_row_has_think_end(redis_url: str, workdir
     alarm = json.loads(client.get(settings.keys.alarm("seedbug")))
     assert alarm["rows"] == 20 and alarm["missing_think_end"] == 20
     assert "REASONING ALARM" in worker.log_path.read_text()
+
+
+def test_plain_celery_command_runs_the_same_worker(redis_url: str, workdir: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    settings = isolated_settings(redis_url, str(workdir / "out"))
+    client = redis.Redis.from_url(redis_url)
+    with simulator(workdir / "logs", *FAST) as sim:
+        env = _env(settings, sim, max_inflight=4)
+        log = open(workdir / "logs" / "celery.log", "ab")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "workers.app", "worker", "-n", "plain@%h", "-l", "INFO"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            identity = f"plain-{socket.gethostname()}"
+            wait_until(lambda: client.exists(settings.keys.heartbeat(identity)), 60, what="celery worker ready")
+            info = json.loads(client.hget(settings.keys.workers, identity))
+            assert info["max_inflight"] == 4
+            job = submit_ids(settings, "plain", make_prompts(8))
+            wait_until(lambda: job_progress(client, settings.keys, "plain")["done"] == 8, 120, what="8 rows")
+        finally:
+            proc.terminate()
+            proc.wait(60)
+            log.close()
+    _assert_byte_exact(settings, job)
