@@ -94,8 +94,15 @@ def retry_truncated(settings: Settings, job: str, max_new_tokens: int) -> list[s
     ]
     client = redis.Redis.from_url(settings.redis_url)
     if tasks:
-        # Not "done" until the new revision is stored; workers skip prompts in the done set.
-        client.srem(settings.keys.done(job), *[t.prompt_id for t in tasks])
+        # Not "done" until the new revision is stored (workers skip prompts in the done set); the
+        # counters follow so that status and verify agree while the re-runs are in flight.
+        keys = settings.keys
+        with client.pipeline() as p:
+            p.srem(keys.done(job), *[t.prompt_id for t in tasks])
+            p.hincrby(keys.counters(job), "done", -len(tasks))
+            for t in tasks:
+                p.hincrby(keys.dataset_counters(job, t.dataset), "done", -1)
+            p.execute()
     _publish(settings, tasks)
     return [t.prompt_id for t in tasks]
 
