@@ -1,0 +1,190 @@
+"""Storage write throughput on one core: rows → spans → Arrow → zstd Parquet → committed part.
+
+Run:  .venv/bin/python -m bench.bench_storage [--rows 4096] [--batch-rows 512] [--repeat 3]
+
+Rows are synthetic Kimi outputs with the seed run's length distribution (median 646, mean ~1,400
+tokens, tail to 10,240; prompts median 300) and Zipf-distributed ids, written in group commits of
+``--batch-rows`` (the worker's ``flush_rows``) by ``PartWriter.write`` to a local temp dir. The
+process is pinned to one CPU and Arrow to one thread. Variants, timed in the same run:
+
+- ``numpy ids``: the worker hands ids as numpy arrays; storage computes spans for the batch.
+- ``list ids``: ids as Python lists (what a JSON decode gives); storage computes spans.
+- ``list ids, spans given``: as the worker does today (it calls compute_spans per row itself).
+- ``naive baseline``: a per-row Python loop over the ids for spans + ``pa.Table.from_pylist`` +
+  ``pq.write_table(compression="zstd")`` with default encodings.
+
+Prints a table, then one line ``BENCH_STORAGE {json}`` for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from storage import layout
+from storage.schema import SCHEMA, WRITE_OPTIONS, rows_to_table
+from storage.spans import compute_spans, compute_spans_batch
+from storage.testing import synthetic_rows
+from storage.writer import PartWriter, encode_parquet
+from thinkfleet import kimi
+
+
+def naive_spans(ids: list[int]) -> dict[str, Any]:
+    """The obvious per-token Python loop (reasoning/answer/tool calls/stop), for the baseline."""
+    n = len(ids)
+    stop = ids[-1] if ids and ids[-1] in kimi.DEFAULT_STOP_TOKEN_IDS else None
+    body = n - (stop is not None)
+    r_end, a_start, has_end = body, body, False
+    a_end = body
+    calls, open_at = [], None
+    for i in range(body):
+        t = ids[i]
+        if t in (kimi.THINK_END, kimi.TOOL_CALLS_SECTION_BEGIN) and r_end == body and not has_end:
+            r_end, has_end = i, t == kimi.THINK_END
+            a_start = i + 1 if has_end else i
+        elif t == kimi.TOOL_CALLS_SECTION_BEGIN and a_end == body and i >= a_start:
+            a_end = i
+        if t == kimi.TOOL_CALL_BEGIN:
+            open_at = i
+        elif t == kimi.TOOL_CALL_END and open_at is not None:
+            calls.append({"start": open_at, "end": i + 1})
+            open_at = None
+    return {"reasoning_start": 0, "reasoning_end": r_end, "has_think_end": has_end, "answer_start": a_start,
+            "answer_end": a_end, "tool_call_spans": calls, "stop_token": stop}  # fmt: skip
+
+
+def naive_write(rows: list[dict[str, Any]], path: str) -> None:
+    full = []
+    for r in rows:
+        row = {**r, **naive_spans(r["output_ids"])}
+        row["prompt_tokens"], row["completion_tokens"] = len(r["input_ids"]), len(r["output_ids"])
+        row["sample_index"], row["revision"], row["attempt"] = 0, 0, 1
+        row["sampling_params"] = json.dumps(r["sampling_params"], sort_keys=True)
+        full.append(row)
+    pq.write_table(pa.Table.from_pylist(full, schema=SCHEMA), path, compression="zstd")
+
+
+def _fresh_path(writer: PartWriter) -> str:
+    return writer.loc.path(writer.part_name("commit", "ds"))
+
+
+def timed(fn: Callable[[], Any], repeat: int) -> float:
+    """Median seconds of ``repeat`` runs (after one warm-up)."""
+    fn()
+    runs = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=4096)
+    parser.add_argument("--batch-rows", type=int, default=512, help="rows per part (the worker's flush_rows)")
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    os.sched_setaffinity(0, {cpu})
+    pa.set_cpu_count(1)
+    pa.set_io_thread_count(1)
+
+    numpy_rows = synthetic_rows(args.rows, seed=1, as_numpy=True)
+    list_rows = synthetic_rows(args.rows, seed=1, as_numpy=False)
+    given_rows = []
+    for r in list_rows:  # what the worker sends today: spans computed per row, as dicts
+        s = compute_spans(r["output_ids"])
+        given_rows.append({**r, "reasoning_start": s.reasoning_start, "reasoning_end": s.reasoning_end,
+                           "has_think_end": s.has_think_end, "answer_start": s.answer_start,
+                           "answer_end": s.answer_end, "stop_token": s.stop_token,
+                           "tool_call_spans": [{"start": a, "end": b} for a, b in s.tool_call_spans]})  # fmt: skip
+    batches = range(0, args.rows, args.batch_rows)
+    out_tokens = sum(len(r["output_ids"]) for r in list_rows)
+    in_tokens = sum(len(r["input_ids"]) for r in list_rows)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        writer = PartWriter(tmp, "bench")
+
+        def write_all(rows: list[dict[str, Any]]) -> Callable[[], None]:
+            def run() -> None:
+                for i in batches:
+                    writer.write("bench", "ds", rows[i : i + args.batch_rows])
+
+            return run
+
+        def naive_all() -> None:
+            for n, i in enumerate(batches):
+                naive_write(list_rows[i : i + args.batch_rows], os.path.join(tmp, f"naive-{n}.parquet"))
+
+        tables = [rows_to_table(numpy_rows[i : i + args.batch_rows]) for i in batches]
+        encoded = [encode_parquet(t) for t in tables]
+        flat = [(t["output_ids"].combine_chunks(), t["input_ids"].combine_chunks()) for t in tables]
+        results = {
+            "numpy ids": timed(write_all(numpy_rows), args.repeat),
+            "list ids": timed(write_all(list_rows), args.repeat),
+            "list ids, spans given": timed(write_all(given_rows), args.repeat),
+            "naive baseline": timed(naive_all, args.repeat),
+        }
+        stages = {
+            "rows_to_table": timed(
+                lambda: [rows_to_table(numpy_rows[i : i + args.batch_rows]) for i in batches], args.repeat
+            ),
+            "compute_spans_batch": timed(
+                lambda: [compute_spans_batch(o.values.to_numpy(), o.offsets.to_numpy(), True) for o, _ in flat],
+                args.repeat,
+            ),
+            "encode": timed(lambda: [encode_parquet(t) for t in tables], args.repeat),
+            "commit": timed(
+                lambda: [
+                    layout.write_atomic(writer.loc, writer.loc.path(writer.part_name("c", "ds")), b) for b in encoded
+                ],
+                args.repeat,
+            ),
+        }
+        part_bytes = sum(len(b) for b in encoded)
+        plain = {k: v for k, v in WRITE_OPTIONS.items() if k != "column_encoding"}
+        plain_bytes = 0
+        for t in tables:
+            sink = pa.BufferOutputStream()
+            pq.write_table(t, sink, **plain)
+            plain_bytes += sink.tell()
+        plain_s = timed(lambda: [pq.write_table(t, pa.BufferOutputStream(), **plain) for t in tables], args.repeat)
+        stages["encode (PLAIN ids)"] = plain_s
+
+    mean_out, mean_in = out_tokens / args.rows, in_tokens / args.rows
+    print(f"{args.rows} rows in parts of {args.batch_rows}, one core (cpu {cpu}); "
+          f"mean output {mean_out:.0f} tokens, mean prompt {mean_in:.0f} tokens")  # fmt: skip
+    print(f"{'variant':32} {'rows/s':>10} {'out tok/s':>12} {'vs naive':>9}")
+    naive = results["naive baseline"]
+    summary: dict[str, Any] = {"rows": args.rows, "batch_rows": args.batch_rows, "cpu_count": 1,
+                               "mean_output_tokens": out_tokens / args.rows,
+                               "mean_prompt_tokens": in_tokens / args.rows}  # fmt: skip
+    for name, seconds in results.items():
+        rate = args.rows / seconds
+        print(f"{name:32} {rate:10,.0f} {out_tokens / seconds:12,.0f} {naive / seconds:8.1f}x")
+        summary[name.replace(" ", "_").replace(",", "") + "_rows_per_s"] = round(rate)
+    stage_names = {"encode (PLAIN ids)": "encode_plain"}
+    for name, seconds in stages.items():
+        print(f"  stage {name:26} {args.rows / seconds:10,.0f} rows/s  {seconds / len(batches) * 1e3:7.1f} ms/part")
+        summary["stage_" + stage_names.get(name, name) + "_rows_per_s"] = round(args.rows / seconds)
+    bytes_per_token = part_bytes / (out_tokens + in_tokens)
+    print(f"parquet size: {bytes_per_token:.2f} bytes/token (BYTE_STREAM_SPLIT+zstd); "
+          f"{plain_bytes / (out_tokens + in_tokens):.2f} with PLAIN+zstd")  # fmt: skip
+    summary["bytes_per_token"] = round(bytes_per_token, 3)
+    summary["bytes_per_token_plain"] = round(plain_bytes / (out_tokens + in_tokens), 3)
+    print("BENCH_STORAGE " + json.dumps(summary, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Row-level integrity checks of stored rows, vectorized over a whole table.
+
+A row is malformed when its spans or counts contradict its own ``output_ids``: the spans are a pure
+function of the ids (storage/spans.py), so they are recomputed and compared, and the structural
+rules are checked on their own too so the message says what is wrong.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from storage.schema import (
+    ANSWER_END,
+    ANSWER_START,
+    COMPLETION_TOKENS,
+    FINISH_REASON,
+    HAS_THINK_END,
+    INPUT_IDS,
+    OUTPUT_IDS,
+    PROMPT_ID,
+    REASONING_END,
+    REASONING_START,
+    STOP_TOKEN,
+    TOOL_CALL_SPANS,
+)
+from storage.spans import SpanTokens, compute_spans_batch, ids_at
+
+#: Columns :func:`row_problems` needs.
+CHECK_COLUMNS = [
+    PROMPT_ID,
+    INPUT_IDS,
+    OUTPUT_IDS,
+    REASONING_START,
+    REASONING_END,
+    HAS_THINK_END,
+    ANSWER_START,
+    ANSWER_END,
+    TOOL_CALL_SPANS,
+    STOP_TOKEN,
+    COMPLETION_TOKENS,
+    FINISH_REASON,
+]
+FINISH_TYPES = ("stop", "length", "abort")
+
+
+@dataclass
+class ThinkingStats:
+    """For the seed's bug: prompts that opened reasoning, and how many outputs closed it."""
+
+    thinking_rows: int = 0  # prompt ends with <think>
+    think_end_rows: int = 0  # … and the output has </think>
+
+    def add(self, other: ThinkingStats) -> None:
+        self.thinking_rows += other.thinking_rows
+        self.think_end_rows += other.think_end_rows
+
+
+def flat_ids(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """A list<int32> column → (flat ids, int64 offsets) without copying per row."""
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    # A sliced array shares its parent's values: cut them to this slice and rebase the offsets.
+    values = arr.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
+    return values, offsets - offsets[0]
+
+
+def row_problems(table: pa.Table, tokens: SpanTokens) -> tuple[dict[str, list[str]], ThinkingStats]:
+    """``{prompt_id: [problem, …]}`` for every malformed row, and the thinking statistics."""
+    values, offsets = flat_ids(table[OUTPUT_IDS])
+    in_values, in_offsets = flat_ids(table[INPUT_IDS])
+    n = np.diff(offsets)
+    col = {c: table[c].to_numpy() for c in (REASONING_START, REASONING_END, ANSWER_START, ANSWER_END)}
+    rs, re, as_, ae = col[REASONING_START], col[REASONING_END], col[ANSWER_START], col[ANSWER_END]
+    hte = table[HAS_THINK_END].to_numpy()
+    found: dict[int, list[str]] = defaultdict(list)
+
+    def flag(mask: np.ndarray, problem: str) -> None:
+        for i in np.flatnonzero(mask).tolist():
+            found[i].append(problem)
+
+    flag(re < rs, "reasoning_end < reasoning_start")
+    flag((rs < 0) | (re > n), "reasoning span out of range")
+    flag((as_ < 0) | (ae > n) | (ae < as_), "answer span out of range")
+    flag(as_ < re, "answer starts inside reasoning")
+    flag(table[COMPLETION_TOKENS].to_numpy() != n, "completion_tokens != len(output_ids)")
+    at_end = ids_at(values, offsets, re)
+    flag(hte & (at_end != tokens.think_end_id), "has_think_end but output_ids[reasoning_end] is not </think>")
+    finish = np.array(table[FINISH_REASON].to_pylist(), dtype=object)
+    flag(~np.isin(finish, FINISH_TYPES), f"finish_reason not one of {'|'.join(FINISH_TYPES)}")
+
+    # Tool-call spans: inside the output and starting at a call-begin token.
+    spans = table[TOOL_CALL_SPANS].combine_chunks()
+    counts = np.diff(spans.offsets.to_numpy())
+    owner = np.repeat(np.arange(len(n)), counts)
+    flat = spans.flatten()
+    starts = flat.field("start").to_numpy().astype(np.int64)
+    ends = flat.field("end").to_numpy().astype(np.int64)
+    bad = (starts < 0) | (ends <= starts) | (ends > n[owner])
+    bad |= ids_at(values, offsets, starts, rows=owner) != tokens.tool_call_begin_id
+    flag(np.bincount(owner[bad], minlength=len(n)) > 0, "tool_call_spans out of range or not at a call begin")
+
+    # Stop token: null exactly when the last id is no stop token; else equal to it.
+    last = ids_at(values, offsets, n - 1)
+    stop = table[STOP_TOKEN]
+    stop_valid = stop.is_valid().to_numpy(zero_copy_only=False)
+    stop_vals = stop.fill_null(-1).to_numpy()
+    is_stop = np.isin(last, tokens.stop_token_ids)
+    flag(stop_valid & (stop_vals != last), "stop_token is not the last id")
+    flag(~stop_valid & is_stop, "stop_token is null but the last id is a stop token")
+
+    # The spans must be what the ids say (recomputed with the job's marker ids).
+    pets = ids_at(in_values, in_offsets, np.diff(in_offsets) - 1) == tokens.think_start_id
+    again = compute_spans_batch(values, offsets, pets, tokens)
+    for name, stored, fresh in (
+        (REASONING_START, rs, again.reasoning_start),
+        (REASONING_END, re, again.reasoning_end),
+        (HAS_THINK_END, hte, again.has_think_end),
+        (ANSWER_START, as_, again.answer_start),
+        (ANSWER_END, ae, again.answer_end),
+    ):
+        flag(stored != fresh, f"{name} differs from the ids (recomputed {name})")
+    # Tool calls: rows with the same number of calls align entry by entry in both flat lists.
+    again_counts = np.diff(again.tool_call_offsets)
+    same_count = counts == again_counts
+    keep = same_count[owner]
+    keep_again = same_count[np.repeat(np.arange(len(n)), again_counts)]
+    differ = (starts[keep] != again.tool_call_starts[keep_again]) | (ends[keep] != again.tool_call_ends[keep_again])
+    flag(~same_count | (np.bincount(owner[keep][differ], minlength=len(n)) > 0), "tool_call_spans differ from the ids")
+
+    stats = ThinkingStats(int(pets.sum()), int((pets & again.has_think_end).sum()))
+    pids = table[PROMPT_ID].to_pylist()
+    return {pids[i]: problems for i, problems in found.items()}, stats

@@ -1,0 +1,152 @@
+"""Click commands for storage's side of ``producer``: verify, export, report, compact.
+
+``producer/cli.py`` registers these in its group; each also runs on its own. Common options override
+:class:`thinkfleet.settings.Settings` (env ``THINKFLEET_*``), and ``--json`` prints one JSON
+document for scripts.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import click
+
+from thinkfleet.settings import Settings
+
+
+def common_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``--redis-url --output-uri --key-prefix --s3-endpoint-url``, folded into a ``settings`` arg."""
+
+    @click.option("--redis-url", default=None, help="Redis with the job state [THINKFLEET_REDIS_URL].")
+    @click.option("--output-uri", default=None, help="Local path or s3://bucket/prefix [THINKFLEET_OUTPUT_URI].")
+    @click.option("--key-prefix", default=None, help="Prefix of thinkfleet keys in Redis [THINKFLEET_KEY_PREFIX].")
+    @click.option("--s3-endpoint-url", default=None, help="S3-compatible endpoint [THINKFLEET_S3_ENDPOINT_URL].")
+    @functools.wraps(func)
+    def wrapper(
+        redis_url: str | None,
+        output_uri: str | None,
+        key_prefix: str | None,
+        s3_endpoint_url: str | None,
+        **kwargs: Any,
+    ) -> Any:
+        settings = Settings().with_overrides(
+            redis_url=redis_url, output_uri=output_uri, key_prefix=key_prefix, s3_endpoint_url=s3_endpoint_url
+        )
+        return func(settings=settings, **kwargs)
+
+    return wrapper
+
+
+def _print_json(payload: Any) -> None:
+    click.echo(json.dumps(payload, indent=2, sort_keys=True, default=str))
+
+
+@click.command("verify")
+@click.argument("job")
+@common_options
+@click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON.")
+def verify(settings: Settings, job: str, as_json: bool) -> None:
+    """Check that every submitted prompt of JOB is stored exactly once, with sound spans.
+
+    Exits 1 on any missing, duplicated, malformed or stale row, on the reasoning alarm, or when there
+    is no submitted set to check against.
+    """
+    from storage.verify import format_report, verify_job
+
+    report = verify_job(settings, job)
+    if as_json:
+        _print_json(report.to_dict())
+    else:
+        click.echo(format_report(report))
+    if not report.ok:
+        raise SystemExit(1)
+
+
+@click.command("export")
+@click.argument("job")
+@common_options
+@click.option(
+    "--format", "fmt", type=click.Choice(["eagle3", "conversations"]), default="eagle3", show_default=True,
+    help="eagle3: token ids + loss mask (Parquet, or JSONL if --out ends in .jsonl); "
+    "conversations: SpecForge conversations JSONL with decoded reasoning_content.",
+)  # fmt: skip
+@click.option("--exclude-reasoning", is_flag=True, help="eagle3: mask reasoning out; conversations: drop it.")
+@click.option("--out", "out", default=None, help="Output file [./JOB-FORMAT.parquet|.jsonl].")
+@click.option("--tokenizer", default=None, help="Tokenizer path/id for decoding (default: the job record's).")
+@click.option("--dataset", "datasets", multiple=True, help="Only these datasets (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def export(
+    settings: Settings,
+    job: str,
+    fmt: str,
+    exclude_reasoning: bool,
+    out: str | None,
+    tokenizer: str | None,
+    datasets: tuple[str, ...],
+    as_json: bool,
+) -> None:
+    """Export the committed rows of JOB as training data (ids round-trip exactly)."""
+    from storage.export import ExportError, export_job
+
+    try:
+        result = export_job(
+            settings, job, fmt, out, exclude_reasoning=exclude_reasoning, tokenizer=tokenizer,  # type: ignore[arg-type]
+            datasets=list(datasets) or None,
+        )  # fmt: skip
+    except ExportError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        _print_json(asdict(result))
+    else:
+        click.echo(f"wrote {result.rows} rows ({result.format}) to {result.path}")
+
+
+@click.command("report")
+@click.argument("job")
+@common_options
+@click.option("--out", "out_dir", default=None, help="Directory for report.png and report.html.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of tables.")
+def report(settings: Settings, job: str, out_dir: str | None, as_json: bool) -> None:
+    """Counts, length and reasoning distributions, finish reasons, tokens/s, per-worker totals."""
+    from storage.report import print_summary, report_job
+
+    summary, written = report_job(settings, job, out_dir)
+    if as_json:
+        _print_json({**summary, "files": written})
+        return
+    print_summary(summary)
+    for path in written:
+        click.echo(f"wrote {path}")
+
+
+@click.command("compact")
+@click.argument("job")
+@common_options
+@click.option("--dataset", "datasets", multiple=True, help="Only these datasets (repeatable).")
+@click.option("--max-rows-per-file", type=int, default=None, help="Rows per compacted file.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def compact(
+    settings: Settings, job: str, datasets: tuple[str, ...], max_rows_per_file: int | None, as_json: bool
+) -> None:
+    """Merge JOB's small parts into large files per dataset (its committed view, duplicates dropped)."""
+    from storage.compact import DEFAULT_MAX_ROWS_PER_FILE, compact_job
+
+    result = compact_job(
+        settings, job, datasets=list(datasets) or None, max_rows_per_file=max_rows_per_file or DEFAULT_MAX_ROWS_PER_FILE
+    )
+    if as_json:
+        _print_json(asdict(result))
+        return
+    for d in result.datasets:
+        what = d.skipped or f"{len(d.files_written)} file(s) written"
+        click.echo(
+            f"{d.dataset}: {d.parts_before} parts, {d.rows_before} rows -> {d.rows_after} rows; "
+            f"{what}; {d.parts_removed} parts removed"
+        )
+
+
+COMMANDS = (verify, export, report, compact)

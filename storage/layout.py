@@ -1,0 +1,238 @@
+"""Where things live under ``OUTPUT_URI``, on which filesystem, and how a file appears atomically.
+
+::
+
+    {OUTPUT_URI}/{job}/dataset={name}/part-{utc}-{worker}-{seq}.parquet    committed rows
+    {OUTPUT_URI}/{job}/dataset={name}/.part-….parquet.tmp-…                 local write in progress
+    {OUTPUT_URI}/{job}/_manifest/submitted-{utc}-{rand}.parquet            what the producer submitted
+
+``OUTPUT_URI`` is a local path or ``s3://bucket/prefix`` (any S3-compatible store with an endpoint).
+Paths returned to callers (part names recorded in Redis) are URIs: an absolute local path or
+``s3://bucket/key``, so every host resolves them the same way.
+
+Readers see only names starting with ``part-`` (or ``submitted-``) and ending in ``.parquet``;
+in-progress local files start with ``.``, which pyarrow.dataset, and the ``*.parquet`` globs this
+project documents, skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import re
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from urllib.parse import quote, unquote, urlparse
+
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+PART_PREFIX = "part-"
+PARQUET_SUFFIX = ".parquet"
+DATASET_DIR_PREFIX = "dataset="
+MANIFEST_DIR = "_manifest"
+#: Tag in the name of a part written by compaction; ``@`` never appears in a sanitized worker name.
+COMPACT_TAG = "@compact"
+#: Parquet key-value metadata on a compacted part: JSON list of the part names it replaces.
+COMPACTED_FROM_KEY = b"thinkfleet.compacted_from"
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+@dataclass(frozen=True)
+class Location:
+    """A resolved ``OUTPUT_URI``: the filesystem, the root path on it, and how to print paths."""
+
+    fs: pafs.FileSystem
+    root: str  # path on ``fs`` (no scheme): "/abs/dir" or "bucket/prefix"
+    scheme: str  # "" for local, "s3" for S3
+
+    @property
+    def is_local(self) -> bool:
+        return self.scheme == ""
+
+    def uri(self, path: str) -> str:
+        """Filesystem path → the URI handed to callers."""
+        return f"{self.scheme}://{path}" if self.scheme else path
+
+    def path(self, uri_or_path: str) -> str:
+        """URI (or a bare filesystem path) → path on ``fs``."""
+        if self.scheme and uri_or_path.startswith(f"{self.scheme}://"):
+            return uri_or_path[len(self.scheme) + 3 :]
+        return uri_or_path
+
+    def job_dir(self, job: str) -> str:
+        return posixpath.join(self.root, job)
+
+    def dataset_dir(self, job: str, dataset: str) -> str:
+        return posixpath.join(self.root, job, dataset_dir_name(dataset))
+
+    def manifest_dir(self, job: str) -> str:
+        return posixpath.join(self.root, job, MANIFEST_DIR)
+
+
+def resolve(output_uri: str, s3_endpoint_url: str | None = None) -> tuple[pafs.FileSystem, str]:
+    """``OUTPUT_URI`` → (pyarrow filesystem, root path on it). See :func:`locate` for the details."""
+    loc = locate(output_uri, s3_endpoint_url)
+    return loc.fs, loc.root
+
+
+def locate(output_uri: str, s3_endpoint_url: str | None = None) -> Location:
+    """Resolve a local path, ``file://`` URI or ``s3://bucket/prefix``.
+
+    S3 credentials come from the usual AWS chain (env vars, profile, instance role). With a custom
+    endpoint (MinIO, moto, …) the region only needs to be syntactically valid, so it defaults to
+    ``AWS_REGION``/``AWS_DEFAULT_REGION`` or us-east-1; without one, pyarrow looks the bucket's
+    region up.
+    """
+    parsed = urlparse(output_uri)
+    if parsed.scheme in ("", "file"):
+        path = parsed.path if parsed.scheme == "file" else output_uri
+        return Location(pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path)), "")
+    if parsed.scheme not in ("s3", "s3a"):
+        raise ValueError(f"OUTPUT_URI {output_uri!r}: use a local path or s3://bucket/prefix")
+    root = f"{parsed.netloc}{parsed.path}".rstrip("/")
+    if not parsed.netloc:
+        raise ValueError(f"OUTPUT_URI {output_uri!r} names no bucket: use s3://bucket/prefix")
+    if s3_endpoint_url:
+        endpoint = urlparse(s3_endpoint_url if "://" in s3_endpoint_url else f"https://{s3_endpoint_url}")
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        fs = pafs.S3FileSystem(endpoint_override=endpoint.netloc, scheme=endpoint.scheme or "https", region=region)
+    else:
+        fs, _ = pafs.FileSystem.from_uri(f"s3://{parsed.netloc}")
+    return Location(fs, root, "s3")
+
+
+def dataset_dir_name(dataset: str) -> str:
+    """``dataset=<name>``, percent-encoded the way hive partitioning decodes it."""
+    if not dataset:
+        raise ValueError("dataset name is empty")
+    return DATASET_DIR_PREFIX + quote(dataset, safe="")
+
+
+def dataset_from_dir(name: str) -> str | None:
+    if not name.startswith(DATASET_DIR_PREFIX):
+        return None
+    return unquote(name[len(DATASET_DIR_PREFIX) :])
+
+
+def safe_name(text: str) -> str:
+    """A worker identity reduced to characters safe in file names and S3 keys."""
+    return _UNSAFE.sub("_", text).strip("._") or "worker"
+
+
+def utc_stamp(now: datetime | None = None) -> str:
+    """Sortable UTC timestamp for file names: 20250101T120000123456Z."""
+    return (now or datetime.now(UTC)).strftime("%Y%m%dT%H%M%S%fZ")
+
+
+def is_part_name(name: str) -> bool:
+    return name.startswith(PART_PREFIX) and name.endswith(PARQUET_SUFFIX)
+
+
+def is_compacted_name(name: str) -> bool:
+    return is_part_name(name) and f"-{COMPACT_TAG}-" in name
+
+
+def list_parts(
+    loc: Location, job: str, datasets: list[str] | None = None, *, include_superseded: bool = False
+) -> list[pafs.FileInfo]:
+    """Committed part files of a job (optionally of some datasets), sorted by path.
+
+    Parts that a compacted file already replaces (compaction interrupted before it deleted them)
+    are left out unless ``include_superseded``: their rows are in the compacted file.
+    """
+    selectors = [loc.job_dir(job)] if datasets is None else [loc.dataset_dir(job, d) for d in datasets]
+    found: list[pafs.FileInfo] = []
+    for base in selectors:
+        infos = loc.fs.get_file_info(pafs.FileSelector(base, allow_not_found=True, recursive=True))
+        for info in infos:
+            if info.type != pafs.FileType.File or not is_part_name(info.base_name):
+                continue
+            parent = posixpath.dirname(info.path)
+            # Exactly {job}/dataset=…/part-*: nothing deeper, nothing in _manifest.
+            if posixpath.dirname(parent) != loc.job_dir(job):
+                continue
+            if dataset_from_dir(posixpath.basename(parent)) is None:
+                continue
+            found.append(info)
+    found.sort(key=lambda i: i.path)
+    if include_superseded:
+        return found
+    gone = superseded(loc, found)
+    return [i for i in found if i.path not in gone]
+
+
+def dataset_names(loc: Location, job: str) -> list[str]:
+    """Datasets of a job that have at least one committed part."""
+    names = {dataset_from_dir(posixpath.basename(posixpath.dirname(p.path))) for p in list_parts(loc, job)}
+    return sorted(n for n in names if n)
+
+
+def superseded(loc: Location, parts: list[pafs.FileInfo]) -> set[str]:
+    """Paths among ``parts`` that a compacted part in the same directory replaces."""
+    replaced: set[str] = set()
+    for info in parts:
+        if is_compacted_name(info.base_name):
+            directory = posixpath.dirname(info.path)
+            replaced.update(posixpath.join(directory, n) for n in compacted_from(loc, info.path))
+    return replaced
+
+
+def compacted_from(loc: Location, path: str) -> list[str]:
+    """The part names a compacted part replaces (from its Parquet key-value metadata)."""
+    with loc.fs.open_input_file(path) as f:
+        meta = pq.read_metadata(f).metadata or {}
+    raw = meta.get(COMPACTED_FROM_KEY)
+    return list(json.loads(raw)) if raw else []
+
+
+def write_atomic(loc: Location, path: str, data: bytes | memoryview) -> None:
+    """Make ``path`` appear with exactly ``data``, or not at all.
+
+    Local: a hidden temp file in the same directory, fsynced, then renamed over (rename is atomic
+    within a filesystem). S3: one PUT / completed multipart upload of an in-memory buffer — an S3
+    object is invisible until its upload completes, so there is never a temp object to clean up.
+    """
+    if loc.is_local:
+        directory, name = os.path.split(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        _fsync_dir(directory)
+        return
+    with loc.fs.open_output_stream(path) as out:
+        out.write(data)
+
+
+def _fsync_dir(directory: str) -> None:
+    """Persist the rename itself (the directory entry), so a power cut can't lose a committed part."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def compacted_part_path(loc: Location, job: str, dataset: str, seq: int) -> str:
+    """Path of a part written by compaction (its name carries :data:`COMPACT_TAG`)."""
+    name = f"{PART_PREFIX}{utc_stamp()}-{COMPACT_TAG}-{seq:06d}{PARQUET_SUFFIX}"
+    return posixpath.join(loc.dataset_dir(job, dataset), name)

@@ -1,0 +1,159 @@
+"""The committed view of a job: every prompt exactly once, however often it was delivered.
+
+Parts are append-only and may hold more than one row for a prompt (a redelivered message, a worker
+that died after commit but before ack, ``producer retry`` at a higher revision). Reading resolves
+that deterministically: per ``prompt_id`` keep the highest ``revision``, then the earliest
+``created_at``, then the smallest ``worker``, then the smallest part path.
+
+How to read a job with other tools — the ``dataset`` column is also the hive directory key:
+
+- pyarrow: ``pq.read_table(job_dir)`` or ``ds.dataset(job_dir)`` (don't declare ``partitioning="hive"``
+  with a string type: the column is already in the file; see ``schema.DATASET_TYPE``).
+- pandas: ``pd.read_parquet(job_dir)``.
+- polars: ``pl.read_parquet(f"{job_dir}/dataset=*/*.parquet")`` (a glob, which skips ``_manifest/``).
+- duckdb: ``read_parquet('{job_dir}/dataset=*/*.parquet')``.
+- HF datasets: ``load_dataset("parquet", data_files=f"{job_dir}/dataset=*/*.parquet")``.
+
+Those raw reads see every stored row; use :func:`read_committed` (or ``producer compact``, which
+rewrites the job as its committed view) for exactly-once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+
+from storage import layout
+from storage.schema import CREATED_AT, PROMPT_ID, REVISION, SCHEMA, WORKER
+
+#: Extra column :func:`read_keys` adds: the URI of the part a row came from.
+PART = "part"
+_KEYS = (PROMPT_ID, REVISION, CREATED_AT, WORKER)
+
+
+def read_committed(
+    output_uri: str,
+    job: str,
+    columns: Sequence[str] | None = None,
+    datasets: Sequence[str] | None = None,
+    s3_endpoint_url: str | None = None,
+) -> pa.Table:
+    """One row per prompt_id (the winner, see module doc), sorted by prompt_id."""
+    loc = layout.locate(output_uri, s3_endpoint_url)
+    want = list(columns) if columns is not None else SCHEMA.names
+    unknown = [c for c in want if c not in SCHEMA.names]
+    if unknown:
+        raise ValueError(f"unknown columns {unknown}; the schema has {SCHEMA.names}")
+    table = _scan(loc, job, list(dict.fromkeys([*_KEYS, *want])), datasets)
+    return table.take(winner_indices(table)).select(want)
+
+
+def stored_prompt_ids(
+    output_uri: str,
+    job: str,
+    datasets: Sequence[str] | None = None,
+    s3_endpoint_url: str | None = None,
+) -> set[str]:
+    """Every prompt_id with at least one committed row (reads only that column)."""
+    loc = layout.locate(output_uri, s3_endpoint_url)
+    parts = layout.list_parts(loc, job, list(datasets) if datasets is not None else None)
+    if not parts:
+        return set()
+    dataset = ds.dataset([p.path for p in parts], schema=SCHEMA, format="parquet", filesystem=loc.fs)
+    ids = dataset.to_table(columns=[PROMPT_ID]).column(PROMPT_ID)
+    return set(pc.unique(ids).to_pylist())
+
+
+def read_keys(
+    output_uri: str,
+    job: str,
+    columns: Sequence[str] = (),
+    datasets: Sequence[str] | None = None,
+    s3_endpoint_url: str | None = None,
+) -> pa.Table:
+    """Every stored row (no dedupe) with the key columns, ``columns`` and the ``part`` it is in."""
+    loc = layout.locate(output_uri, s3_endpoint_url)
+    return _scan(loc, job, list(dict.fromkeys([*_KEYS, *columns])), datasets)
+
+
+def raw_duplicates(
+    output_uri: str,
+    job: str,
+    datasets: Sequence[str] | None = None,
+    s3_endpoint_url: str | None = None,
+) -> pa.Table:
+    """Rows of prompts stored more than once at their winning (highest) revision.
+
+    Lower revisions superseded by ``producer retry`` are not duplicates. Returns the key columns
+    plus ``part`` for every such row, sorted by prompt_id.
+    """
+    keys = read_keys(output_uri, job, datasets=datasets, s3_endpoint_url=s3_endpoint_url)
+    return duplicate_rows(keys)
+
+
+def duplicate_rows(keys: pa.Table) -> pa.Table:
+    """From a :func:`read_keys` table: the rows of prompts with >1 row at their highest revision."""
+    if keys.num_rows == 0:
+        return keys
+    order = pc.sort_indices(keys, [(PROMPT_ID, "ascending"), (REVISION, "descending")])
+    head = _run_heads(keys[PROMPT_ID].take(order))
+    group = np.cumsum(head) - 1
+    revisions = keys[REVISION].take(order).to_numpy()
+    at_top = revisions == revisions[head][group]  # the first row of a group has its top revision
+    rows_at_top = np.bincount(group[at_top], minlength=int(group[-1]) + 1)
+    dups = keys.take(order.filter(pa.array(at_top & (rows_at_top[group] > 1))))
+    return dups.sort_by([(PROMPT_ID, "ascending"), (PART, "ascending")])
+
+
+def winner_indices(table: pa.Table) -> pa.Array:
+    """Indices of the winning row per prompt_id, in prompt_id order (needs the key columns + part)."""
+    return first_per_key(
+        table,
+        [
+            (PROMPT_ID, "ascending"),
+            (REVISION, "descending"),
+            (CREATED_AT, "ascending"),
+            (WORKER, "ascending"),
+            (PART, "ascending"),
+        ],
+    )
+
+
+def first_per_key(table: pa.Table, sort_keys: list[tuple[str, str]]) -> pa.Array:
+    """Sort by ``sort_keys`` and keep the first row of each run of equal ``sort_keys[0]`` values."""
+    if table.num_rows == 0:
+        return pa.array([], pa.uint64())
+    order = pc.sort_indices(table, sort_keys=sort_keys)
+    return order.filter(pa.array(_run_heads(table[sort_keys[0][0]].take(order))))
+
+
+def _run_heads(sorted_keys: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """True where a sorted column starts a new run of equal values."""
+    keys = sorted_keys.combine_chunks() if isinstance(sorted_keys, pa.ChunkedArray) else sorted_keys
+    head = np.ones(len(keys), dtype=bool)
+    head[1:] = pc.not_equal(keys[1:], keys[:-1]).to_numpy(zero_copy_only=False)
+    return head
+
+
+def _scan(loc: layout.Location, job: str, columns: list[str], datasets: Sequence[str] | None) -> pa.Table:
+    parts = layout.list_parts(loc, job, list(datasets) if datasets is not None else None)
+    return scan_parts(loc, [p.path for p in parts], columns)
+
+
+def scan_parts(loc: layout.Location, paths: list[str], columns: list[str]) -> pa.Table:
+    """Read ``columns`` of exactly these part files, adding the ``part`` URI of each row."""
+    schema = pa.schema([*(SCHEMA.field(c) for c in columns), pa.field(PART, pa.string(), nullable=False)])
+    if not paths:
+        return schema.empty_table()
+    dataset = ds.dataset(paths, schema=SCHEMA, format="parquet", filesystem=loc.fs)
+    batches = []
+    # scan_batches tags each batch with its file and still reads files in parallel.
+    for tagged in dataset.scanner(columns=columns).scan_batches():
+        batch = tagged.record_batch
+        part = pa.array([loc.uri(tagged.fragment.path)] * batch.num_rows, pa.string())
+        batches.append(pa.RecordBatch.from_arrays([*batch.columns, part], schema=schema))
+    return pa.Table.from_batches(batches, schema=schema)

@@ -1,0 +1,258 @@
+"""``producer report JOB``: what the job produced, at a glance.
+
+Counts per dataset, output-length and reasoning-share distributions, finish reasons and truncation,
+tokens/s over time (from ``created_at``) and per-worker totals — computed from the committed view's
+scalar columns only (lengths come from ``completion_tokens`` and the spans, never the id lists),
+printed with rich, and drawn into ``report.png`` plus a small ``report.html``.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import os
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from storage import reader
+from storage.schema import (
+    COMPLETION_TOKENS,
+    CREATED_AT,
+    DATASET,
+    FINISH_REASON,
+    HAS_THINK_END,
+    LATENCY_S,
+    PROMPT_ID,
+    PROMPT_TOKENS,
+    REASONING_END,
+    REASONING_START,
+    TOOL_CALL_SPANS,
+    WORKER,
+)
+from thinkfleet.settings import Settings
+
+_COLUMNS = [
+    PROMPT_ID,
+    DATASET,
+    PROMPT_TOKENS,
+    COMPLETION_TOKENS,
+    REASONING_START,
+    REASONING_END,
+    HAS_THINK_END,
+    FINISH_REASON,
+    TOOL_CALL_SPANS,
+    LATENCY_S,
+    WORKER,
+    CREATED_AT,
+]
+_PERCENTILES = (50, 90, 99)
+#: Most points on the tokens/s timeline; buckets widen to stay under it.
+MAX_TIMELINE_POINTS = 120
+
+
+def report_job(settings: Settings, job: str, out_dir: str | None = None) -> tuple[dict[str, Any], list[str]]:
+    """Compute the summary; with ``out_dir``, also write report.png and report.html there."""
+    table = reader.read_committed(settings.output_uri, job, _COLUMNS, s3_endpoint_url=settings.s3_endpoint_url)
+    summary = summarize(job, table)
+    written: list[str] = []
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        png = plot_png(summary, table)
+        png_path = os.path.join(out_dir, "report.png")
+        with open(png_path, "wb") as f:
+            f.write(png)
+        html_path = os.path.join(out_dir, "report.html")
+        with open(html_path, "w", encoding="utf-8") as f:
+            f.write(to_html(summary, png))
+        written = [png_path, html_path]
+    return summary, written
+
+
+def summarize(job: str, table: pa.Table) -> dict[str, Any]:
+    rows = table.num_rows
+    out_len = table[COMPLETION_TOKENS].to_numpy().astype(np.int64)
+    reasoning = (table[REASONING_END].to_numpy() - table[REASONING_START].to_numpy()).astype(np.int64)
+    share = np.divide(reasoning, out_len, out=np.zeros(rows), where=out_len > 0)
+    finish = _counts(table[FINISH_REASON])
+    tokens = int(out_len.sum())
+    summary: dict[str, Any] = {
+        "job": job,
+        "rows": rows,
+        "output_tokens": tokens,
+        "prompt_tokens": int(pc.sum(table[PROMPT_TOKENS]).as_py() or 0),
+        "reasoning_tokens": int(reasoning.sum()),
+        "datasets": _counts(table[DATASET]),
+        "finish_reasons": finish,
+        "truncation_rate": finish.get("length", 0) / rows if rows else 0.0,
+        "think_end_rate": float(table[HAS_THINK_END].to_numpy().mean()) if rows else 0.0,
+        "tool_call_rows": int((pc.list_value_length(table[TOOL_CALL_SPANS]).to_numpy() > 0).sum()),
+        "output_length": _distribution(out_len),
+        "over_2000": int((out_len > 2000).sum()),
+        "over_5000": int((out_len > 5000).sum()),
+        "reasoning_share": _distribution(share),
+        "latency_s": _distribution(table[LATENCY_S].drop_null().to_numpy()),
+    }
+    summary.update(_throughput(table, out_len))
+    return summary
+
+
+def _counts(column: pa.ChunkedArray) -> dict[str, int]:
+    values = column.cast(pa.string()) if pa.types.is_dictionary(column.type) else column
+    counts = pc.value_counts(values).to_pylist()
+    return dict(sorted((str(c["values"]), int(c["counts"])) for c in counts))
+
+
+def _distribution(values: np.ndarray) -> dict[str, float]:
+    if len(values) == 0:
+        return {}
+    out = {"mean": float(values.mean()), "min": float(values.min()), "max": float(values.max())}
+    out.update({f"p{p}": float(v) for p, v in zip(_PERCENTILES, np.percentile(values, _PERCENTILES), strict=True)})
+    return out
+
+
+def _throughput(table: pa.Table, out_len: np.ndarray) -> dict[str, Any]:
+    """Output tokens/s over time (by created_at) and per worker."""
+    if table.num_rows == 0:
+        return {"tokens_per_s": 0.0, "timeline": [], "workers": {}}
+    t_us = table[CREATED_AT].cast(pa.int64()).to_numpy()
+    t0, t1 = int(t_us.min()), int(t_us.max())
+    span_s = max((t1 - t0) / 1e6, 1e-9)
+    bucket_s = max(1.0, float(np.ceil(span_s / MAX_TIMELINE_POINTS)))
+    bucket = ((t_us - t0) / 1e6 // bucket_s).astype(np.int64)
+    per_bucket = np.bincount(bucket, weights=out_len)
+    timeline = [
+        {"t_s": float(i * bucket_s), "tokens_per_s": float(v / bucket_s), "rows": int(c)}
+        for i, (v, c) in enumerate(zip(per_bucket, np.bincount(bucket), strict=True))
+    ]
+    workers: dict[str, dict[str, Any]] = {}
+    names = np.array(table[WORKER].to_pylist(), dtype=object)
+    for name in sorted(set(names.tolist())):
+        mine = names == name
+        w_t = t_us[mine]
+        w_span = max((int(w_t.max()) - int(w_t.min())) / 1e6, bucket_s)
+        workers[name] = {
+            "rows": int(mine.sum()),
+            "output_tokens": int(out_len[mine].sum()),
+            "tokens_per_s": float(out_len[mine].sum() / w_span),
+        }
+    return {
+        "first_row_at": pc.min(table[CREATED_AT]).as_py().isoformat(),
+        "last_row_at": pc.max(table[CREATED_AT]).as_py().isoformat(),
+        "tokens_per_s": float(out_len.sum() / span_s) if t1 > t0 else 0.0,
+        "timeline_bucket_s": bucket_s,
+        "timeline": timeline,
+        "workers": workers,
+    }
+
+
+def plot_png(summary: dict[str, Any], table: pa.Table) -> bytes:
+    """Four panels: output lengths, reasoning share, tokens/s over time, tokens per worker."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    out_len = table[COMPLETION_TOKENS].to_numpy()
+    ax = axes[0][0]
+    ax.hist(out_len, bins=50, color="#4c72b0")
+    ax.set(title="output length (tokens)", xlabel="tokens", ylabel="rows")
+    ax = axes[0][1]
+    reasoning = table[REASONING_END].to_numpy() - table[REASONING_START].to_numpy()
+    share = np.divide(reasoning, out_len, out=np.zeros(len(out_len)), where=out_len > 0)
+    ax.hist(share, bins=40, range=(0, 1), color="#55a868")
+    ax.set(title="reasoning share of output", xlabel="reasoning / output tokens", ylabel="rows")
+    ax = axes[1][0]
+    timeline = summary.get("timeline") or []
+    ax.plot([p["t_s"] / 60 for p in timeline], [p["tokens_per_s"] for p in timeline], color="#c44e52")
+    ax.set(title="output tokens/s over time", xlabel="minutes since first row", ylabel="tokens/s")
+    ax = axes[1][1]
+    workers = summary.get("workers") or {}
+    ax.barh(list(workers), [w["output_tokens"] for w in workers.values()], color="#8172b2")
+    ax.set(title="output tokens per worker", xlabel="tokens")
+    fig.suptitle(f"thinkfleet job {summary['job']}: {summary['rows']} rows")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def to_html(summary: dict[str, Any], png: bytes) -> str:
+    """A self-contained page: headline numbers, tables, and the plots inline."""
+
+    def table(title: str, rows: dict[str, Any]) -> str:
+        body = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{_fmt(v)}</td></tr>" for k, v in rows.items())
+        return f"<h2>{html.escape(title)}</h2><table>{body}</table>"
+
+    headline = {k: summary[k] for k in ("rows", "output_tokens", "reasoning_tokens", "truncation_rate",
+                                         "think_end_rate", "tokens_per_s") if k in summary}  # fmt: skip
+    workers = {k: f"{v['rows']} rows, {v['output_tokens']} tokens, {v['tokens_per_s']:.1f} tok/s"
+               for k, v in (summary.get("workers") or {}).items()}  # fmt: skip
+    parts = [
+        "<!doctype html><meta charset='utf-8'>",
+        f"<title>thinkfleet {html.escape(summary['job'])}</title>",
+        "<style>body{font-family:sans-serif;margin:2em}td{padding:2px 12px}</style>",
+        f"<h1>thinkfleet job {html.escape(summary['job'])}</h1>",
+        table("summary", headline),
+        table("datasets", summary["datasets"]),
+        table("finish reasons", summary["finish_reasons"]),
+        table("output length (tokens)", summary["output_length"]),
+        table("reasoning share", summary["reasoning_share"]),
+        table("workers", workers),
+        f"<img alt='plots' src='data:image/png;base64,{base64.b64encode(png).decode()}'>",
+    ]
+    return "\n".join(parts)
+
+
+def _fmt(value: Any) -> str:
+    return (
+        f"{value:,.3f}"
+        if isinstance(value, float)
+        else html.escape(f"{value:,}" if isinstance(value, int) else str(value))
+    )
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    """Rich tables on the terminal."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    head = Table(title=f"job {summary['job']}", show_header=False)
+    for key in (
+        "rows",
+        "output_tokens",
+        "prompt_tokens",
+        "reasoning_tokens",
+        "tool_call_rows",
+        "over_2000",
+        "over_5000",
+    ):
+        head.add_row(key, f"{summary[key]:,}")
+    for key in ("truncation_rate", "think_end_rate"):
+        head.add_row(key, f"{summary[key]:.1%}")
+    head.add_row("tokens/s (overall)", f"{summary.get('tokens_per_s', 0.0):,.1f}")
+    console.print(head)
+    for title, key in (("output length", "output_length"), ("reasoning share", "reasoning_share")):
+        dist = Table(title=title)
+        for name in summary[key]:
+            dist.add_column(name, justify="right")
+        dist.add_row(*(f"{v:,.2f}" for v in summary[key].values()))
+        console.print(dist)
+    counts = Table(title="datasets and finish reasons")
+    counts.add_column("name")
+    counts.add_column("rows", justify="right")
+    for name, n in {**summary["datasets"], **{f"finish={k}": v for k, v in summary["finish_reasons"].items()}}.items():
+        counts.add_row(name, f"{n:,}")
+    console.print(counts)
+    workers = Table(title="workers")
+    for col in ("worker", "rows", "output tokens", "tokens/s"):
+        workers.add_column(col, justify="right" if col != "worker" else "left")
+    for name, w in (summary.get("workers") or {}).items():
+        workers.add_row(name, f"{w['rows']:,}", f"{w['output_tokens']:,}", f"{w['tokens_per_s']:,.1f}")
+    console.print(workers)

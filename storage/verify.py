@@ -1,0 +1,186 @@
+"""``producer verify JOB``: is every submitted prompt in storage exactly once, and is every row sound?
+
+Failing (non-zero exit): a submitted prompt with no row and no dead letter (missing); a prompt with
+more than one row at its winning revision (duplicated — run ``producer compact``, which keeps the
+committed winner); a row whose spans or counts contradict its ids (malformed); a row generated from
+other prompt content than the latest submit (stale); the seed's bug — thinking prompts whose
+outputs almost never close reasoning (reasoning alarm); or no submitted set to check against.
+
+Reported without failing: dead-lettered prompts with no row ("permanent failures", retried with
+``producer retry``) and rows whose prompt_id was never submitted.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from storage import jobstate, reader
+from storage.checks import CHECK_COLUMNS, ThinkingStats, row_problems
+from storage.manifest import read_submitted
+from storage.schema import CONTENT_HASH, DATASET, PROMPT_ID
+from thinkfleet.settings import Settings
+
+
+@dataclass
+class VerifyReport:
+    job: str
+    submitted_source: str  # "redis", "manifest" or "none"
+    submitted: int = 0
+    stored_rows: int = 0  # every row in storage, duplicates included
+    committed: int = 0  # distinct prompt ids in storage
+    missing: list[str] = field(default_factory=list)
+    duplicated: list[str] = field(default_factory=list)
+    duplicate_rows: int = 0  # rows beyond the first of each duplicated prompt
+    malformed: dict[str, list[str]] = field(default_factory=dict)  # prompt_id → problems
+    stale: list[str] = field(default_factory=list)  # row content_hash ≠ latest submitted hash
+    permanent_failures: list[str] = field(default_factory=list)  # dead-lettered, no row
+    not_submitted: list[str] = field(default_factory=list)
+    thinking_rows: int = 0
+    think_end_rows: int = 0
+    reasoning_alarm: bool = False
+    per_dataset: dict[str, dict[str, int]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (
+            self.missing
+            or self.duplicated
+            or self.malformed
+            or self.stale
+            or self.reasoning_alarm
+            or self.submitted_source == "none"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+def verify_job(settings: Settings, job: str) -> VerifyReport:
+    """Check ``job`` under ``settings.output_uri`` against its submitted set (Redis, else manifest)."""
+    uri, endpoint = settings.output_uri, settings.s3_endpoint_url
+    state = jobstate.load_job_state(settings, job)
+    report = VerifyReport(job=job, submitted_source="none")
+    if not state.redis_ok:
+        report.notes.append(f"Redis unreachable ({state.error}); dead letters unknown")
+
+    submitted, sub_dataset = state.submitted, state.prompt_dataset
+    if submitted:
+        report.submitted_source = "redis"
+    else:
+        manifest = read_submitted(uri, job, endpoint)
+        if manifest.num_rows:
+            report.submitted_source = "manifest"
+            pids = manifest[PROMPT_ID].to_pylist()
+            submitted = dict(zip(pids, manifest[CONTENT_HASH].to_pylist(), strict=True))
+            sub_dataset = dict(zip(pids, manifest[DATASET].to_pylist(), strict=True))
+        else:
+            report.notes.append("no submitted set in Redis or in the storage manifest: nothing to check against")
+
+    keys = reader.read_keys(uri, job, columns=[DATASET, CONTENT_HASH], s3_endpoint_url=endpoint)
+    report.stored_rows = keys.num_rows
+    dups = reader.duplicate_rows(keys)
+    dup_counts = Counter(dups[PROMPT_ID].to_pylist())
+    report.duplicated = sorted(dup_counts)
+    report.duplicate_rows = sum(dup_counts.values()) - len(dup_counts)
+
+    winners = keys.take(reader.winner_indices(keys))
+    stored_ids = winners[PROMPT_ID].to_pylist()
+    stored = set(stored_ids)
+    report.committed = len(stored)
+    report.submitted = len(submitted)
+
+    dead = set(state.dead)
+    if report.submitted_source != "none":
+        report.missing = sorted(set(submitted) - stored - dead)
+        report.not_submitted = sorted(stored - set(submitted))
+        hashes = winners[CONTENT_HASH].to_pylist()
+        report.stale = sorted(
+            pid for pid, h in zip(stored_ids, hashes, strict=True) if h and submitted.get(pid) and submitted[pid] != h
+        )
+    report.permanent_failures = sorted(dead - stored)
+
+    tokens = jobstate.span_tokens(state.record)
+    thinking = ThinkingStats()
+    stored_datasets = sorted(set(pc.unique(winners[DATASET]).to_pylist())) if winners.num_rows else []
+    for dataset in stored_datasets:  # one dataset in memory at a time
+        table = reader.read_committed(uri, job, CHECK_COLUMNS, [dataset], endpoint)
+        problems, stats = row_problems(table, tokens)
+        report.malformed.update(problems)
+        thinking.add(stats)
+    report.thinking_rows, report.think_end_rows = thinking.thinking_rows, thinking.think_end_rows
+    _reasoning_alarm(report, settings)
+    report.per_dataset = _per_dataset(report, sub_dataset, winners)
+    return report
+
+
+def _reasoning_alarm(report: VerifyReport, settings: Settings) -> None:
+    """The seed's bug: reasoning was opened by the prompt but the outputs never close it."""
+    rows, closed = report.thinking_rows, report.think_end_rows
+    if rows and closed == 0:
+        report.notes.append(
+            f"no </think> in any of {rows} thinking-mode outputs: reasoning may be lost or cut off "
+            "(max_new_tokens too small? wrong think-end id?)"
+        )
+    if rows >= settings.alarm_min_rows and (rows - closed) / rows >= settings.alarm_missing_share:
+        report.reasoning_alarm = True
+
+
+def _per_dataset(report: VerifyReport, sub_dataset: dict[str, str], winners: pa.Table) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+
+    def bump(dataset: str | None, key: str) -> None:
+        entry = out.setdefault(dataset or "?", {"submitted": 0, "committed": 0, "missing": 0, "dead": 0})
+        entry[key] += 1
+
+    for pid in sub_dataset:
+        bump(sub_dataset[pid], "submitted")
+    for ds_name in winners[DATASET].to_pylist():
+        bump(ds_name, "committed")
+    for pid in report.missing:
+        bump(sub_dataset.get(pid), "missing")
+    for pid in report.permanent_failures:
+        bump(sub_dataset.get(pid), "dead")
+    return dict(sorted(out.items()))
+
+
+def format_report(report: VerifyReport, limit: int = 20) -> str:
+    """Plain text for people: counts, then the first ``limit`` ids of every problem."""
+    lines = [
+        f"job {report.job}: {'OK' if report.ok else 'FAILED'}",
+        f"  submitted {report.submitted} (from {report.submitted_source}), committed {report.committed}, "
+        f"stored rows {report.stored_rows}",
+        f"  thinking-mode rows {report.thinking_rows}, with </think> {report.think_end_rows}",
+    ]
+    for name, ds_counts in report.per_dataset.items():
+        lines.append(f"  dataset {name}: " + ", ".join(f"{k} {v}" for k, v in ds_counts.items()))
+
+    def section(title: str, ids: list[str], hint: str = "") -> None:
+        if not ids:
+            return
+        lines.append(f"{title}: {len(ids)}{hint}")
+        lines.extend(f"  {pid}" for pid in ids[:limit])
+        if len(ids) > limit:
+            lines.append(f"  … and {len(ids) - limit} more (--json lists all)")
+
+    section("MISSING", report.missing, " (submitted, no row, not dead-lettered: producer retry)")
+    section("DUPLICATED", report.duplicated, f" ({report.duplicate_rows} extra rows: producer compact)")
+    if report.malformed:
+        lines.append(f"MALFORMED: {len(report.malformed)}")
+        for pid, problems in list(report.malformed.items())[:limit]:
+            lines.append(f"  {pid}: {'; '.join(problems)}")
+    section("STALE (row from older prompt content)", report.stale)
+    if report.reasoning_alarm:
+        lines.append(
+            f"REASONING ALARM: {report.thinking_rows - report.think_end_rows} of {report.thinking_rows} "
+            "thinking-mode outputs have no </think>"
+        )
+    section("permanent failures (dead-lettered)", report.permanent_failures)
+    section("rows not submitted", report.not_submitted)
+    lines.extend(f"note: {n}" for n in report.notes)
+    return "\n".join(lines)

@@ -1,0 +1,102 @@
+"""PartWriter: one group commit of rows → one immutable, atomically committed Parquet part.
+
+The worker asks for the part's name first (:meth:`PartWriter.part_name`) and records it in Redis as
+its intent, then writes; after a crash, :meth:`PartWriter.exists` tells whoever recovers the prompt
+whether that write committed. Parts are never modified after commit — only compaction replaces them,
+and a replaced part still "exists" for that question (its rows live on in the compacted file).
+"""
+
+from __future__ import annotations
+
+import itertools
+import posixpath
+import socket
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from storage import layout
+from storage.schema import DATASET, JOB, SCHEMA, WORKER, WORKER_HOST, WRITE_OPTIONS, rows_to_table
+from storage.spans import KIMI_TOKENS, SpanTokens
+
+_HOST = socket.gethostname()
+
+
+class PartWriter:
+    """Writes parts for one worker identity under ``output_uri`` (local path or ``s3://…``)."""
+
+    def __init__(
+        self,
+        output_uri: str,
+        worker: str,
+        s3_endpoint_url: str | None = None,
+        *,
+        tokens: SpanTokens = KIMI_TOKENS,
+    ) -> None:
+        self.loc = layout.locate(output_uri, s3_endpoint_url)
+        self.worker = worker
+        self.tokens = tokens
+        self._tag = layout.safe_name(worker)
+        self._seq = itertools.count()
+        self._lock = threading.Lock()  # part_name may be called from several threads
+
+    def part_name(self, job: str, dataset: str) -> str:
+        """A fresh, unique part URI: ``…/{job}/dataset={ds}/part-{utc}-{worker}-{seq}.parquet``."""
+        with self._lock:
+            seq = next(self._seq)
+        name = f"{layout.PART_PREFIX}{layout.utc_stamp()}-{self._tag}-{seq:06d}{layout.PARQUET_SUFFIX}"
+        return self.loc.uri(posixpath.join(self.loc.dataset_dir(job, dataset), name))
+
+    def write(
+        self,
+        job: str,
+        dataset: str,
+        rows: Sequence[Mapping[str, Any]] | pa.Table,
+        part_path: str | None = None,
+        *,
+        metadata: Mapping[bytes, bytes] | None = None,
+    ) -> str:
+        """Commit ``rows`` as one zstd Parquet part and return its URI.
+
+        ``job``, ``dataset``, ``worker`` and ``worker_host`` fill rows that leave them out; a row
+        naming another job or dataset is refused (it would land in the wrong directory).
+        """
+        if isinstance(rows, pa.Table):
+            table = rows.select(SCHEMA.names).cast(SCHEMA)
+        else:
+            defaults = {JOB: job, DATASET: dataset, WORKER: self.worker, WORKER_HOST: _HOST}
+            table = rows_to_table(rows, defaults=defaults, tokens=self.tokens)
+        for name, want in ((JOB, job), (DATASET, dataset)):
+            if table.num_rows and not pc.all(pc.equal(table[name], want)).as_py():
+                bad = sorted(set(table[name].to_pylist()) - {want})
+                raise ValueError(f"rows for {name} {bad} passed to write({job!r}, {dataset!r})")
+        uri = part_path or self.part_name(job, dataset)
+        path = self.loc.path(uri)
+        expected_dir = self.loc.dataset_dir(job, dataset)
+        if posixpath.dirname(path) != expected_dir or not layout.is_part_name(posixpath.basename(path)):
+            raise ValueError(f"part path {uri!r} is not a part of {job}/{dataset}; use part_name()")
+        if metadata:
+            table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
+        layout.write_atomic(self.loc, path, encode_parquet(table))
+        return uri
+
+    def exists(self, part_path: str) -> bool:
+        """Did this part commit? True also after compaction folded it into a larger file."""
+        path = self.loc.path(part_path)
+        fs = self.loc.fs
+        if fs.get_file_info(path).type == pafs.FileType.File:
+            return True
+        siblings = fs.get_file_info(pafs.FileSelector(posixpath.dirname(path), allow_not_found=True))
+        return path in layout.superseded(self.loc, siblings)
+
+
+def encode_parquet(table: pa.Table) -> memoryview:
+    """The table as Parquet bytes, serialized fully in memory before any byte reaches storage."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, **WRITE_OPTIONS)
+    return memoryview(sink.getvalue())

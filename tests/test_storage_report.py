@@ -1,0 +1,56 @@
+"""``producer report``: numbers from the committed view, a PNG and an HTML page."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+from click.testing import CliRunner
+
+from storage.cli import report
+from storage.report import report_job
+from storage.testing import kimi_output, make_row
+from storage.writer import PartWriter
+from thinkfleet.settings import Settings
+
+JOB = "job"
+T0 = datetime(2025, 1, 1, tzinfo=UTC)
+
+
+def _job(root: Path) -> None:
+    rng = np.random.default_rng(5)
+    for w in range(2):
+        writer = PartWriter(str(root), f"w{w}")
+        rows = []
+        for i in range(10):
+            truncated = i == 0
+            out = kimi_output(rng, 60, 40, think_end=not truncated, stop=None if truncated else 163586)
+            finish = {"type": "length", "length": 100} if truncated else "stop"
+            when = T0 + timedelta(minutes=i, seconds=w)
+            rows.append(make_row(f"p-{w}-{i}", output_ids=out, finish_reason=finish, worker=f"w{w}", created_at=when))
+        writer.write(JOB, "ds", rows)
+
+
+def test_report_summarizes_the_job(tmp_path: Path) -> None:
+    _job(tmp_path)
+    summary, files = report_job(Settings(output_uri=str(tmp_path)), JOB, str(tmp_path / "rep"))
+    assert summary["rows"] == 20
+    assert summary["finish_reasons"] == {"length": 2, "stop": 18}
+    assert summary["truncation_rate"] == 0.1 and summary["think_end_rate"] == 0.9
+    assert summary["output_length"]["max"] == 102  # 60 reasoning + </think> + 40 answer + <|im_end|>
+    assert set(summary["workers"]) == {"w0", "w1"} and summary["workers"]["w0"]["rows"] == 10
+    assert summary["tokens_per_s"] > 0 and sum(p["rows"] for p in summary["timeline"]) == 20
+    png, page = (Path(f) for f in files)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "thinkfleet job job" in page.read_text() and "data:image/png;base64," in page.read_text()
+
+
+def test_report_cli_prints_tables_and_json(tmp_path: Path) -> None:
+    _job(tmp_path)
+    result = CliRunner().invoke(report, [JOB, "--output-uri", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "w0" in result.output and "truncation_rate" in result.output
+    result = CliRunner().invoke(report, [JOB, "--output-uri", str(tmp_path), "--json"])
+    assert json.loads(result.output)["rows"] == 20
