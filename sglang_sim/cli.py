@@ -1,0 +1,112 @@
+"""``sglang-sim --port N [...]``: run one simulated SGLang server until SIGTERM/SIGINT.
+
+Every config field is a flag (``max_running_requests`` → ``--max-running-requests``, booleans as
+``--think-end/--no-think-end``); ``sglang-sim --help`` lists them with their defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from aiohttp import web
+
+from sglang_sim.config import ServerConfig, SimConfig
+from sglang_sim.content import ContentConfig
+from sglang_sim.engine import EngineConfig
+from sglang_sim.faults import FaultConfig
+from sglang_sim.server import create_app, describe
+
+_HELP = {
+    "port": "TCP port to listen on.",
+    "model_path": "Model name reported by /model_info, /server_info and /v1/models.",
+    "tokenizer": "Tokenizer dir/id for text prompts and response text (transformers.AutoTokenizer).",
+    "context_length": "Context length in tokens (longer prompts get SGLang's 400).",
+    "max_running_requests": "Requests decoded at once; the rest wait FIFO.",
+    "max_queued_requests": "Waiting-queue bound; beyond it /generate answers 503 (default unbounded).",
+    "decode_tok_s": "Total decode capacity in output tokens per simulated second.",
+    "per_request_tok_s": "Decode speed cap of one request (tokens per simulated second).",
+    "prefill_tok_s": "Prefill speed of uncached prompt tokens per simulated second.",
+    "time_scale": "Simulated seconds per wall second (1000 turns 57 h into ~3.4 min).",
+    "tool_call_share": "Share of outputs that end in a native Kimi tool call.",
+    "think_end": "Emit </think> (163607); --no-think-end reproduces the seed's empty-reasoning bug.",
+    "fault_503_rate": "Share of /generate calls answered 503 (queue full).",
+    "fault_drop_rate": "Share of /generate calls whose connection drops mid-response.",
+    "fault_hang_rate": "Share of /generate calls never answered.",
+    "fault_seed": "Seed of the per-call fault choice.",
+    "outage_at_s": "Start an outage this many wall seconds after start.",
+    "outage_duration_s": "Length of an outage in wall seconds.",
+    "slow_start_s": "Wall seconds during which /health* answers 503 after start.",
+    "weight_version": "meta_info.weight_version.",
+}
+
+
+def _flag_type(hint: Any) -> tuple[type, dict[str, Any]]:
+    """The argparse type (and extra kwargs) for a dataclass field's type hint."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    if typing.get_origin(hint) is tuple:
+        return int, {"nargs": "+"}
+    if hint is bool:
+        return bool, {"action": argparse.BooleanOptionalAction}
+    return hint, {}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sglang-sim",
+        description="A simulated SGLang server (native /generate protocol, continuous-batching timing).",
+    )
+    for title, klass in (
+        ("server", ServerConfig),
+        ("engine", EngineConfig),
+        ("content", ContentConfig),
+        ("faults", FaultConfig),
+    ):
+        group = parser.add_argument_group(title)
+        hints = typing.get_type_hints(klass)
+        for f in dataclasses.fields(klass):
+            flag_type, extra = _flag_type(hints[f.name])
+            default = f.default if f.default is not dataclasses.MISSING else None
+            text = _HELP.get(f.name, "")
+            if default is not None:
+                text = f"{text} (default: {default})".strip()
+            kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": text}
+            if "action" not in extra:
+                kwargs["type"] = flag_type
+            group.add_argument("--" + f.name.replace("_", "-"), **kwargs, **extra)
+    return parser
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> SimConfig:
+    args = build_parser().parse_args(argv)
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    if "eos_token_ids" in given:
+        given["eos_token_ids"] = tuple(given["eos_token_ids"])
+    return SimConfig.from_flat(**given)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    config = config_from_args(argv)
+    logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(config)
+    logging.getLogger("sglang_sim").info(describe(config))
+    # run_app handles SIGINT/SIGTERM: on_shutdown drops hanging calls, then the loop exits cleanly.
+    web.run_app(
+        app,
+        host=config.server.host,
+        port=config.server.port,
+        print=None,
+        handler_cancellation=True,
+        shutdown_timeout=2.0,
+        access_log=None,
+    )
+
+
+if __name__ == "__main__":
+    main()

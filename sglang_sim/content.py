@@ -1,0 +1,210 @@
+"""What the simulated model "says": deterministic Kimi-shaped outputs from (input_ids, sampling_seed).
+
+This is a pure library function so tests can compute the exact ids a simulator returned and check stored
+Parquet rows byte for byte: ``expected_generation(input_ids, sampling_params, ContentConfig(...))`` is
+what the server itself calls.
+
+How an output is built:
+
+1. One RNG (numpy PCG64) is seeded from ``blake2b(uint32-LE input ids ‖ sampling_seed)``
+   (``sampling_seed`` None → 0), so the same prompt and seed always give the same ids.
+2. The *natural* length is lognormal (median 646, σ 1.25 → mean ≈ 1416 tokens), the seed run's measured
+   distribution. Reasoning takes 60–80 % of it.
+3. Normal output: ``[reasoning…, </think> 163607, answer…, <|im_end|> 163586]``.
+   Tool call (``tool_call_share``): ``[reasoning…, (163607, short answer…)?, 163595, (163597, name ids,
+   163598, JSON-arg ids, 163599)+, 163596, 163586]``; some go from reasoning straight into 163595, as
+   Kimi's parser allows. ``think_end=False`` (``--no-think-end``) never emits 163607 — the seed bug.
+4. Filler ids come from the normal vocabulary [0, 163584), one draw per position, so an output cut by
+   ``max_new_tokens`` is a prefix of the uncut one (like a real model with a fixed seed).
+5. SGLang's finish rules are then applied in its order (``schedule_batch.Req.check_finished``): length
+   first (``len == max_new_tokens`` → ``{"type":"length"}``), then a token in ``stop_token_ids`` ∪ the
+   model's EOS set → ``{"type":"stop","matched":id}`` with the id *included*; ``ignore_eos`` disables
+   every token-based stop and decodes on to ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from thinkfleet import kimi
+
+#: SGLang's default when a request sends no ``max_new_tokens`` (sampling_params.py).
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class ContentConfig:
+    """Shape of the simulated outputs; the server's CLI flags map onto these fields."""
+
+    # -- length: lognormal fitted to the seed run (median 646, mean ≈ 1416, tail past 10k) ----------
+    length_median_tokens: float = 646.0
+    length_sigma: float = 1.25
+    min_length_tokens: int = 8
+    #: Natural lengths are clipped here so one unlucky draw cannot allocate a huge array.
+    max_length_tokens: int = 262_144
+
+    # -- structure ----------------------------------------------------------------------------------
+    reasoning_share_min: float = 0.6
+    reasoning_share_max: float = 0.8
+    #: False reproduces the seed's silent failure: 163607 is never emitted.
+    think_end: bool = True
+    #: Share of outputs that end in a native Kimi tool call.
+    tool_call_share: float = 0.1
+    #: Share of tool calls that go from reasoning straight into 163595, without 163607.
+    tool_call_direct_share: float = 0.25
+    max_tool_calls: int = 3
+
+    # -- vocabulary -----------------------------------------------------------------------------------
+    #: The model's own stop set (config/generation_config eos ids); requests add ``stop_token_ids``.
+    eos_token_ids: tuple[int, ...] = kimi.DEFAULT_STOP_TOKEN_IDS
+    #: Filler ids are drawn from [0, normal_vocab_size): never a special token by accident.
+    normal_vocab_size: int = kimi.FIRST_SPECIAL_ID
+
+    def __post_init__(self) -> None:
+        if self.length_median_tokens <= 0 or self.length_sigma < 0:
+            raise ValueError("length_median_tokens must be > 0 and length_sigma >= 0")
+        if not 4 <= self.min_length_tokens <= self.max_length_tokens:
+            raise ValueError("need 4 <= min_length_tokens <= max_length_tokens")
+        if not 0.0 < self.reasoning_share_min <= self.reasoning_share_max <= 0.9:
+            raise ValueError("need 0 < reasoning_share_min <= reasoning_share_max <= 0.9")
+        for name in ("tool_call_share", "tool_call_direct_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1]")
+        if self.max_tool_calls < 1:
+            raise ValueError("max_tool_calls must be >= 1")
+        if not 0 < self.normal_vocab_size <= kimi.FIRST_SPECIAL_ID:
+            raise ValueError(f"normal_vocab_size must be in (0, {kimi.FIRST_SPECIAL_ID}]")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One request's result as the server reports it."""
+
+    output_ids: list[int]
+    finish_reason: dict[str, Any]
+    #: SGLang's count: output tokens up to and including the first 163607, else all of them.
+    reasoning_tokens: int
+    #: Whether the natural output was a tool call (it may have been cut before the call).
+    tool_call: bool = False
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The natural output: its length and the special ids at fixed positions."""
+
+    length: int
+    specials: list[tuple[int, int]]  # (position, token id)
+    tool_call: bool
+
+
+def seed_bytes(input_ids: Sequence[int], sampling_seed: int | None) -> bytes:
+    """32 bytes that fix an output: blake2b over the uint32-LE ids and the seed."""
+    digest = hashlib.blake2b(digest_size=32)
+    digest.update(np.asarray(input_ids, dtype="<u4").tobytes())
+    digest.update(b"|seed=" + str(0 if sampling_seed is None else int(sampling_seed)).encode())
+    return digest.digest()
+
+
+def expected_generation(
+    input_ids: Sequence[int],
+    sampling_params: Mapping[str, Any] | None = None,
+    config: ContentConfig | None = None,
+) -> Generation:
+    """The exact output a simulator with ``config`` returns for this prompt and these sampling params.
+
+    Reads ``max_new_tokens`` (default 128), ``stop_token_ids``, ``ignore_eos`` and ``sampling_seed``;
+    other params (temperature, top_p, …) do not change the ids.
+    """
+    config = config or ContentConfig()
+    params = sampling_params or {}
+    max_new_tokens = params.get("max_new_tokens")
+    limit = DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else int(max_new_tokens)
+    ignore_eos = bool(params.get("ignore_eos") or False)
+    stop_ids = {int(t) for t in (params.get("stop_token_ids") or []) if t is not None}
+    stop_set = stop_ids | set(config.eos_token_ids)
+
+    rng = np.random.default_rng(int.from_bytes(seed_bytes(input_ids, params.get("sampling_seed")), "little"))
+    plan = _plan(rng, config)  # its draws depend on (ids, seed) only: the filler is the same for any cap
+    if limit <= 0:
+        return Generation([], {"type": "length", "length": limit}, 0, plan.tool_call)
+
+    # Without a stop on the natural end token the model decodes on (as ignore_eos does).
+    ends_naturally = not ignore_eos and kimi.IM_END in stop_set
+    needed = min(plan.length, limit) if ends_naturally else limit
+    seq = rng.integers(0, config.normal_vocab_size, size=needed, dtype=np.int64)
+    for position, token in plan.specials:
+        if position < needed:
+            seq[position] = token
+
+    output = seq.tolist()
+    if not ignore_eos:
+        first_stop = min((_index(output, token) for token in stop_set), default=len(output))
+        if first_stop < len(output):
+            output = output[: first_stop + 1]
+    if len(output) >= limit:
+        # SGLang checks length before stop tokens: a stop id in the last allowed slot is a length finish.
+        finish: dict[str, Any] = {"type": "length", "length": limit}
+    else:
+        finish = {"type": "stop", "matched": output[-1]}
+    return Generation(output, finish, reasoning_token_count(output), plan.tool_call)
+
+
+def _index(ids: list[int], token: int) -> int:
+    """Position of ``token`` in ``ids``, or ``len(ids)`` (C-speed ``list.index``)."""
+    try:
+        return ids.index(token)
+    except ValueError:
+        return len(ids)
+
+
+def reasoning_token_count(output_ids: Sequence[int], think_end_id: int = kimi.THINK_END) -> int:
+    """SGLang's ``reasoning_tokens``: tokens up to and including the first think-end, else all."""
+    try:
+        return list(output_ids).index(think_end_id) + 1
+    except ValueError:
+        return len(output_ids)
+
+
+def _plan(rng: np.random.Generator, config: ContentConfig) -> _Plan:
+    """Draw the natural length and where the special tokens go (independent of max_new_tokens)."""
+    drawn = rng.lognormal(np.log(config.length_median_tokens), config.length_sigma)
+    length = int(min(max(round(drawn), config.min_length_tokens), config.max_length_tokens))
+    share = rng.uniform(config.reasoning_share_min, config.reasoning_share_max)
+    reasoning = max(1, min(round(length * share), length - 2))
+    if rng.random() < config.tool_call_share:
+        return _plan_tool_call(rng, config, reasoning)
+
+    specials = [(length - 1, kimi.IM_END)]
+    if config.think_end:
+        specials.append((reasoning, kimi.THINK_END))
+    return _Plan(length, specials, tool_call=False)
+
+
+def _plan_tool_call(rng: np.random.Generator, config: ContentConfig, reasoning: int) -> _Plan:
+    """``reasoning, (163607, short answer)?, 163595, (163597 name 163598 args 163599)+, 163596, 163586``."""
+    specials: list[tuple[int, int]] = []
+    position = reasoning
+    direct = rng.random() < config.tool_call_direct_share
+    if not direct:
+        if config.think_end:
+            specials.append((position, kimi.THINK_END))
+            position += 1
+        position += int(rng.integers(0, 31))  # a short preamble such as "Let me check the weather."
+    specials.append((position, kimi.TOOL_CALLS_SECTION_BEGIN))
+    position += 1
+    calls = 1 + int(rng.binomial(config.max_tool_calls - 1, 0.2))
+    for _ in range(calls):
+        specials.append((position, kimi.TOOL_CALL_BEGIN))
+        position += 1 + int(rng.integers(4, 10))  # ids of "functions.get_weather:0"
+        specials.append((position, kimi.TOOL_CALL_ARGUMENT_BEGIN))
+        position += 1 + int(rng.integers(8, 81))  # ids of the JSON arguments
+        specials.append((position, kimi.TOOL_CALL_END))
+        position += 1
+    specials.append((position, kimi.TOOL_CALLS_SECTION_END))
+    specials.append((position + 1, kimi.IM_END))
+    return _Plan(position + 2, specials, tool_call=True)

@@ -1,0 +1,312 @@
+"""``POST/PUT /generate``: parse, validate, inject faults, run through the engine, answer (JSON or SSE)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from sglang_sim import protocol
+from sglang_sim.content import expected_generation, reasoning_token_count
+from sglang_sim.engine import QueueFullError, SimRequest
+from sglang_sim.faults import Fault
+
+if TYPE_CHECKING:
+    from sglang_sim.content import Generation
+    from sglang_sim.protocol import GenerateCall, GenerateItem
+    from sglang_sim.server import Simulator
+
+#: Where an app keeps its Simulator.
+SIM_KEY: web.AppKey[Simulator] = web.AppKey("sglang_sim")
+#: Message of the 503 /generate answers during an outage.
+OUTAGE_MESSAGE = "Service Unavailable: the server is down (sglang-sim outage)."
+_DROP = object()
+
+
+class CallItem:
+    """One prompt of an HTTP call while it runs: its expected output and its engine request."""
+
+    def __init__(self, call: Call, item: GenerateItem, generation: Generation) -> None:
+        self.call = call
+        self.item = item
+        self.generation = generation
+        self.req = SimRequest(
+            item.rid,
+            item.input_ids,
+            len(generation.output_ids),
+            on_finish=self._on_finish,
+            on_progress=self._on_progress if call.parsed.stream else None,
+        )
+        self.finished = False
+        self.sent_tokens = -1  # tokens in the last streamed chunk
+
+    def _on_finish(self, req: SimRequest) -> None:
+        self.finished = True
+        self.call.sim.on_item_finished(self)
+        self.call.item_finished(self)
+
+    def _on_progress(self, req: SimRequest, tokens: int) -> None:
+        self.call.events.put_nowait(("progress", self))
+
+    def output(self, final: bool) -> dict[str, Any]:
+        """The response dict for this item now (cumulative ids; ``finish_reason`` once final)."""
+        sim, req, params = self.call.sim, self.req, self.item.params
+        assert params is not None
+        finish: dict[str, Any] | None = None
+        if final and req.abort_message is None:
+            ids, finish = self.generation.output_ids, self.generation.finish_reason
+        else:
+            count = req.generated_tokens if final else req.reported_tokens
+            ids = self.generation.output_ids[:count]
+            if final:
+                finish = protocol.abort_reason(req.abort_message or "", waiting=req.aborted_while_waiting)
+        out: dict[str, Any] = {
+            "text": sim.codec.decode(ids, finish, params.skip_special_tokens, params.no_stop_trim),
+            "output_ids": ids,
+            "meta_info": protocol.meta_info(
+                rid=self.item.rid,
+                finish_reason=finish,
+                prompt_tokens=req.prompt_tokens,
+                weight_version=sim.config.server.weight_version,
+                reasoning_tokens=reasoning_token_count(ids) if self.call.parsed.require_reasoning else 0,
+                completion_tokens=len(ids),
+                cached_tokens=req.cached_tokens,
+                e2e_latency_s=req.e2e_latency_s if final else None,
+                sent_ts=time.time() if final else None,
+            ),
+        }
+        if self.call.parsed.return_prompt_token_ids:
+            out["prompt_token_ids"] = self.item.input_ids
+        if not self.call.parsed.is_single and self.call.parsed.stream:
+            out["index"] = self.item.index
+        return out
+
+
+class Call:
+    """One HTTP /generate call in flight (registered so an outage can drop its connection)."""
+
+    def __init__(self, sim: Simulator, parsed: GenerateCall) -> None:
+        self.sim = sim
+        self.parsed = parsed
+        self.items: list[CallItem] = []
+        self.pending = 0
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.events: asyncio.Queue[Any] = asyncio.Queue()
+        self.dropped = False
+
+    def item_finished(self, item: CallItem) -> None:
+        self.pending -= 1
+        if self.parsed.stream:
+            self.events.put_nowait(("finish", item))
+        if self.pending <= 0 and not self.done.done():
+            self.done.set_result(None)
+
+    def drop(self) -> None:
+        """Close the connection without an answer (the server died)."""
+        self.dropped = True
+        self.events.put_nowait(_DROP)
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+async def handle_generate(request: web.Request) -> web.StreamResponse:
+    sim = request.app[SIM_KEY]
+    sim.stats.generate_calls += 1
+    if sim.faults.in_outage():
+        sim.faults.injected["outage_503"] += 1
+        return _json(sim, protocol.error_response_body(OUTAGE_MESSAGE, 503), 503)
+    await sim.wait_started()
+
+    try:
+        body = protocol.parse_body(await request.read())
+    except protocol.InvalidBody as exc:
+        return _json(sim, exc.body, 400)
+    try:
+        parsed = protocol.normalize_call(body, sim.codec.encode)
+    except ValueError as exc:
+        return await _bad_request(sim, request, body.stream, str(exc))
+    sim.record_rids(parsed)
+    try:
+        for item in parsed.items:
+            protocol.validate_item(item, sim.limits, sim.codec.has_tokenizer)
+        for item in parsed.items:
+            if item.rid in sim.inflight:
+                raise protocol.BadRequest(f"Duplicate request ID detected: {item.rid}")
+    except protocol.BadRequest as exc:
+        return await _bad_request(sim, request, parsed.stream, str(exc))
+
+    fault = sim.faults.choose(_fault_key(parsed))
+    if fault is Fault.UNAVAILABLE:
+        return await _queue_full(sim, request, parsed)
+    call = Call(sim, parsed)
+    sim.calls.add(call)
+    try:
+        if fault is Fault.HANG:
+            return await _hang(sim, request, call)
+        for item in parsed.items:
+            call.items.append(CallItem(call, item, _generation(sim, item)))
+        call.pending = len(call.items)
+        if not _submit_all(sim, call):
+            return await _queue_full(sim, request, parsed)
+        if parsed.stream:
+            return await _stream(sim, request, call, drop=fault is Fault.DROP)
+        await call.done
+        if call.dropped:
+            return _close(sim, request, "outage_dropped")
+        outputs = [item.output(final=True) for item in call.items]
+        payload = protocol.dumps(outputs[0] if parsed.is_single else outputs)
+        if fault is Fault.DROP:
+            return await _send_partial(sim, request, payload)
+        sim.stats.by_status["200"] += 1
+        return web.Response(body=payload, content_type="application/json")
+    finally:
+        # A client that went away (handler cancelled) frees its slots, as SGLang aborts on disconnect.
+        sim.calls.discard(call)
+        unfinished = [item for item in call.items if not item.finished]
+        for item in unfinished:
+            sim.engine.cancel(item.req)
+        for item in call.items:
+            if sim.inflight.get(item.item.rid) is item:
+                del sim.inflight[item.item.rid]
+
+
+def _generation(sim: Simulator, item: GenerateItem) -> Generation:
+    assert item.params is not None
+    params = {
+        "max_new_tokens": item.max_new_tokens,
+        "stop_token_ids": sorted(item.params.stop_token_ids),
+        "ignore_eos": item.params.ignore_eos,
+        "sampling_seed": item.params.sampling_seed,
+    }
+    return expected_generation(item.input_ids, params, sim.config.content)
+
+
+def _submit_all(sim: Simulator, call: Call) -> bool:
+    """Register and submit every item; on a full queue undo them all and return False."""
+    for item in call.items:
+        sim.inflight[item.item.rid] = item
+    for submitted, item in enumerate(call.items):
+        try:
+            sim.engine.submit(item.req)
+        except QueueFullError:
+            for earlier in call.items[:submitted]:
+                sim.engine.cancel(earlier.req)
+            for each in call.items:
+                if sim.inflight.get(each.item.rid) is each:
+                    del sim.inflight[each.item.rid]
+                each.finished = True
+            return False
+    return True
+
+
+def _fault_key(parsed: GenerateCall) -> str:
+    """Per-call fault key: the client's rids, else the prompts (uuid rids would not be reproducible)."""
+    if parsed.client_rids:
+        return ",".join(item.rid for item in parsed.items)
+    return ",".join(str(hash(tuple(item.input_ids))) for item in parsed.items)
+
+
+async def _stream(sim: Simulator, request: web.Request, call: Call, drop: bool) -> web.StreamResponse:
+    """SSE with cumulative ``text``/``output_ids``; ``finish_reason`` null until each item's last chunk."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    finished = 0
+    while finished < len(call.items):
+        event = await call.events.get()
+        if event is _DROP:
+            return _close(sim, request, "outage_dropped", resp)
+        kind, item = event
+        final = kind == "finish"
+        if not final and (item.finished or item.req.reported_tokens <= item.sent_tokens):
+            continue  # superseded by a later event
+        item.sent_tokens = item.req.reported_tokens
+        await resp.write(protocol.sse(item.output(final=final)))
+        if drop and (final or 2 * item.req.reported_tokens >= item.req.output_len):
+            return _close(sim, request, "drop", resp)
+        finished += final
+    await resp.write(protocol.SSE_DONE)
+    sim.stats.by_status["200"] += 1
+    return resp
+
+
+async def _bad_request(sim: Simulator, request: web.Request, stream: bool, message: str) -> web.StreamResponse:
+    if not stream:
+        return _json(sim, protocol.error_body(message), 400)
+    # SGLang validates inside the streaming generator: the 200 SSE response carries the error.
+    sim.stats.by_status["200"] += 1
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(protocol.sse(protocol.stream_error_chunk(message)) + protocol.SSE_DONE)
+    return resp
+
+
+async def _queue_full(sim: Simulator, request: web.Request, parsed: GenerateCall) -> web.StreamResponse:
+    """SGLang's queue-full abort: 503 ErrorResponse, or (streaming) an abort chunk then [DONE]."""
+    if not parsed.stream:
+        return _json(sim, protocol.error_response_body(protocol.QUEUE_FULL_MESSAGE, 503), 503)
+    sim.stats.by_status["200"] += 1
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for item in parsed.items:
+        chunk: dict[str, Any] = {
+            "text": "",
+            "output_ids": [],
+            "meta_info": protocol.meta_info(
+                rid=item.rid,
+                finish_reason=protocol.abort_reason(protocol.QUEUE_FULL_MESSAGE, status_code=503),
+                prompt_tokens=len(item.input_ids),
+                weight_version=sim.config.server.weight_version,
+                reasoning_tokens=0,
+                completion_tokens=0,
+                cached_tokens=0,
+            ),
+        }
+        if not parsed.is_single:
+            chunk["index"] = item.index
+        await resp.write(protocol.sse(chunk))
+    await resp.write(protocol.SSE_DONE)
+    return resp
+
+
+async def _hang(sim: Simulator, request: web.Request, call: Call) -> web.StreamResponse:
+    """Hold the rids and never answer; ends when the client disconnects (or an outage drops it)."""
+    sim.stats.by_status["hang"] += 1
+    held = [item.rid for item in call.parsed.items]
+    for rid in held:
+        sim.inflight[rid] = call
+    try:
+        await call.done  # only an outage resolves it
+        return _close(sim, request, "outage_dropped")
+    finally:
+        for rid in held:
+            if sim.inflight.get(rid) is call:
+                del sim.inflight[rid]
+
+
+async def _send_partial(sim: Simulator, request: web.Request, payload: bytes) -> web.StreamResponse:
+    """Headers and half the body, then the connection closes: the client sees a truncated payload."""
+    resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+    resp.content_length = len(payload)
+    await resp.prepare(request)
+    await resp.write(payload[: max(1, len(payload) // 2)])
+    return _close(sim, request, "drop", resp)
+
+
+def _close(
+    sim: Simulator, request: web.Request, kind: str, resp: web.StreamResponse | None = None
+) -> web.StreamResponse:
+    """Close the connection under the client (what a crashed or flaky server looks like)."""
+    sim.stats.by_status[kind] += 1
+    if kind == "outage_dropped":
+        sim.faults.injected[kind] += 1
+    if request.transport is not None:
+        request.transport.close()
+    # aiohttp's final write hits the closed connection and is discarded (ConnectionError is expected).
+    return resp if resp is not None else web.Response(status=200)
+
+
+def _json(sim: Simulator, body: Any, status: int) -> web.Response:
+    sim.stats.by_status[str(status)] += 1
+    return web.Response(body=protocol.dumps(body), status=status, content_type="application/json")

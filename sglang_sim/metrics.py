@@ -1,0 +1,118 @@
+"""What the simulator counts: SGLang's Prometheus metrics and the test-facing ``/control/stats``.
+
+Each simulator owns a :class:`~prometheus_client.CollectorRegistry`, so several can run in one
+process. Metric names and the ``model_name`` label follow SGLang's ``metrics_collector.py``;
+latencies are in *simulated* seconds.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client import Counter as PromCounter
+
+from sglang_sim.engine import Engine
+
+#: SGLang's buckets for sglang:e2e_request_latency_seconds.
+E2E_BUCKETS_S = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400)
+
+
+class SimMetrics:
+    """Prometheus collectors; gauges are read from the engine at scrape time."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        reg = self.registry
+
+        # Children are bound once: a labels() lookup per request costs more than the increment.
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, list(labels), registry=reg).labels(**labels)
+
+        def counter(name: str, doc: str) -> Any:
+            return PromCounter(name, doc, list(labels), registry=reg).labels(**labels)
+
+        self.num_running_reqs = gauge("sglang:num_running_reqs", "The number of running requests.")
+        self.num_queue_reqs = gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.")
+        self.gen_throughput = gauge("sglang:gen_throughput", "The generation throughput (token/s).")
+        self.cache_hit_rate = gauge("sglang:cache_hit_rate", "The prefix cache hit rate.")
+        self.context_len = gauge("sglang:context_len", "The context length.")
+        self.prompt_tokens = counter("sglang:prompt_tokens_total", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("sglang:generation_tokens_total", "Number of generation tokens processed.")
+        self.cached_tokens = counter("sglang:cached_tokens_total", "Number of cached prompt tokens.")
+        self.num_requests = counter("sglang:num_requests_total", "Number of requests processed.")
+        self.num_aborted = counter("sglang:num_aborted_requests_total", "Number of requests aborted.")
+        self.e2e_latency = Histogram(
+            "sglang:e2e_request_latency_seconds",
+            "Histogram of end-to-end request latency in seconds (simulated)",
+            list(labels),
+            buckets=E2E_BUCKETS_S,
+            registry=reg,
+        ).labels(**labels)
+
+    def observe_finish(
+        self, prompt_tokens: int, cached_tokens: int, completion_tokens: int, e2e_s: float, aborted: bool
+    ) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        self.num_requests.inc()
+        if aborted:
+            self.num_aborted.inc()
+        self.e2e_latency.observe(e2e_s)
+
+    def render(self, engine: Engine, context_len: int) -> bytes:
+        """Prometheus text exposition, gauges refreshed from the engine."""
+        stats = engine.stats
+        self.num_running_reqs.set(engine.num_running)
+        self.num_queue_reqs.set(engine.num_waiting)
+        self.gen_throughput.set(engine.gen_throughput_tok_s())
+        hit = stats.cached_tokens_total / stats.prompt_tokens_total if stats.prompt_tokens_total else 0.0
+        self.cache_hit_rate.set(hit)
+        self.context_len.set(context_len)
+        return generate_latest(self.registry)
+
+
+@dataclass
+class CallStats:
+    """Counts a test needs to prove what reached the server (``GET /control/stats``)."""
+
+    #: HTTP calls to /generate, whatever their outcome.
+    generate_calls: int = 0
+    #: Items (batch members) that passed parsing and got a rid.
+    generate_items: int = 0
+    #: /generate responses by HTTP status ("200", "400", "503") or "drop"/"hang".
+    by_status: Counter[str] = field(default_factory=Counter)
+    #: Items that finished with stop/length, and with abort.
+    completed: int = 0
+    aborted: int = 0
+    #: How many /generate items carried each rid.
+    rids: Counter[str] = field(default_factory=Counter)
+
+    def snapshot(self, engine: Engine, faults: dict[str, int], include_rids: bool) -> dict[str, Any]:
+        stats = engine.stats
+        out: dict[str, Any] = {
+            "generate_calls": self.generate_calls,
+            "generate_items": self.generate_items,
+            "by_status": dict(self.by_status),
+            "completed": self.completed,
+            "aborted": self.aborted,
+            "faults": dict(faults),
+            "running": engine.num_running,
+            "waiting": engine.num_waiting,
+            "peak_running": stats.peak_running,
+            "sim_time_s": engine.now_s,
+            "decoded_tokens": stats.decoded_tokens,
+            "generation_tokens_total": stats.generation_tokens_total,
+            "prompt_tokens_total": stats.prompt_tokens_total,
+            "cached_tokens_total": stats.cached_tokens_total,
+            "queue_full_rejections": stats.queue_full_rejections,
+            "gen_throughput": engine.gen_throughput_tok_s(),
+            "distinct_rids": len(self.rids),
+        }
+        if include_rids:
+            out["rids"] = dict(self.rids)
+        return out

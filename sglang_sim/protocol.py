@@ -1,0 +1,477 @@
+"""SGLang's native ``/generate`` wire format as the simulator speaks it.
+
+Request parsing and validation, response and error bodies, SSE framing — with SGLang's own wording
+(reference §1; checked against ``entrypoints/http_server.py``, ``managers/tokenizer_manager.py``,
+``managers/io_struct.py`` and ``sampling/sampling_params.py``).
+
+Two error paths, as in SGLang:
+
+- :class:`InvalidBody` — the body is not JSON or has wrong types (FastAPI's ``RequestValidationError``,
+  turned into 400): ``{"object":"error","message":…,"type":"Bad Request","param":null,"code":400}``.
+- :class:`BadRequest` — a ``ValueError`` raised while validating (empty input, too long, bad sampling
+  params, duplicate rid): 400 ``{"error":{"message":…}}``; for ``stream: true`` SGLang has already
+  started the SSE response, so it is one ``data: {"error":…}`` chunk and ``data: [DONE]`` with 200.
+
+Where the simulator cannot imitate a feature (logprobs, input_embeds, n > 1) it refuses with a 400
+that says so instead of returning something plausible but fake.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+
+from sglang_sim.content import DEFAULT_MAX_NEW_TOKENS
+
+QUEUE_FULL_MESSAGE = "The request queue is full."
+SSE_DONE = b"data: [DONE]\n\n"
+_SAMPLING_EPS = 1e-6
+_TOP_K_ALL = 1 << 30
+
+
+class InvalidBody(Exception):
+    """FastAPI-style validation failure → 400 with SGLang's ErrorResponse shape."""
+
+    def __init__(self, errors: list[dict[str, Any]]) -> None:
+        n = len(errors)
+        head = f"{n} validation error{'s' if n != 1 else ''}:\n" + "".join(f"  {e}\n" for e in errors)
+        super().__init__(f"{head} {errors}")
+        self.errors = errors
+
+    @property
+    def body(self) -> dict[str, Any]:
+        return error_response_body(str(self), 400, "Bad Request")
+
+
+class BadRequest(ValueError):
+    """A ``ValueError`` SGLang raises while validating a request → 400 ``{"error":{"message"}}``."""
+
+
+def error_body(message: str) -> dict[str, Any]:
+    """``_create_error_response``: the body of a 400 from a ValueError."""
+    return {"error": {"message": message}}
+
+
+def error_response_body(message: str, status: int, type_: str | None = None) -> dict[str, Any]:
+    """``ErrorResponse`` (HTTPException handler): used for 503s and body validation errors."""
+    return {"object": "error", "message": message, "type": type_ or str(status), "param": None, "code": status}
+
+
+def stream_error_chunk(message: str) -> dict[str, Any]:
+    """The chunk SGLang emits when a streamed request fails validation, before ``[DONE]``."""
+    return {"error": {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}}
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def sse(obj: Any) -> bytes:
+    """One SSE event: ``data: <json>`` and a blank line."""
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+# -- request body ------------------------------------------------------------------------------------
+class _GenerateBody(BaseModel):
+    """The typed part of ``GenerateReqInput`` (unknown fields are ignored, as FastAPI does)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: list[str] | str | None = None
+    input_ids: list[list[int]] | list[int] | None = None
+    input_embeds: list[Any] | None = None
+    sampling_params: list[dict[str, Any]] | dict[str, Any] | None = None
+    rid: list[str] | str | None = None
+    return_logprob: list[bool] | bool | None = None
+    stream: bool = False
+    return_prompt_token_ids: bool = False
+    require_reasoning: bool = False
+    return_hidden_states: list[bool] | bool = False
+
+
+_INPUT_IDS = TypeAdapter(list[list[int]] | list[int] | None)
+
+
+def parse_body(raw: bytes) -> _GenerateBody:
+    """JSON bytes → typed body; raises :class:`InvalidBody` like FastAPI would."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        pos = getattr(exc, "pos", 0)
+        detail = getattr(exc, "msg", str(exc))
+        raise InvalidBody(
+            [
+                {
+                    "type": "json_invalid",
+                    "loc": ("body", pos),
+                    "msg": "JSON decode error",
+                    "input": {},
+                    "ctx": {"error": detail},
+                }
+            ]
+        ) from None
+    # input_ids is the bulk of a body: a plain list of ints skips pydantic (which checks every element).
+    input_ids = data.pop("input_ids", None) if isinstance(data, dict) else None
+    errors: list[dict[str, Any]] = []
+    if not _is_id_list(input_ids):
+        try:
+            input_ids = _INPUT_IDS.validate_python(input_ids)
+        except ValidationError as exc:
+            errors += _errors(exc, ("body", "input_ids"))
+    try:
+        body = _GenerateBody.model_validate(data)
+    except ValidationError as exc:
+        errors += _errors(exc, ("body",))
+    if errors:
+        raise InvalidBody(errors)
+    body.input_ids = input_ids
+    return body
+
+
+def _is_id_list(value: Any) -> bool:
+    if type(value) is not list:
+        return False
+    if all(type(t) is int for t in value):
+        return True
+    return all(type(row) is list and all(type(t) is int for t in row) for row in value)
+
+
+def _errors(exc: ValidationError, prefix: tuple[Any, ...]) -> list[dict[str, Any]]:
+    errors = []
+    for err in exc.errors(include_url=False):
+        entry = {"type": err["type"], "loc": (*prefix, *err["loc"]), "msg": err["msg"], "input": err["input"]}
+        if "ctx" in err:
+            entry["ctx"] = {k: str(v) for k, v in err["ctx"].items()}
+        errors.append(entry)
+    return errors
+
+
+# -- sampling params -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SamplingParams:
+    """``SamplingParams`` after ``__post_init__``/``normalize``/``verify`` (the fields the sim uses)."""
+
+    max_new_tokens: int | None
+    stop_token_ids: frozenset[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    ignore_eos: bool
+    skip_special_tokens: bool
+    no_stop_trim: bool
+    sampling_seed: int | None
+
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
+_INT_FIELDS = ("max_new_tokens", "top_k", "min_new_tokens", "n", "sampling_seed", "stream_interval")
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
+_OTHER_FIELDS = (
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "custom_params",
+    "logit_bias",
+)
+_KNOWN_FIELDS = frozenset(_FLOAT_FIELDS + _INT_FIELDS + _BOOL_FIELDS + _OTHER_FIELDS)
+_DEFAULTS: dict[str, Any] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "n": 1,
+    "ignore_eos": False,
+    "skip_special_tokens": True,
+    "no_stop_trim": False,
+}
+
+
+def parse_sampling_params(raw: dict[str, Any], vocab_size: int, has_tokenizer: bool) -> SamplingParams:
+    """Validate one item's ``sampling_params`` with SGLang's rules and messages."""
+    for key in raw:
+        if key not in _KNOWN_FIELDS:
+            raise BadRequest(f"Unexpected keyword argument '{key}'")
+    p = {**_DEFAULTS, **{k: v for k, v in raw.items() if v is not None}}
+    p.setdefault("max_new_tokens", None if "max_new_tokens" in raw else DEFAULT_MAX_NEW_TOKENS)
+    _check_types(p)
+    if 0 <= p["temperature"] < _SAMPLING_EPS:  # greedy: SGLang rewrites it as top_k = 1
+        p["temperature"], p["top_k"] = 1.0, 1
+    if p["top_k"] == -1:
+        p["top_k"] = _TOP_K_ALL
+    _verify(p, vocab_size)
+    _require_tokenizer(p, has_tokenizer)
+    if p["n"] != 1:
+        raise BadRequest("sglang-sim does not simulate parallel sampling (n > 1); send n requests instead.")
+    stop_ids = p.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in stop_ids):
+        raise BadRequest(f"stop_token_ids must be a list of token ids, got {stop_ids!r}.")
+    return SamplingParams(
+        max_new_tokens=p["max_new_tokens"],
+        stop_token_ids=frozenset(stop_ids),
+        temperature=float(p["temperature"]),
+        top_p=float(p["top_p"]),
+        top_k=int(p["top_k"]),
+        min_p=float(p["min_p"]),
+        ignore_eos=bool(p["ignore_eos"]),
+        skip_special_tokens=bool(p["skip_special_tokens"]),
+        no_stop_trim=bool(p["no_stop_trim"]),
+        sampling_seed=p.get("sampling_seed"),
+    )
+
+
+def _check_types(p: dict[str, Any]) -> None:
+    """SGLang would fail with a TypeError (HTTP 500) here; the simulator says what is wrong instead."""
+    for name in _FLOAT_FIELDS:
+        value = p.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise BadRequest(f"sampling_params.{name} must be a number, got {value!r}.")
+    for name in _INT_FIELDS:
+        value = p.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise BadRequest(f"sampling_params.{name} must be an integer, got {value!r}.")
+    for name in _BOOL_FIELDS:
+        value = p.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise BadRequest(f"sampling_params.{name} must be a boolean, got {value!r}.")
+
+
+def _verify(p: dict[str, Any], vocab_size: int) -> None:
+    """``SamplingParams.verify``, same order and wording."""
+    if not math.isfinite(p["temperature"]) or p["temperature"] < 0.0:
+        raise BadRequest(f"temperature must be a non-negative finite number, got {p['temperature']}.")
+    if not 0.0 < p["top_p"] <= 1.0:
+        raise BadRequest(f"top_p must be in (0, 1], got {p['top_p']}.")
+    if not 0.0 <= p["min_p"] <= 1.0:
+        raise BadRequest(f"min_p must be in [0, 1], got {p['min_p']}.")
+    if p["top_k"] < 1 or p["top_k"] == -1:
+        raise BadRequest(f"top_k must be -1 (disable) or at least 1, got {p['top_k']}.")
+    if not -2.0 <= p["frequency_penalty"] <= 2.0:
+        raise BadRequest(f"frequency_penalty must be in [-2, 2], got {p['frequency_penalty']}.")
+    if not -2.0 <= p["presence_penalty"] <= 2.0:
+        raise BadRequest(f"presence_penalty must be in [-2, 2], got {p['presence_penalty']}.")
+    if not 0.0 < p["repetition_penalty"] <= 2.0:
+        raise BadRequest(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {p['repetition_penalty']}.")
+    if p["min_new_tokens"] < 0:
+        raise BadRequest(f"min_new_tokens must be in [0, max_new_tokens], got {p['min_new_tokens']}.")
+    max_new = p["max_new_tokens"]
+    if max_new is not None:
+        if max_new < 0:
+            raise BadRequest(f"max_new_tokens must be at least 0, got {max_new}.")
+        if not p["min_new_tokens"] <= max_new:
+            raise BadRequest(f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {p['min_new_tokens']}.")
+    for token_id in p.get("logit_bias") or {}:
+        if not 0 <= int(token_id) < vocab_size:
+            raise BadRequest(f"logit_bias must has keys in [0, {vocab_size - 1}], got {token_id}.")
+    if sum(p.get(k) is not None for k in ("json_schema", "regex", "ebnf")) > 1:
+        raise BadRequest("Only one of regex, json_schema, or ebnf can be set.")
+
+
+def _require_tokenizer(p: dict[str, Any], has_tokenizer: bool) -> None:
+    """``raise_if_tokenizer_required``: string stops and min_new_tokens need a tokenizer."""
+    if has_tokenizer:
+        return
+    if p.get("stop"):
+        raise BadRequest(
+            f"stop={p['stop']!r} is unavailable when skip_tokenizer_init=True "
+            "(requires tokenizer to decode tokens to text for matching)."
+        )
+    if p.get("stop_regex"):
+        raise BadRequest(
+            f"stop_regex={p['stop_regex']!r} is unavailable when skip_tokenizer_init=True "
+            "(requires tokenizer to decode tokens to text for matching)."
+        )
+    if p["min_new_tokens"] > 0:
+        raise BadRequest(
+            f"min_new_tokens={p['min_new_tokens']} is unavailable when skip_tokenizer_init=True "
+            "(requires tokenizer for eos_token_id)."
+        )
+
+
+# -- normalized call ---------------------------------------------------------------------------------
+@dataclass
+class GenerateItem:
+    """One prompt of a call (a batch has several)."""
+
+    index: int
+    rid: str
+    input_ids: list[int]
+    raw_sampling_params: dict[str, Any]
+    params: SamplingParams | None = None  # set by validate_item
+    #: max_new_tokens after SGLang's defaults (None → what the context leaves).
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+
+
+@dataclass
+class GenerateCall:
+    items: list[GenerateItem]
+    is_single: bool
+    stream: bool
+    return_prompt_token_ids: bool
+    require_reasoning: bool
+    #: True when the client chose the rids (fault choice keys on them then).
+    client_rids: bool = field(default=False)
+
+
+@dataclass(frozen=True)
+class Limits:
+    context_length: int
+    vocab_size: int
+    max_req_input_len: int
+
+
+def normalize_call(body: _GenerateBody, encode: Callable[[str], list[int]]) -> GenerateCall:
+    """``GenerateReqInput.normalize_batch_and_arguments`` (plus tokenizing ``text``)."""
+    if body.text is None and body.input_ids is None and body.input_embeds is None:
+        raise BadRequest("Either text, input_ids or input_embeds should be provided.")
+    if body.return_logprob is True or (isinstance(body.return_logprob, list) and any(body.return_logprob)):
+        raise BadRequest("sglang-sim does not simulate logprobs; send return_logprob=false.")
+    if body.return_hidden_states is True or (
+        isinstance(body.return_hidden_states, list) and any(body.return_hidden_states)
+    ):
+        raise BadRequest(
+            "The server is not configured to return the hidden states. "
+            "Please set `--enable-return-hidden-states` to enable this feature."
+        )
+    prompts = _prompts(body, encode)
+    is_single = not (isinstance(body.text, list) or (body.text is None and isinstance(body.input_ids[0], list)))  # type: ignore[index]
+    n = len(prompts)
+    params = _per_item_sampling_params(body.sampling_params, is_single, n)
+    rids = _rids(body.rid, is_single, n)
+    if len(set(rids)) != len(rids):
+        counts = Counter(rids)
+        duplicates = [rid for rid, count in counts.items() if count > 1]
+        raise BadRequest(f"Duplicate request IDs detected within the request: {duplicates}")
+    items = [GenerateItem(i, rids[i], prompts[i], params[i]) for i in range(n)]
+    return GenerateCall(
+        items=items,
+        is_single=is_single,
+        stream=body.stream,
+        return_prompt_token_ids=body.return_prompt_token_ids,
+        require_reasoning=body.require_reasoning,
+        client_rids=body.rid is not None,
+    )
+
+
+def _prompts(body: _GenerateBody, encode: Callable[[str], list[int]]) -> list[list[int]]:
+    if body.text is not None:
+        texts = [body.text] if isinstance(body.text, str) else body.text
+        return [encode(text) for text in texts]
+    if body.input_ids is None:
+        raise BadRequest("sglang-sim does not simulate input_embeds; send input_ids.")
+    if len(body.input_ids) == 0:
+        raise BadRequest("input_ids cannot be empty.")
+    if isinstance(body.input_ids[0], list):
+        return [list(ids) for ids in body.input_ids]  # type: ignore[arg-type]
+    return [list(body.input_ids)]  # type: ignore[arg-type]
+
+
+def _per_item_sampling_params(raw: Any, is_single: bool, n: int) -> list[dict[str, Any]]:
+    if raw is None:
+        return [{} for _ in range(n)]
+    if isinstance(raw, dict):
+        return [raw] * n
+    if is_single:
+        raise BadRequest("sampling_params should be a dict for a single request.")
+    if len(raw) != n:
+        raise BadRequest("The length of sampling_params should be equal to the batch size.")
+    return list(raw)
+
+
+def _rids(raw: Any, is_single: bool, n: int) -> list[str]:
+    if is_single:
+        if raw is None:
+            return [uuid.uuid4().hex]
+        if not isinstance(raw, str):
+            raise BadRequest("The rid should be a string for a single request.")
+        return [raw]
+    if raw is None:
+        return [uuid.uuid4().hex for _ in range(n)]
+    if isinstance(raw, str):
+        return [f"{raw}_{i}" for i in range(n)]
+    if len(raw) != n:
+        raise BadRequest("The specified rids length mismatch with the batch_size for batch processing.")
+    return list(raw)
+
+
+def validate_item(item: GenerateItem, limits: Limits, has_tokenizer: bool) -> None:
+    """The tokenizer manager's per-request checks, in its order; fills ``params``/``max_new_tokens``."""
+    ids = item.input_ids
+    if ids and max(ids) >= limits.vocab_size:
+        raise BadRequest(f"The input_ids {ids} contains values greater than the vocab size ({limits.vocab_size}).")
+    if ids and min(ids) < 0:
+        raise BadRequest(f"The input_ids {ids} contains negative values; token ids are in [0, {limits.vocab_size}).")
+    n = len(ids)
+    if n >= limits.context_length:
+        raise BadRequest(
+            f"The input ({n} tokens) is longer than the model's context length ({limits.context_length} tokens)."
+        )
+    max_new = item.raw_sampling_params.get("max_new_tokens")
+    if isinstance(max_new, int) and not isinstance(max_new, bool) and max_new + n >= limits.context_length:
+        raise BadRequest(
+            f"Requested token count exceeds the model's maximum context length of {limits.context_length} "
+            f"tokens. You requested a total of {max_new + n} tokens: {n} tokens from the input messages and "
+            f"{max_new} tokens for the completion. Please reduce the number of tokens in the input messages "
+            "or the completion to fit within the limit."
+        )
+    if n >= limits.max_req_input_len:
+        raise BadRequest(
+            f"Input length ({n} tokens) exceeds the maximum allowed length ({limits.max_req_input_len} "
+            "tokens). Use a shorter input or enable --allow-auto-truncate."
+        )
+    item.params = parse_sampling_params(item.raw_sampling_params, limits.vocab_size, has_tokenizer)
+    # The scheduler turns max_new_tokens=None into "whatever the context leaves".
+    item.max_new_tokens = (
+        limits.context_length - n - 1 if item.params.max_new_tokens is None else item.params.max_new_tokens
+    )
+
+
+# -- response ----------------------------------------------------------------------------------------
+def meta_info(
+    *,
+    rid: str,
+    finish_reason: dict[str, Any] | None,
+    prompt_tokens: int,
+    weight_version: str,
+    reasoning_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    e2e_latency_s: float | None = None,
+    sent_ts: float | None = None,
+) -> dict[str, Any]:
+    """``meta_info`` in ``_handle_batch_output``'s key order; ``e2e_latency`` only once finished."""
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": finish_reason,
+        "prompt_tokens": prompt_tokens,
+        "weight_version": weight_version,
+        "num_retractions": 0,
+        "reasoning_tokens": reasoning_tokens,
+        "completion_tokens": completion_tokens,
+        "cached_tokens": cached_tokens,
+    }
+    if e2e_latency_s is not None:
+        meta["e2e_latency"] = e2e_latency_s
+        meta["response_sent_to_client_ts"] = sent_ts
+    return meta
+
+
+def abort_reason(message: str, status_code: int | None = None, waiting: bool = False) -> dict[str, Any]:
+    """``FINISH_ABORT.to_json`` (running) or the tokenizer manager's waiting-queue abort shape."""
+    if waiting:
+        return {"type": "abort", "message": message}
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": None}

@@ -1,0 +1,395 @@
+"""The simulator's aiohttp application: state (:class:`Simulator`) and every route but /generate.
+
+Native SGLang routes: ``/generate`` (see :mod:`sglang_sim.generate`), ``/health``,
+``/health_generate``, ``/model_info`` (+ ``/get_model_info``), ``/server_info`` (+
+``/get_server_info``), ``/v1/models``, ``/flush_cache``, ``/abort_request``, ``/metrics``.
+
+Control routes (simulator only):
+
+- ``GET /control/faults`` → the fault settings; ``POST /control/faults`` with any of
+  ``{"fault_503_rate", "fault_drop_rate", "fault_hang_rate", "fault_seed"}`` changes them.
+- ``POST /control/outage`` ``{"duration_s": 30, "mode": "drop"|"abort"}``: from now on /generate and
+  /health* answer 503 for ``duration_s`` wall seconds; in-flight calls are dropped (connection closed,
+  default) or aborted (200 with ``finish_reason.type == "abort"``). ``duration_s: 0`` ends an outage.
+- ``GET /control/stats[?rids=0]`` → counts (see :class:`~sglang_sim.metrics.CallStats`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from sglang_sim import protocol
+from sglang_sim.config import SGLANG_VERSION, SimConfig
+from sglang_sim.engine import Engine
+from sglang_sim.faults import FaultInjector
+from sglang_sim.generate import SIM_KEY, Call, CallItem, handle_generate
+from sglang_sim.metrics import CallStats, SimMetrics
+from sglang_sim.protocol import GenerateCall, Limits
+from sglang_sim.text import TextCodec
+
+logger = logging.getLogger("sglang_sim")
+
+
+class SimClock:
+    """Simulated seconds since start: wall time × ``time_scale``, minus the time the process was overloaded.
+
+    When the event loop wakes the scheduler tick later than ``max_tick_lag_s``, the simulator's own
+    process could not keep up (a busy CPU, not a slow client): the excess lag is not charged as
+    simulated time, so a saturated simulator slows its clock instead of showing an idle GPU.
+    """
+
+    def __init__(self, time_scale: float, max_tick_lag_s: float | None) -> None:
+        self.time_scale = time_scale
+        self.max_tick_lag_s = max_tick_lag_s
+        self.paused_wall_s = 0.0
+        self._t0 = time.monotonic()
+        self._last_s = 0.0
+
+    def now_s(self) -> float:
+        now = (time.monotonic() - self._t0 - self.paused_wall_s) * self.time_scale
+        self._last_s = max(self._last_s, now)  # never backwards, even right after a pause is booked
+        return self._last_s
+
+    def note_tick_lag(self, lag_s: float) -> None:
+        if self.max_tick_lag_s is not None and lag_s > self.max_tick_lag_s:
+            self.paused_wall_s += lag_s - self.max_tick_lag_s
+
+
+class Simulator:
+    """Everything one simulated server holds; created per app (several may share a process)."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        server = config.server
+        lag_s = None if server.max_tick_lag_ms is None else server.max_tick_lag_ms / 1000.0
+        self.clock = SimClock(server.time_scale, lag_s)
+        self.engine = Engine(config.engine, self.clock.now_s)
+        self.codec = TextCodec(server.tokenizer)
+        self.faults = FaultInjector(config.faults)
+        self.metrics = SimMetrics(server.model_name)
+        self.stats = CallStats()
+        self.limits = Limits(server.context_length, server.vocab_size, server.max_req_input_len)
+        #: rid → the item (or hanging call) holding it; SGLang's ``rid_to_state``.
+        self.inflight: dict[str, CallItem | Call] = {}
+        self.calls: set[Call] = set()
+        self.created_unix_s = int(time.time())
+        self._started = asyncio.Event()
+        self._ticker: asyncio.Task[None] | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if not self.faults.starting():
+            self._started.set()
+        self._ticker = asyncio.create_task(self._tick_loop(), name="sglang-sim-ticker")
+
+    async def stop(self) -> None:
+        for call in list(self.calls):
+            call.drop()
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+
+    async def wait_started(self) -> None:
+        await self._started.wait()
+
+    async def _tick_loop(self) -> None:
+        """The scheduler loop: one task advances every request (no per-request sleeps)."""
+        tick_s = self.config.server.tick_ms / 1000.0
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + tick_s
+            await asyncio.sleep(tick_s)
+            self.clock.note_tick_lag(loop.time() - due)
+            if not self._started.is_set() and not self.faults.starting():
+                self._started.set()
+            if self.faults.scheduled_outage_due():
+                self.begin_outage(self.config.faults.outage_duration_s, mode="drop")
+            try:
+                self.engine.advance()
+            except Exception:  # a bug here must not silently freeze every request
+                logger.exception("engine tick failed")
+
+    # -- events -------------------------------------------------------------------------------------
+    def record_rids(self, parsed: GenerateCall) -> None:
+        self.stats.generate_items += len(parsed.items)
+        self.stats.rids.update(item.rid for item in parsed.items)
+
+    def on_item_finished(self, item: CallItem) -> None:
+        req = item.req
+        aborted = req.abort_message is not None
+        if aborted:
+            self.stats.aborted += 1
+        else:
+            self.stats.completed += 1
+        if self.inflight.get(item.item.rid) is item:
+            del self.inflight[item.item.rid]  # SGLang drops rid_to_state on finish
+        self.metrics.observe_finish(
+            req.prompt_tokens, req.cached_tokens, req.generated_tokens, req.e2e_latency_s, aborted
+        )
+
+    def begin_outage(self, duration_s: float, mode: str = "drop") -> None:
+        """The server goes down: in-flight calls are dropped (or aborted), new ones get 503."""
+        if duration_s <= 0:
+            self.faults.end_outage()
+            return
+        logger.warning("outage for %.1f s (mode %s)", duration_s, mode)
+        self.faults.start_outage(duration_s)
+        for call in list(self.calls):
+            if mode == "drop" or not call.items:  # a hanging call has no engine work to abort
+                call.drop()
+        self.engine.abort(abort_all=True)
+
+
+# -- routes ------------------------------------------------------------------------------------------
+def _sim(request: web.Request) -> Simulator:
+    return request.app[SIM_KEY]
+
+
+async def health(request: web.Request) -> web.Response:
+    sim = _sim(request)
+    unavailable = sim.faults.starting() or sim.faults.in_outage()
+    return web.Response(status=503 if unavailable else 200)
+
+
+async def model_info(request: web.Request) -> web.Response:
+    server = _sim(request).config.server
+    return web.json_response(
+        {
+            "model_path": server.model_path,
+            "tokenizer_path": server.tokenizer or server.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": server.weight_version,
+            "has_image_understanding": True,  # Kimi-K2.5 is natively multimodal
+            "has_audio_understanding": False,
+            "model_type": "kimi_k25",
+            "architectures": ["KimiK25ForConditionalGeneration"],
+        }
+    )
+
+
+def _server_args(sim: Simulator) -> dict[str, Any]:
+    """The ``ServerArgs`` fields a client may read, with the simulator's values."""
+    server, engine = sim.config.server, sim.config.engine
+    return {
+        "model_path": server.model_path,
+        "tokenizer_path": server.tokenizer or server.model_path,
+        "served_model_name": server.model_name,
+        "skip_tokenizer_init": not sim.codec.has_tokenizer,
+        "trust_remote_code": True,
+        "host": server.host,
+        "port": server.port,
+        "context_length": server.context_length,
+        "tp_size": server.tp_size,
+        "dp_size": 1,
+        "max_running_requests": engine.max_running_requests,
+        "max_queued_requests": engine.max_queued_requests,
+        "max_total_tokens": None,
+        "chunked_prefill_size": 8192,
+        "max_prefill_tokens": 16384,
+        "schedule_policy": "fcfs",
+        "schedule_conservativeness": 1.0,
+        "page_size": 1,
+        "disable_radix_cache": False,
+        "mem_fraction_static": 0.88,
+        "reasoning_parser": server.reasoning_parser,
+        "tool_call_parser": server.tool_call_parser,
+        "weight_version": server.weight_version,
+        "enable_metrics": True,
+        "allow_auto_truncate": False,
+        "incremental_streaming_output": False,
+        "preferred_sampling_params": None,
+    }
+
+
+async def server_info(request: web.Request) -> web.Response:
+    sim = _sim(request)
+    sim.engine.advance()
+    server, engine = sim.config.server, sim.config.engine
+    args = _server_args(sim)
+    internal = {
+        **args,
+        "effective_max_running_requests_per_dp": engine.max_running_requests,
+        "last_gen_throughput": sim.engine.gen_throughput_tok_s(),
+        "memory_usage": {"weight": 68.5, "kvcache": 52.3, "token_capacity": server.max_total_num_tokens, "graph": 1.6},
+    }
+    return web.json_response(
+        {
+            **args,
+            "status": "starting" if sim.faults.starting() else "ready",
+            "max_total_num_tokens": server.max_total_num_tokens,
+            "max_req_input_len": server.max_req_input_len,
+            "internal_states": [internal],
+            "version": SGLANG_VERSION,
+            "kv_events": None,
+            "simulator": {
+                "time_scale": server.time_scale,
+                "sim_time_s": sim.engine.now_s,
+                "paused_wall_s": sim.clock.paused_wall_s,
+            },
+        }
+    )
+
+
+def _model_card(sim: Simulator, model: str) -> dict[str, Any]:
+    return {
+        "id": model,
+        "object": "model",
+        "created": sim.created_unix_s,
+        "owned_by": "sglang",
+        "root": model,
+        "parent": None,
+        "max_model_len": sim.config.server.context_length,
+    }
+
+
+async def list_models(request: web.Request) -> web.Response:
+    sim = _sim(request)
+    return web.json_response({"object": "list", "data": [_model_card(sim, sim.config.server.model_name)]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    sim = _sim(request)
+    model = request.match_info["model"]
+    if model != sim.config.server.model_name:
+        error = {
+            "message": f"The model '{model}' does not exist",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+        return web.json_response({"error": error}, status=404)
+    return web.json_response(_model_card(sim, model))
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    sim = _sim(request)
+    idle = sim.engine.num_running == 0 and sim.engine.num_waiting == 0
+    if idle:
+        sim.engine.cache.clear()
+    return web.Response(
+        text="Cache flushed.\nPlease check backend logs for more details. "
+        "(When there are running or waiting requests, the operation will not be performed.)\n",
+        status=200 if idle else 400,
+    )
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    """``AbortReq``: forwarded only if ``rid`` is in flight (or abort_all); the scheduler matches by prefix."""
+    sim = _sim(request)
+    try:
+        body = json.loads(await request.read() or b"{}")
+        rid = body.get("rid") or ""
+        abort_all = bool(body.get("abort_all", False))
+    except (json.JSONDecodeError, AttributeError) as exc:
+        return web.json_response(protocol.error_body(str(exc)), status=400)
+    if abort_all:
+        sim.engine.abort(abort_all=True)
+    elif rid and rid in sim.inflight:
+        sim.engine.abort(rid)
+    return web.Response(status=200)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    sim = _sim(request)
+    sim.engine.advance()
+    body = sim.metrics.render(sim.engine, sim.config.server.context_length)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def control_faults(request: web.Request) -> web.Response:
+    sim = _sim(request)
+    if request.method == "POST":
+        try:
+            changes = json.loads(await request.read() or b"{}")
+            return web.json_response(sim.faults.update(changes))
+        except (ValueError, TypeError) as exc:
+            return web.json_response(protocol.error_body(str(exc)), status=400)
+    return web.json_response(sim.faults.describe())
+
+
+async def control_outage(request: web.Request) -> web.Response:
+    sim = _sim(request)
+    try:
+        body = json.loads(await request.read() or b"{}")
+        duration_s = float(body.get("duration_s", sim.config.faults.outage_duration_s))
+        mode = body.get("mode", "drop")
+        if mode not in ("drop", "abort"):
+            raise ValueError(f"mode must be 'drop' or 'abort', got {mode!r}")
+    except (ValueError, TypeError, AttributeError) as exc:
+        return web.json_response(protocol.error_body(str(exc)), status=400)
+    sim.begin_outage(duration_s, mode)
+    return web.json_response(sim.faults.describe())
+
+
+async def control_stats(request: web.Request) -> web.Response:
+    sim = _sim(request)
+    sim.engine.advance()
+    include_rids = request.query.get("rids", "1") not in ("0", "false", "no")
+    snapshot = sim.stats.snapshot(sim.engine, dict(sim.faults.injected), include_rids)
+    snapshot["paused_wall_s"] = sim.clock.paused_wall_s
+    return web.json_response(snapshot)
+
+
+def create_app(config: SimConfig | None = None) -> web.Application:
+    """The aiohttp app of one simulator (``app[SIM_KEY]`` is its :class:`Simulator`)."""
+    app = web.Application(client_max_size=256 * 1024 * 1024)  # a 262k-token prompt is ~2 MB of JSON
+    sim = Simulator(config or SimConfig())
+    app[SIM_KEY] = sim
+
+    async def on_startup(_: web.Application) -> None:
+        await sim.start()
+
+    async def on_shutdown(_: web.Application) -> None:
+        await sim.stop()
+
+    app.on_startup.append(on_startup)
+    app.on_shutdown.append(on_shutdown)
+    app.router.add_route("POST", "/generate", handle_generate)
+    app.router.add_route("PUT", "/generate", handle_generate)
+    for path in ("/health", "/health_generate"):
+        app.router.add_get(path, health)
+    for path in ("/model_info", "/get_model_info"):
+        app.router.add_get(path, model_info)
+    for path in ("/server_info", "/get_server_info"):
+        app.router.add_get(path, server_info)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", retrieve_model)
+    app.router.add_route("*", "/flush_cache", flush_cache)
+    app.router.add_post("/abort_request", abort_request)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_route("*", "/control/faults", control_faults)
+    app.router.add_post("/control/outage", control_outage)
+    app.router.add_get("/control/stats", control_stats)
+    return app
+
+
+def _active_faults(config: SimConfig) -> dict[str, Any]:
+    faults = dataclasses.asdict(config.faults)
+    active = {k: v for k, v in faults.items() if k.endswith("_rate") and v}
+    if faults["outage_at_s"] is not None:
+        active["outage_at_s"], active["outage_duration_s"] = faults["outage_at_s"], faults["outage_duration_s"]
+    if faults["slow_start_s"]:
+        active["slow_start_s"] = faults["slow_start_s"]
+    return active
+
+
+def describe(config: SimConfig) -> str:
+    """The one start-up log line."""
+    server, engine = config.server, config.engine
+    return (
+        f"sglang-sim serving {server.model_name} on http://{server.host}:{server.port} "
+        f"(time_scale={server.time_scale:g}, max_running={engine.max_running_requests}, "
+        f"decode={engine.decode_tok_s:g} tok/s, per_request={engine.per_request_tok_s:g} tok/s, "
+        f"faults={_active_faults(config)})"
+    )
