@@ -136,7 +136,7 @@ def capture_message(settings: Settings) -> dict[str, Any]:
     """
     from workers.app import make_app
 
-    app = make_app(settings.with_overrides(broker_url="memory://"), register=False)
+    app = make_app(settings.with_overrides(broker_url="memory://localhost/"), register=False)
     sentinel = PromptTask("j", "d", "p", 0, "h", b"\x00")
     with _capture_lock, app.connection_for_write() as conn:
         channel = conn.default_channel

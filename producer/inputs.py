@@ -357,22 +357,29 @@ def _tools(record: dict[str, Any], layout: _Layout) -> list[dict[str, Any]] | No
 
 
 # -- datasets --------------------------------------------------------------------------------------------
-def read_dataset(
-    path: str | Path,
-    name: str | None = None,
-    columns: Columns = Columns(),
-    split: str | None = None,
-    problems: list[Problem] | None = None,
-) -> Dataset:
-    """Read one input into prompts; row problems are appended to ``problems`` (raises if not given)."""
+def open_dataset(path: str | Path, name: str | None = None) -> Dataset:
+    """A dataset to read: checks the path and the name (file stem, or directory name) up front."""
     path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: no such file or directory")
+    return Dataset(check_dataset_name(name or dataset_name(path), path), path)
+
+
+def dataset_name(path: Path) -> str:
+    return path.name if path.is_dir() else path.stem
+
+
+def iter_prompts(
+    dataset: Dataset, columns: Columns = Columns(), split: str | None = None, problems: list[Problem] | None = None
+) -> Iterator[Prompt]:
+    """The dataset's prompts, read lazily (the submit renders while it reads); counts ``dataset.rows``.
+
+    Row problems are appended to ``problems``; a file-level problem raises :class:`InputError`.
+    """
     collect = problems if problems is not None else []
-    dataset = Dataset(check_dataset_name(name or (path.name if path.is_dir() else path.stem), path), path)
     layout: _Layout | None = None
     seen: dict[str, str] = {}
-    for row_index, (loc, record) in enumerate(_records(path, collect, split)):
+    for row_index, (loc, record) in enumerate(_records(dataset.source, collect, split)):
         dataset.rows += 1
         if record is None:
             continue  # the reader recorded why
@@ -390,9 +397,22 @@ def read_dataset(
             collect.append(Problem(loc, f"duplicate id {key!r} (first at {seen[prompt_id]}); ids must be unique"))
             continue
         seen[prompt_id] = loc
-        dataset.prompts.append(Prompt(prompt_id, row_index, loc, messages, tools))
+        yield Prompt(prompt_id, row_index, loc, messages, tools)
     if dataset.rows == 0:
-        raise InputError(f"{path}: no rows")
+        raise InputError(f"{dataset.source}: no rows")
+
+
+def read_dataset(
+    path: str | Path,
+    name: str | None = None,
+    columns: Columns = Columns(),
+    split: str | None = None,
+    problems: list[Problem] | None = None,
+) -> Dataset:
+    """Read one input into ``Dataset.prompts``; row problems go to ``problems`` (raises if not given)."""
+    dataset = open_dataset(path, name)
+    collect = problems if problems is not None else []
+    dataset.prompts = list(iter_prompts(dataset, columns, split, collect))
     if problems is None and collect:
         raise InputError("\n".join(str(p) for p in collect))
     return dataset

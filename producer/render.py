@@ -8,6 +8,7 @@ ids, length, content hash), never Python lists of ints, so the parent stays chea
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import multiprocessing as mp
@@ -193,7 +194,7 @@ def _render_batch(batch: Sequence[tuple[list[dict[str, Any]], list[dict[str, Any
             errors[i] = f"chat template failed: {type(e).__name__}: {e}"
             texts.append(None)
     good = [t for t in texts if t is not None]
-    encoded = iter(tok(good, add_special_tokens=False)["input_ids"] if good else [])
+    encoded = iter(_encode(tok, good) if good else [])
     out: list[Result] = []
     for i, text in enumerate(texts):
         if text is None:
@@ -203,6 +204,15 @@ def _render_batch(batch: Sequence[tuple[list[dict[str, Any]], list[dict[str, Any
         ends = bool(len(ids)) and think_start is not None and int(ids[-1]) == think_start
         out.append((pack_ids(ids), len(ids), content_hash(ids), ends))
     return out
+
+
+def _encode(tok: Any, texts: list[str]) -> list[list[int]]:
+    """``tok(texts, add_special_tokens=False)["input_ids"]``, straight from the Rust backend when there is one
+    (same ids, without building attention masks and BatchEncoding objects we would throw away)."""
+    backend = getattr(tok, "_tokenizer", None) if getattr(tok, "is_fast", False) else None
+    if backend is not None and hasattr(backend, "encode_batch"):
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+    return tok(texts, add_special_tokens=False)["input_ids"]
 
 
 def _init_spawned(source: str, trust_remote_code: bool, kwargs: dict[str, Any], think_start: int | None) -> None:
@@ -228,6 +238,7 @@ class RenderPool:
         self.processes = max(1, processes or os.cpu_count() or 1)
         self._pool = None
         if self.processes > 1:
+            gc.freeze()  # forked children would otherwise copy every page the GC touches
             method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
             self._pool = mp.get_context(method).Pool(
                 self.processes,

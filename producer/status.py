@@ -137,7 +137,7 @@ def _json_or_text(raw: bytes | None) -> Any:
 
 def confirm_stored(settings: Settings, job: str, done: set[str]) -> set[str]:
     """Prompt ids Redis calls done that storage does not hold (empty = consistent)."""
-    from producer.submit import stored_prompt_ids
+    from producer.state import stored_prompt_ids
 
     try:
         import storage.reader  # noqa: F401

@@ -10,8 +10,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from producer.report import SubmitReport
 from producer.status import format_duration
-from producer.submit import SubmitReport
 
 
 def submit_report(report: SubmitReport, hosts: int, server_tok_s: float, mean_output_tokens: float) -> Group:

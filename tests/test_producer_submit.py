@@ -11,7 +11,6 @@ import pytest
 import redis
 
 from producer import render
-from producer import submit as submit_mod
 from producer.job import JobRecord
 from producer.submit import SubmitError, SubmitOptions, submit
 from thinkfleet import kimi
@@ -117,13 +116,22 @@ def test_a_second_identical_submit_enqueues_nothing(settings, redis_client, tok_
     assert redis_client.llen(settings.queue) == 30
 
 
+def store_rows(settings: Settings, job: str, dataset: str, prompt_ids: set[str]) -> None:
+    """Commit rows to real storage, as a worker's group commit would."""
+    from storage.testing import make_row
+    from storage.writer import PartWriter
+
+    rows = [make_row(pid, dataset=dataset, job=job) for pid in sorted(prompt_ids)]
+    PartWriter(settings.output_uri, "w1").write(job, dataset, rows)
+
+
 def test_resubmit_after_losing_the_queue_enqueues_exactly_what_storage_lacks(
-    settings, redis_client, tok_dir, tmp_path, monkeypatch
+    settings, redis_client, tok_dir, tmp_path
 ) -> None:
     path = write_jsonl(tmp_path / "alpha.jsonl", chat_rows(30, words=10))
     submit(settings, opts([path], tok_dir))
     stored = {f"alpha/r{i}" for i in range(0, 30, 3)}  # storage (the truth) holds 10 rows
-    monkeypatch.setattr(submit_mod, "stored_prompt_ids", lambda _s, _job: set(stored))
+    store_rows(settings, "j", "alpha", stored)
     redis_client.sadd(settings.keys.done("j"), "alpha/r0", "alpha/r1")  # r1: done in Redis too
     redis_client.delete(settings.queue)  # the queue is lost
     report = submit(settings, opts([path], tok_dir))
@@ -134,14 +142,17 @@ def test_resubmit_after_losing_the_queue_enqueues_exactly_what_storage_lacks(
     assert stored <= {m.decode() for m in redis_client.smembers(settings.keys.done("j"))}
 
 
-def test_redis_lost_entirely_resubmit_rebuilds_the_job(settings, redis_client, tok_dir, tmp_path, monkeypatch) -> None:
+def test_redis_lost_entirely_resubmit_rebuilds_the_job(settings, redis_client, tok_dir, tmp_path) -> None:
     path = write_jsonl(tmp_path / "alpha.jsonl", chat_rows(12, words=10))
     submit(settings, opts([path], tok_dir))
+    store_rows(settings, "j", "alpha", {"alpha/r0", "alpha/r5"})
     redis_client.flushdb()
-    monkeypatch.setattr(submit_mod, "stored_prompt_ids", lambda _s, _job: {"alpha/r0", "alpha/r5"})
     report = submit(settings, opts([path], tok_dir))
     assert report.enqueued == 10
     assert JobRecord.load(redis_client, settings.keys, "j").prompts == 12
+    from storage.manifest import read_submitted
+
+    assert read_submitted(settings.output_uri, "j").num_rows == 12
 
 
 def test_queued_running_and_dead_prompts_are_not_enqueued_again(settings, redis_client, tok_dir, tmp_path) -> None:

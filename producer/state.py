@@ -1,0 +1,147 @@
+"""What Redis and storage already hold for a job, the submit lock, and the one MULTI that records a submit.
+
+A re-submit must enqueue only what is missing: prompts queued or running (their messages are on the
+queue or in kombu's unacked hash), stored (storage is the truth; Redis' done set is its cache) or
+dead-lettered (``producer retry`` re-sends those) are left alone.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from producer.enqueue import Stager, queued_prompt_ids, running_prompt_ids
+from producer.job import JobRecord
+from thinkfleet.settings import Settings
+
+#: The submit lock expires after this long if a submit dies holding it.
+LOCK_TTL_S = 3600
+#: Fields per HSET/SADD command inside the commit's MULTI.
+CHUNK = 5000
+
+
+class StateError(Exception):
+    """Redis is unreachable or another submit holds the job."""
+
+
+@dataclass
+class Existing:
+    """A job's state before this submit."""
+
+    record: JobRecord | None = None
+    hashes: dict[str, str] = field(default_factory=dict)  # prompt_id → content hash
+    datasets: dict[str, str] = field(default_factory=dict)  # prompt_id → dataset
+    stored: set[str] = field(default_factory=set)  # in storage
+    done: set[str] = field(default_factory=set)  # Redis' done set
+    dead: set[str] = field(default_factory=set)
+    queued: set[str] = field(default_factory=set)  # on the queue or delivered and unacknowledged
+
+    @property
+    def finished(self) -> set[str]:
+        return self.done | self.stored
+
+
+def load_existing(client: redis.Redis, settings: Settings, job: str, redis_required: bool = True) -> Existing:
+    keys = settings.keys
+    try:
+        existing = Existing(record=JobRecord.load(client, keys, job))
+        existing.hashes = _str_map(client.hgetall(keys.prompts(job)))
+        existing.datasets = _str_map(client.hgetall(keys.prompt_dataset(job)))
+        existing.done = {m.decode() for m in client.smembers(keys.done(job))}
+        existing.dead = {k.decode() for k in client.hkeys(keys.dead(job))}
+        existing.queued = queued_prompt_ids(client, settings, job) | running_prompt_ids(client, settings, job)
+    except redis.RedisError as e:
+        if redis_required:
+            raise StateError(f"cannot reach Redis at {settings.redis_url}: {e}") from e
+        existing = Existing()  # a dry run without Redis: everything counts as new
+    existing.stored = stored_prompt_ids(settings, job)
+    return existing
+
+
+def _str_map(raw: dict[bytes, bytes]) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+def stored_prompt_ids(settings: Settings, job: str) -> set[str]:
+    """Prompt ids with a committed row in storage (empty when storage has nothing for the job yet)."""
+    try:
+        from storage.reader import stored_prompt_ids as read_stored
+    except ImportError:  # storage not installed: Redis' done set is all we know
+        return set()
+    return set(read_stored(settings.output_uri, job, s3_endpoint_url=settings.s3_endpoint_url))
+
+
+def write_manifest(settings: Settings, job: str, rows: list[dict[str, Any]]) -> None:
+    """Tell storage what was submitted (``verify`` finds missing prompts against it, even without Redis)."""
+    try:
+        from storage.manifest import write_submitted
+    except ImportError:
+        return
+    write_submitted(settings.output_uri, job, rows, s3_endpoint_url=settings.s3_endpoint_url)
+
+
+# -- the submit lock ------------------------------------------------------------------------------------------
+_UNLOCK = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+class SubmitLock:
+    """One submit per job at a time: two at once would both see a prompt as missing and enqueue it twice."""
+
+    def __init__(self, client: redis.Redis, settings: Settings, job: str) -> None:
+        self.client = client
+        self.key = settings.keys.submit_lock(job)
+        self.job = job
+        self.redis_url = settings.redis_url
+        self.token = f"{uuid.uuid4().hex}@{time.time():.0f}"
+
+    def __enter__(self) -> SubmitLock:
+        try:
+            ok = self.client.set(self.key, self.token, nx=True, ex=LOCK_TTL_S)
+        except redis.RedisError as e:
+            raise StateError(f"cannot reach Redis at {self.redis_url}: {e}") from e
+        if not ok:
+            holder = self.client.get(self.key)
+            raise StateError(
+                f"another submit of job {self.job!r} is running ({holder!r}); wait for it, or if it died, "
+                f"delete {self.key} (it expires after {LOCK_TTL_S} s)"
+            )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.eval(_UNLOCK, 1, self.key, self.token)
+
+
+# -- the commit -----------------------------------------------------------------------------------------------
+def commit(
+    client: redis.Redis,
+    settings: Settings,
+    record: JobRecord,
+    rows: list[dict[str, Any]],
+    existing: Existing,
+    stager: Stager,
+) -> None:
+    """One MULTI: prompt hashes, job record, counters, done-cache refill, and the staged messages → queue.
+
+    Workers read the job record before their first message of the job, so both land together.
+    """
+    keys, job = settings.keys, record.name
+    with client.pipeline(transaction=True) as pipe:
+        for start in range(0, len(rows), CHUNK):
+            chunk = rows[start : start + CHUNK]
+            pipe.hset(keys.prompts(job), mapping={r["prompt_id"]: r["content_hash"] for r in chunk})
+            pipe.hset(keys.prompt_dataset(job), mapping={r["prompt_id"]: r["dataset"] for r in chunk})
+        # done caches storage: refill it after a Redis loss. A stored prompt with a message queued
+        # (a `retry --truncated` revision) is not done until that revision is stored.
+        newly_known = sorted(existing.stored - existing.done - existing.queued - existing.dead)
+        for start in range(0, len(newly_known), CHUNK):
+            pipe.sadd(keys.done(job), *newly_known[start : start + CHUNK])
+        record.save(pipe, keys)
+        for name, count in record.datasets.items():
+            pipe.hset(keys.dataset_counters(job, name), "submitted", count)
+        pipe.hset(keys.counters(job), "submitted", record.prompts)
+        stager.commit(pipe)
+        pipe.execute()
