@@ -2,8 +2,9 @@
 
 - ``eagle3``: token-level records for EAGLE-3 drafters, the shape SpecForge's data pipeline produces
   (``input_ids`` = prompt + output, ``loss_mask`` 1 over the output, 0 over the prompt), plus ``id``,
-  ``dataset`` and ``prompt_len``. Feed it as pre-tokenized data: the ids are exactly what the model
-  saw and emitted, so no chat-template re-render can drop Kimi's reasoning (reference §5.2).
+  ``dataset``, ``prompt_len`` and ``finish_reason``. Feed it as pre-tokenized data: the ids are
+  exactly what the model saw and emitted, so no chat-template re-render can drop Kimi's reasoning
+  (reference §5.2).
   ``--exclude-reasoning`` zeroes the mask over the reasoning block (through ``</think>``).
   Parquet, or JSONL when ``--out`` ends in ``.jsonl``.
 - ``conversations``: SpecForge's conversations JSONL (``{"id", "conversations": [{role, content,
@@ -56,6 +57,7 @@ EAGLE3_SCHEMA = pa.schema(
         pa.field("input_ids", TOKEN_IDS, nullable=False),  # prompt ids + output ids
         pa.field("loss_mask", pa.list_(pa.field("element", pa.int8(), nullable=False)), nullable=False),
         pa.field("prompt_len", pa.int32(), nullable=False),  # input_ids[:prompt_len] is the prompt
+        pa.field(FINISH_REASON, pa.string(), nullable=False),  # to drop truncated rows if wanted
     ]
 )
 _COLUMNS = [
@@ -149,6 +151,7 @@ def eagle3_table(table: pa.Table, exclude_reasoning: bool = False) -> pa.Table:
             pa.ListArray.from_arrays(off32, pa.array(ids), type=TOKEN_IDS),
             pa.ListArray.from_arrays(off32, pa.array(mask), type=EAGLE3_SCHEMA.field("loss_mask").type),
             pa.array(prompt_len.astype(np.int32)),
+            table[FINISH_REASON].combine_chunks(),
         ],
         schema=EAGLE3_SCHEMA,
     )

@@ -64,13 +64,13 @@ class Location:
         return uri_or_path
 
     def job_dir(self, job: str) -> str:
-        return posixpath.join(self.root, job)
+        return posixpath.join(self.root, job_dir_name(job))
 
     def dataset_dir(self, job: str, dataset: str) -> str:
-        return posixpath.join(self.root, job, dataset_dir_name(dataset))
+        return posixpath.join(self.job_dir(job), dataset_dir_name(dataset))
 
     def manifest_dir(self, job: str) -> str:
-        return posixpath.join(self.root, job, MANIFEST_DIR)
+        return posixpath.join(self.job_dir(job), MANIFEST_DIR)
 
 
 def resolve(output_uri: str, s3_endpoint_url: str | None = None) -> tuple[pafs.FileSystem, str]:
@@ -103,6 +103,16 @@ def locate(output_uri: str, s3_endpoint_url: str | None = None) -> Location:
     else:
         fs, _ = pafs.FileSystem.from_uri(f"s3://{parsed.netloc}")
     return Location(fs, root, "s3")
+
+
+def job_dir_name(job: str) -> str:
+    """The job's directory name: the job itself, which must be one visible path segment."""
+    if not job or "/" in job or "\\" in job or job[0] in "._":
+        raise ValueError(
+            f"job name {job!r} cannot be a directory under OUTPUT_URI: use letters, digits, '-' or '_' "
+            "(not starting with '.' or '_', which readers treat as hidden)"
+        )
+    return job
 
 
 def dataset_dir_name(dataset: str) -> str:

@@ -139,18 +139,20 @@ MANIFEST_SCHEMA = pa.schema(
 TOKEN_COLUMNS = (INPUT_IDS, OUTPUT_IDS)
 SPAN_COLUMNS = (REASONING_START, REASONING_END, HAS_THINK_END, ANSWER_START, ANSWER_END, TOOL_CALL_SPANS)
 
-#: Parquet writer options for SCHEMA. Token ids use BYTE_STREAM_SPLIT: ids < 2^18 leave the high
-#: bytes nearly constant, so zstd runs ~40% faster and files shrink ~12% (bench/bench_storage.py).
-#: Readers need Parquet BYTE_STREAM_SPLIT for INT32 (pyarrow >= 16, polars, duckdb >= 1.1).
-#: Dictionaries only for the repetitive strings; statistics only where they help pruning.
+#: Parquet writer options for SCHEMA: zstd; dictionaries only for the repetitive strings (token ids
+#: are PLAIN: a vocabulary of 163k ids makes dictionary pages churn); statistics only where they help
+#: pruning. Token ids could use BYTE_STREAM_SPLIT (see BSS_TOKEN_ENCODING): zstd runs faster on
+#: it and files shrink ~12%, but readers need Parquet 2.11 support for INT32 — pyarrow >= 16 and
+#: polars have it, DuckDB only since mid-2026 (duckdb/duckdb#24175) — so the default stays PLAIN.
 WRITE_OPTIONS: dict[str, Any] = {
     "compression": "zstd",
     "compression_level": 1,
     "use_dictionary": [JOB, DATASET, FINISH_REASON, FINISH_MATCHED, WORKER, WORKER_HOST, MODEL,
                        WEIGHT_VERSION, SAMPLING_PARAMS, TOKENIZER_FINGERPRINT, CHAT_TEMPLATE_HASH],
-    "column_encoding": {f"{c}.list.element": "BYTE_STREAM_SPLIT" for c in TOKEN_COLUMNS},
     "write_statistics": [PROMPT_ID, ROW_INDEX, REVISION, CREATED_AT, COMPLETION_TOKENS],
 }  # fmt: skip
+#: Opt-in ``column_encoding`` for WRITE_OPTIONS (measured in bench/bench_storage.py).
+BSS_TOKEN_ENCODING: dict[str, str] = {f"{c}.list.element": "BYTE_STREAM_SPLIT" for c in TOKEN_COLUMNS}
 
 # Values used when a row dict leaves a column out. Required columns have none and must be given.
 _DEFAULTS: dict[str, Any] = {SAMPLE_INDEX: 0, REVISION: 0, ATTEMPT: 1}

@@ -163,3 +163,10 @@ def test_manifest_keeps_the_latest_submit(tmp_path: Path) -> None:
     table = read_submitted(uri, "job")
     assert {r["prompt_id"]: r["content_hash"] for r in table.to_pylist()} == {"a": "h2", "b": "h3"}
     assert read_submitted(uri, "nope").num_rows == 0
+
+
+def test_job_names_that_are_not_one_visible_directory_are_refused(tmp_path: Path) -> None:
+    writer = PartWriter(str(tmp_path), "w1")
+    for job in ("../escape", "a/b", "_hidden", ".dot", ""):
+        with pytest.raises(ValueError, match="job name"):
+            writer.part_name(job, "ds")
