@@ -328,6 +328,7 @@ def test_worker_settings_come_from_env_and_name_real_settings() -> None:
     assert worker["env_file"] == ".env"
     assert set(worker["environment"]) <= setting_env_names()
     assert worker["environment"]["THINKFLEET_WORKER_NAME"] == dotenv()["NODE_NAME"]
+    assert worker["hostname"] == dotenv()["NODE_NAME"]
 
 
 def test_worker_metrics_port_is_published_for_prometheus() -> None:
@@ -401,3 +402,13 @@ def test_env_example_sets_every_required_variable() -> None:
     assert required - set(dotenv()) == set()
     with pytest.raises(MissingVariable, match="MODEL_PATH"):
         load_compose("node", {k: v for k, v in dotenv().items() if k != "MODEL_PATH"})
+
+
+def test_screenshot_script_runs_flower_with_the_head_node_flags() -> None:
+    script = (REPO / "scripts" / "flower_screenshot.sh").read_text()
+    block = script[script.index("workers.app flower") : script.index('>"$WORK/flower.log"')]
+    local = {"--port", "--address", "--db"}  # loopback, a free port and a scratch state file
+    script_flags = {k: v for k, v in re.findall(r"(--\w+)=(\S+)", block) if k not in local}
+    compose = command_args(load_compose("head")["services"]["flower"]["command"])
+    compose_flags = dict(a.split("=", 1) for a in compose if a.startswith("--") and a.split("=")[0] not in local)
+    assert script_flags == compose_flags
