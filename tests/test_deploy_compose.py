@@ -252,6 +252,10 @@ def test_sglang_port_is_never_published_beyond_the_node(name: str) -> None:
         for mapping in service.get("ports", []):
             assert not str(mapping).split("/")[0].endswith(":" + SGLANG_PORT), mapping
     assert services["worker"]["environment"]["THINKFLEET_SGLANG_URL"] == f"http://sglang:{SGLANG_PORT}"
+    # Its only networks are internal ones, shared with the worker.
+    networks = load_compose(name)["networks"]
+    assert sglang["networks"] and all(networks[n].get("internal") is True for n in sglang["networks"])
+    assert set(sglang["networks"]) <= set(services["worker"]["networks"])
 
 
 def test_sglang_image_is_pinned_at_or_above_v0_5_5() -> None:
