@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +22,7 @@ from thinkfleet import kimi
 from thinkfleet.keys import Keys
 from thinkfleet.message import PromptTask, pack_ids
 from thinkfleet.settings import Settings
+from thinkfleet.testing.fleet import worker_env
 from workers.retry import _publish
 
 
@@ -87,6 +91,15 @@ def submit_ids(
     settings: Settings, job: str, prompts: dict[str, list[int]], dataset: str = "synthetic", **sampling: object
 ) -> IdJob:
     """Write a job record + prompt hash the way the producer does, and publish one task per prompt."""
+    id_job, tasks = register_ids(settings, job, prompts, dataset, **sampling)
+    _publish(settings, tasks)
+    return id_job
+
+
+def register_ids(
+    settings: Settings, job: str, prompts: dict[str, list[int]], dataset: str = "synthetic", **sampling: object
+) -> tuple[IdJob, list[PromptTask]]:
+    """Write a job record + prompt hash the way the producer does; returns the tasks, unpublished."""
     params: dict[str, object] = {
         "max_new_tokens": 2048,
         "temperature": 1.0,
@@ -115,5 +128,217 @@ def submit_ids(
         )
         for i, (pid, ids) in enumerate(prompts.items())
     ]
-    _publish(settings, tasks)
-    return IdJob(job, settings, prompts, params)
+    return IdJob(job, settings, prompts, params), tasks
+
+
+# -- reliability scenarios (tests/test_reliability_*.py) ------------------------------------------------
+#: Worker settings that make faults cheap to recover from in tests: short lease, fast sweeps and retries.
+FAST_WORKER = {
+    "lease_s": 4,
+    "reaper_interval_s": 1,
+    "flush_interval_s": 0.2,
+    "health_interval_s": 0.5,
+    "retry_base_s": 0.05,
+    "retry_max_backoff_s": 0.5,
+    "request_timeout_floor_s": 5,
+    "request_min_decode_tok_s": 2000,
+    "shutdown_grace_s": 2,
+}
+
+#: Where scenarios record their result rows (bench/reliability_report.py renders RELIABILITY.md).
+RESULTS_ENV = "THINKFLEET_RELIABILITY_RESULTS"
+
+
+def fast_env(settings: Settings, sim_url: str, **extra: object) -> dict[str, str]:
+    """A worker subprocess environment for ``settings`` and ``sim_url`` with :data:`FAST_WORKER` values."""
+    values: dict[str, object] = {**FAST_WORKER, **extra}
+    if settings.broker_url != settings.redis_url:
+        values.setdefault("broker_url", settings.broker_url)
+    return worker_env(
+        settings.redis_url, sim_url, settings.output_uri, key_prefix=settings.key_prefix, queue=settings.queue, **values
+    )
+
+
+def post_json(url: str, payload: dict[str, object], timeout_s: float = 5.0) -> dict[str, object]:
+    request = urllib.request.Request(
+        url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+        return json.loads(resp.read() or b"{}")
+
+
+def sim_stats(sim_url: str) -> dict[str, object]:
+    """The simulator's call counts (``GET /control/stats``)."""
+    with urllib.request.urlopen(f"{sim_url}/control/stats?rids=0", timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+def cli_env(settings: Settings) -> dict[str, str]:
+    """Environment that points the ``producer`` CLI at ``settings`` (flags are not needed then)."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "THINKFLEET_REDIS_URL": settings.redis_url,
+            "THINKFLEET_BROKER_URL": str(settings.broker_url),
+            "THINKFLEET_OUTPUT_URI": settings.output_uri,
+            "THINKFLEET_KEY_PREFIX": settings.key_prefix,
+            "THINKFLEET_QUEUE": settings.queue,
+        }
+    )
+    return env
+
+
+def producer_cli(settings: Settings, *args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """Run the real ``producer`` CLI (``python -m producer.cli``) against ``settings``."""
+    return subprocess.run(
+        [sys.executable, "-m", "producer.cli", *args],
+        env=cli_env(settings),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+@dataclass
+class Outcome:
+    """What storage and the CLI say about a job after a scenario."""
+
+    submitted: int
+    stored: int
+    dead: int
+    lost: list[str]
+    duplicated: list[str]
+    altered: list[str]  # rows whose ids differ from the simulator's deterministic output
+    verify_ok: bool
+    status_agrees: bool
+    problems: list[str]
+
+    @property
+    def clean(self) -> bool:
+        return not (self.lost or self.duplicated or self.altered or self.problems) and self.verify_ok
+
+    def assert_clean(self) -> None:
+        assert not self.lost, f"lost prompts: {self.lost[:10]}"
+        assert not self.duplicated, f"duplicated prompts: {self.duplicated[:10]}"
+        assert not self.altered, f"altered rows: {self.altered[:10]}"
+        assert not self.problems, "\n".join(self.problems)
+        assert self.verify_ok and self.status_agrees
+
+
+def _u32(ids: object) -> bytes:
+    return np.asarray(ids, dtype="<u4").tobytes()
+
+
+def check_job(
+    settings: Settings,
+    job: str,
+    prompts: dict[str, list[int]],
+    sampling_params: dict[str, object],
+    expected_dead: set[str] = frozenset(),  # type: ignore[assignment]
+    overrides: dict[str, dict[str, object]] | None = None,
+) -> Outcome:
+    """The after-every-scenario checks: ``producer verify`` (CLI) passes, every stored row's ids equal
+    the simulator's deterministic output byte for byte, and ``producer status --json`` agrees with storage.
+
+    ``overrides`` maps a prompt id to the sampling overrides of its winning revision (``producer retry``).
+    """
+    from sglang_sim.content import expected_generation
+    from storage.reader import raw_duplicates, read_committed
+
+    problems: list[str] = []
+    verify = producer_cli(settings, "verify", job, "--json")
+    try:
+        report = json.loads(verify.stdout)
+    except ValueError:
+        report = {}
+        problems.append(f"producer verify printed no JSON (rc {verify.returncode}): {verify.stderr[-2000:]}")
+    verify_ok = verify.returncode == 0 and bool(report.get("ok"))
+    if not verify_ok:
+        problems.append(f"producer verify failed (rc {verify.returncode}): {json.dumps(report)[:3000]}")
+
+    table = read_committed(settings.output_uri, job, columns=["prompt_id", "input_ids", "output_ids", "finish_reason"])
+    rows = {r["prompt_id"]: r for r in table.to_pylist()}
+    lost = sorted(set(prompts) - set(rows) - set(expected_dead))
+    dup_table = raw_duplicates(settings.output_uri, job)
+    duplicated = sorted(set(dup_table["prompt_id"].to_pylist())) if dup_table.num_rows else []
+    altered = []
+    for pid, row in rows.items():
+        if pid not in prompts:
+            problems.append(f"row for a prompt never submitted: {pid}")
+            continue
+        params = {**sampling_params, **(overrides or {}).get(pid, {})}
+        want = expected_generation(prompts[pid], params)
+        if _u32(row["input_ids"]) != _u32(prompts[pid]) or _u32(row["output_ids"]) != _u32(want.output_ids):
+            altered.append(pid)
+    stored_dead = sorted(set(rows) & set(expected_dead))
+    if stored_dead:
+        problems.append(f"prompts expected to be dead-lettered were stored: {stored_dead[:10]}")
+
+    status = producer_cli(settings, "status", job, "--json")
+    try:
+        st = json.loads(status.stdout)
+    except ValueError:
+        st = {}
+    want_status = {
+        "total": len(prompts),
+        "done": len(rows),
+        "dead": len(expected_dead),
+        "queued": 0,
+        "running": 0,
+        "finished": True,
+    }
+    got_status = {k: st.get(k) for k in want_status}
+    status_agrees = got_status == want_status
+    if not status_agrees:
+        problems.append(f"producer status {got_status} disagrees with storage {want_status} (rc {status.returncode})")
+    return Outcome(
+        submitted=len(prompts),
+        stored=len(rows),
+        dead=len(expected_dead),
+        lost=lost,
+        duplicated=duplicated,
+        altered=altered,
+        verify_ok=verify_ok,
+        status_agrees=status_agrees,
+        problems=problems,
+    )
+
+
+def record_result(
+    scenario: str,
+    outcome: Outcome,
+    faults: str,
+    recovery_s: list[float | None] = (),  # type: ignore[assignment]
+    wall_s: float | None = None,
+    broker: str = "redis",
+    workers: int = 1,
+    ci: bool = True,
+    notes: str = "",
+) -> None:
+    """Write one result row for RELIABILITY.md (only when ``THINKFLEET_RELIABILITY_RESULTS`` names a dir)."""
+    out_dir = os.environ.get(RESULTS_ENV)
+    if not out_dir:
+        return
+    row = {
+        "scenario": scenario,
+        "broker": broker,
+        "workers": workers,
+        "prompts": outcome.submitted,
+        "stored": outcome.stored,
+        "dead_lettered": outcome.dead,
+        "faults": faults,
+        "lost": len(outcome.lost),
+        "duplicated": len(outcome.duplicated),
+        "altered": len(outcome.altered),
+        "verify_ok": outcome.verify_ok,
+        "status_agrees": outcome.status_agrees,
+        "recovery_s": [None if r is None else round(r, 2) for r in recovery_s],
+        "wall_s": None if wall_s is None else round(wall_s, 1),
+        "ci": ci,
+        "notes": notes,
+        "at": time.time(),
+    }
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    slug = "".join(c if c.isalnum() else "-" for c in f"{scenario}-{broker}").strip("-").lower()
+    (path / f"{slug}.json").write_text(json.dumps(row, indent=2, sort_keys=True) + "\n")

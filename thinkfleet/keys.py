@@ -91,6 +91,10 @@ class Keys:
         """SET of kombu delivery tags this worker holds (their visibility is renewed while alive)."""
         return f"{self.prefix}:held:{worker}"
 
+    def transit(self, worker: str) -> str:
+        """LIST of messages this worker popped off the queue and kombu has not yet recorded as unacked."""
+        return f"{self.prefix}:transit:{worker}"
+
 
 def kombu_transport_options(prefix: str, visibility_timeout_s: float) -> dict[str, object]:
     """Redis transport options that keep kombu's ack-emulation keys under our prefix.

@@ -24,6 +24,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from thinkfleet.keys import Keys
+from workers.transit import TransitSweeper
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class LeaseKeeper:
         unacked_index_key: str,
         held: HeldMessages,
         info: dict[str, Any],
+        sweeper: TransitSweeper | None = None,
     ) -> None:
         self.r = client
         self.keys = keys
@@ -69,6 +71,7 @@ class LeaseKeeper:
         self.unacked_index_key = unacked_index_key
         self.held = held
         self.info = info
+        self.sweeper = sweeper
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -89,6 +92,10 @@ class LeaseKeeper:
         while True:
             try:
                 await self.beat()
+                if self.sweeper is not None:
+                    moved = await self.sweeper.sweep()
+                    if moved:
+                        log.warning("returned %d message(s) stranded in transit to the queue", moved)
             except Exception as exc:
                 log.warning("heartbeat failed (will retry in %.1fs): %s", interval, exc)
             await asyncio.sleep(interval)

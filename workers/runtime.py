@@ -17,8 +17,8 @@ import uuid
 from typing import Any
 
 import redis.asyncio as aioredis
-from storage.writer import PartWriter
 
+from storage.writer import PartWriter
 from thinkfleet.keys import kombu_transport_options
 from thinkfleet.message import PromptTask
 from thinkfleet.settings import Settings
@@ -32,6 +32,7 @@ from workers.loop import EventLoopThread
 from workers.metrics import WorkerMetrics
 from workers.rows import build_row
 from workers.sglang import Generation, PermanentError, ServerFault
+from workers.transit import TransitSweeper
 
 log = logging.getLogger("thinkfleet.worker")
 
@@ -92,7 +93,8 @@ class WorkerRuntime:
             "started_at": time.time(),
         }
         unacked_index = str(kombu_transport_options(s.key_prefix, s.lease_s)["unacked_index_key"])
-        self.lease = LeaseKeeper(self.redis, s.keys, self.identity, s.lease_s, unacked_index, self.held, info)
+        sweeper = TransitSweeper(self.redis, s.keys, self.identity, s.queue)
+        self.lease = LeaseKeeper(self.redis, s.keys, self.identity, s.lease_s, unacked_index, self.held, info, sweeper)
         await self.lease.beat()
         self.lease.start()
         log.info(

@@ -13,6 +13,7 @@ from celery.exceptions import Reject
 from thinkfleet.message import TASK_NAME, PromptTask
 from thinkfleet.settings import Settings
 from workers.runtime import HandBack, current_runtime, get_runtime
+from workers.transit import enable_transit
 
 log = logging.getLogger("thinkfleet.worker")
 
@@ -51,6 +52,8 @@ def register_tasks(app: Celery, settings: Settings) -> None:
     @signals.worker_init.connect(weak=False)
     def _on_init(sender: Any = None, **_: Any) -> None:
         state["hostname"] = getattr(sender, "hostname", None)
+        # Before the consumer connects: its pops go through this worker's transit list.
+        enable_transit(app, settings, worker_identity(settings, state["hostname"]))
 
     @signals.worker_ready.connect(weak=False)
     def _on_ready(sender: Any = None, **_: Any) -> None:

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -129,3 +130,59 @@ def job_progress(client: redis.Redis, keys: Keys, job: str) -> dict[str, int]:
 
 def dead_letters(client: redis.Redis, keys: Keys, job: str) -> dict[str, dict[str, object]]:
     return {k.decode(): json.loads(v) for k, v in client.hgetall(keys.dead(job)).items()}
+
+
+def in_flight(client: redis.Redis, keys: Keys, job: str) -> set[str]:
+    """Prompt ids some worker has claimed and not yet stored (the ledger's claims hash)."""
+    return {k.decode() for k in client.hkeys(keys.claims(job))}
+
+
+class RecoveryWatch:
+    """Times a fault's recovery: from :meth:`start` (the fault) until every prompt that was in flight then
+    is stored or dead-lettered, and at least one row more than at the fault is stored.
+
+    It polls from its own thread with its own client and shrugs off connection errors, so it keeps
+    timing through a Redis restart. ``seconds`` is None until recovered.
+    """
+
+    def __init__(self, redis_url: str, keys: Keys, job: str, label: str = "", interval_s: float = 0.1) -> None:
+        self.redis_url = redis_url
+        self.keys = keys
+        self.job = job
+        self.label = label
+        self.interval_s = interval_s
+        self.seconds: float | None = None
+        self.pending: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, pending: set[str] | None = None) -> RecoveryWatch:
+        """Call right before injecting the fault; ``pending`` defaults to the prompts in flight now."""
+        client = redis.Redis.from_url(self.redis_url)
+        self.pending = set(pending) if pending is not None else in_flight(client, self.keys, self.job)
+        self._done_at_start = int(client.scard(self.keys.done(self.job)))
+        self._started = time.monotonic()
+        self._thread = threading.Thread(target=self._run, args=(client,), name=f"recovery-{self.label}", daemon=True)
+        self._thread.start()
+        return self
+
+    def _recovered(self, client: redis.Redis) -> bool:
+        done = {m.decode() for m in client.smembers(self.keys.done(self.job))}
+        dead = {k.decode() for k in client.hkeys(self.keys.dead(self.job))}
+        return self.pending <= done | dead and len(done) > self._done_at_start
+
+    def _run(self, client: redis.Redis) -> None:
+        while not self._stop.is_set():
+            try:
+                if self._recovered(client):
+                    self.seconds = time.monotonic() - self._started
+                    return
+            except redis.RedisError:
+                pass
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> float | None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        return self.seconds

@@ -1,0 +1,153 @@
+"""Close kombu's pop gap: a message is never only in a worker's memory.
+
+Kombu's Redis transport takes a message off the queue with ``BRPOP`` and only afterwards records it in
+its ``unacked`` hash (``QoS.append``). In between the message exists nowhere but in the worker — and
+that "in between" is long: a busy worker keeps the popped reply unread in its socket until a pool slot
+frees (``MultiChannelPoller._pause_brpop``). A worker SIGKILLed then loses that prompt for good
+(reproduced by tests/test_reliability_workers.py).
+
+Here the pop is ``BLMOVE queue → {prefix}:transit:{worker}`` instead: atomic, so the message is always
+in Redis — in the queue, the worker's transit list, or kombu's unacked hash. Once kombu has recorded it
+as unacked, it leaves the transit list. :func:`sweep_transit` (run by every live worker's lease keeper)
+puts back on the queue what a dead worker (no heartbeat) left in its transit list, and what its own
+list kept for two sweeps in a row (a reply lost with its connection, or a popped message waiting for a
+free slot — another worker may serve it now). Both may hand a message out twice; the claims in
+ledger.py make a second delivery cost nothing.
+
+Only a worker consuming its one task queue from plain ``redis://`` uses this; everything else (the
+producer, other queues, ``rediss://``/``sentinel://``, RabbitMQ) is kombu's stock transport.
+"""
+
+from __future__ import annotations
+
+from queue import Empty
+from time import monotonic
+from typing import Any
+
+import redis.asyncio as aioredis
+from celery import Celery
+from kombu.transport import redis as kombu_redis
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import loads
+
+from thinkfleet.keys import Keys
+from thinkfleet.settings import Settings
+
+#: The transport ``workers.app`` selects for ``redis://`` brokers.
+TRANSPORT = "workers.transit:Transport"
+
+# Move a transit list's messages back to the consuming end of the queue: all of them (no ARGV), or
+# only those named in ARGV that are still there.
+_RECLAIM = """
+local n = 0
+if #ARGV == 0 then
+  while redis.call('LMOVE', KEYS[1], KEYS[2], 'RIGHT', 'RIGHT') do n = n + 1 end
+  return n
+end
+for i = 1, #ARGV do
+  if redis.call('LREM', KEYS[1], 1, ARGV[i]) == 1 then
+    redis.call('RPUSH', KEYS[2], ARGV[i])
+    n = n + 1
+  end
+end
+return n
+"""
+
+
+class Channel(kombu_redis.Channel):
+    """kombu's Redis channel, popping with BLMOVE into ``transit_key`` when it consumes ``transit_queue``."""
+
+    from_transport_options = (*kombu_redis.Channel.from_transport_options, "transit_key", "transit_queue")
+    transit_key: str | None = None
+    transit_queue: str | None = None
+    _transit_pending: str | None = None
+
+    def _transit_source(self, queues: list[str]) -> str | None:
+        if not self.transit_key or self.global_keyprefix or queues != [self.transit_queue]:
+            return None
+        return queues[0]
+
+    def _brpop_start(self, timeout: Any = None) -> None:
+        queues = list(self.active_queues)
+        source = self._transit_source(queues)
+        if source is None:
+            self._transit_pending = None
+            return super()._brpop_start(timeout)
+        if timeout is None:
+            timeout = self.brpop_timeout
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = monotonic()
+        self._transit_pending = source
+        self.client.connection.send_command("BLMOVE", source, self.transit_key, "RIGHT", "LEFT", timeout or 0)
+
+    def _brpop_read(self, **options: Any) -> bool:
+        source = self._transit_pending
+        if source is None:
+            return super()._brpop_read(**options)
+        item = None
+        try:
+            try:
+                item = self.client.parse_response(self.client.connection, "BLMOVE", **options)
+            except self.connection_errors:
+                self.client.connection.disconnect()
+                raise
+            if not item:
+                raise Empty()
+            self._queue_cycle.rotate(source)
+            self.connection._deliver(loads(bytes_to_str(item)), source)
+            return True
+        finally:
+            self._in_poll = None
+            self._transit_pending = None
+            if item:
+                # Recorded as unacked by now (or refused): no longer in transit.
+                with self.conn_or_acquire() as client:
+                    client.lrem(self.transit_key, 1, item)
+            flush = getattr(self, "_flush_brpop_reauth", None)
+            if flush is not None:
+                flush()
+
+
+class Transport(kombu_redis.Transport):
+    Channel = Channel
+
+
+def uses_transit(broker_url: str | None) -> bool:
+    return bool(broker_url) and str(broker_url).startswith("redis://")
+
+
+def enable_transit(app: Celery, settings: Settings, worker: str) -> None:
+    """Make this worker process pop through its transit list (call before the consumer connects)."""
+    if not uses_transit(settings.broker_url):
+        return
+    options = dict(app.conf.broker_transport_options or {})
+    options.update(transit_key=settings.keys.transit(worker), transit_queue=settings.queue)
+    app.conf.broker_transport_options = options
+
+
+class TransitSweeper:
+    """Returns stranded transit messages to the queue; one per worker process, run by its lease keeper."""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys, worker: str, queue: str) -> None:
+        self.r = client
+        self.keys = keys
+        self.worker = worker
+        self.queue = queue
+        self._reclaim = client.register_script(_RECLAIM)
+        self._seen: set[bytes] = set()  # own transit messages at the previous sweep
+
+    async def sweep(self) -> int:
+        """One pass; returns how many messages went back to the queue."""
+        moved = 0
+        prefix = self.keys.transit("")
+        async for raw_key in self.r.scan_iter(match=f"{prefix}*", count=1000):
+            key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
+            owner = key[len(prefix) :]
+            if owner == self.worker:
+                items = set(await self.r.lrange(key, 0, -1))
+                stale, self._seen = items & self._seen, items
+                if stale:
+                    moved += int(await self._reclaim(keys=[key, self.queue], args=sorted(stale)))
+            elif not await self.r.exists(self.keys.heartbeat(owner)):
+                moved += int(await self._reclaim(keys=[key, self.queue], args=[]))
+        return moved
