@@ -70,10 +70,14 @@ def verify(settings: Settings, job: str, as_json: bool) -> None:
 @click.argument("job")
 @common_options
 @click.option(
-    "--format", "fmt", type=click.Choice(["eagle3", "conversations"]), default="eagle3", show_default=True,
+    "--format",
+    "fmt",
+    type=click.Choice(["eagle3", "conversations"]),
+    default="eagle3",
+    show_default=True,
     help="eagle3: token ids + loss mask (Parquet, or JSONL if --out ends in .jsonl); "
     "conversations: SpecForge conversations JSONL with decoded reasoning_content.",
-)  # fmt: skip
+)
 @click.option("--exclude-reasoning", is_flag=True, help="eagle3: mask reasoning out; conversations: drop it.")
 @click.option("--out", "out", default=None, help="Output file [./JOB-FORMAT.parquet|.jsonl].")
 @click.option("--tokenizer", default=None, help="Tokenizer path/id for decoding (default: the job record's).")
@@ -94,9 +98,14 @@ def export(
 
     try:
         result = export_job(
-            settings, job, fmt, out, exclude_reasoning=exclude_reasoning, tokenizer=tokenizer,  # type: ignore[arg-type]
+            settings,
+            job,
+            fmt,
+            out,
+            exclude_reasoning=exclude_reasoning,
+            tokenizer=tokenizer,  # type: ignore[arg-type]
             datasets=list(datasets) or None,
-        )  # fmt: skip
+        )
     except ExportError as exc:
         raise click.ClickException(str(exc)) from exc
     if as_json:

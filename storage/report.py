@@ -189,10 +189,15 @@ def to_html(summary: dict[str, Any], png: bytes) -> str:
         body = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{_fmt(v)}</td></tr>" for k, v in rows.items())
         return f"<h2>{html.escape(title)}</h2><table>{body}</table>"
 
-    headline = {k: summary[k] for k in ("rows", "output_tokens", "reasoning_tokens", "truncation_rate",
-                                         "think_end_rate", "tokens_per_s") if k in summary}  # fmt: skip
-    workers = {k: f"{v['rows']} rows, {v['output_tokens']} tokens, {v['tokens_per_s']:.1f} tok/s"
-               for k, v in (summary.get("workers") or {}).items()}  # fmt: skip
+    headline = {
+        k: summary[k]
+        for k in ("rows", "output_tokens", "reasoning_tokens", "truncation_rate", "think_end_rate", "tokens_per_s")
+        if k in summary
+    }
+    workers = {
+        k: f"{v['rows']} rows, {v['output_tokens']} tokens, {v['tokens_per_s']:.1f} tok/s"
+        for k, v in (summary.get("workers") or {}).items()
+    }
     parts = [
         "<!doctype html><meta charset='utf-8'>",
         f"<title>thinkfleet {html.escape(summary['job'])}</title>",

@@ -147,10 +147,21 @@ SPAN_COLUMNS = (REASONING_START, REASONING_END, HAS_THINK_END, ANSWER_START, ANS
 WRITE_OPTIONS: dict[str, Any] = {
     "compression": "zstd",
     "compression_level": 1,
-    "use_dictionary": [JOB, DATASET, FINISH_REASON, FINISH_MATCHED, WORKER, WORKER_HOST, MODEL,
-                       WEIGHT_VERSION, SAMPLING_PARAMS, TOKENIZER_FINGERPRINT, CHAT_TEMPLATE_HASH],
+    "use_dictionary": [
+        JOB,
+        DATASET,
+        FINISH_REASON,
+        FINISH_MATCHED,
+        WORKER,
+        WORKER_HOST,
+        MODEL,
+        WEIGHT_VERSION,
+        SAMPLING_PARAMS,
+        TOKENIZER_FINGERPRINT,
+        CHAT_TEMPLATE_HASH,
+    ],
     "write_statistics": [PROMPT_ID, ROW_INDEX, REVISION, CREATED_AT, COMPLETION_TOKENS],
-}  # fmt: skip
+}
 #: Opt-in ``column_encoding`` for WRITE_OPTIONS (measured in bench/bench_storage.py).
 BSS_TOKEN_ENCODING: dict[str, str] = {f"{c}.list.element": "BYTE_STREAM_SPLIT" for c in TOKEN_COLUMNS}
 

@@ -44,17 +44,35 @@ def _words(rng: np.random.Generator, n: int) -> list[int]:
 
 def _prompt(rng: np.random.Generator) -> list[int]:
     return [
-        kimi.IM_SYSTEM, SYSTEM, kimi.IM_MIDDLE, *_words(rng, 4), kimi.IM_END,
-        kimi.IM_USER, USER, kimi.IM_MIDDLE, *_words(rng, 9), kimi.IM_END,
-        kimi.IM_ASSISTANT, ASSISTANT, kimi.IM_MIDDLE, kimi.THINK_START,
-    ]  # fmt: skip
+        kimi.IM_SYSTEM,
+        SYSTEM,
+        kimi.IM_MIDDLE,
+        *_words(rng, 4),
+        kimi.IM_END,
+        kimi.IM_USER,
+        USER,
+        kimi.IM_MIDDLE,
+        *_words(rng, 9),
+        kimi.IM_END,
+        kimi.IM_ASSISTANT,
+        ASSISTANT,
+        kimi.IM_MIDDLE,
+        kimi.THINK_START,
+    ]
 
 
 def _output(rng: np.random.Generator, tool_call: bool) -> list[int]:
     ids = [*_words(rng, 12), kimi.THINK_END, *_words(rng, 5)]
     if tool_call:
-        ids += [kimi.TOOL_CALLS_SECTION_BEGIN, kimi.TOOL_CALL_BEGIN, 8, kimi.TOOL_CALL_ARGUMENT_BEGIN,
-                *_words(rng, 3), kimi.TOOL_CALL_END, kimi.TOOL_CALLS_SECTION_END]  # fmt: skip
+        ids += [
+            kimi.TOOL_CALLS_SECTION_BEGIN,
+            kimi.TOOL_CALL_BEGIN,
+            8,
+            kimi.TOOL_CALL_ARGUMENT_BEGIN,
+            *_words(rng, 3),
+            kimi.TOOL_CALL_END,
+            kimi.TOOL_CALLS_SECTION_END,
+        ]
     return [*ids, kimi.IM_END]
 
 
@@ -103,8 +121,19 @@ def test_conversations_carry_decoded_reasoning_and_exact_ids(
     tmp_path: Path, job_rows: dict[str, dict], tokenizer_dir: str
 ) -> None:
     out = tmp_path / "conv.jsonl"
-    args = [JOB, "--format", "conversations", "--out", str(out), "--tokenizer", tokenizer_dir,
-            "--output-uri", str(tmp_path / "out"), "--redis-url", "redis://127.0.0.1:1/0"]  # fmt: skip
+    args = [
+        JOB,
+        "--format",
+        "conversations",
+        "--out",
+        str(out),
+        "--tokenizer",
+        tokenizer_dir,
+        "--output-uri",
+        str(tmp_path / "out"),
+        "--redis-url",
+        "redis://127.0.0.1:1/0",
+    ]
     result = CliRunner().invoke(export, args)
     assert result.exit_code == 0, result.output
     lines = [json.loads(line) for line in out.read_text().splitlines()]
@@ -125,8 +154,17 @@ def test_conversations_carry_decoded_reasoning_and_exact_ids(
 
 
 def test_conversations_without_a_tokenizer_says_how_to_fix(tmp_path: Path, job_rows: dict[str, dict]) -> None:
-    args = [JOB, "--format", "conversations", "--output-uri", str(tmp_path / "out"),
-            "--redis-url", "redis://127.0.0.1:1/0", "--out", str(tmp_path / "c.jsonl")]  # fmt: skip
+    args = [
+        JOB,
+        "--format",
+        "conversations",
+        "--output-uri",
+        str(tmp_path / "out"),
+        "--redis-url",
+        "redis://127.0.0.1:1/0",
+        "--out",
+        str(tmp_path / "c.jsonl"),
+    ]
     result = CliRunner().invoke(export, args)
     assert result.exit_code == 1 and "--tokenizer" in result.output
     assert not (tmp_path / "c.jsonl").exists()

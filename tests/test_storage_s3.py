@@ -48,8 +48,15 @@ def test_s3_round_trip(s3_endpoint: str) -> None:
     assert writer.write("job", "ds", rows[:6], intended) == intended
     assert writer.exists(intended)
     writer.write("job", "ds", rows[4:])  # p-4, p-5 delivered twice
-    write_submitted(uri, "job", [{"prompt_id": r["prompt_id"], "dataset": "ds", "row_index": 0,
-                                  "content_hash": r["content_hash"]} for r in rows], s3_endpoint)  # fmt: skip
+    write_submitted(
+        uri,
+        "job",
+        [
+            {"prompt_id": r["prompt_id"], "dataset": "ds", "row_index": 0, "content_hash": r["content_hash"]}
+            for r in rows
+        ],
+        s3_endpoint,
+    )
 
     # Only committed objects are visible: no temp objects, nothing half-written.
     keys = _keys(s3_endpoint)
