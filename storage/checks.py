@@ -24,26 +24,15 @@ from storage.schema import (
     PROMPT_ID,
     REASONING_END,
     REASONING_START,
+    SPAN_COLUMNS,
     STOP_TOKEN,
+    TOKEN_COLUMNS,
     TOOL_CALL_SPANS,
 )
 from storage.spans import SpanTokens, compute_spans_batch, ids_at
 
 #: Columns :func:`row_problems` needs.
-CHECK_COLUMNS = [
-    PROMPT_ID,
-    INPUT_IDS,
-    OUTPUT_IDS,
-    REASONING_START,
-    REASONING_END,
-    HAS_THINK_END,
-    ANSWER_START,
-    ANSWER_END,
-    TOOL_CALL_SPANS,
-    STOP_TOKEN,
-    COMPLETION_TOKENS,
-    FINISH_REASON,
-]
+CHECK_COLUMNS = [PROMPT_ID, *TOKEN_COLUMNS, *SPAN_COLUMNS, STOP_TOKEN, COMPLETION_TOKENS, FINISH_REASON]
 FINISH_TYPES = ("stop", "length", "abort")
 
 

@@ -42,6 +42,7 @@ from storage.schema import (
     PROMPT_ID,
     REASONING_END,
     REASONING_START,
+    SPAN_COLUMNS,
     TOKEN_IDS,
     TOOL_CALL_SPANS,
 )
@@ -60,19 +61,7 @@ EAGLE3_SCHEMA = pa.schema(
         pa.field(FINISH_REASON, pa.string(), nullable=False),  # to drop truncated rows if wanted
     ]
 )
-_COLUMNS = [
-    PROMPT_ID,
-    DATASET,
-    INPUT_IDS,
-    OUTPUT_IDS,
-    REASONING_START,
-    REASONING_END,
-    HAS_THINK_END,
-    ANSWER_START,
-    ANSWER_END,
-    TOOL_CALL_SPANS,
-    FINISH_REASON,
-]
+_COLUMNS = [PROMPT_ID, DATASET, INPUT_IDS, OUTPUT_IDS, *SPAN_COLUMNS, FINISH_REASON]
 
 
 class ExportError(Exception):
