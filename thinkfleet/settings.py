@@ -60,7 +60,12 @@ class Settings(BaseSettings):
     )
     reaper_interval_s: float = Field(5.0, gt=0, description="How often live workers look for dead ones.")
     flush_rows: int = Field(512, ge=1, description="Group commit: rows per Parquet part at most.")
-    flush_interval_s: float = Field(0.5, gt=0, description="Group commit: longest a row waits to commit.")
+    flush_interval_s: float = Field(
+        30.0,
+        gt=0,
+        description="Group commit: longest a row waits to commit (a flush also starts early when many rows wait; "
+        "long intervals mean few, large Parquet parts on slow real servers).",
+    )
     shutdown_grace_s: float = Field(
         20.0, ge=0, description="On SIGTERM, how long in-flight requests may finish before hand-back."
     )
@@ -93,6 +98,16 @@ class Settings(BaseSettings):
     def visibility_timeout_s(self) -> float:
         """Celery's visibility timeout equals the lease: live workers renew it, dead ones lose it."""
         return self.lease_s
+
+    @property
+    def commit_headroom(self) -> int:
+        """Worker threads beyond the in-flight bound.
+
+        A finished request waits for its group commit before its task may ack; these threads let the
+        next prompts take the freed request slots meanwhile, so in-flight stays at the bound. They hold
+        at most this many messages that are not yet sending.
+        """
+        return max(4, self.max_inflight // 4)
 
     @property
     def worker_identity(self) -> str:

@@ -25,16 +25,6 @@ from thinkfleet.settings import Settings, load_settings
 from workers.transit import TRANSPORT, uses_transit
 
 
-def commit_headroom(max_inflight: int) -> int:
-    """Extra worker threads beyond the in-flight bound.
-
-    A finished request waits up to ``flush_interval_s`` for its group commit before the task may ack;
-    these threads let the next prompts take the freed request slots meanwhile, so in-flight stays at
-    the bound. They hold at most this many messages that are not yet sending.
-    """
-    return max(4, max_inflight // 4)
-
-
 def broker_transport_options(settings: Settings) -> dict[str, Any]:
     options: dict[str, Any] = dict(kombu_transport_options(settings.key_prefix, settings.visibility_timeout_s))
     # kombu >= 5.6.3: sweep for expired unacked messages every reaper_interval_s (default ≈100 s).
@@ -74,7 +64,7 @@ def configure(app: Celery, settings: Settings) -> Celery:
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
         worker_pool="threads",
-        worker_concurrency=settings.max_inflight + commit_headroom(settings.max_inflight),
+        worker_concurrency=settings.max_inflight + settings.commit_headroom,
         task_default_queue=settings.queue,
         task_default_exchange=settings.queue,
         task_default_routing_key=settings.queue,

@@ -1,8 +1,13 @@
 """Group commit: rows from many concurrent requests go into one Parquet part.
 
-A finished request hands its row here and waits; every ``flush_interval_s`` (or at ``flush_rows``)
-the pending rows are written as one part per (job, dataset), committed atomically, marked done in
-Redis, and only then are their tasks released to acknowledge their messages.
+A finished request hands its row here and waits; every ``flush_interval_s`` the pending rows are
+written as one part per (job, dataset), committed atomically, marked done in Redis, and only then are
+their tasks released to acknowledge their messages.
+
+A waiting row holds a pool thread (not a request slot), so a flush also starts early once
+``max_pending`` rows wait — half the thread headroom beyond the in-flight bound — and at ``flush_rows``.
+Slow real servers (a row every few seconds) thus get few, large parts; a fast simulator never
+starves the pool.
 """
 
 from __future__ import annotations
@@ -16,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from storage.writer import PartWriter
-
 from workers.ledger import FinalRow, Ledger
 
 log = logging.getLogger(__name__)
@@ -42,11 +46,13 @@ class GroupCommitter:
         alarm_share: float,
         on_alarm: Callable[[str, int, int], Any],
         on_flush: Callable[[int, float], None] = lambda rows, seconds: None,
+        max_pending: int | None = None,
     ) -> None:
         self.writer = writer
         self.ledger = ledger
         self.flush_rows = flush_rows
         self.flush_interval_s = flush_interval_s
+        self.early_flush_rows = max(1, min(flush_rows, max_pending or flush_rows))
         self.alarm_min_rows = alarm_min_rows
         self.alarm_share = alarm_share
         self.on_alarm = on_alarm
@@ -64,7 +70,7 @@ class GroupCommitter:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.append(_Pending(job, dataset, row, final, future))
         self._wake.set()
-        if len(self._pending) >= self.flush_rows:
+        if len(self._pending) >= self.early_flush_rows:
             self._urgent.set()
         await future
 
@@ -84,7 +90,7 @@ class GroupCommitter:
             batch, self._pending = self._pending[: self.flush_rows], self._pending[self.flush_rows :]
             if not self._pending:
                 self._wake.clear()
-            elif len(self._pending) >= self.flush_rows:
+            elif len(self._pending) >= self.early_flush_rows:
                 self._urgent.set()
             if batch:
                 await self._flush(batch)

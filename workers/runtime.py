@@ -78,6 +78,7 @@ class WorkerRuntime:
             s.alarm_missing_share,
             on_alarm=self._alarm,
             on_flush=lambda rows, seconds: self.metrics.commit_seconds.observe(seconds),
+            max_pending=max(1, s.commit_headroom // 2),
         )
         self.committer.start()
         self.gate = HealthGate(
