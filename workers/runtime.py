@@ -293,6 +293,9 @@ class WorkerRuntime:
                 finally:
                     self._requests.discard(request)
                     self.metrics.request_finished(time.perf_counter() - started)
+                    if not self._requests:
+                        # Nothing else in flight (the queue ran dry): don't let the last rows wait.
+                        self.committer.flush_soon()
             if error is None:
                 return gen, attempt, time.perf_counter() - started
             self.metrics.retried.labels(error.error_class).inc()
