@@ -140,7 +140,6 @@ def capture_message(settings: Settings) -> dict[str, Any]:
     sentinel = PromptTask("j", "d", "p", 0, "h", b"\x00")
     with _capture_lock, app.connection_for_write() as conn:
         channel = conn.default_channel
-        channel._purge(settings.queue) if settings.queue in getattr(channel, "queues", {}) else None
         with app.producer_or_acquire() as producer:
             app.send_task(
                 TASK_NAME, args=sentinel.to_args(), task_id=_SENTINEL_ID, producer=producer, queue=settings.queue

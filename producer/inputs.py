@@ -163,8 +163,11 @@ def _read_csv(path: Path, problems: list[Problem]) -> Iterator[tuple[str, dict[s
     csv.field_size_limit(1 << 30)
     with path.open(newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
-        for record in reader:
-            yield f"{path}:{reader.line_num}", dict(record)
+        try:
+            for record in reader:
+                yield f"{path}:{reader.line_num}", dict(record)
+        except UnicodeDecodeError as e:
+            raise InputError(f"{path}:{reader.line_num + 1}: not UTF-8 text ({e}); re-save the file as UTF-8") from e
 
 
 def _read_hf(path: Path, split: str | None) -> Iterator[tuple[str, dict[str, Any] | None]]:

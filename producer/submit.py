@@ -15,6 +15,7 @@ Order of work (each step says why):
 from __future__ import annotations
 
 import collections
+import inspect
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -198,7 +199,8 @@ def _sampling(opts: SubmitOptions, info: render.TokenizerInfo, record: JobRecord
         base["seed"] = base.pop("sampling_seed", None)
     else:
         base = {"stop_token_ids": info.stop_token_ids or None}
-    return sampling_params(**{**{k: v for k, v in base.items() if v is not None}, **given})
+    known = inspect.signature(sampling_params).parameters  # a newer producer's extra keys are not ours to keep
+    return sampling_params(**{**{k: v for k, v in base.items() if v is not None and k in known}, **given})
 
 
 def _check_compatible(
