@@ -167,9 +167,9 @@ def post_json(url: str, payload: dict[str, object], timeout_s: float = 5.0) -> d
         return json.loads(resp.read() or b"{}")
 
 
-def sim_stats(sim_url: str) -> dict[str, object]:
-    """The simulator's call counts (``GET /control/stats``)."""
-    with urllib.request.urlopen(f"{sim_url}/control/stats?rids=0", timeout=5) as resp:
+def sim_stats(sim_url: str, rids: bool = False) -> dict[str, object]:
+    """The simulator's call counts (``GET /control/stats``); ``rids=True`` adds every request id seen."""
+    with urllib.request.urlopen(f"{sim_url}/control/stats?rids={int(rids)}", timeout=5) as resp:
         return json.loads(resp.read())
 
 

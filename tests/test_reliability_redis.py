@@ -1,0 +1,166 @@
+"""Reliability when Redis fails: a restart with AOF mid-job, and losing Redis entirely.
+
+Each test runs its own redis-server (so it may kill it) with real workers and the simulator.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from producer import render
+from producer.job import JobRecord
+from storage.reader import stored_prompt_ids
+from tests.conftest import RedisServer
+from tests.worker_harness import (
+    check_job,
+    fast_env,
+    isolated_settings,
+    make_prompts,
+    producer_cli,
+    record_result,
+    sim_stats,
+    simulator,
+    submit_ids,
+)
+from thinkfleet.testing.datasets import chat_rows, write_jsonl
+from thinkfleet.testing.fleet import RecoveryWatch, WorkerProcess, in_flight, job_progress, wait_until
+from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
+
+
+def _progress(client: redis.Redis, keys, job: str) -> dict[str, int]:
+    try:
+        return job_progress(client, keys, job)
+    except redis.RedisError:
+        return {"submitted": 0, "done": -1, "dead": 0}
+
+
+def test_redis_restarted_with_aof_mid_job_loses_and_duplicates_nothing(tmp_path: Path) -> None:
+    # Given a Redis with appendfsync always, two workers and a job in progress.
+    server = RedisServer(tmp_path / "redis", appendonly=True).start()
+    settings = isolated_settings(server.url(), str(tmp_path / "out"))
+    client = redis.Redis.from_url(server.url())
+    keys = settings.keys
+    started = time.monotonic()
+    try:
+        with simulator(tmp_path, "--time-scale", "60") as sim:
+            env = fast_env(settings, sim, max_inflight=6)
+            workers = [WorkerProcess(f"w{i}", env, tmp_path).start() for i in (1, 2)]
+            try:
+                for w in workers:
+                    w.wait_ready(client, keys)
+                job = submit_ids(settings, "aof", make_prompts(60))
+                wait_until(lambda: job_progress(client, keys, "aof")["done"] >= 15, 120, what="15 rows")
+                wait_until(lambda: in_flight(client, keys, "aof"), 30, what="work in flight")
+                # When Redis is killed mid-job and restarted from its AOF on the same port.
+                watch = RecoveryWatch(server.url(), keys, "aof", "redis-restart").start()
+                server.stop(kill=True)
+                time.sleep(1.0)
+                server.start()
+                wait_until(lambda: _progress(client, keys, "aof")["done"] == 60, 180, what="60 rows")
+            finally:
+                for w in workers:
+                    w.terminate()
+        # Then every prompt is stored once, byte-exact.
+        outcome = check_job(settings, "aof", job.prompts, job.sampling_params)
+        record_result(
+            "Redis SIGKILL + restart from AOF",
+            outcome,
+            "Redis down 1 s mid-job (appendfsync always)",
+            [watch.stop()],
+            time.monotonic() - started,
+            workers=2,
+        )
+        outcome.assert_clean()
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def tok_dir() -> Path:
+    return build_test_tokenizer(default_test_tokenizer_dir())
+
+
+def _rid_prompts(stats: dict[str, object], job: str) -> dict[str, int]:
+    """prompt id → /generate calls, from the simulator's rids (``job/prompt/r0/a1-…``)."""
+    counts: dict[str, int] = {}
+    for rid in stats.get("rids") or []:
+        m = re.match(rf"{re.escape(job)}/(.+)/r\d+/a\d+-", str(rid))
+        if m:
+            counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    return counts
+
+
+def test_redis_lost_entirely_resubmit_runs_exactly_the_missing_prompts(tmp_path: Path, tok_dir: Path) -> None:
+    # Given a job submitted with the real producer, half done, on a Redis without persistence.
+    server = RedisServer(tmp_path / "redis").start()
+    settings = isolated_settings(server.url(), str(tmp_path / "out"))
+    client = redis.Redis.from_url(server.url())
+    keys = settings.keys
+    rows = chat_rows(40, words=20)
+    data = write_jsonl(tmp_path / "alpha.jsonl", rows)
+    submit_args = ("submit", str(data), "--job", "lost", "--tokenizer", str(tok_dir), "--processes", "1")
+    submit_args += ("--max-new-tokens", "2048", "--seed", "7", "--json", "--no-progress")
+    started = time.monotonic()
+    try:
+        with simulator(tmp_path, "--time-scale", "40") as sim:
+            env = fast_env(settings, sim, max_inflight=4)
+            worker = WorkerProcess("w1", env, tmp_path).start()
+            try:
+                worker.wait_ready(client, keys)
+                first = producer_cli(settings, *submit_args)
+                assert first.returncode == 0, first.stderr
+                assert json.loads(first.stdout)["enqueued"] == 40
+                sampling = JobRecord.load(client, keys, "lost").sampling_params
+                wait_until(lambda: job_progress(client, keys, "lost")["done"] >= 12, 120, what="12 rows")
+                # When Redis is lost entirely (killed, and an empty one takes its place).
+                watch = RecoveryWatch(server.url(), keys, "lost", "redis-lost").start()
+                server.stop(kill=True)
+                server.start()
+                worker.wait_ready(client, keys)  # its heartbeat reappears in the empty Redis
+                # …and the requests that were in flight have settled (stored, or handed back to nowhere),
+                settled = [-1]
+
+                def quiet() -> bool:
+                    completed = int(sim_stats(sim)["completed"])
+                    still = completed == settled[0]
+                    settled[0] = completed
+                    return still
+
+                wait_until(quiet, 60, interval_s=1.5, what="in-flight requests settled")
+                missing = {f"alpha/r{i}" for i in range(40)} - stored_prompt_ids(settings.output_uri, "lost")
+                calls_before = _rid_prompts(sim_stats(sim, rids=True), "lost")
+                # …and the same `producer submit` runs again.
+                again = producer_cli(settings, *submit_args)
+                assert again.returncode == 0, again.stderr
+                report = json.loads(again.stdout)
+                wait_until(lambda: job_progress(client, keys, "lost")["done"] == 40, 180, what="40 rows")
+                calls_after = _rid_prompts(sim_stats(sim, rids=True), "lost")
+            finally:
+                worker.terminate()
+        # Then it enqueued exactly the prompts storage lacked, and exactly those ran again.
+        assert report["enqueued"] == len(missing) > 0
+        rerun = {pid for pid, n in calls_after.items() if n > calls_before.get(pid, 0)}
+        assert rerun == missing
+        tok = render.load_tokenizer(str(tok_dir))
+        prompts = {
+            f"alpha/r{i}": render.render_ids(tok, row["messages"][:2], None, {"thinking": True})
+            for i, row in enumerate(rows)
+        }
+        outcome = check_job(settings, "lost", prompts, sampling)
+        record_result(
+            "Redis lost entirely, then the same `producer submit`",
+            outcome,
+            f"Redis SIGKILL, empty Redis started; re-submit enqueued {report['enqueued']} missing",
+            [watch.stop()],
+            time.monotonic() - started,
+            notes="recovery includes the operator's re-submit",
+        )
+        outcome.assert_clean()
+    finally:
+        server.stop()
