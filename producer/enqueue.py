@@ -34,6 +34,8 @@ from thinkfleet.settings import Settings
 #: Values per LPUSH and bytes per pipeline round trip when staging.
 LPUSH_VALUES = 256
 PIPELINE_BYTES = 4 << 20
+#: Messages per LRANGE when scanning the queue for a job's prompts.
+SCAN_CHUNK = 2000
 #: A staging list outlives a crashed submit by this long.
 STAGING_TTL_S = 24 * 3600
 #: Celery truncates argsrepr to this many characters (``app.amqp.argsrepr_maxsize``).
@@ -183,13 +185,16 @@ def queued_prompt_ids(client: redis.Redis, settings: Settings, job: str) -> set[
     """Prompt ids of ``job`` with a message waiting in the queue."""
     found: set[str] = set()
     for key in queue_keys(client, settings.queue):
-        length = client.llen(key)
-        for start in range(0, length, 2000):
-            for raw in client.lrange(key, start, start + 1999):
+        # Read head to tail while workers pop the tail and others push the head: a push shifts what we
+        # have not read yet towards the tail, so re-check the length each time instead of snapshotting it.
+        start = 0
+        while start < client.llen(key):
+            for raw in client.lrange(key, start, start + SCAN_CHUNK - 1):
                 tid = _task_id(raw)
                 pid = prompt_of_task_id(job, tid) if tid else None
                 if pid is not None:
                     found.add(pid)
+            start += SCAN_CHUNK
     return found
 
 

@@ -51,9 +51,14 @@ def load_existing(client: redis.Redis, settings: Settings, job: str, redis_requi
         existing = Existing(record=JobRecord.load(client, keys, job))
         existing.hashes = _str_map(client.hgetall(keys.prompts(job)))
         existing.datasets = _str_map(client.hgetall(keys.prompt_dataset(job)))
+        # Workers keep moving messages while we look: queue → unacked → done (finalize before ack), and the
+        # reaper moves unacked → queue. Reading unacked before and after the queue, and done/dead last,
+        # sees every message in at least one place.
+        running = running_prompt_ids(client, settings, job)
+        queued = queued_prompt_ids(client, settings, job)
+        existing.queued = running | queued | running_prompt_ids(client, settings, job)
         existing.done = {m.decode() for m in client.smembers(keys.done(job))}
         existing.dead = {k.decode() for k in client.hkeys(keys.dead(job))}
-        existing.queued = queued_prompt_ids(client, settings, job) | running_prompt_ids(client, settings, job)
     except redis.RedisError as e:
         if redis_required:
             raise StateError(f"cannot reach Redis at {settings.redis_url}: {e}") from e

@@ -41,7 +41,9 @@ ID_SEED = 20250213
 MARKER = ".thinkfleet-test-tokenizer"
 DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
 
-#: Tokens Kimi's tokenizer_config marks ``special: false`` (they survive ``skip_special_tokens``).
+#: Added but not special (they survive ``skip_special_tokens``): the tool-call markers, as Kimi's
+#: tokenizer_config declares them; the think markers too (their flag is not in our sources, and keeping
+#: them visible in decoded text is the safer choice for reasoning data).
 NOT_SPECIAL = {
     "<|tool_calls_section_begin|>",
     "<|tool_calls_section_end|>",
@@ -122,6 +124,7 @@ def content_hash() -> str:
         "seed": ID_SEED,
         "template": CHAT_TEMPLATE,
         "specials": special_token_layout(),
+        "not_special": sorted(NOT_SPECIAL),
         "vocab": kimi.VOCAB_SIZE,
     }
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
