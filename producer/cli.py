@@ -14,9 +14,16 @@ import click
 import redis
 from rich.console import Console
 from rich.live import Live
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
-from producer.inputs import Columns
+from producer.inputs import Columns, count_rows
 from producer.status import DEFAULT_WINDOW_S, StatusReader, confirm_stored, format_duration
 from producer.submit import SubmitError, SubmitOptions, submit
 from producer.view import status_view, submit_report
@@ -171,17 +178,24 @@ def _with_progress(console: Console, settings: Settings, opts: SubmitOptions) ->
         TextColumn("{task.fields[rate]:,.0f} prompts/s"),
         TextColumn("{task.fields[tokens]:,} tokens"),
         TimeElapsedColumn(),
+        TimeRemainingColumn(),
     )
+    counts = [count_rows(Path(p)) for p in opts.paths]
+    total = None if None in counts else sum(c or 0 for c in counts)
     with Progress(*columns, console=console, transient=False) as bar:
-        task = bar.add_task("render", total=None, rate=0.0, tokens=0)
-        started = time.monotonic()
-        state = {"n": 0, "tokens": 0}
+        task = bar.add_task("render", total=total, rate=0.0, tokens=0)
+        # The rate counts from the first rendered batch: tokenizer loading and the pool start are not rendering.
+        state: dict[str, float] = {"n": 0, "tokens": 0, "first_at": 0.0, "first_n": 0}
 
         def on_progress(n: int, tokens: int) -> None:
+            now = time.monotonic()
+            if not state["first_at"]:
+                state["first_at"], state["first_n"] = now, n
             state["n"] += n
             state["tokens"] += tokens
-            rate = state["n"] / max(1e-6, time.monotonic() - started)
-            bar.update(task, advance=n, rate=rate, tokens=state["tokens"])
+            elapsed = now - state["first_at"]
+            rate = (state["n"] - state["first_n"]) / elapsed if elapsed > 0 else 0.0
+            bar.update(task, advance=n, rate=rate, tokens=int(state["tokens"]))
 
         return submit(settings, opts, on_progress=on_progress)
 
