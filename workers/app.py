@@ -14,7 +14,9 @@
 
 from __future__ import annotations
 
+import ssl
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 from celery import Celery
 from kombu import Exchange, Queue
@@ -31,6 +33,16 @@ def broker_transport_options(settings: Settings) -> dict[str, Any]:
     options["unacked_restore_interval"] = max(1, int(settings.reaper_interval_s))
     options["unacked_restore_throttle"] = 1
     return options
+
+
+def broker_ssl(broker_url: str | None) -> dict[str, Any] | None:
+    """TLS options of a ``rediss://`` broker: verify the server's certificate unless the URL says
+    ``?ssl_cert_reqs=none|optional`` (kombu's own default for rediss is no verification at all)."""
+    if not broker_url or not broker_url.startswith("rediss://"):
+        return None
+    wanted = (parse_qs(urlsplit(broker_url).query).get("ssl_cert_reqs") or ["required"])[0].lower()
+    levels = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL}
+    return {"ssl_cert_reqs": levels.get(wanted.removeprefix("cert_"), ssl.CERT_REQUIRED)}
 
 
 def task_queue(settings: Settings) -> Queue:
@@ -50,6 +62,7 @@ def configure(app: Celery, settings: Settings) -> Celery:
         # redis:// pops atomically into a per-worker transit list (workers/transit.py).
         broker_transport=TRANSPORT if uses_transit(settings.broker_url) else None,
         broker_transport_options=transport,
+        broker_use_ssl=broker_ssl(settings.broker_url),
         result_backend=None,
         result_backend_transport_options=transport,
         visibility_timeout=int(settings.visibility_timeout_s),

@@ -20,6 +20,7 @@ producer, other queues, ``rediss://``/``sentinel://``, RabbitMQ) is kombu's stoc
 
 from __future__ import annotations
 
+import logging
 from queue import Empty
 from time import monotonic
 from typing import Any
@@ -32,6 +33,8 @@ from kombu.utils.json import loads
 
 from thinkfleet.keys import Keys
 from thinkfleet.settings import Settings
+
+log = logging.getLogger(__name__)
 
 #: The transport ``workers.app`` selects for ``redis://`` brokers.
 TRANSPORT = "workers.transit:Transport"
@@ -94,7 +97,13 @@ class Channel(kombu_redis.Channel):
             if not item:
                 raise Empty()
             self._queue_cycle.rotate(source)
-            self.connection._deliver(loads(bytes_to_str(item)), source)
+            try:
+                message = envelope(item)
+            except ValueError as exc:
+                # kombu would raise out of its event loop and stop the worker ("Unrecoverable error").
+                log.error("dropped an undecodable message from queue %s (%d bytes): %s", source, len(item), exc)
+                raise Empty() from None
+            self.connection._deliver(message, source)
             return True
         finally:
             self._in_poll = None
@@ -106,6 +115,16 @@ class Channel(kombu_redis.Channel):
             flush = getattr(self, "_flush_brpop_reauth", None)
             if flush is not None:
                 flush()
+
+
+def envelope(item: bytes) -> dict[str, Any]:
+    """The kombu message in ``item``; ValueError when it is not one (garbage pushed onto the queue)."""
+    message = loads(bytes_to_str(item))  # JSONDecodeError is a ValueError
+    props = message.get("properties") if isinstance(message, dict) else None
+    info = props.get("delivery_info") if isinstance(props, dict) else None
+    if not (isinstance(info, dict) and "delivery_tag" in props and {"exchange", "routing_key"} <= info.keys()):
+        raise ValueError("not a kombu message envelope")
+    return message
 
 
 class Transport(kombu_redis.Transport):
