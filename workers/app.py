@@ -24,7 +24,6 @@ from kombu import Exchange, Queue
 from thinkfleet.keys import kombu_transport_options
 from thinkfleet.message import TASK_NAME
 from thinkfleet.settings import Settings, load_settings
-from workers.transit import TRANSPORT, uses_transit
 
 
 def broker_transport_options(settings: Settings) -> dict[str, Any]:
@@ -59,8 +58,6 @@ def configure(app: Celery, settings: Settings) -> Celery:
     is_amqp = bool(settings.broker_url and settings.broker_url.startswith(("amqp", "pyamqp")))
     app.conf.update(
         broker_url=settings.broker_url,
-        # redis:// pops atomically into a per-worker transit list (workers/transit.py).
-        broker_transport=TRANSPORT if uses_transit(settings.broker_url) else None,
         broker_transport_options=transport,
         broker_use_ssl=broker_ssl(settings.broker_url),
         result_backend=None,

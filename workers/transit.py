@@ -142,6 +142,9 @@ def enable_transit(app: Celery, settings: Settings, worker: str) -> None:
     options = dict(app.conf.broker_transport_options or {})
     options.update(transit_key=settings.keys.transit(worker), transit_queue=settings.queue)
     app.conf.broker_transport_options = options
+    # Only worker processes pop through transit; Flower, the producer and `celery inspect` keep kombu's
+    # stock redis transport (Flower's broker page only knows the stock transports).
+    app.conf.broker_transport = TRANSPORT
 
 
 class TransitSweeper:
