@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import redis.asyncio as aioredis
 
-from thinkfleet import kimi
+from storage.spans import KIMI_TOKENS, SpanTokens
 from thinkfleet.keys import Keys
 
 
@@ -24,13 +24,7 @@ class JobSpec:
     tokenizer_fingerprint: str
     chat_template_hash: str
     expected_model: str | None
-    think_start_id: int = kimi.THINK_START
-    think_end_id: int = kimi.THINK_END
-    tool_section_begin_id: int = kimi.TOOL_CALLS_SECTION_BEGIN
-    tool_section_end_id: int = kimi.TOOL_CALLS_SECTION_END
-    tool_call_begin_id: int = kimi.TOOL_CALL_BEGIN
-    tool_call_end_id: int = kimi.TOOL_CALL_END
-    stop_token_ids: tuple[int, ...] = kimi.DEFAULT_STOP_TOKEN_IDS
+    tokens: SpanTokens = KIMI_TOKENS  # the marker ids spans are found with
 
     @property
     def max_new_tokens(self) -> int:
@@ -50,20 +44,22 @@ def _decode(raw: dict[bytes, bytes]) -> dict[str, Any]:
 
 def spec_from_record(job: str, record: dict[str, Any]) -> JobSpec:
     sampling = dict(record.get("sampling_params") or {})
-    stops = tuple(int(t) for t in (sampling.get("stop_token_ids") or kimi.DEFAULT_STOP_TOKEN_IDS))
+
+    def token(name: str) -> int:
+        # A producer that found no such token in its tokenizer stores None: keep Kimi's default.
+        value = record.get(name)
+        return int(value) if value is not None else getattr(KIMI_TOKENS, name)
+
     return JobSpec(
         name=job,
         sampling_params=sampling,
         tokenizer_fingerprint=str(record.get("tokenizer_fingerprint") or ""),
         chat_template_hash=str(record.get("chat_template_hash") or ""),
         expected_model=record.get("expected_model") or None,
-        think_start_id=int(record.get("think_start_id") or kimi.THINK_START),
-        think_end_id=int(record.get("think_end_id") or kimi.THINK_END),
-        tool_section_begin_id=int(record.get("tool_section_begin_id") or kimi.TOOL_CALLS_SECTION_BEGIN),
-        tool_section_end_id=int(record.get("tool_section_end_id") or kimi.TOOL_CALLS_SECTION_END),
-        tool_call_begin_id=int(record.get("tool_call_begin_id") or kimi.TOOL_CALL_BEGIN),
-        tool_call_end_id=int(record.get("tool_call_end_id") or kimi.TOOL_CALL_END),
-        stop_token_ids=stops,
+        tokens=SpanTokens(
+            **{f.name: token(f.name) for f in fields(SpanTokens) if f.name != "stop_token_ids"},
+            stop_token_ids=tuple(int(t) for t in (sampling.get("stop_token_ids") or KIMI_TOKENS.stop_token_ids)),
+        ),
     )
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import socket
+from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import Any
 
 from storage.spans import compute_spans
-
 from thinkfleet.message import PromptTask
 from workers.jobs import JobSpec
 from workers.ledger import FinalRow
@@ -30,14 +30,8 @@ def build_row(
 ) -> tuple[dict[str, Any], FinalRow]:
     spans = compute_spans(
         gen.output_ids,
-        prompt_ends_with_think_start=bool(input_ids) and input_ids[-1] == job.think_start_id,
-        think_start_id=job.think_start_id,
-        think_end_id=job.think_end_id,
-        tool_section_begin_id=job.tool_section_begin_id,
-        tool_section_end_id=job.tool_section_end_id,
-        tool_call_begin_id=job.tool_call_begin_id,
-        tool_call_end_id=job.tool_call_end_id,
-        stop_token_ids=job.stop_token_ids,
+        prompt_ends_with_think_start=bool(input_ids) and input_ids[-1] == job.tokens.think_start_id,
+        **asdict(job.tokens),
     )
     seed = sampling_params.get("sampling_seed")
     row = {
