@@ -7,33 +7,18 @@ free port (so parallel runs and a developer's data stay apart) and each test get
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
+from thinkfleet.testing.fleet import free_port, wait_for_port
+
+__all__ = ["RedisServer", "free_port", "wait_for_port"]
+
 REDIS_SERVER = shutil.which("redis-server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_port(port: int, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.02)
-    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout_s}s")
 
 
 class RedisServer:
@@ -50,8 +35,19 @@ class RedisServer:
             pytest.skip("redis-server is not installed")
         self.workdir.mkdir(parents=True, exist_ok=True)
         args = [
-            REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-            "--dir", str(self.workdir), "--databases", "64", "--logfile", str(self.workdir / "redis.log"),
+            REDIS_SERVER,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--dir",
+            str(self.workdir),
+            "--databases",
+            "64",
+            "--logfile",
+            str(self.workdir / "redis.log"),
         ]
         if self.appendonly:
             args += ["--appendonly", "yes", "--appendfsync", "always"]

