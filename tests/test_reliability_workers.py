@@ -67,6 +67,8 @@ def test_worker_killed_three_times_loses_and_duplicates_nothing(redis_url: str, 
     )
     outcome.assert_clean()
     assert victim.starts == 4
+    # A restart under the same name gives up the dead run's claims (else copies elsewhere wait on them).
+    assert "claim(s) of its previous run" in victim.log_path.read_text()
 
 
 def test_preempted_worker_hands_its_work_back_without_waiting_for_the_lease(redis_url: str, tmp_path: Path) -> None:

@@ -87,6 +87,16 @@ return {new_rows, fire, seen, miss}
 """
 
 
+_ABANDON = """
+-- KEYS: claims ; ARGV: prompt_id, the claim as read, the claim with no owner
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+  return 1
+end
+return 0
+"""
+
+
 @dataclass(frozen=True)
 class Claim:
     state: str  # new | mine | busy | stale | done | dead
@@ -108,6 +118,7 @@ class Ledger:
         self.worker = worker
         self._claim = client.register_script(_CLAIM)
         self._finalize = client.register_script(_FINALIZE)
+        self._abandon = client.register_script(_ABANDON)
 
     def _claim_json(self, part: str | None = None) -> str:
         return json.dumps({"worker": self.worker, "part": part, "at": time.time()})
@@ -121,6 +132,21 @@ class Ledger:
         state = state.decode() if isinstance(state, bytes) else state
         prev = json.loads(previous) if previous else None
         return Claim(state, prev)
+
+    async def abandon_claims(self) -> int:
+        """At start: claims under our name are a previous life's (same --name, or same hostname-pid in a
+        restarted container). Our fresh heartbeat would make them look alive to other workers, whose
+        redelivered copies would wait on them forever, so they lose their owner (and keep their part:
+        whoever claims next still finds a committed part and only finalizes it). Returns how many."""
+        abandoned = 0
+        for raw_job in await self.r.smembers(self.keys.jobs):
+            job = raw_job.decode() if isinstance(raw_job, bytes) else raw_job
+            async for prompt_id, raw in self.r.hscan_iter(self.keys.claims(job)):
+                claim = json.loads(raw)
+                if claim.get("worker") == self.worker:
+                    orphan = json.dumps({**claim, "worker": ""})
+                    abandoned += int(await self._abandon(keys=[self.keys.claims(job)], args=[prompt_id, raw, orphan]))
+        return abandoned
 
     async def resolved(self, job: str, prompt_id: str) -> str | None:
         """'done' / 'dead' once the prompt is finished by anyone, else None."""

@@ -82,6 +82,9 @@ class WorkerRuntime:
         )
         self.semaphore = asyncio.Semaphore(s.max_inflight)
         self.ledger = Ledger(self.redis, s.keys, self.identity)
+        abandoned = await self.ledger.abandon_claims()  # before this life claims anything
+        if abandoned:
+            log.warning("worker %s restarted: released %d claim(s) of its previous run", self.identity, abandoned)
         self.jobs = JobCache(self.redis, s.keys)
         self.writer = PartWriter(s.output_uri, self.identity, s.s3_endpoint_url)
         self.committer = GroupCommitter(
