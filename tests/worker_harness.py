@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -340,5 +341,35 @@ def record_result(
     }
     path = Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)
-    slug = "".join(c if c.isalnum() else "-" for c in f"{scenario}-{broker}").strip("-").lower()
+    slug = re.sub(r"[^a-z0-9]+", "-", f"{scenario}-{broker}".lower()).strip("-")
     (path / f"{slug}.json").write_text(json.dumps(row, indent=2, sort_keys=True) + "\n")
+
+
+def republish(job: IdJob, prompt_ids: list[str], dataset: str = "synthetic") -> None:
+    """Publish another copy of these prompts' messages (a redelivery while the first may still run)."""
+    order = {pid: i for i, pid in enumerate(job.prompts)}
+    tasks = [
+        PromptTask(
+            job=job.name,
+            dataset=dataset,
+            prompt_id=pid,
+            row_index=order[pid],
+            content_hash=f"h-{pid}",
+            ids_blob=pack_ids(job.prompts[pid]),
+        )
+        for pid in prompt_ids
+    ]
+    _publish(job.settings, tasks)
+
+
+def transit_prompt_ids(client: redis.Redis, settings: Settings, job: str) -> set[str]:
+    """Prompt ids of ``job`` in any worker's transit list (popped, not yet recorded as unacked)."""
+    from producer.enqueue import prompt_of_task_id
+
+    found: set[str] = set()
+    for key in client.scan_iter(match=settings.keys.transit("") + "*"):
+        for raw in client.lrange(key, 0, -1):
+            pid = prompt_of_task_id(job, json.loads(raw)["headers"]["id"])
+            if pid is not None:
+                found.add(pid)
+    return found

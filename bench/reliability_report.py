@@ -1,0 +1,216 @@
+"""RELIABILITY.md from the fault-injection suite's own results.
+
+Every scenario in ``tests/test_reliability_*.py`` writes one JSON row (scenario, broker, prompts,
+faults, lost, duplicated, altered, recovery times) into ``$THINKFLEET_RELIABILITY_RESULTS`` when that
+is set. This script runs the suite with it set (``--run``; ``--slow`` adds the soak) and renders the
+rows as RELIABILITY.md:
+
+    .venv/bin/python -m bench.reliability_report --run            # CI subset (≈ 3 min on 2 cores)
+    .venv/bin/python -m bench.reliability_report --run --slow     # CI subset + soak (≈ 8 min)
+    .venv/bin/python -m bench.reliability_report                  # re-render from stored results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "bench" / "results" / "reliability"
+RELIABILITY_MD = ROOT / "RELIABILITY.md"
+RESULTS_ENV = "THINKFLEET_RELIABILITY_RESULTS"
+_RUNS = "_runs.json"
+
+
+def run_suite(results: Path, slow: bool) -> int:
+    """Run the reliability tests with results recording on; returns pytest's exit code."""
+    results.mkdir(parents=True, exist_ok=True)
+    marker = "slow or not slow" if slow else "not slow"
+    command = [sys.executable, "-m", "pytest", "-q", "-m", marker, *sorted(str(p) for p in _test_files())]
+    started = time.monotonic()
+    code = subprocess.call(command, cwd=ROOT, env={**os.environ, RESULTS_ENV: str(results)})
+    runs_path = results / _RUNS
+    runs = json.loads(runs_path.read_text()) if runs_path.exists() else {}
+    runs["all" if slow else "ci"] = {
+        "command": f"pytest -m '{marker}' tests/test_reliability_*.py",
+        "wall_s": round(time.monotonic() - started, 1),
+        "exit_code": code,
+        "at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    runs_path.write_text(json.dumps(runs, indent=2, sort_keys=True) + "\n")
+    return code
+
+
+def _test_files() -> list[Path]:
+    return list((ROOT / "tests").glob("test_reliability_*.py"))
+
+
+def load(results: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    rows = [json.loads(p.read_text()) for p in sorted(results.glob("*.json")) if p.name != _RUNS]
+    rows.sort(key=lambda r: (not r.get("ci", True), r["broker"] != "redis", r["at"]))
+    runs_path = results / _RUNS
+    return rows, (json.loads(runs_path.read_text()) if runs_path.exists() else {})
+
+
+def _recovery(values: list[float | None]) -> str:
+    if not values:
+        return "—"
+    return ", ".join("—" if v is None else f"{v:.1f}" for v in values)
+
+
+def _cell(text: object) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def render(rows: list[dict[str, Any]], runs: dict[str, Any]) -> str:
+    lost = sum(r["lost"] for r in rows)
+    duplicated = sum(r["duplicated"] for r in rows)
+    altered = sum(r["altered"] for r in rows)
+    prompts = sum(r["prompts"] for r in rows)
+    failed = [r["scenario"] for r in rows if not (r["verify_ok"] and r["status_agrees"])]
+    out = [
+        "# Reliability",
+        "",
+        "Written by `bench/reliability_report.py` from the results the fault-injection suite "
+        "(`tests/test_reliability_*.py`) records as it runs; do not edit by hand. Regenerate:",
+        "",
+        "```bash",
+        ".venv/bin/python -m bench.reliability_report --run          # CI subset",
+        ".venv/bin/python -m bench.reliability_report --run --slow   # + the soak (-m slow)",
+        "```",
+        "",
+        f"**{len(rows)} scenarios, {prompts:,} prompts: {lost} lost, {duplicated} duplicated, {altered} altered.**"
+        + (
+            f" Checks failed in: {', '.join(failed)}."
+            if failed
+            else " `producer verify` passed and `producer status --json` agreed with storage after every scenario."
+        ),
+        "",
+        "Every scenario runs real processes: its own `redis-server` (or RabbitMQ), `worker` (celery) "
+        "subprocesses, the SGLang simulator over loopback, real Parquet. After each one the suite checks "
+        "that every submitted prompt has exactly one row in the committed view whose `output_ids` equal "
+        "the simulator's deterministic output byte for byte (`sglang_sim.content.expected_generation`), "
+        "that the real `producer verify JOB` exits 0, and that `producer status JOB --json` counts "
+        "(total/done/dead/queued/running) equal storage's.",
+        "",
+        "- **lost**: submitted, not stored, not an expected dead letter. **duplicated**: more than one "
+        "stored row at the winning revision (raw, before read-time dedupe). **altered**: stored ids differ "
+        "from the simulator's.",
+        "- **recovery s**: per injected fault, seconds from the fault until every prompt that was in "
+        "flight at that moment is stored and the job has advanced (recorded, never asserted; in the soak "
+        "faults overlap, so one fault's recovery includes the next ones).",
+        "",
+    ]
+    header = ["scenario", "broker", "workers", "prompts", "faults injected", "lost", "dup.", "altered",
+              "dead (expected)", "recovery s", "wall s", "suite"]  # fmt: skip
+    out.append("| " + " | ".join(header) + " |")
+    out.append("|" + "|".join("---" for _ in header) + "|")
+    for r in rows:
+        cells = [
+            r["scenario"], r["broker"], r["workers"], f"{r['prompts']:,}", r["faults"], r["lost"], r["duplicated"],
+            r["altered"], r["dead_lettered"], _recovery(r["recovery_s"]),
+            "—" if r["wall_s"] is None else f"{r['wall_s']:.0f}", "CI" if r.get("ci", True) else "soak",
+        ]  # fmt: skip
+        out.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    notes = [f"- *{r['scenario']}* ({r['broker']}): {r['notes']}" for r in rows if r.get("notes")]
+    if notes:
+        out += ["", "Notes:", "", *notes]
+    if runs:
+        out += ["", "Suite runtime (2 shared cores):", ""]
+        for mode, run in sorted(runs.items()):
+            label = "CI subset" if mode == "ci" else "CI subset + soak"
+            out.append(f"- {label}: `{run['command']}` — {run['wall_s']:.0f} s, exit {run['exit_code']} ({run['at']})")
+    out += ["", _BODY]
+    return "\n".join(out) + "\n"
+
+
+_BODY = """\
+## What the suite found, and what changed
+
+- **A SIGKILLed worker lost the message it had just popped.** Kombu's Redis transport takes a message
+  with `BRPOP` and records it in its `unacked` hash only afterwards; a busy worker keeps that popped
+  reply unread until a pool slot frees, so a SIGKILL at almost any moment lost one prompt for good
+  (the job never finished). `workers/transit.py` pops with `BLMOVE` into a per-worker transit list
+  instead, so a message is always in Redis; live workers return a dead worker's transit messages (and
+  their own, stranded ones) to the queue. Test:
+  `test_message_popped_by_a_worker_killed_before_kombu_records_it_is_not_lost`.
+- **A Redis restart lost the prompts in flight.** The worker's Redis client had no retries, so a
+  restart failed the tasks, and Celery acks a failed task: after the restart the ack removed the
+  message. The client now retries through a restart (≈ 30 s per command), and a task that still
+  cannot reach Redis is handed back (`Reject(requeue=True)`), never acked; a claim it could not
+  release is released later. Tests: `test_redis_restarted_with_aof_mid_job_…`, soak
+  `test_redis_away_longer_than_the_worker_retries_hands_work_back`.
+- **A worker restarted under the same name stranded its previous run's prompts.** Its fresh heartbeat
+  made the dead run's claims look alive, so copies redelivered to other workers waited on them forever
+  (seen with RabbitMQ, which redelivers at once). A starting worker now releases its previous run's
+  claims (keeping their part, so a committed row is only finalized). Test:
+  `test_a_worker_restarted_under_its_name_gives_up_its_dead_runs_claims`, RabbitMQ SIGKILL scenario.
+- **One non-JSON item on the queue stopped a worker** ("Unrecoverable error: JSONDecodeError", exit 0).
+  The transit transport drops and logs it. Test: `test_hostile_and_malformed_messages_…`.
+- **`rediss://` brokers did not verify the server certificate** (kombu's default). `workers/app.py`
+  now requires verification unless the URL says `?ssl_cert_reqs=none|optional`.
+
+## Redis or RabbitMQ as the broker
+
+Job state (claims, done, dead letters, counters) lives in Redis either way; only the queue moves.
+
+- **Redis (default)** — one service to run; `producer submit` stages and enqueues tens of thousands of
+  messages per second straight into the list, and `producer status`/`submit` see queued and running
+  messages exactly. Acks are emulated: a message not acknowledged within the visibility timeout is
+  redelivered. thinkfleet sets it to `lease_s` and live workers renew what they hold, so long
+  generations are not redelivered; when a copy is (a worker frozen past its lease, or another worker
+  configured with a shorter lease — the shortest wins), the claims make it cost nothing. Use AOF
+  (`appendfsync everysec` or `always`) so a restart keeps the queue.
+- **RabbitMQ** — real acks: a dead worker's messages come back the moment its connection drops (no
+  lease to wait out), and quorum queues (declared for `amqp://`) survive a broker node restart. But:
+  `producer submit` publishes through Celery (much slower than the Redis staging path) and cannot
+  see queued messages, so a re-submit relies on storage and the done set. And RabbitMQ closes the
+  channel of any consumer that holds a message unacknowledged longer than **`consumer_timeout`
+  (default 30 min)**, redelivering everything that channel held: with a 10,240-token budget at a few
+  tokens/s a generation can exceed that. Raise it in `rabbitmq.conf` (`consumer_timeout = 14400000`,
+  4 h, comfortably above `request_timeout_floor_s + max_new_tokens / request_min_decode_tok_s`) or set
+  it per queue with the `x-consumer-timeout` argument (RabbitMQ ≥ 3.12). From RabbitMQ 4.0 quorum
+  queues drop (or dead-letter) a message after 20 redeliveries by default (`delivery-limit`); every
+  hand-back (a reject with requeue) counts one, so raise the limit by policy for long jobs on flaky
+  servers. (The suite ran RabbitMQ 3.10, which has neither the per-queue timeout nor that default.)
+
+Choose Redis unless you already operate RabbitMQ or need instant redelivery after host loss; with
+RabbitMQ, set `consumer_timeout` before the first long job.
+
+## Not covered
+
+- Storage faults (a full disk, S3 errors mid-write) are not injected here; storage has its own tests.
+- `rediss://` is checked at the configuration level only (no TLS Redis in the test environment), and
+  uses kombu's stock transport (the transit fix applies to `redis://`).
+- A network partition that keeps a worker alive but cut off from Redis longer than its lease: its
+  prompts re-run elsewhere and the claims/part protocol keeps the output exactly-once, but that case
+  is argued in `workers/lease.py`, not injected.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", action="store_true", help="run the suite first (records fresh results)")
+    parser.add_argument("--slow", action="store_true", help="with --run: include the soak (-m slow)")
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR, help=f"results dir [{RESULTS_DIR}]")
+    parser.add_argument("--out", type=Path, default=RELIABILITY_MD, help=f"markdown to write [{RELIABILITY_MD}]")
+    args = parser.parse_args(argv)
+    code = run_suite(args.results, args.slow) if args.run else 0
+    rows, runs = load(args.results)
+    if not rows:
+        print(f"no results in {args.results}; run with --run", file=sys.stderr)
+        return 1
+    args.out.write_text(render(rows, runs))
+    lost, duplicated = sum(r["lost"] for r in rows), sum(r["duplicated"] for r in rows)
+    print(f"{args.out}: {len(rows)} scenarios, {lost} lost, {duplicated} duplicated")
+    return code or (1 if lost or duplicated else 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
