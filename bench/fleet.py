@@ -7,6 +7,7 @@ Used by bench_fleet.py for the scaling sweep and the tail experiments.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -132,6 +133,7 @@ def run_fleet(cfg: FleetConfig, prompts: dict[str, list[int]], order: list[str],
     once = analysis.exactly_once(settings.output_uri, job, set(prompts))
     commits = analysis.commit_times(client, keys, job)
     redis_proc.stop()
+    shutil.rmtree(workdir, ignore_errors=True)
 
     # Workers are named host0…host{N-1} in simulator order; the pool's servers are numbered the same way.
     server_names = np.array([f"host{i}" for i in pool_result["server"]])
@@ -188,26 +190,42 @@ def _figures(
     starts, ends, done, hosts, tokens = side
     k = cfg.time_scale
     fig = analysis.tail(done, t0)
+    # The last 5 % on the GPU side: generations ending (a row's commit may wait for its group).
+    gpu = analysis.tail(ends, t0)
     drained = float(starts.max())
     makespan = fig["makespan_s"]
-    # GPU-side throughput while the queue was non-empty (after a 10 % warm-up), from the simulators.
-    ok = [s for s in samples if decoded_key in s]
-    a, b = t0 + 0.1 * (drained - t0), drained
-    steady = (analysis.counter_at(ok, decoded_key, b) - analysis.counter_at(ok, decoded_key, a)) / ((b - a) * k)
-    per_host_occ = {}
+    # Steady state: from the moment every host has reached its bound until the queue drained.
+    full = {}
     for h in sorted(set(hosts.tolist())):
         mine = hosts == h
-        per_host_occ[str(h)] = round(
-            analysis.occupancy(starts[mine], ends[mine], cfg.bound, t0 + 0.1 * (drained - t0), drained), 4
+        full[str(h)] = analysis.first_full(starts[mine], ends[mine], cfg.bound)
+    all_full = max(full.values())
+    a = all_full if np.isfinite(all_full) and all_full < drained else t0 + 0.1 * (drained - t0)
+    # A host's own steady state: from reaching its bound until its last prompt started (its share of the
+    # queue, including messages it had reserved, ran out).
+    per_host_occ = {}
+    for h, t in full.items():
+        mine = hosts == h
+        last = float(starts[mine].max())
+        ok_window = np.isfinite(t) and t < last
+        per_host_occ[h] = (
+            round(analysis.occupancy(starts[mine], ends[mine], cfg.bound, t, last), 4) if ok_window else None
         )
+    # GPU-side throughput over that window, from the simulators' own decoded-token counters.
+    ok = [s for s in samples if decoded_key in s]
+    steady = (analysis.counter_at(ok, decoded_key, drained) - analysis.counter_at(ok, decoded_key, a)) / (
+        (drained - a) * k
+    )
     return {
         "makespan_sim_s": round(makespan * k, 1),
         "makespan_wall_s": round(makespan, 3),
         "throughput_tok_s": round(float(tokens.sum()) / (makespan * k), 1),
         "steady_throughput_tok_s": round(steady, 1),
-        "tail_95_to_100_share": round(fig["tail_share"], 4),
-        "tail_sim_s": round(fig["tail_s"] * k, 1),
+        "tail_95_to_100_share": round(gpu["tail_s"] / makespan, 4),
+        "commit_lag_after_last_generation_s": round((makespan - gpu["makespan_s"]) * k, 1),
+        "tail_sim_s": round(gpu["tail_s"] * k, 1),
         "queue_drained_sim_s": round((drained - t0) * k, 1),
         "occupancy_steady_per_host": per_host_occ,
+        "all_hosts_at_bound_after_sim_s": round((a - t0) * k, 1),
         "host_finish_sim_s": {h: round(v * k, 1) for h, v in analysis.per_host_finish(hosts, ends, t0).items()},
     }

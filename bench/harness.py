@@ -469,6 +469,16 @@ class PoolProcess:
         return json.loads(self.out_path.read_text())
 
 
+def code_version() -> dict[str, Any]:
+    """The commit the benchmark ran at, and whether the code it exercises had local changes."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--", "workers", "storage", "sglang_sim", "thinkfleet", "producer")
+    return {"commit": git("rev-parse", "--short", "HEAD"), "local_changes": dirty.splitlines()}
+
+
 def write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=float) + "\n")
