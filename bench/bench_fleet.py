@@ -236,7 +236,7 @@ def projection(checked: list[dict[str, Any]], bound: int, ceilings: dict[str, An
 
 
 # -- plots and report -----------------------------------------------------------------------------------------
-def plot(result: dict[str, Any]) -> None:
+def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -292,7 +292,7 @@ def plot(result: dict[str, Any]) -> None:
     ax.set_title("88,088 prompts at 860 tok/s per host")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(RESULTS / "fleet.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -478,10 +478,11 @@ def main() -> None:
     parser.add_argument("--tick-ms", type=float, default=20.0, help="simulator tick (fewer wake-ups per process)")
     parser.add_argument("--tail-hosts", type=int, default=4, help="N of the live tail experiment (one of --hosts)")
     parser.add_argument("--seed", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS / "fleet.json", help="JSON (and .png beside it)")
     parser.add_argument("--no-markdown", action="store_true")
     parser.add_argument("--from-json", type=Path, help="recompute model figures and the report from a saved run")
     args = parser.parse_args()
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
     prompts = make_prompts(args.prompts, seed=args.seed)
     print(
@@ -533,8 +534,8 @@ def main() -> None:
     result["wall_s"] = saved["wall_s"] if args.from_json else round(time.time() - started, 1)
     for r in runs:
         r.pop("_raw", None)
-    plot(result)
-    write_json(RESULTS / "fleet.json", result)
+    plot(result, args.out.with_suffix(".png"))
+    write_json(args.out, result)
     if not args.no_markdown:
         update_section("bench_fleet", "Fleet scaling, tail and projection", markdown(result))
     worst = min(runs, key=lambda r: r["system"]["scaling_efficiency_steady"])

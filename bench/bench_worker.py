@@ -52,6 +52,7 @@ from bench.harness import (
     stage,
     start_sims,
     start_workers,
+    stop_sims,
     wait_for,
     worker_metrics_ports,
     write_json,
@@ -147,8 +148,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             p.kill()
         for w in workers:
             w.terminate(30)
-        for s in sims:
-            s.stop()
+        stop_sims(sims)
     stored = analysis.stored_requests(settings.output_uri, JOB)
     once = analysis.exactly_once(settings.output_uri, JOB, set(prompts))
     commits = analysis.commit_times(client, keys, JOB)
@@ -270,8 +270,7 @@ def profile_worker(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     finally:
         for w in workers:
             w.terminate(30)
-        for sim in sims:
-            sim.stop()
+        stop_sims(sims)
         redis_proc.stop()
     return {"prompts": len(prompts), "worker_ms_per_request": round(1000 * cpu / len(prompts), 3),
             **summarise_profile(folded)}  # fmt: skip
@@ -343,7 +342,7 @@ def _plot(out: dict[str, Any], sides: dict[str, Any], starts_at: dict[str, float
     ax2.legend(loc="lower right", fontsize=8)
     fig.suptitle(f"One host, bound {args.bound}, {args.prompts} prompts of the seed's length distribution")
     fig.tight_layout()
-    fig.savefig(RESULTS / "worker.png", dpi=110)
+    fig.savefig(args.out.with_suffix(".png"), dpi=110)
     plt.close(fig)
 
 
@@ -438,7 +437,7 @@ def main() -> None:
     parser.add_argument("--from-json", type=Path, help="only rewrite the BENCHMARKS.md section from a saved run")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, Parquet)")
     args = parser.parse_args()
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.from_json:
         result = json.loads(args.from_json.read_text())  # re-render the section from a saved run
     else:

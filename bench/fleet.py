@@ -39,6 +39,7 @@ from bench.harness import (
     stage,
     start_sims,
     start_workers,
+    stop_sims,
     wait_for,
     worker_metrics_ports,
 )
@@ -127,8 +128,7 @@ def run_fleet(cfg: FleetConfig, prompts: dict[str, list[int]], order: list[str],
             pool.kill()
         for w in workers:
             w.terminate(30)
-        for s in sims + pool_sims:
-            s.stop()
+        stop_sims(sims + pool_sims)
     stored = analysis.stored_requests(settings.output_uri, job)
     once = analysis.exactly_once(settings.output_uri, job, set(prompts))
     commits = analysis.commit_times(client, keys, job)

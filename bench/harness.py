@@ -212,6 +212,13 @@ def start_sims(n: int, args: list[str]) -> list[SimulatorProcess]:
     return sims
 
 
+def stop_sims(sims: list[SimulatorProcess]) -> None:
+    """SIGTERM each simulator and remove its log file."""
+    for sim in sims:
+        sim.stop()
+        Path(sim.log_path).unlink(missing_ok=True)
+
+
 def sim_stats(url: str) -> dict[str, Any]:
     with urllib.request.urlopen(f"{url}/control/stats?rids=0", timeout=5) as resp:
         return json.loads(resp.read())
