@@ -74,21 +74,21 @@ def test_killed_worker_over_rabbitmq_loses_and_duplicates_nothing(amqp_settings:
     keys = settings.keys
     started = time.monotonic()
     watches: list[RecoveryWatch] = []
-    with simulator(tmp_path, "--time-scale", "60") as sim:
-        env = fast_env(settings, sim, max_inflight=6)
+    with simulator(tmp_path, "--time-scale", "20") as sim:
+        env = fast_env(settings, sim, max_inflight=4)
         victim = WorkerProcess("victim", env, tmp_path).start()
         survivor = WorkerProcess("survivor", env, tmp_path).start()
         try:
             victim.wait_ready(client, keys)
             survivor.wait_ready(client, keys)
-            job = submit_ids(settings, "rmq-kill", make_prompts(40))
-            for threshold in (8, 20):
+            job = submit_ids(settings, "rmq-kill", make_prompts(60))
+            for threshold in (10, 30):
                 wait_until(lambda t=threshold: job_progress(client, keys, "rmq-kill")["done"] >= t, 120, what="rows")
-                wait_until(lambda: in_flight(client, keys, "rmq-kill"), 30, what="work in flight")
+                wait_until(lambda: in_flight(client, keys, "rmq-kill", "victim"), 60, what="the victim busy")
                 watches.append(RecoveryWatch(settings.redis_url, keys, "rmq-kill", "sigkill").start())
                 victim.kill()
                 victim.start().wait_ready(client, keys)
-            wait_until(lambda: job_progress(client, keys, "rmq-kill")["done"] == 40, 240, what="40 rows")
+            wait_until(lambda: job_progress(client, keys, "rmq-kill")["done"] == 60, 240, what="60 rows")
         finally:
             victim.kill()
             survivor.terminate()

@@ -40,22 +40,22 @@ def test_worker_killed_three_times_loses_and_duplicates_nothing(redis_url: str, 
     keys = settings.keys
     started = time.monotonic()
     watches: list[RecoveryWatch] = []
-    with simulator(tmp_path, "--time-scale", "60") as sim:
-        env = fast_env(settings, sim, max_inflight=6)
+    with simulator(tmp_path, "--time-scale", "20") as sim:
+        env = fast_env(settings, sim, max_inflight=4)
         victim = WorkerProcess("victim", env, tmp_path).start()
         survivor = WorkerProcess("survivor", env, tmp_path).start()
         try:
             victim.wait_ready(client, keys)
             survivor.wait_ready(client, keys)
-            job = submit_ids(settings, "kill3", make_prompts(60))
+            job = submit_ids(settings, "kill3", make_prompts(90))
             # When the victim is killed with work in flight, three times, and restarted each time.
-            for threshold in (8, 22, 36):
+            for threshold in (10, 35, 60):
                 wait_until(lambda t=threshold: job_progress(client, keys, "kill3")["done"] >= t, 120, what="progress")
-                wait_until(lambda: in_flight(client, keys, "kill3"), 30, what="work in flight")
+                wait_until(lambda: in_flight(client, keys, "kill3", "victim"), 60, what="the victim busy")
                 watches.append(RecoveryWatch(redis_url, keys, "kill3", "sigkill").start())
                 victim.kill()
                 victim.start().wait_ready(client, keys)
-            wait_until(lambda: job_progress(client, keys, "kill3")["done"] == 60, 240, what="60 rows")
+            wait_until(lambda: job_progress(client, keys, "kill3")["done"] == 90, 240, what="90 rows")
         finally:
             victim.kill()
             survivor.terminate()

@@ -77,26 +77,36 @@ class WorkerProcess:
         self.extra_args = extra_args
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
+        self.started_at = 0.0
 
     def start(self) -> WorkerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 — owned by the child for its lifetime
         args = [sys.executable, "-m", "workers.cli", "--name", self.name, "--loglevel", "INFO", *self.extra_args]
+        self.started_at = time.time()
         self.proc = subprocess.Popen(args, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         self.starts += 1
         return self
 
     def wait_ready(self, client: redis.Redis, keys: Keys, timeout_s: float = 60.0) -> WorkerProcess:
-        """Until the worker's heartbeat is in Redis (its runtime started and Celery is consuming)."""
+        """Until this run's heartbeat is in Redis (its runtime started and Celery is consuming) — not the
+        one a previous run under the same name left behind."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"worker {self.name} exited with {self.proc.returncode}:\n{self.tail()}")
-            if client.exists(keys.heartbeat(self.name)):
+            if self._beat_at(client, keys) >= self.started_at:
                 return self
             time.sleep(0.1)
         raise TimeoutError(f"worker {self.name} not ready after {timeout_s}s:\n{self.tail()}")
+
+    def _beat_at(self, client: redis.Redis, keys: Keys) -> float:
+        raw = client.get(keys.heartbeat(self.name))
+        try:
+            return float(json.loads(raw)["at"]) if raw else 0.0
+        except (ValueError, KeyError, TypeError):
+            return float("inf")  # a heartbeat of another shape: present is all we can tell
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -151,9 +161,12 @@ def dead_letters(client: redis.Redis, keys: Keys, job: str) -> dict[str, dict[st
     return {k.decode(): json.loads(v) for k, v in client.hgetall(keys.dead(job)).items()}
 
 
-def in_flight(client: redis.Redis, keys: Keys, job: str) -> set[str]:
-    """Prompt ids some worker has claimed and not yet stored (the ledger's claims hash)."""
-    return {k.decode() for k in client.hkeys(keys.claims(job))}
+def in_flight(client: redis.Redis, keys: Keys, job: str, worker: str | None = None) -> set[str]:
+    """Prompt ids some worker (or ``worker``) has claimed and not yet stored (the ledger's claims hash)."""
+    if worker is None:
+        return {k.decode() for k in client.hkeys(keys.claims(job))}
+    claims = client.hgetall(keys.claims(job))
+    return {k.decode() for k, v in claims.items() if json.loads(v).get("worker") == worker}
 
 
 class RecoveryWatch:
