@@ -104,7 +104,7 @@ def test_job_record_carries_what_workers_need(settings, redis_client, tok_dir, t
 
     spec = spec_from_record("j", _decode(redis_client.hgetall(settings.keys.job("j"))))
     assert spec.max_new_tokens == 512 and spec.expected_model == "/models/kimi"
-    assert spec.stop_token_ids == (kimi.IM_END,)
+    assert spec.tokens.stop_token_ids == (kimi.IM_END,)
 
 
 def test_a_second_identical_submit_enqueues_nothing(settings, redis_client, tok_dir, tmp_path) -> None:
