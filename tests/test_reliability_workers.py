@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import redis
 import redis.asyncio as aioredis
@@ -29,8 +31,10 @@ from tests.worker_harness import (
     transit_prompt_ids,
 )
 from thinkfleet.keys import kombu_transport_options
+from thinkfleet.settings import Settings
 from thinkfleet.testing.fleet import RecoveryWatch, WorkerProcess, in_flight, job_progress, wait_until
 from workers.ledger import Ledger
+from workers.runtime import WorkerRuntime
 
 
 def test_worker_killed_three_times_loses_and_duplicates_nothing(redis_url: str, tmp_path: Path) -> None:
@@ -191,3 +195,47 @@ def test_a_worker_restarted_under_its_name_gives_up_its_dead_runs_claims(redis_u
         return before, after, abandoned
 
     assert asyncio.run(scenario()) == ("busy", "stale", 1)
+
+
+def test_a_worker_whose_server_turns_healthy_while_it_attaches_keeps_consuming() -> None:
+    # Given a worker runtime attaching to Celery's consumer just as its health gate turns healthy
+    # (the gate runs on the loop thread; attach_consumer on Celery's).
+    calls: list[str] = []
+
+    class Consumer:
+        def add_task_queue(self, queue: str) -> None: ...
+
+        def cancel_task_queue(self, queue: str) -> None: ...
+
+        def call_soon(self, fn, queue: str) -> None:
+            calls.append(fn.__name__)
+
+    rt = WorkerRuntime.__new__(WorkerRuntime)
+    rt.settings = Settings(queue="q")
+    rt.consumer, rt.draining, rt._consuming = None, False, True
+    rt._consuming_lock = threading.Lock()
+    rt.metrics = SimpleNamespace(healthy=SimpleNamespace(set=lambda value: None))
+
+    class Gate:
+        state = False
+
+        @property
+        def healthy(self) -> bool:
+            # Right after the first read, the gate flips to healthy and reports it from its own thread.
+            seen, self.state = self.state, True
+            if not threads:
+                flip = threading.Thread(target=rt._server_up)
+                threads.append(flip)
+                flip.start()
+                flip.join(0.5)
+            return seen
+
+    threads: list[threading.Thread] = []
+    rt.gate = Gate()
+    # When the consumer attaches.
+    rt.attach_consumer(Consumer())
+    for t in threads:
+        t.join(5)
+    # Then the last word is "consume": a healthy worker is never left cancelled.
+    assert calls[-1:] == ["add_task_queue"] or calls == []
+    assert rt._consuming

@@ -62,6 +62,7 @@ class WorkerRuntime:
         self._requests: set[asyncio.Task[Any]] = set()
         self._unreleased: set[tuple[str, str]] = set()  # claims a Redis failure kept us from dropping
         self._consuming = True
+        self._consuming_lock = threading.Lock()  # the gate (loop thread) and Celery (main thread) both switch it
         self.loop = EventLoopThread(f"thinkfleet-{identity}").start()
         self.loop.run(self._astart())
 
@@ -127,8 +128,14 @@ class WorkerRuntime:
 
     def attach_consumer(self, consumer: Any) -> None:
         self.consumer = consumer
-        if not self.gate.healthy:
-            self._server_down()
+        self._sync_consuming()
+
+    def _sync_consuming(self) -> None:
+        """Consume exactly while the server is healthy and we are not draining. Re-reads the state under
+        a lock: a check-then-act from Celery's thread racing the gate's switch could otherwise leave a
+        healthy worker cancelled for good."""
+        with self._consuming_lock:
+            self._set_consuming(self.gate.healthy and not self.draining)
 
     def _set_consuming(self, on: bool) -> None:
         consumer = self.consumer
@@ -144,12 +151,11 @@ class WorkerRuntime:
 
     def _server_down(self) -> None:
         self.metrics.healthy.set(0)
-        self._set_consuming(False)
+        self._sync_consuming()
 
     def _server_up(self) -> None:
         self.metrics.healthy.set(1)
-        if not self.draining:
-            self._set_consuming(True)
+        self._sync_consuming()
 
     def drain(self) -> None:
         """SIGTERM (spot preemption): stop taking work, let requests finish briefly, hand back the rest."""
@@ -162,7 +168,7 @@ class WorkerRuntime:
             self.settings.shutdown_grace_s,
         )
         self.draining = True
-        self._set_consuming(False)
+        self._sync_consuming()
         self.loop.loop.call_soon_threadsafe(self._drain_timer)
 
     def _drain_timer(self) -> None:
