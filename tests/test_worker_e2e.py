@@ -11,28 +11,10 @@ import redis
 
 from sglang_sim.content import expected_generation
 from storage.reader import raw_duplicates, read_committed
-from tests.worker_harness import isolated_settings, make_prompts, simulator, submit_ids
-from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until, worker_env
+from tests.worker_harness import fast_env, isolated_settings, make_prompts, post_json, sim_stats, simulator, submit_ids
+from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
 
 FAST = ("--time-scale", "400")
-
-
-def _env(settings, sim_url: str, **extra: object) -> dict[str, str]:
-    values = {
-        "lease_s": 4,
-        "reaper_interval_s": 1,
-        "flush_interval_s": 0.2,
-        "health_interval_s": 0.5,
-        "retry_base_s": 0.05,
-        "retry_max_backoff_s": 0.5,
-        "request_timeout_floor_s": 5,
-        "request_min_decode_tok_s": 2000,
-        "shutdown_grace_s": 2,
-    }
-    values.update(extra)
-    return worker_env(
-        settings.redis_url, sim_url, settings.output_uri, key_prefix=settings.key_prefix, queue=settings.queue, **values
-    )
 
 
 def _assert_byte_exact(settings, job) -> None:
@@ -57,7 +39,7 @@ def test_happy_path_stores_byte_exact_output_ids(redis_url: str, workdir: Path) 
     settings = isolated_settings(redis_url, str(workdir / "out"))
     client = redis.Redis.from_url(redis_url)
     with simulator(workdir / "logs", *FAST) as sim:
-        worker = WorkerProcess("w1", _env(settings, sim, max_inflight=8), workdir / "logs").start()
+        worker = WorkerProcess("w1", fast_env(settings, sim, max_inflight=8), workdir / "logs").start()
         try:
             worker.wait_ready(client, settings.keys)
             job = submit_ids(settings, "happy", make_prompts(30))
@@ -75,7 +57,7 @@ def test_context_overflow_is_dead_lettered_with_its_reason(redis_url: str, workd
     prompts = make_prompts(6)
     prompts["too-long"] = prompts["p00000"] * 40  # ~2,500 ids + 2,048 new > the 4,096 context
     with simulator(workdir / "logs", *FAST, "--context-length", "4096") as sim:
-        worker = WorkerProcess("w1", _env(settings, sim), workdir / "logs").start()
+        worker = WorkerProcess("w1", fast_env(settings, sim), workdir / "logs").start()
         try:
             worker.wait_ready(client, settings.keys)
             submit_ids(settings, "poison", prompts)
@@ -98,22 +80,12 @@ def test_faults_and_an_outage_lose_nothing_and_dead_letter_nothing(redis_url: st
     client = redis.Redis.from_url(redis_url)
     faults = ("--fault-503-rate", "0.1", "--fault-drop-rate", "0.05", "--fault-hang-rate", "0.03", "--fault-seed", "3")
     with simulator(workdir / "logs", *FAST, *faults) as sim:
-        worker = WorkerProcess("w1", _env(settings, sim, max_inflight=8), workdir / "logs").start()
+        worker = WorkerProcess("w1", fast_env(settings, sim, max_inflight=8), workdir / "logs").start()
         try:
             worker.wait_ready(client, settings.keys)
             job = submit_ids(settings, "faults", make_prompts(40))
             wait_until(lambda: job_progress(client, settings.keys, "faults")["done"] >= 10, 120, what="10 rows")
-            import urllib.request
-
-            urllib.request.urlopen(  # a timed outage: 503 everywhere, health included
-                urllib.request.Request(
-                    f"{sim}/control/outage",
-                    data=json.dumps({"duration_s": 3}).encode(),
-                    headers={"Content-Type": "application/json"},
-                    method="POST",
-                ),
-                timeout=5,
-            )
+            post_json(f"{sim}/control/outage", {"duration_s": 3})  # 503 everywhere, health included
             wait_until(lambda: job_progress(client, settings.keys, "faults")["done"] == 40, 240, what="40 rows")
         finally:
             worker.terminate()
@@ -125,7 +97,7 @@ def test_killed_worker_loses_no_prompt_and_duplicates_none(redis_url: str, workd
     settings = isolated_settings(redis_url, str(workdir / "out"))
     client = redis.Redis.from_url(redis_url)
     with simulator(workdir / "logs", "--time-scale", "60") as sim:
-        env = _env(settings, sim, max_inflight=6)
+        env = fast_env(settings, sim, max_inflight=6)
         victim = WorkerProcess("victim", env, workdir / "logs").start()
         survivor = WorkerProcess("survivor", env, workdir / "logs").start()
         try:
@@ -145,22 +117,20 @@ def test_redelivered_stored_prompt_makes_no_server_call(redis_url: str, workdir:
     settings = isolated_settings(redis_url, str(workdir / "out"))
     client = redis.Redis.from_url(redis_url)
     with simulator(workdir / "logs", *FAST) as sim:
-        worker = WorkerProcess("w1", _env(settings, sim), workdir / "logs").start()
+        worker = WorkerProcess("w1", fast_env(settings, sim), workdir / "logs").start()
         try:
             worker.wait_ready(client, settings.keys)
             prompts = make_prompts(3)
             submit_ids(settings, "redeliver", prompts)
             wait_until(lambda: job_progress(client, settings.keys, "redeliver")["done"] == 3, 60, what="3 rows")
-            import urllib.request
-
-            before = json.loads(urllib.request.urlopen(f"{sim}/control/stats", timeout=5).read())
+            before = sim_stats(sim)
             submit_ids(settings, "redeliver", {"p00001": prompts["p00001"]})  # the same message again
             wait_until(
                 lambda: client.llen(settings.queue) == 0 and not client.hlen(f"{settings.key_prefix}:kombu:unacked"),
                 60,
                 what="the copy consumed",
             )
-            after = json.loads(urllib.request.urlopen(f"{sim}/control/stats", timeout=5).read())
+            after = sim_stats(sim)
         finally:
             worker.terminate()
     assert after["generate_calls"] == before["generate_calls"], "a stored prompt costs no server call"
@@ -171,7 +141,7 @@ def test_reasoning_alarm_fires_when_no_row_has_think_end(redis_url: str, workdir
     settings = isolated_settings(redis_url, str(workdir / "out"))
     client = redis.Redis.from_url(redis_url)
     with simulator(workdir / "logs", *FAST, "--no-think-end") as sim:
-        worker = WorkerProcess("w1", _env(settings, sim, alarm_min_rows=20), workdir / "logs").start()
+        worker = WorkerProcess("w1", fast_env(settings, sim, alarm_min_rows=20), workdir / "logs").start()
         try:
             worker.wait_ready(client, settings.keys)
             submit_ids(settings, "seedbug", make_prompts(25))
@@ -191,7 +161,7 @@ def test_plain_celery_command_runs_the_same_worker(redis_url: str, workdir: Path
     settings = isolated_settings(redis_url, str(workdir / "out"))
     client = redis.Redis.from_url(redis_url)
     with simulator(workdir / "logs", *FAST) as sim:
-        env = _env(settings, sim, max_inflight=4)
+        env = fast_env(settings, sim, max_inflight=4)
         log = open(workdir / "logs" / "celery.log", "ab")  # noqa: SIM115
         proc = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "workers.app", "worker", "-n", "plain@%h", "-l", "INFO"],
