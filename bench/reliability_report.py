@@ -151,6 +151,12 @@ _BODY = """\
   (seen with RabbitMQ, which redelivers at once). A starting worker now releases its previous run's
   claims (keeping their part, so a committed row is only finalized). Test:
   `test_a_worker_restarted_under_its_name_gives_up_its_dead_runs_claims`, RabbitMQ SIGKILL scenario.
+- **A restarted worker could stay idle forever.** When its first health probe succeeded while Celery
+  was attaching the consumer, a check-then-act on two threads cancelled consuming after the gate had
+  already switched it on, and nothing switched it back. `workers/runtime.py` now sets consuming from
+  the gate's current state under a lock. Test:
+  `test_a_worker_whose_server_turns_healthy_while_it_attaches_keeps_consuming` (seen as a stalled
+  SIGKILL ×3 run).
 - **One non-JSON item on the queue stopped a worker** ("Unrecoverable error: JSONDecodeError", exit 0).
   The transit transport drops and logs it. Test: `test_hostile_and_malformed_messages_…`.
 - **`rediss://` brokers did not verify the server certificate** (kombu's default). `workers/app.py`
