@@ -87,8 +87,11 @@ def test_http_errors_are_classified_like_the_real_server_bodies() -> None:
 def test_server_info_uses_effective_limits_summed_over_dp_ranks() -> None:
     info = parse_server_info(
         {"model_path": "/m", "weight_version": "v2"},
-        {"max_running_requests": None, "reasoning_parser": "kimi_k2",
-         "internal_states": [{"effective_max_running_requests_per_dp": 128}] * 2},
+        {
+            "max_running_requests": None,
+            "reasoning_parser": "kimi_k2",
+            "internal_states": [{"effective_max_running_requests_per_dp": 128}] * 2,
+        },
     )
     assert info.effective_max_running_requests == 256
     assert info.model_path == "/m" and info.weight_version == "v2" and info.reasoning_parser == "kimi_k2"

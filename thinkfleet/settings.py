@@ -22,9 +22,7 @@ class Settings(BaseSettings):
 
     # -- where things are ---------------------------------------------------------------------------
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for job state (and broker).")
-    broker_url: str | None = Field(
-        None, description="Celery broker; defaults to redis_url. amqp://… selects RabbitMQ."
-    )
+    broker_url: str | None = Field(None, description="Celery broker; defaults to redis_url. amqp://… selects RabbitMQ.")
     sglang_url: str = Field("http://127.0.0.1:30000", description="This host's SGLang server.")
     output_uri: str = Field(
         "./thinkfleet-output", description="Root for Parquet parts: a local path or s3://bucket/prefix."
@@ -55,9 +53,7 @@ class Settings(BaseSettings):
     preflight_timeout_s: float = Field(30.0, gt=0, description="Timeout of one health/info probe.")
 
     # -- worker: durability -------------------------------------------------------------------------
-    lease_s: float = Field(
-        60.0, gt=0, description="A silent worker's prompts are re-run by others after this long."
-    )
+    lease_s: float = Field(60.0, gt=0, description="A silent worker's prompts are re-run by others after this long.")
     reaper_interval_s: float = Field(5.0, gt=0, description="How often live workers look for dead ones.")
     flush_rows: int = Field(512, ge=1, description="Group commit: rows per Parquet part at most.")
     flush_interval_s: float = Field(
