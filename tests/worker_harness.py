@@ -23,6 +23,7 @@ from thinkfleet import kimi
 from thinkfleet.keys import Keys
 from thinkfleet.message import PromptTask, pack_ids
 from thinkfleet.settings import Settings
+from thinkfleet.testing.datasets import kimi_id_prompt
 from thinkfleet.testing.fleet import worker_env
 from workers.retry import _publish
 
@@ -64,22 +65,7 @@ def make_prompts(n: int, seed: int = 0, length: int = 64) -> dict[str, list[int]
     prompts = {}
     for i in range(n):
         body = rng.integers(100, 150_000, size=int(rng.integers(length // 2, length))).tolist()
-        prompts[f"p{i:05d}"] = [
-            kimi.IM_SYSTEM,
-            1,
-            kimi.IM_MIDDLE,
-            2,
-            kimi.IM_END,
-            kimi.IM_USER,
-            3,
-            kimi.IM_MIDDLE,
-            *body,
-            kimi.IM_END,
-            kimi.IM_ASSISTANT,
-            4,
-            kimi.IM_MIDDLE,
-            kimi.THINK_START,
-        ]
+        prompts[f"p{i:05d}"] = kimi_id_prompt(body)
     return prompts
 
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from thinkfleet import kimi
 from thinkfleet.testing.corpus import synthetic_text
 
 
@@ -35,3 +36,13 @@ def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> Path:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     return path
+
+
+def kimi_id_prompt(body: list[int]) -> list[int]:
+    """Token ids of a rendered Kimi thinking-mode prompt around ``body`` (system and user turns, then the
+    assistant header and ``<think>``), for tests and benchmarks that skip the tokenizer."""
+    return [
+        kimi.IM_SYSTEM, 1, kimi.IM_MIDDLE, 2, kimi.IM_END,
+        kimi.IM_USER, 3, kimi.IM_MIDDLE, *body, kimi.IM_END,
+        kimi.IM_ASSISTANT, 4, kimi.IM_MIDDLE, kimi.THINK_START,
+    ]  # fmt: skip
