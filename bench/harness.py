@@ -31,7 +31,7 @@ from thinkfleet.keys import Keys
 from thinkfleet.message import PromptTask, pack_ids
 from thinkfleet.settings import Settings
 from thinkfleet.testing.datasets import kimi_id_prompt
-from thinkfleet.testing.fleet import WorkerProcess, worker_env
+from thinkfleet.testing.fleet import WorkerProcess, register_id_job, worker_env
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -303,18 +303,7 @@ def register_job(
     dataset: str = "bench",
 ) -> None:
     """The job record and prompt hashes, as ``producer submit`` writes them (token ids, no tokenizer)."""
-    record = {
-        "name": job,
-        "sampling_params": params,
-        "tokenizer_fingerprint": "bench-ids",
-        "chat_template_hash": "bench-ids",
-        "think_start_id": kimi.THINK_START,
-        "think_end_id": kimi.THINK_END,
-    }
-    client.hset(keys.job(job), mapping={k: json.dumps(v) for k, v in record.items()})
-    client.sadd(keys.jobs, job)
-    client.hset(keys.prompts(job), mapping={pid: f"h-{pid}" for pid in prompts})
-    client.hset(keys.prompt_dataset(job), mapping=dict.fromkeys(prompts, dataset))
+    register_id_job(client, keys, job, prompts, params, dataset, fingerprint="bench-ids")
 
 
 def stage(

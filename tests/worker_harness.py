@@ -24,7 +24,7 @@ from thinkfleet.keys import Keys
 from thinkfleet.message import PromptTask, pack_ids
 from thinkfleet.settings import Settings
 from thinkfleet.testing.datasets import kimi_id_prompt
-from thinkfleet.testing.fleet import worker_env
+from thinkfleet.testing.fleet import register_id_job, worker_env
 from workers.retry import _publish
 
 
@@ -97,18 +97,7 @@ def register_ids(
     params.update(sampling)
     keys = settings.keys
     client = redis.Redis.from_url(settings.redis_url)
-    record = {
-        "name": job,
-        "sampling_params": params,
-        "tokenizer_fingerprint": "test-ids",
-        "chat_template_hash": "test-ids",
-        "think_start_id": kimi.THINK_START,
-        "think_end_id": kimi.THINK_END,
-    }
-    client.hset(keys.job(job), mapping={k: json.dumps(v) for k, v in record.items()})
-    client.sadd(keys.jobs, job)
-    client.hset(keys.prompts(job), mapping={pid: f"h-{pid}" for pid in prompts})
-    client.hset(keys.prompt_dataset(job), mapping=dict.fromkeys(prompts, dataset))
+    register_id_job(client, keys, job, prompts, params, dataset, fingerprint="test-ids")
     tasks = [
         PromptTask(
             job=job, dataset=dataset, prompt_id=pid, row_index=i, content_hash=f"h-{pid}", ids_blob=pack_ids(ids)

@@ -218,3 +218,30 @@ class RecoveryWatch:
         if self._thread is not None:
             self._thread.join(5)
         return self.seconds
+
+
+def register_id_job(
+    client: redis.Redis,
+    keys: Keys,
+    job: str,
+    prompts: Mapping[str, list[int]],
+    sampling_params: Mapping[str, object],
+    dataset: str,
+    fingerprint: str,
+) -> None:
+    """The job record and prompt hashes, as ``producer submit`` writes them, for a job given as token ids
+    (no tokenizer): the content hash of prompt ``p`` is ``h-p``."""
+    from thinkfleet import kimi
+
+    record = {
+        "name": job,
+        "sampling_params": dict(sampling_params),
+        "tokenizer_fingerprint": fingerprint,
+        "chat_template_hash": fingerprint,
+        "think_start_id": kimi.THINK_START,
+        "think_end_id": kimi.THINK_END,
+    }
+    client.hset(keys.job(job), mapping={k: json.dumps(v) for k, v in record.items()})
+    client.sadd(keys.jobs, job)
+    client.hset(keys.prompts(job), mapping={pid: f"h-{pid}" for pid in prompts})
+    client.hset(keys.prompt_dataset(job), mapping=dict.fromkeys(prompts, dataset))
