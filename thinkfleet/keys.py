@@ -49,6 +49,11 @@ class Keys:
         """HASH prompt_id → JSON claim {worker, part, at}: who is generating/committing a prompt now."""
         return f"{self.prefix}:job:{job}:claims"
 
+    def deliveries(self, job: str) -> str:
+        """HASH prompt_id → JSON {n, error}: deliveries that ended in a crash (poison detection).
+        Cleared when the prompt is stored, dead-lettered or re-queued by ``producer retry``."""
+        return f"{self.prefix}:job:{job}:deliveries"
+
     def counters(self, job: str) -> str:
         """HASH of job counters (done, output_tokens, think_end, truncated, retried, dead, …)."""
         return f"{self.prefix}:job:{job}:counters"

@@ -67,6 +67,15 @@ class Settings(BaseSettings):
     )
 
     # -- reasoning alarm ----------------------------------------------------------------------------
+    max_deliveries: int = Field(
+        3,
+        ge=1,
+        description="Deliveries of one prompt that end in an unexpected crash (an exception or a killed worker) "
+        "before it is dead-lettered as poison:<ExceptionClass>.",
+    )
+    storage_retry_max_s: float = Field(
+        30.0, gt=0, description="Longest backoff between retries of a failed Parquet commit (rows kept in memory)."
+    )
     alarm_min_rows: int = Field(100, ge=1, description="Rows observed before the alarm may fire.")
     alarm_missing_share: float = Field(
         0.95, gt=0, le=1, description="Fire when this share of rows lacks a think-end token."
