@@ -15,8 +15,8 @@ from typing import Any
 import redis
 
 from producer.enqueue import Stager, queued_prompt_ids, running_prompt_ids
-from producer.job import JobRecord
 from thinkfleet.settings import Settings
+from thinkfleet.state.job import JobRecord
 
 #: The submit lock expires after this long if a submit dies holding it.
 LOCK_TTL_S = 3600

@@ -27,7 +27,6 @@ import redis
 from producer import render
 from producer.enqueue import Envelope, Stager
 from producer.inputs import Columns, Dataset, InputError, Problem, Prompt, dataset_name, iter_prompts, open_dataset
-from producer.job import MAX_SKIPPED_RECORDS, JobRecord, sample_overrides, sampling_params
 from producer.report import (
     DatasetReport,
     SubmitReport,
@@ -40,6 +39,7 @@ from producer.report import (
 from producer.state import Existing, StateError, SubmitLock, commit, load_existing, write_manifest
 from thinkfleet.message import PromptTask
 from thinkfleet.settings import Settings
+from thinkfleet.state.job import MAX_SKIPPED_RECORDS, JobRecord, sample_overrides, sampling_params
 
 #: prompt_id of sample k when --samples > 1: "<dataset>/<id>#<k>".
 SAMPLE_SEP = "#"

@@ -3,6 +3,9 @@
 Redis is a cache of the truth for completion (storage is the truth), but it is the only record of
 what was submitted and what failed for good — unless Redis was lost, in which case the storage
 manifest stands in for the submitted set. Every read here tolerates an unreachable Redis.
+
+The job record is decoded by ``thinkfleet.state.job.JobRecord`` (the one decoder, with its defaults);
+``JobState.record`` is that record as a dict, empty when the job has none.
 """
 
 from __future__ import annotations
@@ -13,15 +16,15 @@ from typing import Any
 
 import redis
 
-from storage.spans import SpanTokens
-from thinkfleet import kimi
 from thinkfleet.settings import Settings
+from thinkfleet.state.job import JobRecord
+from thinkfleet.tokens import SpanTokens
 
 
 @dataclass
 class JobState:
     redis_ok: bool
-    record: dict[str, Any] = field(default_factory=dict)  # the job record, JSON fields decoded
+    record: dict[str, Any] = field(default_factory=dict)  # JobRecord.to_dict(), {} when there is none
     submitted: dict[str, str] = field(default_factory=dict)  # prompt_id → content hash
     prompt_dataset: dict[str, str] = field(default_factory=dict)  # prompt_id → dataset
     dead: dict[str, dict[str, Any]] = field(default_factory=dict)  # prompt_id → dead-letter record
@@ -43,31 +46,21 @@ def load_job_state(settings: Settings, job: str, timeout_s: float = 5.0) -> JobS
         return JobState(redis_ok=False, error=f"{type(exc).__name__}: {exc}")
     return JobState(
         redis_ok=True,
-        record={k.decode(): _json_or_text(v) for k, v in record.items()},
+        record=JobRecord.from_hash(record, name=job).to_dict() if record else {},
         submitted={k.decode(): v.decode() for k, v in prompts.items()},
         prompt_dataset={k.decode(): v.decode() for k, v in datasets.items()},
         dead={k.decode(): _as_dict(_json_or_text(v)) for k, v in dead.items()},
     )
 
 
-def span_tokens(record: dict[str, Any]) -> SpanTokens:
-    """The marker ids a job's rows were spanned with (the record's, else Kimi's)."""
-    sampling = record.get("sampling_params") or {}
-    stops = sampling.get("stop_token_ids") if isinstance(sampling, dict) else None
+def span_tokens(record: dict[str, Any] | JobRecord) -> SpanTokens:
+    """The marker ids a job's rows were spanned with: ``JobRecord.span_tokens`` of its record.
 
-    def pick(name: str, default: int) -> int:
-        value = record.get(name)
-        return int(value) if value not in (None, "") else default
-
-    return SpanTokens(
-        think_start_id=pick("think_start_id", kimi.THINK_START),
-        think_end_id=pick("think_end_id", kimi.THINK_END),
-        tool_section_begin_id=pick("tool_section_begin_id", kimi.TOOL_CALLS_SECTION_BEGIN),
-        tool_section_end_id=pick("tool_section_end_id", kimi.TOOL_CALLS_SECTION_END),
-        tool_call_begin_id=pick("tool_call_begin_id", kimi.TOOL_CALL_BEGIN),
-        tool_call_end_id=pick("tool_call_end_id", kimi.TOOL_CALL_END),
-        stop_token_ids=tuple(int(t) for t in stops) if stops else kimi.DEFAULT_STOP_TOKEN_IDS,
-    )
+    Takes ``JobState.record`` (a dict, empty when Redis had no record: Kimi's ids) or a ``JobRecord``.
+    """
+    if not isinstance(record, JobRecord):
+        record = JobRecord.from_dict(record)
+    return record.span_tokens()
 
 
 def _json_or_text(raw: bytes) -> Any:

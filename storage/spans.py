@@ -22,6 +22,10 @@ Text is never parsed: Kimi's markers are single special tokens, so a span is a p
 - ``stop_token``: the final id if it is one of ``stop_token_ids`` (SGLang keeps the matched stop
   token in ``output_ids``), else ``None``.
 
+A marker id of ``None`` (the job's tokenizer has no such token) matches nothing: with no
+``</think>`` reasoning ends only at the tool section or the end, and with no tool-call markers a
+row has no tool-call spans.
+
 The batch function works on a whole group commit at once (flat ids + offsets): the ids are scanned
 with a handful of vectorized comparisons and only the few marker positions are looked at further,
 so the cost per row is a few nanoseconds per token with no Python loop over ids.
@@ -35,22 +39,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from thinkfleet import kimi
+from thinkfleet.tokens import KIMI_TOKENS, SpanTokens
 
-
-@dataclass(frozen=True)
-class SpanTokens:
-    """The marker ids spans are found with (Kimi's by default; the producer may read others)."""
-
-    think_start_id: int = kimi.THINK_START
-    think_end_id: int = kimi.THINK_END
-    tool_section_begin_id: int = kimi.TOOL_CALLS_SECTION_BEGIN
-    tool_section_end_id: int = kimi.TOOL_CALLS_SECTION_END
-    tool_call_begin_id: int = kimi.TOOL_CALL_BEGIN
-    tool_call_end_id: int = kimi.TOOL_CALL_END
-    stop_token_ids: tuple[int, ...] = kimi.DEFAULT_STOP_TOKEN_IDS
-
-
-KIMI_TOKENS = SpanTokens()
+__all__ = [
+    "KIMI_TOKENS",
+    "SpanArrays",
+    "SpanTokens",
+    "Spans",
+    "compute_spans",
+    "compute_spans_batch",
+    "ids_at",
+]
 
 
 @dataclass(frozen=True)
@@ -100,12 +99,12 @@ def compute_spans(
     output_ids: Sequence[int] | np.ndarray,
     *,
     prompt_ends_with_think_start: bool = True,
-    think_start_id: int = kimi.THINK_START,
-    think_end_id: int = kimi.THINK_END,
-    tool_section_begin_id: int = kimi.TOOL_CALLS_SECTION_BEGIN,
-    tool_section_end_id: int = kimi.TOOL_CALLS_SECTION_END,
-    tool_call_begin_id: int = kimi.TOOL_CALL_BEGIN,
-    tool_call_end_id: int = kimi.TOOL_CALL_END,
+    think_start_id: int | None = kimi.THINK_START,
+    think_end_id: int | None = kimi.THINK_END,
+    tool_section_begin_id: int | None = kimi.TOOL_CALLS_SECTION_BEGIN,
+    tool_section_end_id: int | None = kimi.TOOL_CALLS_SECTION_END,
+    tool_call_begin_id: int | None = kimi.TOOL_CALL_BEGIN,
+    tool_call_end_id: int | None = kimi.TOOL_CALL_END,
     stop_token_ids: Sequence[int] = kimi.DEFAULT_STOP_TOKEN_IDS,
 ) -> Spans:
     """Spans of one output: one vectorized scan for markers, then plain logic over the few found.
@@ -122,17 +121,24 @@ def compute_spans(
     stop_token = last if last is not None and last in stop_token_ids else None
     body_end = n - (stop_token is not None)
 
-    markers = (
-        think_start_id,
-        think_end_id,
-        tool_section_begin_id,
-        tool_section_end_id,
-        tool_call_begin_id,
-        tool_call_end_id,
+    # A None marker (no such token) is left out, so it is never found; `t in (None,)` is false too.
+    markers = tuple(
+        m
+        for m in (
+            think_start_id,
+            think_end_id,
+            tool_section_begin_id,
+            tool_section_end_id,
+            tool_call_begin_id,
+            tool_call_end_id,
+        )
+        if m is not None
     )
     body = ids[:body_end]
-    pos = np.flatnonzero((body >= min(markers)) & (body <= max(markers)))
-    marks = [(p, t) for p, t in zip(pos.tolist(), body[pos].tolist(), strict=True) if t in markers]
+    marks: list[tuple[int, int]] = []
+    if markers:
+        pos = np.flatnonzero((body >= min(markers)) & (body <= max(markers)))
+        marks = [(p, t) for p, t in zip(pos.tolist(), body[pos].tolist(), strict=True) if t in markers]
 
     def first(wanted: tuple[int, ...], start: int) -> tuple[int, int] | None:
         return next(((p, t) for p, t in marks if p >= start and t in wanted), None)
@@ -222,19 +228,23 @@ def compute_spans_batch(
     # The few marker positions, with their row and offset inside the row. One range test over all
     # ids first (markers are adjacent ids in Kimi), then exact matching on the few survivors.
     t = tokens
-    markers = np.array(
-        [
+    present = [
+        m
+        for m in (
             t.think_start_id,
             t.think_end_id,
             t.tool_section_begin_id,
             t.tool_section_end_id,
             t.tool_call_begin_id,
             t.tool_call_end_id,
-        ],
-        dtype=np.int64,
-    )
-    lo, hi = int(markers.min()), int(markers.max())
-    cand = np.flatnonzero((values >= lo) & (values <= hi))
+        )
+        if m is not None  # the tokenizer has no such token: it is never found
+    ]
+    markers = np.array(present, dtype=np.int64)
+    if len(markers):
+        cand = np.flatnonzero((values >= markers.min()) & (values <= markers.max()))
+    else:
+        cand = np.zeros(0, dtype=np.int64)
     kind = values[cand].astype(np.int64)
     keep = np.isin(kind, markers)
     cand, kind = cand[keep], kind[keep]
@@ -242,6 +252,10 @@ def compute_spans_batch(
     cpos = cand - row_start[crow]
     in_body = cpos < body_end[crow]
     cand, kind, crow, cpos = cand[in_body], kind[in_body], crow[in_body], cpos[in_body]
+
+    def eq(ids: np.ndarray, marker: int | None) -> np.ndarray:
+        """``ids == marker``, elementwise; a None marker (no such token) equals nothing."""
+        return ids == marker if marker is not None else np.zeros(len(ids), dtype=bool)
 
     def first(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per row: (found, position, id) of the first marker selected by ``mask``."""
@@ -257,34 +271,34 @@ def compute_spans_batch(
         return found, pos, ids
 
     # Reasoning start: 0 after a prompt-side <think>, else after the model's own first <think>.
-    ts_found, ts_pos, _ = first(kind == t.think_start_id)
+    ts_found, ts_pos, _ = first(eq(kind, t.think_start_id))
     in_reasoning = pets | ts_found
     reasoning_start = np.where(pets, 0, np.where(ts_found, ts_pos + 1, 0))
 
     # Reasoning end: the first </think> or tool-section begin at or after the start.
-    ender = (kind == t.think_end_id) | (kind == t.tool_section_begin_id)
+    ender = eq(kind, t.think_end_id) | eq(kind, t.tool_section_begin_id)
     end_found, end_pos, end_id = first(ender & in_reasoning[crow] & (cpos >= reasoning_start[crow]))
-    has_think_end = end_id == t.think_end_id
+    has_think_end = eq(end_id, t.think_end_id)
     reasoning_end = np.where(in_reasoning, np.where(end_found, end_pos, body_end), 0)
     answer_start = np.where(
         in_reasoning, np.where(has_think_end, end_pos + 1, np.where(end_found, end_pos, body_end)), 0
     )
 
     # Answer end: the tool-call section, else the stop token / end of output.
-    sec_found, sec_pos, _ = first((kind == t.tool_section_begin_id) & (cpos >= answer_start[crow]))
+    sec_found, sec_pos, _ = first(eq(kind, t.tool_section_begin_id) & (cpos >= answer_start[crow]))
     answer_end = np.where(sec_found, sec_pos, body_end)
 
     # Tool calls: each begin pairs with the first end before the next begin / section end / body end.
     # A sentinel past every id keeps the searches in range without special cases.
     never = np.iinfo(np.int64).max
-    is_begin = kind == t.tool_call_begin_id
+    is_begin = eq(kind, t.tool_call_begin_id)
     begin, begin_row = cand[is_begin], crow[is_begin]
-    barrier_mask = is_begin | (kind == t.tool_section_end_id)
+    barrier_mask = is_begin | eq(kind, t.tool_section_end_id)
     barrier = np.append(cand[barrier_mask], never)
     barrier_row = np.append(crow[barrier_mask], -1)
     k = np.searchsorted(barrier, begin, side="right")
     limit = np.where(barrier_row[k] == begin_row, barrier[k], row_start[begin_row] + body_end[begin_row])
-    ends = np.append(cand[kind == t.tool_call_end_id], never)
+    ends = np.append(cand[eq(kind, t.tool_call_end_id)], never)
     next_end = ends[np.searchsorted(ends, begin, side="right")]
     call_end = np.where(next_end < limit, next_end + 1, limit)
     tool_offsets = np.zeros(n_rows + 1, dtype=np.int32)

@@ -100,9 +100,9 @@ def test_job_record_carries_what_workers_need(settings, redis_client, tok_dir, t
     assert redis_client.hlen(settings.keys.prompts("j")) == 5
     assert redis_client.hget(settings.keys.dataset_counters("j", "alpha"), "submitted") == b"5"
     # The workers' reader understands the same fields.
-    from workers.jobs import _decode, spec_from_record
+    from workers.jobs import JobSpec
 
-    spec = spec_from_record("j", _decode(redis_client.hgetall(settings.keys.job("j"))))
+    spec = JobSpec.from_record(JobRecord.from_hash(redis_client.hgetall(settings.keys.job("j"))))
     assert spec.max_new_tokens == 512 and spec.expected_model == "/models/kimi"
     assert spec.tokens.stop_token_ids == (kimi.IM_END,)
 

@@ -1,16 +1,20 @@
-"""What a worker needs from a job record, read once per job and cached."""
+"""What a worker needs from a job record, read once per job and cached.
+
+The record is decoded by ``thinkfleet.state.job.JobRecord`` (one decoder, one set of defaults);
+:class:`JobSpec` is the slice of it the generate → row path uses.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
 
-from storage.spans import KIMI_TOKENS, SpanTokens
 from thinkfleet.keys import Keys
+from thinkfleet.state.job import JobRecord, max_new_tokens_of
+from thinkfleet.tokens import KIMI_TOKENS, SpanTokens
 
 
 class UnknownJob(Exception):
@@ -20,7 +24,7 @@ class UnknownJob(Exception):
 @dataclass(frozen=True)
 class JobSpec:
     name: str
-    sampling_params: dict[str, Any]
+    sampling_params: dict[str, Any]  # as the record stores them: what SGLang is sent
     tokenizer_fingerprint: str
     chat_template_hash: str
     expected_model: str | None
@@ -28,39 +32,19 @@ class JobSpec:
 
     @property
     def max_new_tokens(self) -> int:
-        return int(self.sampling_params.get("max_new_tokens") or 128)
+        """The record's budget, else the job record's default (``JobRecord.max_new_tokens``)."""
+        return max_new_tokens_of(self.sampling_params)
 
-
-def _decode(raw: dict[bytes, bytes]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in raw.items():
-        text = v.decode()
-        try:
-            out[k.decode()] = json.loads(text)
-        except ValueError:
-            out[k.decode()] = text
-    return out
-
-
-def spec_from_record(job: str, record: dict[str, Any]) -> JobSpec:
-    sampling = dict(record.get("sampling_params") or {})
-
-    def token(name: str) -> int:
-        # A producer that found no such token in its tokenizer stores None: keep Kimi's default.
-        value = record.get(name)
-        return int(value) if value is not None else getattr(KIMI_TOKENS, name)
-
-    return JobSpec(
-        name=job,
-        sampling_params=sampling,
-        tokenizer_fingerprint=str(record.get("tokenizer_fingerprint") or ""),
-        chat_template_hash=str(record.get("chat_template_hash") or ""),
-        expected_model=record.get("expected_model") or None,
-        tokens=SpanTokens(
-            **{f.name: token(f.name) for f in fields(SpanTokens) if f.name != "stop_token_ids"},
-            stop_token_ids=tuple(int(t) for t in (sampling.get("stop_token_ids") or KIMI_TOKENS.stop_token_ids)),
-        ),
-    )
+    @classmethod
+    def from_record(cls, record: JobRecord) -> JobSpec:
+        return cls(
+            name=record.name,
+            sampling_params=dict(record.sampling_params),
+            tokenizer_fingerprint=record.tokenizer_fingerprint,
+            chat_template_hash=record.chat_template_hash,
+            expected_model=record.expected_model or None,
+            tokens=record.span_tokens(),
+        )
 
 
 class JobCache:
@@ -76,8 +60,8 @@ class JobCache:
             return spec
         async with self._lock:
             if job not in self._specs:
-                raw = await self.r.hgetall(self.keys.job(job))
-                if not raw:
+                record = await JobRecord.aload(self.r, self.keys, job)
+                if record is None:
                     raise UnknownJob(f"job {job!r} has no record at {self.keys.job(job)}; re-run producer submit")
-                self._specs[job] = spec_from_record(job, _decode(raw))
+                self._specs[job] = JobSpec.from_record(record)
         return self._specs[job]
