@@ -9,6 +9,7 @@ and a replaced part still "exists" for that question (its rows live on in the co
 from __future__ import annotations
 
 import itertools
+import os
 import posixpath
 import socket
 import threading
@@ -25,6 +26,10 @@ from storage.schema import DATASET, JOB, SCHEMA, WORKER, WORKER_HOST, WRITE_OPTI
 from storage.spans import KIMI_TOKENS, SpanTokens
 
 _HOST = socket.gethostname()
+
+
+class StorageNotWritable(RuntimeError):
+    """The output location cannot be written (at start: the worker refuses to consume)."""
 
 
 class PartWriter:
@@ -84,6 +89,42 @@ class PartWriter:
             table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
         layout.write_atomic(self.loc, path, encode_parquet(table))
         return uri
+
+    def probe(self) -> None:
+        """Write and delete a small object under the output root, or raise :class:`StorageNotWritable`
+        naming the location, this process's uid and the usual fix (a worker checks this at start)."""
+        path = posixpath.join(self.loc.root, f".thinkfleet-probe-{self._tag}-{os.getpid()}")
+        try:
+            self.loc.fs.create_dir(self.loc.root, recursive=True)
+            with self.loc.fs.open_output_stream(path) as out:
+                out.write(b"probe")
+            self.loc.fs.delete_file(path)
+        except Exception as exc:
+            uid = os.getuid() if hasattr(os, "getuid") else "?"
+            where = self.loc.uri(self.loc.root)
+            fix = (
+                f"make it writable for uid {uid} (e.g. `chown -R {uid} {self.loc.root}` on the host, or set "
+                "THINKFLEET_OUTPUT_URI to a writable place)"
+                if self.loc.is_local
+                else "check the bucket, the credentials (AWS_* / THINKFLEET_S3_ENDPOINT_URL) and their write permission"
+            )
+            reason = f"{type(exc).__name__}: {exc}"
+            raise StorageNotWritable(f"output location {where} is not writable ({reason}); {fix}") from exc
+
+    def final_counts(self, job: str, dataset: str, part_path: str, prompt_id: str) -> dict[str, Any] | None:
+        """``completion_tokens``, ``has_think_end`` and ``finish_reason`` of ``prompt_id``'s row in a
+        committed part (or in the compacted file that replaced it); None when the row is not there."""
+        columns = ["prompt_id", "completion_tokens", "has_think_end", "finish_reason"]
+        path = self.loc.path(part_path)
+        if self.loc.fs.get_file_info(path).type == pafs.FileType.File:
+            with self.loc.fs.open_input_file(path) as f:
+                table = pq.read_table(f, columns=columns)
+        else:  # compacted since: the committed view holds the row
+            from storage.reader import read_committed
+
+            table = read_committed(self.loc.uri(self.loc.root), job, columns=columns, datasets=[dataset])
+        table = table.filter(pc.equal(table["prompt_id"], prompt_id))
+        return table.to_pylist()[0] if table.num_rows else None
 
     def exists(self, part_path: str) -> bool:
         """Did this part commit? True also after compaction folded it into a larger file."""

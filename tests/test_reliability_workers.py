@@ -33,7 +33,7 @@ from tests.worker_harness import (
 from thinkfleet.keys import kombu_transport_options
 from thinkfleet.settings import Settings
 from thinkfleet.testing.fleet import RecoveryWatch, WorkerProcess, in_flight, job_progress, wait_until
-from workers.ledger import Ledger
+from thinkfleet.state.ledger import Ledger
 from workers.runtime import WorkerRuntime
 
 

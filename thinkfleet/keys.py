@@ -82,6 +82,11 @@ class Keys:
         """LIST with TTL: a submit's messages before they are moved onto the queue all at once."""
         return f"{self.prefix}:job:{job}:staging:{token}"
 
+    @property
+    def malformed(self) -> str:
+        """LIST of messages that are not prompt tasks at all (JSON {message_id, error, args, at}), newest first."""
+        return f"{self.prefix}:malformed"
+
     # -- workers ------------------------------------------------------------------------------
     @property
     def workers(self) -> str:

@@ -68,8 +68,10 @@ def configure(app: Celery, settings: Settings) -> Celery:
         accept_content=["msgpack", "json"],
         event_serializer="json",
         task_acks_late=True,
-        # A prompt that raises is dead-lettered by the task itself before it returns; acking it then is
-        # right. A worker killed mid-task must not ack: its prompt is re-run (storage dedupes).
+        # The task never raises: it returns an outcome (stored / dead-lettered, then acked) or raises
+        # Reject(requeue=True) (handed back); see workers/tasks.py. (With False here Celery would
+        # reject(requeue=False) a failed task, which drops it on Redis just the same.) A worker killed
+        # mid-task must not ack: its prompt is re-run (the ledger dedupes).
         task_acks_on_failure_or_timeout=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
@@ -88,7 +90,7 @@ def configure(app: Celery, settings: Settings) -> Celery:
         broker_connection_max_retries=None,
         broker_pool_limit=None if is_amqp else 10,
         worker_cancel_long_running_tasks_on_connection_loss=False,
-        # Warm shutdown waits for our own drain (workers/lifecycle.py), which hands work back itself.
+        # Warm shutdown waits for our own drain (WorkerRuntime.drain), which hands work back itself.
         worker_soft_shutdown_timeout=settings.shutdown_grace_s,
         worker_enable_soft_shutdown_on_idle=False,
         task_time_limit=None,

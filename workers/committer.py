@@ -8,12 +8,17 @@ A waiting row holds a pool thread (not a request slot), so a flush also starts e
 ``max_pending`` rows wait — half the thread headroom beyond the in-flight bound — and at ``flush_rows``.
 Slow real servers (a row every few seconds) thus get few, large parts; a fast simulator never
 starves the pool.
+
+A failed commit is retried with backoff, rows kept in memory, and ``on_storage(False, exc)`` closes
+the worker's consuming gate until a commit succeeds again (``on_storage(True, None)``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import random
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -21,9 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from storage.writer import PartWriter
-from workers.ledger import FinalRow, Ledger
+from thinkfleet.failpoints import failpoint
+from thinkfleet.state.ledger import FinalRow, Ledger
 
 log = logging.getLogger(__name__)
+
+
+class StorageUnavailable(Exception):
+    """A commit gave up (only while draining): hand the prompt back."""
 
 
 @dataclass
@@ -47,6 +57,8 @@ class GroupCommitter:
         on_alarm: Callable[[str, int, int], Any],
         on_flush: Callable[[int, float], None] = lambda rows, seconds: None,
         max_pending: int | None = None,
+        on_storage: Callable[[bool, Exception | None], None] = lambda ok, exc: None,
+        retry_max_s: float = 30.0,
     ) -> None:
         self.writer = writer
         self.ledger = ledger
@@ -61,12 +73,17 @@ class GroupCommitter:
         self._wake = asyncio.Event()
         self._urgent = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.on_storage = on_storage
+        self.retry_max_s = retry_max_s
+        self._giving_up = False
+        self._retry_now = asyncio.Event()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="group-commit")
 
     async def commit(self, job: str, dataset: str, row: dict[str, Any], final: FinalRow) -> None:
-        """Returns once the row is durably stored and marked done; raises if the write failed."""
+        """Returns once the row is durably stored and marked done. While storage fails it keeps waiting
+        (the commit is retried); raises :class:`StorageUnavailable` only when a drain gives up."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.append(_Pending(job, dataset, row, final, future))
         self._wake.set()
@@ -100,23 +117,64 @@ class GroupCommitter:
         for item in batch:
             groups[(item.job, item.dataset)].append(item)
         for (job, dataset), items in groups.items():
-            started = time.perf_counter()
+            await self._commit_group(job, dataset, items)
+
+    async def _commit_group(self, job: str, dataset: str, items: list[_Pending]) -> None:
+        """Mark → write → finalize, retried with backoff until it succeeds: finished generations are
+        never thrown away while this worker lives. The part keeps its name across retries, so a write
+        that landed before an error (the ambiguous commit) is found and only finalized, not repeated."""
+        started = time.perf_counter()
+        part = self.writer.part_name(job, dataset)
+        marked = written = False
+        failures = 0
+        while True:
             try:
-                part = self.writer.part_name(job, dataset)
-                await self.ledger.mark_part(job, [i.final.prompt_id for i in items], part)
-                await asyncio.to_thread(self.writer.write, job, dataset, [i.row for i in items], part)
+                if not marked:
+                    await self.ledger.mark_part(job, [i.final.prompt_id for i in items], part)
+                    marked = True
+                    failpoint("after_mark")
+                if not written:
+                    failpoint("before_part_write")
+                    if not failures or not await asyncio.to_thread(self.writer.exists, part):
+                        await asyncio.to_thread(self.writer.write, job, dataset, [i.row for i in items], part)
+                    written = True
+                    failpoint("after_part_write")
                 _, fire, seen, miss = await self.ledger.finalize(
                     job, dataset, [i.final for i in items], self.alarm_min_rows, self.alarm_share
                 )
+                failpoint("after_finalize")
+                break
             except Exception as exc:
-                log.exception("group commit of %d rows for %s/%s failed", len(items), job, dataset)
-                for item in items:
-                    if not item.future.done():
-                        item.future.set_exception(exc)
-                continue
-            self.on_flush(len(items), time.perf_counter() - started)
-            if fire:
-                await self.on_alarm(job, seen, miss)
-            for item in items:
-                if not item.future.done():
-                    item.future.set_result(None)
+                failures += 1
+                self.on_storage(False, exc)
+                if self._giving_up:
+                    # Draining past its grace: the rows go; their prompts go back to the queue (claims
+                    # that name the part stay, ownerless, so a landed write is still found and used).
+                    log.error("giving up commit of %d rows for %s/%s while draining: %s", len(items), job, dataset, exc)
+                    for item in items:
+                        if not item.future.done():
+                            item.future.set_exception(StorageUnavailable(str(exc)))
+                    return
+                backoff = random.uniform(0.5, 1.0) * min(self.retry_max_s, 0.5 * 2 ** min(failures - 1, 16))
+                log.error(
+                    "commit of %d rows for %s/%s failed (attempt %d), rows kept in memory, retrying in %.1fs: %s: %s",
+                    len(items), job, dataset, failures, backoff, type(exc).__name__, exc,
+                )  # fmt: skip
+                self._retry_now.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(backoff):
+                        await self._retry_now.wait()
+        if failures:
+            log.warning("commit of %d rows for %s/%s succeeded after %d failures", len(items), job, dataset, failures)
+        self.on_storage(True, None)
+        self.on_flush(len(items), time.perf_counter() - started)
+        if fire:
+            await self.on_alarm(job, seen, miss)
+        for item in items:
+            if not item.future.done():
+                item.future.set_result(None)
+
+    def give_up(self) -> None:
+        """Draining: a commit that is failing stops retrying and hands its prompts back."""
+        self._giving_up = True
+        self._retry_now.set()

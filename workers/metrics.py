@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
 
 
 class WorkerMetrics:
@@ -27,6 +30,16 @@ class WorkerMetrics:
         self.skipped = Counter("thinkfleet_skipped_stored", "Redeliveries skipped (already stored)", registry=r)
         self.errors = Counter("thinkfleet_internal_errors", "Our own crashes, by kind", ["kind"], registry=r)
         self.healthy = Gauge("thinkfleet_server_healthy", "1 when the local SGLang server is healthy", registry=r)
+        self.storage_healthy = Gauge(
+            "thinkfleet_storage_healthy", "1 while Parquet commits succeed (0: rows held in memory)", registry=r
+        )
+        self.storage_healthy.set(1)
+        self.storage_failures = Counter(
+            "thinkfleet_storage_failures", "Failed commit attempts (retried with backoff)", registry=r
+        )
+        self.crashes = Counter(
+            "thinkfleet_crashed_deliveries", "Deliveries that ended in an unexpected exception", ["error"], registry=r
+        )
         self.alarm = Gauge("thinkfleet_reasoning_alarm", "1 when rows lack </think> (seed's bug)", registry=r)
         self.latency = Histogram(
             "thinkfleet_request_latency_seconds",
@@ -44,7 +57,15 @@ class WorkerMetrics:
         self._since = time.monotonic()
 
     def serve(self, port: int) -> int:
-        server, _thread = start_http_server(port, addr="0.0.0.0", registry=self.registry)
+        """Serve on ``port``; a port another process holds (two workers on one host with the same
+        THINKFLEET_METRICS_PORT) is not fatal: warn and serve on a free one (registered in Redis)."""
+        try:
+            server, _thread = start_http_server(port, addr="0.0.0.0", registry=self.registry)
+        except OSError as exc:
+            if port == 0:
+                raise
+            log.warning("metrics port %d is taken (%s): serving on a free port instead", port, exc)
+            server, _thread = start_http_server(0, addr="0.0.0.0", registry=self.registry)
         self.port = int(server.server_port)
         return self.port
 

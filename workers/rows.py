@@ -10,8 +10,8 @@ from typing import Any
 
 from storage.spans import compute_spans
 from thinkfleet.message import PromptTask
+from thinkfleet.state.ledger import FinalRow
 from workers.jobs import JobSpec
-from workers.ledger import FinalRow
 from workers.sglang import Generation
 
 _HOST = socket.gethostname()

@@ -5,17 +5,21 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 from typing import Any
 
 from celery import Celery, signals
 from celery.exceptions import Reject
 
-from thinkfleet.message import TASK_NAME, PromptTask
+from thinkfleet.message import TASK_NAME
 from thinkfleet.settings import Settings
-from workers.runtime import HandBack, current_runtime, get_runtime
+from workers.runtime import HandBack, RuntimeStartError, current_runtime, get_runtime
 from workers.transit import enable_transit
 
 log = logging.getLogger("thinkfleet.worker")
+
+#: Exit status of a worker whose runtime could not be built (sysexits' EX_CONFIG).
+START_FAILED_EXIT = 78
 
 
 def worker_identity(settings: Settings, celery_hostname: str | None) -> str:
@@ -27,6 +31,21 @@ def worker_identity(settings: Settings, celery_hostname: str | None) -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+def fail_start(exc: BaseException) -> None:
+    """Exit the worker process now, non-zero, naming the cause (and the fix, where we know it)."""
+    if isinstance(exc, RuntimeStartError):
+        message = str(exc)
+    else:
+        message = f"{type(exc).__name__}: {exc}"
+        log.error("worker runtime failed to start", exc_info=exc)
+    text = f"thinkfleet worker cannot start, nothing was consumed: {message}"
+    log.critical(text)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    print(text, file=sys.stderr, flush=True)
+    os._exit(START_FAILED_EXIT)
+
+
 def register_tasks(app: Celery, settings: Settings) -> None:
     state: dict[str, Any] = {"hostname": None}
 
@@ -35,25 +54,31 @@ def register_tasks(app: Celery, settings: Settings) -> None:
 
     @app.task(name=TASK_NAME, bind=True, acks_late=True, ignore_result=True)
     def generate(self: Any, *args: Any) -> str:
+        # The only exits: an outcome (acked: stored, dead-lettered, malformed recorded) or Reject with
+        # requeue (handed back). Celery acks a task that raises anything else, which would drop it.
         try:
-            task = PromptTask.from_args(args)
-        except (TypeError, ValueError) as exc:
-            # A hand-pushed or corrupt message: log it, count it, drop it (acked) — never crash.
-            log.error("malformed %s message %s dropped: %s", TASK_NAME, self.request.id, exc)
             rt = current_runtime()
-            if rt is not None:
-                rt.metrics.errors.labels("malformed_message").inc()
-            return "malformed"
-        try:
-            return runtime().process(task)
+            if rt is None:  # worker_init builds it before consuming; never acked without one
+                log.error("message %s arrived before the worker runtime exists: handing it back", self.request.id)
+                raise HandBack()
+            return rt.handle(args, self.request.id)
         except HandBack:
             raise Reject("handed back", requeue=True) from None
+        except Exception as exc:
+            log.exception("unexpected error around message %s: handing it back", self.request.id)
+            raise Reject(f"handed back after {type(exc).__name__}", requeue=True) from None
 
     @signals.worker_init.connect(weak=False)
     def _on_init(sender: Any = None, **_: Any) -> None:
         state["hostname"] = getattr(sender, "hostname", None)
         # Before the consumer connects: its pops go through this worker's transit list.
         enable_transit(app, settings, worker_identity(settings, state["hostname"]))
+        # Build the runtime before anything is consumed: a worker that cannot run must not take
+        # (and lose) a single message. Celery's signal dispatch swallows exceptions, so exit here.
+        try:
+            runtime()
+        except Exception as exc:
+            fail_start(exc)
 
     @signals.worker_ready.connect(weak=False)
     def _on_ready(sender: Any = None, **_: Any) -> None:
