@@ -3,7 +3,9 @@
 ``THINKFLEET_FAILPOINTS="after_claim=raise,after_part_write=kill"`` arms points; each fires at most
 ``THINKFLEET_FAILPOINT_TIMES`` times (default 1) *across all processes*, counted by marker files in
 ``THINKFLEET_FAILPOINT_DIR`` (default: the temp dir), so a worker restarted after a ``kill`` does not
-die again at the same point. Unset, :func:`failpoint` costs one dict lookup.
+die again at the same point. An item may narrow itself to one prompt and set its own count:
+``during_generate=raise:always@p00003`` (``:N`` or ``:always``; ``@`` matches the ``key`` the call
+site passes, the prompt id). Unset, :func:`failpoint` costs one dict lookup.
 
 Actions: ``raise`` (a :class:`FailpointError`, which nothing in thinkfleet catches on purpose — it
 must travel the "unexpected exception" path), ``kill`` (SIGKILL of this process, no cleanup).
@@ -15,6 +17,7 @@ import logging
 import os
 import signal
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger("thinkfleet.failpoints")
@@ -43,17 +46,30 @@ class FailpointError(RuntimeError):
     """Raised by an armed ``raise`` failpoint."""
 
 
-def _parse(spec: str) -> dict[str, str]:
-    armed: dict[str, str] = {}
+@dataclass(frozen=True)
+class _Arm:
+    action: str
+    times: int | None  # None: the environment's default; -1: always
+    key: str | None  # fire only for this key (prompt id)
+
+
+def _parse(spec: str) -> dict[str, _Arm]:
+    armed: dict[str, _Arm] = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        name, _, action = item.partition("=")
-        if name not in POINTS or action not in ACTIONS:
-            raise ValueError(f"{ENV}: bad item {item!r}; points: {', '.join(POINTS)}; actions: {', '.join(ACTIONS)}")
-        armed[name] = action
+        name, _, rest = item.partition("=")
+        rest, _, key = rest.partition("@")
+        action, _, times = rest.partition(":")
+        if name not in POINTS or action not in ACTIONS or (times and times != "always" and not times.isdigit()):
+            raise ValueError(
+                f"{ENV}: bad item {item!r}; form name=action[:N|:always][@key]; "
+                f"points: {', '.join(POINTS)}; actions: {', '.join(ACTIONS)}"
+            )
+        count = None if not times else -1 if times == "always" else int(times)
+        armed[name] = _Arm(action, count, key or None)
     return armed
 
 
-_ARMED: dict[str, str] = _parse(os.environ.get(ENV, ""))
+_ARMED: dict[str, _Arm] = _parse(os.environ.get(ENV, ""))
 
 
 def arm(spec: str) -> None:
@@ -62,10 +78,13 @@ def arm(spec: str) -> None:
     _ARMED = _parse(spec)
 
 
-def _take_shot(name: str) -> bool:
+def _take_shot(name: str, times: int | None) -> bool:
     """True if this firing is still within the budget (a marker file per shot, created atomically)."""
+    if times == -1:
+        return True
     directory = Path(os.environ.get(DIR_ENV) or tempfile.gettempdir())
-    times = int(os.environ.get(TIMES_ENV, "1"))
+    if times is None:
+        times = int(os.environ.get(TIMES_ENV, "1"))
     for shot in range(times):
         try:
             fd = os.open(directory / f"failpoint-{name}-{shot}", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -76,11 +95,12 @@ def _take_shot(name: str) -> bool:
     return False
 
 
-def failpoint(name: str) -> None:
-    """Fire ``name`` if it is armed and has shots left; otherwise do nothing."""
-    action = _ARMED.get(name)
-    if action is None or not _take_shot(name):
+def failpoint(name: str, key: str | None = None) -> None:
+    """Fire ``name`` if it is armed (for ``key``, when the arming names one) and has shots left."""
+    arm = _ARMED.get(name)
+    if arm is None or (arm.key is not None and arm.key != key) or not _take_shot(name, arm.times):
         return
+    action = arm.action
     log.warning("failpoint %s: %s (pid %d)", name, action, os.getpid())
     if action == "kill":
         for handler in logging.getLogger().handlers:

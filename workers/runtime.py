@@ -283,13 +283,13 @@ class WorkerRuntime:
         or raises :class:`HandBack` (requeued). Nothing else escapes."""
         task: PromptTask | None = None
         try:
-            failpoint("after_pop")
+            failpoint("after_pop", _prompt_of(args))
             try:
                 task = PromptTask.from_args(args)
             except Exception as exc:
                 return self._malformed(args, message_id, exc)
             outcome = self.loop.run(self._process(task))
-            failpoint("before_ack")
+            failpoint("before_ack", task.prompt_id)
             return outcome
         except HandBack:
             raise
@@ -423,7 +423,7 @@ class WorkerRuntime:
             break
         self._active.add(task.prompt_id)
         try:
-            failpoint("after_claim")
+            failpoint("after_claim", task.prompt_id)
             # A previous run committed the part but never marked it done (a death, or a hand-back after
             # an ambiguous commit): finalize from that part, never generate a second row.
             committed = bool(claim.part) and await asyncio.to_thread(self.writer.exists, claim.part)
@@ -523,7 +523,7 @@ class WorkerRuntime:
                 self._requests.add(request)
                 error: ServerFault | None = None
                 try:
-                    failpoint("during_generate")
+                    failpoint("during_generate", task.prompt_id)
                     gen = await request
                 except asyncio.CancelledError:
                     if self.draining:
@@ -567,6 +567,14 @@ class WorkerRuntime:
                 seen,
                 "!" * 78,
             )
+
+
+def _prompt_of(args: Any) -> str | None:
+    """The prompt id of a raw message's args, if it has one (failpoints key on it)."""
+    try:
+        return str(args[2])
+    except Exception:
+        return None
 
 
 def _redact(url: str) -> str:
