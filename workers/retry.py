@@ -4,12 +4,22 @@ Dead letters keep their whole message (ledger.dead_letter), so a retry resends e
 A truncated re-run reads the prompt ids back from storage and sends them as the next ``revision``
 with a ``max_new_tokens`` override; the committed view keeps the highest revision, so the new row
 replaces the old one.
+
+A retry is atomic, like ``producer submit`` (``producer.enqueue``): the messages are staged on a
+private list, then ONE ``MULTI`` takes the prompts out of ``dead`` (or ``done``), corrects the counters,
+clears their crash-delivery counts and moves the staged list onto the queue. A worker therefore never
+sees a retried message while its prompt still looks dead (it would skip and acknowledge it, and the
+prompt would be lost), and a retry that dies before the ``MULTI`` changes nothing (its staging list
+expires). The job's submit lock is held throughout, so a retry never interleaves with another retry
+or a submit of the same job.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import click
 import msgpack
@@ -19,8 +29,39 @@ import redis
 from thinkfleet.message import TASK_NAME, PromptTask, pack_ids
 from thinkfleet.settings import Settings, load_settings
 
+if TYPE_CHECKING:
+    from producer.state import SubmitLock
+
+#: Prompts per Lua call (and messages per encode batch) inside the one MULTI.
+CHUNK = 5000
+
+# Take prompts out of the dead HASH (ARGV[1] == 'dead') or the done SET ('done'), clear their crash
+# counts, and decrement the counter named ARGV[1] by what was actually removed (a prompt missing from
+# ``done`` after a Redis loss does not make the counters go wrong).
+# KEYS: dead | done, counters, deliveries, then the dataset counters each prompt names by index
+# ARGV: 'dead' | 'done', then per prompt: prompt_id, 1-based index of its dataset key after KEYS[3]
+_TAKE_OUT = """
+local field = ARGV[1]
+local removed, per_ds = 0, {}
+for i = 2, #ARGV, 2 do
+  local pid = ARGV[i]
+  local gone
+  if field == 'dead' then gone = redis.call('HDEL', KEYS[1], pid) else gone = redis.call('SREM', KEYS[1], pid) end
+  redis.call('HDEL', KEYS[3], pid)
+  if gone == 1 then
+    removed = removed + 1
+    local k = 3 + tonumber(ARGV[i + 1])
+    per_ds[k] = (per_ds[k] or 0) + 1
+  end
+end
+if removed > 0 then redis.call('HINCRBY', KEYS[2], field, -removed) end
+for k, n in pairs(per_ds) do redis.call('HINCRBY', KEYS[k], field, -n) end
+return removed
+"""
+
 
 def _publish(settings: Settings, tasks: list[PromptTask]) -> None:
+    """``send_task`` each task (any broker; not atomic: tests and the non-Redis-broker fallback use it)."""
     from workers.app import make_app
 
     app = make_app(settings, register=False)
@@ -37,74 +78,133 @@ def _publish(settings: Settings, tasks: list[PromptTask]) -> None:
             )
 
 
+def _chunks(tasks: list[PromptTask]) -> Iterator[list[PromptTask]]:
+    for start in range(0, len(tasks), CHUNK):
+        yield tasks[start : start + CHUNK]
+
+
+def _take_out(pipe: redis.client.Pipeline, settings: Settings, job: str, field: str, tasks: list[PromptTask]) -> None:
+    """Queue the ``_TAKE_OUT`` calls for ``tasks`` on ``pipe`` (field: 'dead' or 'done')."""
+    keys = settings.keys
+    source = keys.dead(job) if field == "dead" else keys.done(job)
+    for chunk in _chunks(tasks):
+        datasets = list(dict.fromkeys(t.dataset for t in chunk))
+        index = {name: i + 1 for i, name in enumerate(datasets)}
+        args: list[str | int] = [field]
+        for t in chunk:
+            args += [t.prompt_id, index[t.dataset]]
+        pipe.eval(
+            _TAKE_OUT,
+            3 + len(datasets),
+            source,
+            keys.counters(job),
+            keys.deliveries(job),
+            *[keys.dataset_counters(job, name) for name in datasets],
+            *args,
+        )
+
+
+def _requeue(client: redis.Redis, settings: Settings, job: str, field: str, tasks: list[PromptTask]) -> None:
+    """Take ``tasks``' prompts out of ``field`` ('dead' or 'done') and put their messages on the queue, at once.
+
+    Call with the job's submit lock held.
+    """
+    if not tasks:
+        return
+    if settings.broker_url and settings.broker_url != settings.redis_url:
+        # The queue lives elsewhere (RabbitMQ, another Redis): no transaction spans both. Take the prompts
+        # out first: a worker then never skips a retried message as dead, and a crash before the publish
+        # leaves them unaccounted (``producer verify`` names them, a re-submit re-enqueues them) rather
+        # than silently acknowledged.
+        with client.pipeline(transaction=True) as pipe:
+            _take_out(pipe, settings, job, field, tasks)
+            pipe.execute()
+        _publish(settings, tasks)
+        return
+    from producer.enqueue import Envelope, Stager
+
+    envelope = Envelope(settings)
+    stager = Stager(client, settings.keys, job, settings.queue)
+    try:
+        for chunk in _chunks(tasks):
+            stager.push(envelope.encode_many(chunk))
+        with client.pipeline(transaction=True) as pipe:
+            _take_out(pipe, settings, job, field, tasks)
+            stager.commit(pipe)
+            pipe.execute()
+    except BaseException:
+        stager.discard()
+        raise
+
+
+def _lock(client: redis.Redis, settings: Settings, job: str) -> SubmitLock:
+    """The job's submit lock (``producer.state``): raises ``StateError`` while a submit or retry holds it."""
+    from producer.state import SubmitLock
+
+    return SubmitLock(client, settings, job)
+
+
 def retry_dead(settings: Settings, job: str, error_classes: tuple[str, ...] = ()) -> list[str]:
     """Re-enqueue dead-lettered prompts (optionally only some error classes); returns their ids."""
     client = redis.Redis.from_url(settings.redis_url)
-    keys = settings.keys
-    tasks: list[PromptTask] = []
-    for raw in client.hvals(keys.dead(job)):
-        record = json.loads(raw)
-        if error_classes and not any(record["error_class"].startswith(c) for c in error_classes):
-            continue
-        tasks.append(PromptTask.from_args(msgpack.unpackb(base64.b64decode(record["task"]))))
-    _publish(settings, tasks)
-    if tasks:
-        with client.pipeline() as p:
-            p.hdel(keys.dead(job), *[t.prompt_id for t in tasks])
-            p.hincrby(keys.counters(job), "dead", -len(tasks))
-            for t in tasks:
-                p.hincrby(keys.dataset_counters(job, t.dataset), "dead", -1)
-            p.execute()
-    return [t.prompt_id for t in tasks]
+    try:
+        with _lock(client, settings, job):
+            tasks: list[PromptTask] = []
+            for raw in client.hvals(settings.keys.dead(job)):
+                record = json.loads(raw)
+                if error_classes and not any(record["error_class"].startswith(c) for c in error_classes):
+                    continue
+                tasks.append(PromptTask.from_args(msgpack.unpackb(base64.b64decode(record["task"]))))
+            tasks.sort(key=lambda t: (t.dataset, t.row_index, t.sample_index, t.prompt_id))
+            _requeue(client, settings, job, "dead", tasks)
+            return [t.prompt_id for t in tasks]
+    finally:
+        client.close()
 
 
 def retry_truncated(settings: Settings, job: str, max_new_tokens: int) -> list[str]:
     """Re-run every row of the committed view that stopped on length, as the next revision."""
     from storage.reader import read_committed
 
-    table = read_committed(
-        settings.output_uri,
-        job,
-        columns=[
-            "dataset",
-            "prompt_id",
-            "row_index",
-            "sample_index",
-            "revision",
-            "content_hash",
-            "input_ids",
-            "finish_reason",
-        ],
-        s3_endpoint_url=settings.s3_endpoint_url,
-    )
-    table = table.filter(pc.equal(table["finish_reason"], "length"))
-    tasks = [
-        PromptTask(
-            job=job,
-            dataset=row["dataset"],
-            prompt_id=row["prompt_id"],
-            row_index=row["row_index"],
-            content_hash=row["content_hash"],
-            ids_blob=pack_ids(row["input_ids"]),
-            sample_index=row["sample_index"],
-            revision=row["revision"] + 1,
-            overrides={"max_new_tokens": max_new_tokens},
-        )
-        for row in table.to_pylist()
-    ]
     client = redis.Redis.from_url(settings.redis_url)
-    if tasks:
-        # Not "done" until the new revision is stored (workers skip prompts in the done set); the
-        # counters follow so that status and verify agree while the re-runs are in flight.
-        keys = settings.keys
-        with client.pipeline() as p:
-            p.srem(keys.done(job), *[t.prompt_id for t in tasks])
-            p.hincrby(keys.counters(job), "done", -len(tasks))
-            for t in tasks:
-                p.hincrby(keys.dataset_counters(job, t.dataset), "done", -1)
-            p.execute()
-    _publish(settings, tasks)
-    return [t.prompt_id for t in tasks]
+    try:
+        with _lock(client, settings, job):
+            table = read_committed(
+                settings.output_uri,
+                job,
+                columns=[
+                    "dataset",
+                    "prompt_id",
+                    "row_index",
+                    "sample_index",
+                    "revision",
+                    "content_hash",
+                    "input_ids",
+                    "finish_reason",
+                ],
+                s3_endpoint_url=settings.s3_endpoint_url,
+            )
+            table = table.filter(pc.equal(table["finish_reason"], "length"))
+            tasks = [
+                PromptTask(
+                    job=job,
+                    dataset=row["dataset"],
+                    prompt_id=row["prompt_id"],
+                    row_index=row["row_index"],
+                    content_hash=row["content_hash"],
+                    ids_blob=pack_ids(row["input_ids"]),
+                    sample_index=row["sample_index"],
+                    revision=row["revision"] + 1,
+                    overrides={"max_new_tokens": max_new_tokens},
+                )
+                for row in table.to_pylist()
+            ]
+            # Not "done" until the new revision is stored (workers skip prompts in the done set); the
+            # counters follow so that status and verify agree while the re-runs are in flight.
+            _requeue(client, settings, job, "done", tasks)
+            return [t.prompt_id for t in tasks]
+    finally:
+        client.close()
 
 
 @click.command("retry")
@@ -127,15 +227,20 @@ def retry(
     **overrides: str | None,
 ) -> None:
     """Re-queue JOB's dead-lettered prompts (or, with --truncated, its length-stopped rows)."""
+    from producer.state import StateError
+
     settings = load_settings(**overrides)
-    if truncated:
-        if not max_new_tokens:
-            raise click.UsageError("--truncated needs --max-new-tokens (the larger budget for the re-run)")
-        ids = retry_truncated(settings, job, max_new_tokens)
-        what = f"truncated rows re-queued with max_new_tokens={max_new_tokens}"
-    else:
-        ids = retry_dead(settings, job, error_classes)
-        what = "dead-lettered prompts re-queued"
+    try:
+        if truncated:
+            if not max_new_tokens:
+                raise click.UsageError("--truncated needs --max-new-tokens (the larger budget for the re-run)")
+            ids = retry_truncated(settings, job, max_new_tokens)
+            what = f"truncated rows re-queued with max_new_tokens={max_new_tokens}"
+        else:
+            ids = retry_dead(settings, job, error_classes)
+            what = "dead-lettered prompts re-queued"
+    except StateError as e:
+        raise click.ClickException(f"nothing re-queued: {e}") from e
     if as_json:
         click.echo(json.dumps({"job": job, "requeued": len(ids), "prompt_ids": ids}))
     else:
