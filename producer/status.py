@@ -1,9 +1,15 @@
 """``producer status`` / ``producer wait``: progress of a job from what workers write to Redis.
 
-Counts come from sets, not counters, so they stay right through redeliveries: done = the ``done`` SET,
-dead = the ``dead`` HASH, running = the job's messages in kombu's unacked hash, queued = the rest.
+Counts come from where each prompt really is (``thinkfleet.state.invariant.account``), so they stay right
+through redeliveries: done = the ``done`` SET, dead = the ``dead`` HASH, running = delivered (kombu's
+unacked hash, a worker's transit list, or claimed by a live worker), queued = a message on the queue, and
+**unaccounted** = submitted but in none of those places — a lost prompt, which nothing will ever store
+(before this count existed, a loss showed as "queued" forever over an empty queue). The queue is scanned
+by a Lua script that returns only task ids, so a large queue costs Redis time, not network.
+
+With a non-Redis broker (RabbitMQ) queued and running messages cannot be seen: running = live claims,
+queued = the rest, and ``unaccounted`` is None.
 Rates come from the timeline ZSET workers append to at every group commit ("ts:rows:tokens").
-Scanning the queue list itself (hundreds of MB) is left to ``submit``, which needs exact ids.
 """
 
 from __future__ import annotations
@@ -15,9 +21,15 @@ from typing import Any
 
 import redis
 
-from producer.enqueue import queue_keys, running_prompt_ids
+from producer.enqueue import queue_keys
 from producer.job import JobRecord
 from thinkfleet.settings import Settings
+from thinkfleet.state.invariant import NotObservable, account, live_claims
+
+#: Unaccounted prompt ids listed in the status (the count is always complete).
+UNACCOUNTED_IDS = 20
+#: Per-prompt states, in the order they are shown.
+STATES = ("total", "queued", "running", "done", "dead", "unaccounted")
 
 #: Window of the "current" rates (and so of the ETA).
 DEFAULT_WINDOW_S = 60.0
@@ -51,17 +63,31 @@ class StatusReader:
         if record is None:
             return {"job": job, "exists": False, "finished": False, "at": now}
         dataset_of = self.dataset_of()
-        done = {m.decode() for m in r.smembers(keys.done(job))} & dataset_of.keys()
-        dead = {k.decode() for k in r.hkeys(keys.dead(job))} & dataset_of.keys()
-        running = running_prompt_ids(r, self.settings, job) & dataset_of.keys()
-        running -= done | dead
+        submitted = set(dataset_of)
+        try:
+            acc = account(r, self.settings, job, submitted=submitted)
+            state_of, unaccounted_ids = acc.state_of, sorted(acc.unaccounted)
+            observable = True
+        except NotObservable:
+            # RabbitMQ: its queue is invisible. Live claims are running, the rest is presumed queued.
+            done = {m.decode() for m in r.smembers(keys.done(job))}
+            dead = {k.decode() for k in r.hkeys(keys.dead(job))}
+            running = live_claims(r, self.settings, job)
+
+            def state_of(pid: str) -> str:
+                return "done" if pid in done else "dead" if pid in dead else "running" if pid in running else "queued"
+
+            unaccounted_ids, observable = [], False
         datasets: dict[str, dict[str, int]] = {}
         for pid, ds in dataset_of.items():
-            d = datasets.setdefault(ds, {"total": 0, "queued": 0, "running": 0, "done": 0, "dead": 0})
+            d = datasets.setdefault(ds, dict.fromkeys(STATES, 0))
             d["total"] += 1
-            state = "done" if pid in done else "dead" if pid in dead else "running" if pid in running else "queued"
-            d[state] += 1
-        totals = {s: sum(d[s] for d in datasets.values()) for s in ("total", "queued", "running", "done", "dead")}
+            d[state_of(pid)] += 1
+        totals: dict[str, Any] = {s: sum(d[s] for d in datasets.values()) for s in STATES}
+        if not observable:
+            totals["unaccounted"] = None
+            for d in datasets.values():
+                d.pop("unaccounted")
         counters = {k.decode(): int(float(v)) for k, v in r.hgetall(keys.counters(job)).items()}
         workers = {k.decode(): int(float(v)) for k, v in r.hgetall(keys.worker_counters(job)).items()}
         rates = self._rates(now, counters, workers)
@@ -77,6 +103,8 @@ class StatusReader:
             **totals,
             "remaining": remaining,
             "finished": remaining == 0 and totals["total"] > 0,
+            "unaccounted_ids": unaccounted_ids[:UNACCOUNTED_IDS],
+            "invariant_observable": observable,
             "datasets": dict(sorted(datasets.items())),
             "rates": rates,
             "workers": rates.pop("workers"),

@@ -90,21 +90,46 @@ def status_view(st: dict[str, Any]) -> Group:
             )
         )
     table = Table(title=f"job {st['job']}")
-    for col in ("dataset", "progress", "total", "queued", "running", "done", "dead"):
+    states = ("total", "queued", "running", "done", "dead", "unaccounted")
+    for col in ("dataset", "progress", *states):
         table.add_column(col, justify="left" if col in ("dataset", "progress") else "right")
+
+    def cells(d: dict[str, Any], bold: str = "") -> list[str]:
+        out = []
+        for k in states:
+            value = d.get(k)
+            if value is None:
+                out.append("—")  # not observable (RabbitMQ broker)
+            elif k == "unaccounted" and value:
+                out.append(f"[bold red]{value:,}")
+            else:
+                out.append(f"{bold}{value:,}")
+        return out
+
     for name, d in st["datasets"].items():
         finished = d["done"] + d["dead"]
-        table.add_row(
-            name,
-            ProgressBar(total=max(1, d["total"]), completed=finished, width=30),
-            *(f"{d[k]:,}" for k in ("total", "queued", "running", "done", "dead")),
-        )
+        table.add_row(name, ProgressBar(total=max(1, d["total"]), completed=finished, width=30), *cells(d))
     table.add_row(
         "[bold]all",
         ProgressBar(total=max(1, st["total"]), completed=st["done"] + st["dead"], width=30),
-        *(f"[bold]{st[k]:,}" for k in ("total", "queued", "running", "done", "dead")),
+        *cells(st, "[bold]"),
     )
     parts.append(table)
+    if st.get("unaccounted"):
+        ids = st.get("unaccounted_ids") or []
+        more = st["unaccounted"] - len(ids)
+        parts.append(
+            Panel(
+                Text(
+                    f"{st['unaccounted']:,} prompt(s) are in no place: not stored, not dead-lettered, not on the "
+                    f"queue, not delivered to a live worker. Nothing will run them; `producer submit` again "
+                    f"re-enqueues them.\n" + ", ".join(ids) + (f" … and {more:,} more" if more > 0 else ""),
+                    style="bold red",
+                ),
+                title="UNACCOUNTED",
+                border_style="red",
+            )
+        )
     r = st["rates"]
     parts.append(
         Text(

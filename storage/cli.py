@@ -49,12 +49,35 @@ def _print_json(payload: Any) -> None:
 @click.argument("job")
 @common_options
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON.")
-def verify(settings: Settings, job: str, as_json: bool) -> None:
+@click.option(
+    "--live",
+    is_flag=True,
+    help="While the job runs: check that every submitted prompt is done, dead-lettered, queued or running "
+    "(Redis only, storage is not read); exit 1 naming the unaccounted ones.",
+)
+@click.option("--queue", default=None, help="Celery queue, for --live [THINKFLEET_QUEUE].")
+def verify(settings: Settings, job: str, as_json: bool, live: bool, queue: str | None) -> None:
     """Check that every submitted prompt of JOB is stored exactly once, with sound spans.
 
     Exits 1 on any missing, duplicated, malformed or stale row, on the reasoning alarm, or when there
-    is no submitted set to check against.
+    is no submitted set to check against. With --live, exits 1 when a submitted prompt is in no place
+    (not stored, not dead-lettered, not on the queue, not delivered to a live worker), and 2 when that
+    cannot be checked (no such job, Redis unreachable, a RabbitMQ broker).
     """
+    if live:
+        from storage.verify import format_live_report, verify_live
+
+        live_report = verify_live(settings.with_overrides(queue=queue), job)
+        if as_json:
+            _print_json(live_report.to_dict())
+        else:
+            click.echo(format_live_report(live_report))
+        if live_report.error:
+            raise SystemExit(2)
+        if not live_report.ok:
+            raise SystemExit(1)
+        return
+
     from storage.verify import format_report, verify_job
 
     report = verify_job(settings, job)

@@ -184,3 +184,78 @@ def format_report(report: VerifyReport, limit: int = 20) -> str:
     section("rows not submitted", report.not_submitted)
     lines.extend(f"note: {n}" for n in report.notes)
     return "\n".join(lines)
+
+
+# -- producer verify JOB --live: the invariant while the job runs ----------------------------------------------
+@dataclass
+class LiveReport:
+    """``total = done + dead + queued + running`` checked against Redis now (``thinkfleet.state.invariant``)."""
+
+    job: str
+    counts: dict[str, int] = field(default_factory=dict)
+    unaccounted: list[str] = field(default_factory=list)
+    duplicated: int = 0  # finished prompts with a message still queued or delivered: a redelivery, fine
+    error: str = ""  # why the invariant could not be checked (no job, Redis unreachable, RabbitMQ broker)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.unaccounted or self.error)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+def verify_live(settings: Settings, job: str) -> LiveReport:
+    """Every submitted prompt of ``job`` is done, dead-lettered, queued or running — right now."""
+    import redis
+
+    from thinkfleet.state.invariant import NotObservable, account
+
+    report = LiveReport(job=job)
+    client = redis.Redis.from_url(settings.redis_url)
+    try:
+        if not client.exists(settings.keys.prompts(job)):
+            report.error = f"job {job!r} has no submitted prompts in Redis at {_redacted(settings.redis_url)}"
+            return report
+        acc = account(client, settings, job)
+    except NotObservable as exc:
+        report.error = f"{exc}; --live needs a Redis broker"
+        return report
+    except redis.RedisError as exc:
+        report.error = f"cannot reach Redis at {_redacted(settings.redis_url)}: {exc}"
+        return report
+    finally:
+        client.close()
+    report.counts = acc.counts()
+    report.unaccounted = sorted(acc.unaccounted)
+    report.duplicated = len(acc.duplicated)
+    return report
+
+
+def format_live_report(report: LiveReport, limit: int = 20) -> str:
+    if report.error:
+        return f"job {report.job} (live): CANNOT CHECK — {report.error}"
+    c = report.counts
+    lines = [
+        f"job {report.job} (live): {'OK' if report.ok else 'FAILED'}",
+        f"  total {c['total']} = done {c['done']} + dead {c['dead']} + queued {c['queued']} + running "
+        f"{c['running']}" + (f" + UNACCOUNTED {c['unaccounted']}" if c["unaccounted"] else ""),
+    ]
+    if report.duplicated:
+        lines.append(f"  {report.duplicated} finished prompt(s) still have a message queued or delivered (redelivery)")
+    if report.unaccounted:
+        lines.append(
+            f"UNACCOUNTED: {len(report.unaccounted)} (not stored, not dead-lettered, not queued, not running: "
+            "nothing will run them; producer submit re-enqueues them)"
+        )
+        lines.extend(f"  {pid}" for pid in report.unaccounted[:limit])
+        if len(report.unaccounted) > limit:
+            lines.append(f"  … and {len(report.unaccounted) - limit} more (--json lists all)")
+    return "\n".join(lines)
+
+
+def _redacted(url: str) -> str:
+    """``redis://:secret@host`` → ``redis://:**@host``: passwords never reach output."""
+    import re
+
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1**@", url)

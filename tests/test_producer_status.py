@@ -51,14 +51,44 @@ def test_status_json_counts_per_dataset_rates_and_eta(job: Settings) -> None:
     assert code == 0, out
     st = json.loads(out)
     assert (st["total"], st["queued"], st["running"], st["done"], st["dead"]) == (6, 2, 1, 2, 1)
-    assert st["datasets"]["alpha"] == {"total": 4, "queued": 1, "running": 1, "done": 2, "dead": 0}
-    assert st["datasets"]["beta"] == {"total": 2, "queued": 1, "running": 0, "done": 0, "dead": 1}
+    assert st["datasets"]["alpha"] == {"total": 4, "queued": 1, "running": 1, "done": 2, "dead": 0, "unaccounted": 0}
+    assert st["datasets"]["beta"] == {"total": 2, "queued": 1, "running": 0, "done": 0, "dead": 1, "unaccounted": 0}
+    assert st["unaccounted"] == 0 and st["unaccounted_ids"] == []
     assert st["rates"]["output_tokens_per_s"] == pytest.approx(100, rel=0.05)  # 3,000 tokens in ~30 s
     assert st["mean_output_tokens"] == 1500
     assert st["eta_s"] == pytest.approx(3 * 1500 / 100, rel=0.05)  # remaining × mean ÷ tokens/s
     assert st["workers"]["w1"]["output_tokens"] == 2000
     assert st["alarm"] is None and st["finished"] is False
     assert st["queue_length"] == 5  # all jobs' messages, the dead one's included
+
+
+def test_status_reports_a_prompt_that_is_nowhere_as_unaccounted_not_queued(
+    job: Settings, redis_client: redis.Redis
+) -> None:
+    # Given alpha/r3's message gone from the queue while nothing stored, dead-lettered or holds it (a loss).
+    for raw in redis_client.lrange(job.queue, 0, -1):
+        if json.loads(raw)["headers"]["id"] == "j/alpha/r3/r0":
+            redis_client.lrem(job.queue, 1, raw)
+    # Then status counts it as unaccounted, names it, and "queued" counts only what is on the queue.
+    code, out = run("status", "j", "--json", "--redis-url", job.redis_url)
+    st = json.loads(out)
+    assert (st["total"], st["queued"], st["running"], st["done"], st["dead"], st["unaccounted"]) == (6, 1, 1, 2, 1, 1)
+    assert st["unaccounted_ids"] == ["alpha/r3"]
+    assert st["datasets"]["alpha"]["unaccounted"] == 1 and st["datasets"]["alpha"]["queued"] == 0
+    assert st["finished"] is False and st["remaining"] == 3
+    # And the rich view shows it.
+    code, out = run("status", "j", "--redis-url", job.redis_url)
+    assert code == 0 and "UNACCOUNTED" in out and "alpha/r3" in out
+
+
+def test_status_over_a_rabbitmq_broker_cannot_see_the_queue(job: Settings) -> None:
+    result = CliRunner().invoke(
+        cli, ["status", "j", "--json", "--redis-url", job.redis_url], env={"THINKFLEET_BROKER_URL": "amqp://h//"}
+    )
+    st = json.loads(result.output)
+    assert st["unaccounted"] is None and st["invariant_observable"] is False
+    assert (st["total"], st["queued"], st["running"], st["done"], st["dead"]) == (6, 3, 0, 2, 1)
+    assert "unaccounted" not in st["datasets"]["alpha"]
 
 
 def test_status_shouts_when_the_reasoning_alarm_fired(job: Settings, redis_client: redis.Redis) -> None:

@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from sglang_sim.testing import SimulatorProcess
+from tests.invariant import InvariantWatch
 from tests.worker_harness import (
     check_job,
     fast_env,
@@ -79,6 +80,7 @@ def run_fault_mix(redis_url: str, tmp_path: Path, prompts: int, outage_s: float,
     client = redis.Redis.from_url(redis_url)
     keys = settings.keys
     started = time.monotonic()
+    invariant = InvariantWatch(settings, "faults")
     with simulator(tmp_path, "--time-scale", "100", *FAULT_MIX, "--fault-seed", "11") as sim:
         env = fast_env(settings, sim, max_inflight=8)
         workers = [WorkerProcess(f"w{i}", env, tmp_path).start() for i in (1, 2)]
@@ -86,6 +88,7 @@ def run_fault_mix(redis_url: str, tmp_path: Path, prompts: int, outage_s: float,
             for w in workers:
                 w.wait_ready(client, keys)
             job = submit_ids(settings, "faults", make_prompts(prompts))
+            invariant.start()  # every prompt stays somewhere through the faults and the outage
             wait_until(lambda: job_progress(client, keys, "faults")["done"] >= prompts // 3, 180, what="a third")
             # When the server goes down for outage_s (503 everywhere, in-flight calls dropped).
             watch = RecoveryWatch(redis_url, keys, "faults", "outage").start()
@@ -93,6 +96,7 @@ def run_fault_mix(redis_url: str, tmp_path: Path, prompts: int, outage_s: float,
             wait_until(lambda: job_progress(client, keys, "faults")["done"] == prompts, 600, what="all rows")
             injected = sim_stats(sim)["faults"]
         finally:
+            invariant.stop()
             for w in workers:
                 w.terminate()
     outcome = check_job(settings, "faults", job.prompts, job.sampling_params)
@@ -107,5 +111,6 @@ def run_fault_mix(redis_url: str, tmp_path: Path, prompts: int, outage_s: float,
         ci=ci,
     )
     outcome.assert_clean()
+    invariant.assert_held()
     assert dead_letters(client, keys, "faults") == {}, "transient faults never end in the dead letter"
     assert dict(injected).get("503", 0) > 0 and dict(injected).get("outage") == 1  # type: ignore[call-overload]

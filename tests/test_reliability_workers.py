@@ -19,6 +19,7 @@ import redis
 import redis.asyncio as aioredis
 
 from producer.enqueue import Envelope, queued_prompt_ids
+from tests.invariant import InvariantWatch
 from tests.worker_harness import (
     check_job,
     fast_env,
@@ -44,6 +45,7 @@ def test_worker_killed_three_times_loses_and_duplicates_nothing(redis_url: str, 
     keys = settings.keys
     started = time.monotonic()
     watches: list[RecoveryWatch] = []
+    invariant = InvariantWatch(settings, "kill3")
     with simulator(tmp_path, "--time-scale", "20") as sim:
         env = fast_env(settings, sim, max_inflight=4)
         victim = WorkerProcess("victim", env, tmp_path).start()
@@ -52,6 +54,7 @@ def test_worker_killed_three_times_loses_and_duplicates_nothing(redis_url: str, 
             victim.wait_ready(client, keys)
             survivor.wait_ready(client, keys)
             job = submit_ids(settings, "kill3", make_prompts(90))
+            invariant.start()  # every prompt stays somewhere while workers die
             # When the victim is killed with work in flight, three times, and restarted each time.
             for threshold in (10, 35, 60):
                 wait_until(lambda t=threshold: job_progress(client, keys, "kill3")["done"] >= t, 120, what="progress")
@@ -61,6 +64,7 @@ def test_worker_killed_three_times_loses_and_duplicates_nothing(redis_url: str, 
                 victim.start().wait_ready(client, keys)
             wait_until(lambda: job_progress(client, keys, "kill3")["done"] == 90, 240, what="90 rows")
         finally:
+            invariant.stop()
             victim.kill()
             survivor.terminate()
     # Then nothing is lost, duplicated or altered.
@@ -74,6 +78,7 @@ def test_worker_killed_three_times_loses_and_duplicates_nothing(redis_url: str, 
         workers=2,
     )
     outcome.assert_clean()
+    invariant.assert_held()
     assert victim.starts == 4
 
 

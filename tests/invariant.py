@@ -1,0 +1,116 @@
+"""The live invariant, sampled during a fault scenario: every submitted prompt is always somewhere.
+
+    watch = InvariantWatch(settings, "kill3").start()     # or: with InvariantWatch(...) as watch:
+    ...                                                    # kill workers, restart servers, …
+    watch.stop()
+    watch.assert_held()
+
+A background thread checks ``thinkfleet.state.invariant.account`` every ``interval_s`` with its own
+client. ``account`` already re-checks a prompt it found nowhere; a violation counts only when the same
+prompt is unaccounted on two consecutive successful samples (a Redis error breaks the chain, so a
+restart in the middle of a scenario is not a violation — but a prompt still missing afterwards is).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from thinkfleet.settings import Settings
+from thinkfleet.state.invariant import account, broker_client
+
+#: The watch of the test now running (the failure hook in conftest.py reads its last counts).
+current: InvariantWatch | None = None
+
+
+@dataclass
+class Violation:
+    prompt_ids: list[str]
+    first_seen: float  # time.time() of the first of the two samples
+    confirmed: float  # … and of the second
+
+
+@dataclass
+class InvariantWatch:
+    settings: Settings
+    job: str
+    interval_s: float = 0.5
+    violations: list[Violation] = field(default_factory=list)
+    samples: int = 0
+    errors: int = 0
+    last_error: str = ""
+    last_counts: dict[str, int] = field(default_factory=dict)
+    test: str = ""  # the pytest node id that started it
+    _stop: threading.Event = field(default_factory=threading.Event, repr=False)
+    _thread: threading.Thread | None = field(default=None, repr=False)
+
+    def start(self) -> InvariantWatch:
+        global current
+        current = self
+        self.test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+        self._thread = threading.Thread(target=self._run, name=f"invariant-{self.job}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> InvariantWatch:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(30)
+        return self
+
+    def __enter__(self) -> InvariantWatch:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def sample(self, client: redis.Redis, broker: redis.Redis) -> set[str]:
+        acc = account(client, self.settings, self.job, broker=broker)
+        self.samples += 1
+        self.last_counts = acc.counts()
+        return acc.unaccounted
+
+    def _run(self) -> None:
+        client = redis.Redis.from_url(self.settings.redis_url, socket_timeout=10)
+        broker = broker_client(client, self.settings)
+        previous: tuple[float, set[str]] | None = None
+        try:
+            while not self._stop.is_set():
+                at = time.time()
+                try:
+                    missing = self.sample(client, broker)
+                except redis.RedisError as exc:  # Redis restarting: no sample, and no chain across the gap
+                    self.errors += 1
+                    self.last_error = f"{type(exc).__name__}: {exc}"
+                    previous = None
+                else:
+                    if previous is not None:
+                        persisting = missing & previous[1]
+                        if persisting:
+                            self.violations.append(Violation(sorted(persisting), previous[0], at))
+                    previous = (at, missing)
+                self._stop.wait(self.interval_s)
+        finally:
+            client.close()
+            if broker is not client:
+                broker.close()
+
+    @property
+    def lost(self) -> set[str]:
+        """Every prompt ever confirmed unaccounted."""
+        return set().union(*(v.prompt_ids for v in self.violations)) if self.violations else set()
+
+    def assert_held(self) -> None:
+        assert self.samples > 0, f"the invariant was never sampled ({self.errors} errors, last: {self.last_error})"
+        if self.violations:
+            first = self.violations[0]
+            raise AssertionError(
+                f"invariant total = done + dead + queued + running violated for job {self.job!r}: "
+                f"{len(self.lost)} prompt(s) unaccounted on consecutive samples, e.g. {sorted(self.lost)[:10]}; "
+                f"first at {time.strftime('%H:%M:%S', time.localtime(first.first_seen))} "
+                f"({len(self.violations)} violating sample(s) of {self.samples})"
+            )
