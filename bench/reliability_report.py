@@ -1,9 +1,13 @@
 """RELIABILITY.md from the fault-injection suite's own results.
 
 Every scenario in ``tests/test_reliability_*.py`` writes one JSON row (scenario, broker, prompts,
-faults, lost, duplicated, altered, recovery times) into ``$THINKFLEET_RELIABILITY_RESULTS`` when that
-is set. This script runs the suite with it set (``--run``; ``--slow`` adds the soak) and renders the
-rows as RELIABILITY.md:
+faults, lost, duplicated, altered, recovery times, ``status`` pass/fail/skip, the code ``version``)
+into ``$THINKFLEET_RELIABILITY_RESULTS`` when that is set — a failing scenario too, even one that timed
+out before its checks (tests/conftest.py's report hook). This script runs the suite with it set
+(``--run``; ``--slow`` adds the soak) and renders the rows as RELIABILITY.md. ``--run`` first sets the
+previous rows of the scenarios it will run aside (a removed or renamed scenario disappears; a failing
+one keeps its name) and stamps every row with the tree's version (``git rev-parse HEAD``, "-dirty"
+when ``git status --porcelain`` lists anything):
 
     .venv/bin/python -m bench.reliability_report --run            # CI subset (≈ 3 min on 2 cores)
     .venv/bin/python -m bench.reliability_report --run --slow     # CI subset + soak (≈ 8 min)
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -25,22 +30,64 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "bench" / "results" / "reliability"
 RELIABILITY_MD = ROOT / "RELIABILITY.md"
 RESULTS_ENV = "THINKFLEET_RELIABILITY_RESULTS"
+VERSION_ENV = "THINKFLEET_RELIABILITY_VERSION"
 _RUNS = "_runs.json"
+#: Where the previous run's rows wait while the suite runs (tests/worker_harness.py PREVIOUS_DIR).
+_PREVIOUS = "_previous"
+
+
+def code_version(root: Path = ROOT) -> str:
+    """``git rev-parse HEAD``, plus "-dirty" when ``git status --porcelain`` lists anything."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=60).stdout.strip()
+
+    try:
+        head = git("rev-parse", "HEAD") or "unknown"
+        return head + ("-dirty" if git("status", "--porcelain") else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def clear_stale(results: Path, slow: bool) -> list[Path]:
+    """Set aside the rows this run will rewrite: all of them with ``--slow``, else the CI subset's (the
+    soak's rows stay, with their own version stamp). Returns what was set aside."""
+    previous = results / _PREVIOUS
+    shutil.rmtree(previous, ignore_errors=True)
+    previous.mkdir(parents=True)
+    moved = []
+    for path in sorted(results.glob("*.json")):
+        if path.name == _RUNS:
+            continue
+        try:
+            ci = json.loads(path.read_text()).get("ci", True)
+        except ValueError:
+            ci = True
+        if slow or ci:
+            moved.append(path.rename(previous / path.name))
+    return moved
 
 
 def run_suite(results: Path, slow: bool) -> int:
     """Run the reliability tests with results recording on; returns pytest's exit code."""
     results.mkdir(parents=True, exist_ok=True)
+    clear_stale(results, slow)
+    version = code_version()
     marker = "slow or not slow" if slow else "not slow"
-    command = [sys.executable, "-m", "pytest", "-q", "-m", marker, *sorted(str(p) for p in _test_files())]
+    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-m", marker, *sorted(str(p) for p in _test_files())]
     started = time.monotonic()
-    code = subprocess.call(command, cwd=ROOT, env={**os.environ, RESULTS_ENV: str(results)})
+    env = {**os.environ, RESULTS_ENV: str(results), VERSION_ENV: version}
+    try:
+        code = subprocess.call(command, cwd=ROOT, env=env)
+    finally:
+        shutil.rmtree(results / _PREVIOUS, ignore_errors=True)
     runs_path = results / _RUNS
     runs = json.loads(runs_path.read_text()) if runs_path.exists() else {}
     runs["all" if slow else "ci"] = {
         "command": f"pytest -m '{marker}' tests/test_reliability_*.py",
         "wall_s": round(time.monotonic() - started, 1),
         "exit_code": code,
+        "version": version,
         "at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     runs_path.write_text(json.dumps(runs, indent=2, sort_keys=True) + "\n")
@@ -53,12 +100,12 @@ def _test_files() -> list[Path]:
 
 def load(results: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     rows = [json.loads(p.read_text()) for p in sorted(results.glob("*.json")) if p.name != _RUNS]
-    rows.sort(key=lambda r: (not r.get("ci", True), r["broker"] != "redis", r["at"]))
+    rows.sort(key=lambda r: (not r.get("ci", True), r.get("broker") != "redis", r.get("at", 0)))
     runs_path = results / _RUNS
     return rows, (json.loads(runs_path.read_text()) if runs_path.exists() else {})
 
 
-def _recovery(values: list[float | None]) -> str:
+def _recovery(values: list[float | None] | None) -> str:
     if not values:
         return "—"
     return ", ".join("—" if v is None else f"{v:.1f}" for v in values)
@@ -68,12 +115,51 @@ def _cell(text: object) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def status_of(row: dict[str, Any]) -> str:
+    """pass / fail / skip; rows from before the status field pass only if their checks did."""
+    if row.get("status"):
+        return str(row["status"])
+    clean = not (row.get("lost") or row.get("duplicated") or row.get("altered"))
+    return "pass" if clean and row.get("verify_ok") and row.get("status_agrees") else "fail"
+
+
+def _n(value: object) -> str:
+    """A count; "?" where a failed scenario could not measure it."""
+    if value is None:
+        return "?"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def _total(rows: list[dict[str, Any]], key: str) -> int:
+    return sum(r.get(key) or 0 for r in rows)
+
+
+def _result(row: dict[str, Any]) -> str:
+    status = status_of(row)
+    if status == "pass":
+        return "pass"
+    if status == "skip":
+        return "SKIP"
+    return "**FAIL**"
+
+
+def _version(value: object) -> str:
+    text = str(value or "—")
+    return text[:10] + ("-dirty" if text.endswith("-dirty") else "") if len(text) >= 40 else text
+
+
 def render(rows: list[dict[str, Any]], runs: dict[str, Any]) -> str:
-    lost = sum(r["lost"] for r in rows)
-    duplicated = sum(r["duplicated"] for r in rows)
-    altered = sum(r["altered"] for r in rows)
-    prompts = sum(r["prompts"] for r in rows)
-    failed = [r["scenario"] for r in rows if not (r["verify_ok"] and r["status_agrees"])]
+    ran = [r for r in rows if status_of(r) != "skip"]
+    lost, duplicated, altered = _total(ran, "lost"), _total(ran, "duplicated"), _total(ran, "altered")
+    prompts = _total(ran, "prompts")
+    failed = [r for r in rows if status_of(r) == "fail"]
+    skipped = [r for r in rows if status_of(r) == "skip"]
+    versions = sorted({str(r["version"]) for r in rows if r.get("version")})
+    unstamped = sum(not r.get("version") for r in rows)
+    if failed:
+        verdict = f" **{len(failed)} FAILED: {', '.join(r['scenario'] for r in failed)}** (see the errors below)."
+    else:
+        verdict = " `producer verify` passed and `producer status --json` agreed with storage after every scenario."
     out = [
         "# Reliability",
         "",
@@ -85,21 +171,26 @@ def render(rows: list[dict[str, Any]], runs: dict[str, Any]) -> str:
         ".venv/bin/python -m bench.reliability_report --run --slow   # + the soak (-m slow)",
         "```",
         "",
-        f"**{len(rows)} scenarios, {prompts:,} prompts: {lost} lost, {duplicated} duplicated, {altered} altered.**"
-        + (
-            f" Checks failed in: {', '.join(failed)}."
-            if failed
-            else " `producer verify` passed and `producer status --json` agreed with storage after every scenario."
-        ),
+        f"**{len(ran)} scenarios, {prompts:,} prompts: {lost} lost, {duplicated} duplicated, {altered} altered.**"
+        + verdict
+        + (f" {len(skipped)} skipped (not run: no evidence either way)." if skipped else ""),
+        "",
+        f"Code version{'s' if len(versions) > 1 else ''}: {', '.join(f'`{v}`' for v in versions) or 'none'} "
+        "(`git rev-parse HEAD`, `-dirty` when the tree had uncommitted changes)"
+        + (f"; {unstamped} row(s) recorded before rows were stamped." if unstamped else "."),
         "",
         "Every scenario runs real processes: its own `redis-server` (or RabbitMQ), `worker` (celery) "
         "subprocesses, the SGLang simulator over loopback, real Parquet. After each one the suite checks "
         "that every submitted prompt has exactly one row in the committed view whose `output_ids` equal "
         "the simulator's deterministic output byte for byte (`sglang_sim.content.expected_generation`), "
         "that the real `producer verify JOB` exits 0, and that `producer status JOB --json` counts "
-        "(total/done/dead/queued/running) equal storage's.",
+        "(total/done/dead/queued/running/unaccounted) equal storage's. Some scenarios also sample the live "
+        "invariant `total = done + dead + queued + running` while the faults happen (`tests/invariant.py`).",
         "",
-        "- **lost**: submitted, not stored, not an expected dead letter. **duplicated**: more than one "
+        "- **result**: pass, **FAIL** (a check failed, or the scenario did not finish: its counts are what "
+        "Redis and storage held when it failed, `?` where unknown) or SKIP (not run).",
+        "- **lost**: submitted, not stored, not an expected dead letter (for a scenario that did not finish: "
+        "in no place at all — not stored, dead-lettered, queued or running). **duplicated**: more than one "
         "stored row at the winning revision (raw, before read-time dedupe). **altered**: stored ids differ "
         "from the simulator's.",
         "- **recovery s**: per injected fault, seconds from the fault until every prompt that was in "
@@ -107,25 +198,39 @@ def render(rows: list[dict[str, Any]], runs: dict[str, Any]) -> str:
         "faults overlap, so one fault's recovery includes the next ones).",
         "",
     ]
-    header = ["scenario", "broker", "workers", "prompts", "faults injected", "lost", "dup.", "altered",
-              "dead (expected)", "recovery s", "wall s", "suite"]  # fmt: skip
+    header = ["scenario", "result", "broker", "workers", "prompts", "stored", "faults injected", "lost", "dup.",
+              "altered", "dead (expected)", "recovery s", "wall s", "suite", "version"]  # fmt: skip
     out.append("| " + " | ".join(header) + " |")
     out.append("|" + "|".join("---" for _ in header) + "|")
     for r in rows:
         cells = [
-            r["scenario"], r["broker"], r["workers"], f"{r['prompts']:,}", r["faults"], r["lost"], r["duplicated"],
-            r["altered"], r["dead_lettered"], _recovery(r["recovery_s"]),
-            "—" if r["wall_s"] is None else f"{r['wall_s']:.0f}", "CI" if r.get("ci", True) else "soak",
+            r["scenario"], _result(r), r.get("broker", "?"), _n(r.get("workers")), _n(r.get("prompts")),
+            _n(r.get("stored")), r.get("faults") or "—", _n(r.get("lost")), _n(r.get("duplicated")),
+            _n(r.get("altered")), _n(r.get("dead_lettered")), _recovery(r.get("recovery_s")),
+            "—" if r.get("wall_s") is None else f"{r['wall_s']:.0f}", "CI" if r.get("ci", True) else "soak",
+            f"`{_version(r.get('version'))}`" if r.get("version") else "—",
         ]  # fmt: skip
         out.append("| " + " | ".join(_cell(c) for c in cells) + " |")
-    notes = [f"- *{r['scenario']}* ({r['broker']}): {r['notes']}" for r in rows if r.get("notes")]
+    problems = [r for r in rows if status_of(r) != "pass"]
+    if problems:
+        out += ["", "Failures and skips:", ""]
+        for r in problems:
+            extra = ""
+            if r.get("queued") is not None or r.get("running") is not None:
+                extra = f" — at failure: queued {_n(r.get('queued'))}, running {_n(r.get('running'))}."
+            test = f" (`{r['test']}`)" if r.get("test") else ""
+            out.append(f"- **{status_of(r).upper()}** *{r['scenario']}*{test}: {_cell(r.get('error') or '—')}{extra}")
+    notes = [f"- *{r['scenario']}* ({r.get('broker')}): {r['notes']}" for r in rows if r.get("notes")]
     if notes:
         out += ["", "Notes:", "", *notes]
     if runs:
         out += ["", "Suite runtime (2 shared cores):", ""]
         for mode, run in sorted(runs.items()):
             label = "CI subset" if mode == "ci" else "CI subset + soak"
-            out.append(f"- {label}: `{run['command']}` — {run['wall_s']:.0f} s, exit {run['exit_code']} ({run['at']})")
+            version = f", version `{_version(run['version'])}`" if run.get("version") else ""
+            out.append(
+                f"- {label}: `{run['command']}` — {run['wall_s']:.0f} s, exit {run['exit_code']}{version} ({run['at']})"
+            )
     out += ["", _BODY]
     return "\n".join(out) + "\n"
 
@@ -213,9 +318,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no results in {args.results}; run with --run", file=sys.stderr)
         return 1
     args.out.write_text(render(rows, runs))
-    lost, duplicated = sum(r["lost"] for r in rows), sum(r["duplicated"] for r in rows)
-    print(f"{args.out}: {len(rows)} scenarios, {lost} lost, {duplicated} duplicated")
-    return code or (1 if lost or duplicated else 0)
+    lost, duplicated = _total(rows, "lost"), _total(rows, "duplicated")
+    failed = [r["scenario"] for r in rows if status_of(r) == "fail"]
+    skipped = sum(status_of(r) == "skip" for r in rows)
+    print(
+        f"{args.out}: {len(rows) - skipped} scenarios, {lost} lost, {duplicated} duplicated"
+        + (f", {skipped} skipped" if skipped else "")
+        + (f"; FAILED: {', '.join(failed)}" if failed else "")
+    )
+    return code or (1 if lost or duplicated or failed else 0)
 
 
 if __name__ == "__main__":

@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 source scripts/_env.sh
 ensure_venv dev
 ensure_redis
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q -rs "$@"  # -rs: every skip is listed with its reason

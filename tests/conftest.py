@@ -2,10 +2,19 @@
 
 Tests never touch the shared Redis at 127.0.0.1:6379: each session starts its own redis-server on a
 free port (so parallel runs and a developer's data stay apart) and each test gets a fresh DB.
+
+A service a test needs (redis-server, RabbitMQ) that is missing skips the test on a developer's
+machine but **fails** it under CI (``CI`` set, as CI runners do): CI must never pass by skipping.
+Use :func:`service_missing` inside a test or fixture, or mark a module with :func:`needs_service`.
+
+With ``THINKFLEET_RELIABILITY_RESULTS`` set, a failed or skipped reliability test leaves an honest
+result row (``tests/worker_harness.py`` ``record_failure``/``record_skip``), even when it failed
+before it could record one.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -16,9 +25,61 @@ import redis
 
 from thinkfleet.testing.fleet import free_port, wait_for_port
 
-__all__ = ["RedisServer", "free_port", "wait_for_port"]
+__all__ = ["RedisServer", "free_port", "in_ci", "needs_service", "service_missing", "wait_for_port"]
 
 REDIS_SERVER = shutil.which("redis-server")
+RESULTS_ENV = "THINKFLEET_RELIABILITY_RESULTS"
+
+
+def in_ci() -> bool:
+    """``CI`` is set (GitHub Actions, GitLab and most runners set ``CI=true``; ``.ci/run`` does too)."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def service_missing(reason: str) -> None:
+    """Skip the test for a missing service — or, under CI, fail it."""
+    if in_ci():
+        pytest.fail(f"{reason} (CI is set: a missing service fails the run instead of skipping it)", pytrace=False)
+    pytest.skip(reason)
+
+
+def needs_service(available: bool, reason: str) -> pytest.MarkDecorator:
+    """A mark: the test needs a service; when ``available`` is false it is skipped, or failed under CI."""
+    return pytest.mark.thinkfleet_service(available=available, reason=reason)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "thinkfleet_service(available, reason): needs a service (see needs_service)")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers("thinkfleet_service"):
+        if not mark.kwargs.get("available", True):
+            service_missing(mark.kwargs.get("reason", "a service this test needs is missing"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    """Reliability tests leave a result row whatever happens: FAIL when they fail (even before they
+    recorded anything), SKIP when skipped. Only with ``THINKFLEET_RELIABILITY_RESULTS`` set."""
+    outcome = yield
+    report = outcome.get_result()
+    if not os.environ.get(RESULTS_ENV) or not item.path.name.startswith("test_reliability_"):
+        return
+    if not (report.failed or (report.skipped and not hasattr(report, "wasxfail"))):
+        return
+    from tests import worker_harness
+
+    ci = item.get_closest_marker("slow") is None
+    if report.failed:
+        error = call.excinfo.exconly() if call.excinfo is not None else str(report.longrepr)
+        error = error.strip().splitlines()[0] if error.strip() else "failed"
+        tb = call.excinfo.tb if call.excinfo is not None else None
+        worker_harness.record_failure(item.nodeid, f"{report.when}: {error}", ci=ci, tb=tb)
+    else:
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        worker_harness.record_skip(item.nodeid, str(reason), ci=ci)
 
 
 class RedisServer:
@@ -32,7 +93,7 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         if REDIS_SERVER is None:
-            pytest.skip("redis-server is not installed")
+            service_missing("redis-server is not installed")
         self.workdir.mkdir(parents=True, exist_ok=True)
         args = [
             REDIS_SERVER,

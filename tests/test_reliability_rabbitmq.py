@@ -1,5 +1,6 @@
 """The core scenarios with RabbitMQ as the broker (job state stays in Redis): a happy path and a
-SIGKILLed worker. Skipped when no RabbitMQ answers on 127.0.0.1:5672 (guest/guest).
+SIGKILLed worker. Skipped when no RabbitMQ answers on 127.0.0.1:5672 (guest/guest) — failed instead
+under CI (``.ci/run`` starts one).
 
 Each test uses its own quorum queue (``workers.app`` declares quorum queues for amqp) and deletes it.
 """
@@ -15,6 +16,7 @@ import pytest
 import redis
 from kombu import Connection
 
+from tests.conftest import needs_service
 from tests.worker_harness import (
     check_job,
     fast_env,
@@ -38,7 +40,7 @@ def _rabbitmq_up() -> bool:
         return False
 
 
-pytestmark = pytest.mark.skipif(not _rabbitmq_up(), reason="no RabbitMQ on 127.0.0.1:5672")
+pytestmark = needs_service(_rabbitmq_up(), "no RabbitMQ on 127.0.0.1:5672")  # under CI: fail, not skip
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.conftest import REDIS_SERVER, free_port, wait_for_port
+from tests.conftest import REDIS_SERVER, free_port, service_missing, wait_for_port
 from tests.worker_harness import (
     check_job,
     fast_env,
@@ -106,7 +106,7 @@ def test_hostile_and_malformed_messages_are_refused_and_the_worker_keeps_working
 @pytest.fixture
 def password_redis(tmp_path: Path):
     if REDIS_SERVER is None:
-        pytest.skip("redis-server is not installed")
+        service_missing("redis-server is not installed")
     port, password = free_port(), "s3cr3t-Pa55-7f0e"
     proc = subprocess.Popen(
         [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
