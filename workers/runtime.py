@@ -114,6 +114,7 @@ class WorkerRuntime:
             probe_timeout_s=s.preflight_timeout_s,
         )
         self.semaphore = asyncio.Semaphore(s.max_inflight)
+        self._isolation = asyncio.Lock()  # one last-chance (suspect) prompt at a time
         self.ledger = Ledger(self.redis, s.keys, self.identity, s.max_deliveries)
         abandoned = await self.ledger.abandon_claims()  # before this life claims anything
         if abandoned:
@@ -404,23 +405,37 @@ class WorkerRuntime:
             self.metrics.dead.labels("corrupt_message").inc()
             log.error("dead-lettered %s/%s: corrupt ids: %s", task.job, task.prompt_id, exc)
             return "dead"
-        while True:
-            claim = await self.ledger.claim(task.job, task.prompt_id)
-            self._unreleased.discard((task.job, task.prompt_id))
-            if claim.state in ("done", "dead"):
-                self.metrics.skipped.inc()
-                return f"already-{claim.state}"
-            if claim.state == "poison":
-                record = claim.previous or {}
-                return await self._dead_poison(task, str(record.get("error") or "WorkerLost"), int(record.get("n", 0)))
-            if claim.state == "busy" or task.prompt_id in self._active:
-                # A redelivered copy while the first run continues: wait for that run, don't duplicate.
-                # (Our own run may even hold no claim: Redis restarted empty while it generated.)
-                if await self._wait_for_other_run(task):
+        isolated = False
+        claimed = False
+        try:
+            while True:
+                claim = await self.ledger.claim(task.job, task.prompt_id, isolated)
+                self._unreleased.discard((task.job, task.prompt_id))
+                if claim.state == "suspect":
+                    # Its last chance before poison: run it alone among last-chance prompts (ledger.py).
+                    await self._isolation.acquire()
+                    isolated = True
+                    continue
+                if claim.state in ("done", "dead"):
                     self.metrics.skipped.inc()
-                    return "already-done"
-                continue
-            break
+                    return f"already-{claim.state}"
+                if claim.state == "poison":
+                    record = claim.previous or {}
+                    return await self._dead_poison(
+                        task, str(record.get("error") or "WorkerLost"), int(record.get("n", 0))
+                    )
+                if claim.state == "busy" or task.prompt_id in self._active:
+                    # A redelivered copy while the first run continues: wait for that run, don't duplicate.
+                    # (Our own run may even hold no claim: Redis restarted empty while it generated.)
+                    if await self._wait_for_other_run(task):
+                        self.metrics.skipped.inc()
+                        return "already-done"
+                    continue
+                claimed = True  # new, stale or mine: this run is ours
+                break
+        finally:
+            if isolated and not claimed:
+                self._isolation.release()
         self._active.add(task.prompt_id)
         try:
             failpoint("after_claim", task.prompt_id)
@@ -440,6 +455,8 @@ class WorkerRuntime:
             return await self._crashed(task, exc, claimed=True)
         finally:
             self._active.discard(task.prompt_id)
+            if isolated:
+                self._isolation.release()
 
     async def _wait_for_other_run(self, task: PromptTask) -> bool:
         """True once the other run stored or dead-lettered it; False when its claim went away."""

@@ -16,6 +16,12 @@ States of one prompt of a job (keys in :mod:`thinkfleet.keys`)::
    ``crashed`` — an unexpected exception — keeps it and records the error. Deliveries left by killed
    workers stay counted too, so a prompt that crashes every worker is refused by ``claim`` after
    ``max_deliveries`` and dead-lettered as ``poison:<ExceptionClass>``.
+
+   A killed worker's deliveries are all counted — the prompt that killed it and its bystanders alike
+   (nothing survives a SIGKILL to say which it was). So a prompt's *last-chance* run (one more crash
+   makes it poison) is isolated: ``claim`` answers ``suspect`` without claiming, and the worker
+   claims it again (``isolated=True``) only while it runs no other last-chance prompt. A bystander
+   then waits unclaimed while the culprit kills the worker, and is not counted again.
 5. ``dead_letter`` — a permanent failure, with the whole message kept for ``producer retry``.
 
 A worker that dies between 2 and 3 leaves claims naming a part; so does a hand-back after 2 (the
@@ -46,7 +52,7 @@ def _lua(name: str) -> str:
 
 @dataclass(frozen=True)
 class Claim:
-    state: str  # new | mine | busy | stale | done | dead | poison
+    state: str  # new | mine | busy | stale | done | dead | poison | suspect
     previous: dict[str, Any] | None  # the claim found (stale/busy/mine), or the delivery record (poison)
 
     @property
@@ -82,11 +88,11 @@ class Ledger:
         return json.dumps({"worker": self.worker, "part": part, "at": time.time()})
 
     # -- transitions ----------------------------------------------------------------------------------
-    async def claim(self, job: str, prompt_id: str) -> Claim:
+    async def claim(self, job: str, prompt_id: str, isolated: bool = False) -> Claim:
         k = self.keys
         state, previous = await self._claim(
             keys=[k.done(job), k.dead(job), k.claims(job), k.deliveries(job)],
-            args=[prompt_id, self.worker, self._claim_json(), k.heartbeat(""), self.max_deliveries],
+            args=[prompt_id, self.worker, self._claim_json(), k.heartbeat(""), self.max_deliveries, int(isolated)],
         )
         state = state.decode() if isinstance(state, bytes) else state
         prev = json.loads(previous) if previous else None
