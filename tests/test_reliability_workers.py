@@ -33,8 +33,8 @@ from tests.worker_harness import (
 )
 from thinkfleet.keys import kombu_transport_options
 from thinkfleet.settings import Settings
-from thinkfleet.testing.fleet import RecoveryWatch, WorkerProcess, in_flight, job_progress, wait_until
 from thinkfleet.state.ledger import Ledger
+from thinkfleet.testing.fleet import RecoveryWatch, WorkerProcess, in_flight, job_progress, wait_until
 from workers.runtime import WorkerRuntime
 
 
@@ -229,7 +229,7 @@ def test_a_worker_whose_server_turns_healthy_while_it_attaches_keeps_consuming()
     for order in ("forward", "reverse"):
         rt = WorkerRuntime.__new__(WorkerRuntime)
         rt.settings = Settings(queue="q")
-        rt.consumer, rt.draining = None, False
+        rt.consumer, rt.draining, rt.storage_ok = None, False, True
         rt.metrics = SimpleNamespace(healthy=SimpleNamespace(set=lambda value: None))
         rt.gate = SimpleNamespace(healthy=False)
         consumer = Consumer()
