@@ -37,6 +37,7 @@ from producer.report import (
     think_warnings,
 )
 from producer.state import Existing, StateError, SubmitLock, commit, load_existing, write_manifest
+from thinkfleet.failpoints import failpoint
 from thinkfleet.message import PromptTask
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import MAX_SKIPPED_RECORDS, JobRecord, sample_overrides, sampling_params
@@ -106,6 +107,7 @@ def submit(settings: Settings, opts: SubmitOptions, on_progress: ProgressFn | No
                     collector = _run(opts, settings, pool, info, datasets, existing, problems, stager, on_progress)
                     write_manifest(settings, opts.job, collector.rows)
                     record = _job_record(opts, info, existing, collector, problems)
+                    failpoint("submit_after_stage")
                     commit(client, settings, record, collector.rows, existing, stager)
                 except BaseException:
                     stager.discard()
