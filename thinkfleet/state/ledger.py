@@ -36,7 +36,6 @@ import base64
 import json
 import time
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any
 
 import msgpack
@@ -44,10 +43,7 @@ import redis.asyncio as aioredis
 
 from thinkfleet.keys import Keys
 from thinkfleet.message import PromptTask
-
-
-def _lua(name: str) -> str:
-    return resources.files("thinkfleet.state").joinpath("lua", f"{name}.lua").read_text()
+from thinkfleet.state.scripts import lua
 
 
 @dataclass(frozen=True)
@@ -77,12 +73,12 @@ class Ledger:
         self.keys = keys
         self.worker = worker
         self.max_deliveries = max_deliveries
-        self._claim = client.register_script(_lua("claim"))
-        self._release = client.register_script(_lua("release"))
-        self._finalize = client.register_script(_lua("finalize"))
-        self._abandon = client.register_script(_lua("abandon"))
-        self._dead_letter = client.register_script(_lua("dead_letter"))
-        self._crashed = client.register_script(_lua("crashed"))
+        self._claim = client.register_script(lua("claim"))
+        self._release = client.register_script(lua("release"))
+        self._finalize = client.register_script(lua("finalize"))
+        self._abandon = client.register_script(lua("abandon"))
+        self._dead_letter = client.register_script(lua("dead_letter"))
+        self._crashed = client.register_script(lua("crashed"))
 
     def _claim_json(self, part: str | None = None) -> str:
         return json.dumps({"worker": self.worker, "part": part, "at": time.time()})
