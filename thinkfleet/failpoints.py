@@ -5,7 +5,9 @@
 ``THINKFLEET_FAILPOINT_DIR`` (default: the temp dir), so a worker restarted after a ``kill`` does not
 die again at the same point. An item may narrow itself to one prompt and set its own count:
 ``during_generate=raise:always@p00003`` (``:N`` or ``:always``; ``@`` matches the ``key`` the call
-site passes, the prompt id). Unset, :func:`failpoint` costs one dict lookup.
+site passes, the prompt id — the per-prompt points pass one; the group-commit points ``after_mark``
+… ``after_finalize`` act on a batch and pass none, so an ``@`` arming never fires there).
+Unset, :func:`failpoint` costs one dict lookup.
 
 Actions: ``raise`` (a :class:`FailpointError`, which nothing in thinkfleet catches on purpose — it
 must travel the "unexpected exception" path), ``kill`` (SIGKILL of this process, no cleanup).

@@ -126,6 +126,7 @@ class GroupCommitter:
         started = time.perf_counter()
         part = self.writer.part_name(job, dataset)
         marked = written = False
+        finalized: tuple[int, bool, int, int] | None = None
         failures = 0
         while True:
             try:
@@ -139,9 +140,10 @@ class GroupCommitter:
                         await asyncio.to_thread(self.writer.write, job, dataset, [i.row for i in items], part)
                     written = True
                     failpoint("after_part_write")
-                _, fire, seen, miss = await self.ledger.finalize(
-                    job, dataset, [i.final for i in items], self.alarm_min_rows, self.alarm_share
-                )
+                if finalized is None:
+                    finalized = await self.ledger.finalize(
+                        job, dataset, [i.final for i in items], self.alarm_min_rows, self.alarm_share
+                    )
                 failpoint("after_finalize")
                 break
             except Exception as exc:
@@ -168,6 +170,7 @@ class GroupCommitter:
             log.warning("commit of %d rows for %s/%s succeeded after %d failures", len(items), job, dataset, failures)
         self.on_storage(True, None)
         self.on_flush(len(items), time.perf_counter() - started)
+        _, fire, seen, miss = finalized
         if fire:
             await self.on_alarm(job, seen, miss)
         for item in items:

@@ -72,10 +72,14 @@ class RuntimeStartError(RuntimeError):
 
 def crash_summary(exc: BaseException) -> str:
     """``Class: last line of the traceback`` — what a poison dead letter and the crash log keep."""
+    name = type(exc).__name__
     lines = traceback.format_exception_only(type(exc), exc)
     last = (lines[-1] if lines else "").strip().splitlines()
-    text = last[-1] if last else type(exc).__name__
-    return text if text.startswith(type(exc).__name__) else f"{type(exc).__name__}: {text}"
+    text = last[-1] if last else name
+    qualified = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    if text.startswith(qualified):  # exceptions outside builtins print their module path
+        text = name + text[len(qualified) :]
+    return text if text.startswith(name) else f"{name}: {text}"
 
 
 class WorkerRuntime:
@@ -363,6 +367,8 @@ class WorkerRuntime:
         self.metrics.crashes.labels(type(exc).__name__).inc()
         self.metrics.errors.labels("crash").inc()
         deliveries = await self.ledger.crashed(task.job, task.prompt_id, summary, claimed)
+        if deliveries == 0:  # stored or dead-lettered already (a crash after the commit): ack it
+            return "already-finished"
         if deliveries >= self.settings.max_deliveries:
             return await self._dead_poison(task, summary, deliveries)
         self.metrics.handed_back.inc()
