@@ -237,16 +237,39 @@ def status_cmd(job: str, as_json: bool, watch: bool, interval: float, window: fl
 @click.option("--timeout", "timeout_s", type=float, help="Give up after this many seconds (exit 124).")
 @click.option("--interval", default=2.0, show_default=True, help="Seconds between checks.")
 @click.option("--json", "as_json", is_flag=True, help="Print the final status as JSON.")
+@click.option(
+    "--lost-after",
+    "lost_after_s",
+    default=300.0,
+    show_default=True,
+    help="Exit 3 when prompts stay unaccounted (in no queue, worker, done or dead set) this many seconds.",
+)
 @common_options
-def wait_cmd(job: str, timeout_s: float | None, interval: float, as_json: bool, **flags: Any) -> None:
-    """Block until every prompt of JOB is stored or dead-lettered (exit 0); 124 on timeout."""
+def wait_cmd(
+    job: str, timeout_s: float | None, interval: float, as_json: bool, lost_after_s: float, **flags: Any
+) -> None:
+    """Block until every prompt of JOB is stored or dead-lettered (exit 0); 124 on timeout; 3 when
+    prompts are lost (unaccounted for --lost-after seconds) or done in Redis but missing from storage."""
     settings = _settings(flags)
     client = redis.Redis.from_url(settings.redis_url)
     reader = StatusReader(client, settings, job)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     err = Console(stderr=True)
+    unaccounted_since: float | None = None
     while True:
         st = reader.read()
+        if st.get("unaccounted"):
+            unaccounted_since = unaccounted_since or time.monotonic()
+            if time.monotonic() - unaccounted_since >= lost_after_s:
+                _emit(st, as_json)
+                err.print(
+                    f"[bold red]{st['unaccounted']:,} prompt(s) of {job} are in no queue, no worker, not done and "
+                    f"not dead-lettered[/] (e.g. {st.get('unaccounted_ids', [])[:3]}) for {lost_after_s:.0f}s: "
+                    f"they are lost. `producer submit` with the same inputs re-enqueues exactly those."
+                )
+                sys.exit(EXIT_INCONSISTENT)
+        else:
+            unaccounted_since = None
         if not st.get("exists"):
             _emit(st, as_json)
             err.print(f"[bold red]error:[/] job {job!r} has no record in Redis; submit it first")

@@ -81,6 +81,18 @@ def test_status_reports_a_prompt_that_is_nowhere_as_unaccounted_not_queued(
     assert code == 0 and "UNACCOUNTED" in out and "alpha/r3" in out
 
 
+def test_wait_exits_naming_prompts_that_stay_unaccounted(job: Settings, redis_client: redis.Redis) -> None:
+    # Given a lost prompt (its message gone, nothing holds it): `producer wait` used to hang forever.
+    for raw in redis_client.lrange(job.queue, 0, -1):
+        if json.loads(raw)["headers"]["id"] == "j/alpha/r3/r0":
+            redis_client.lrem(job.queue, 1, raw)
+    args = ("wait", "j", "--lost-after", "0.3", "--interval", "0.1", "--timeout", "30", "--redis-url", job.redis_url)
+    code, out = run(*args)
+    # Then it exits 3 (inconsistent), not 124 (timeout), and names what is lost and the fix.
+    assert code == EXIT_INCONSISTENT, out
+    assert "alpha/r3" in out and "re-enqueues" in out
+
+
 def test_status_over_a_rabbitmq_broker_cannot_see_the_queue(job: Settings) -> None:
     result = CliRunner().invoke(
         cli, ["status", "j", "--json", "--redis-url", job.redis_url], env={"THINKFLEET_BROKER_URL": "amqp://h//"}
