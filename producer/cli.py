@@ -77,6 +77,12 @@ def cli() -> None:
 @click.option("--split", help="Split of a save_to_disk DatasetDict.")
 @click.option("--samples", default=1, show_default=True, type=click.IntRange(1), help="Generations per prompt.")
 @click.option("--max-prompt-tokens", type=int, help="Rows with longer prompts are problems.")
+@click.option(
+    "--context-length",
+    type=click.IntRange(2),
+    help="The servers' context length (as SGLang's --context-length) [config.json next to --tokenizer]; "
+    "rows with prompt + max_new_tokens ≥ it are problems. Lower it by the draft slots when serving with EAGLE.",
+)
 @click.option("--max-new-tokens", type=int, help="Generation budget [10240].")
 @click.option("--temperature", type=float, help="[1.0]")
 @click.option("--top-p", type=float, help="[0.95]")
@@ -151,6 +157,7 @@ def _submit_options(paths: list[Path], f: dict[str, Any]) -> SubmitOptions:
         think_start_id=f["think_start_id"],
         think_end_id=f["think_end_id"],
         max_prompt_tokens=f["max_prompt_tokens"],
+        context_length=f["context_length"],
         sampling={
             "max_new_tokens": f["max_new_tokens"],
             "temperature": f["temperature"],

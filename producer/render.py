@@ -3,7 +3,11 @@
 The tokenizer is loaded from a local directory or the local Hugging Face cache only (never a
 download). Rendering runs on every core in a process pool: the pool is forked after the tokenizer is
 loaded, so each process has it without loading it again; each batch returns compact results (packed
-ids, length, content hash), never Python lists of ints, so the parent stays cheap.
+ids, length, content hash, largest id), never Python lists of ints, so the parent stays cheap.
+
+:func:`model_limits` finds what a GPU server will refuse or crash on — the vocabulary size (an id at
+or above it is a CUDA device-side assert, not an error message) and the context length — and
+:func:`check_prompt` checks one rendered prompt against them before it is enqueued.
 """
 
 from __future__ import annotations
@@ -132,24 +136,26 @@ def describe_tokenizer(
     )
 
 
-def _stop_ids(tok: Any, source: str) -> list[int]:
-    """``tokenizer.eos_token_id`` ∪ ``generation_config.json`` ``eos_token_id`` (what SGLang stops on)."""
-    ids: list[int] = []
-    config: dict[str, Any] = {}
-    path = Path(source) / "generation_config.json"
+def _model_file(source: str, name: str) -> dict[str, Any]:
+    """A JSON file next to the tokenizer (a model directory, or the local hub cache); {} when absent/unreadable."""
+    path = Path(source).expanduser() / name
     try:
         if path.is_file():
-            config = json.loads(path.read_text())
+            found: str | None = str(path)
         else:
             from transformers.utils import cached_file
 
-            found = cached_file(
-                source, "generation_config.json", local_files_only=True, _raise_exceptions_for_missing_entries=False
-            )
-            if found:
-                config = json.loads(Path(found).read_text())
+            found = cached_file(source, name, local_files_only=True, _raise_exceptions_for_missing_entries=False)
+        config = json.loads(Path(found).read_text()) if found else {}
     except Exception:
-        config = {}
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _stop_ids(tok: Any, source: str) -> list[int]:
+    """``tokenizer.eos_token_id`` ∪ ``generation_config.json`` ``eos_token_id`` (what SGLang stops on)."""
+    ids: list[int] = []
+    config = _model_file(source, "generation_config.json")
     eos = config.get("eos_token_id")
     for value in [*(eos if isinstance(eos, list) else [eos]), tok.eos_token_id]:
         if isinstance(value, int) and value not in ids:
@@ -157,12 +163,160 @@ def _stop_ids(tok: Any, source: str) -> list[int]:
     return ids
 
 
+# -- model limits: what the GPU server refuses (context) or crashes on (ids) --------------------------------
+#: ``config.json`` keys SGLang reads the context length from, in its order of preference
+#: (``sglang.srt.utils.hf_transformers_utils.get_context_length``).
+CONTEXT_LENGTH_KEYS = (
+    "max_sequence_length",
+    "seq_length",
+    "max_seq_len",
+    "model_max_length",
+    "max_position_embeddings",
+)
+#: Where a multimodal config keeps its language model's settings (Kimi-K2.5: ``text_config``, a DeepSeek-V3
+#: config); the first present wins, else the top level (Kimi-K2, DeepSeek-V3 themselves).
+TEXT_CONFIG_PATHS = (("text_config",), ("thinker_config", "text_config"), ("llm_config",), ("language_config",))
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """Bounds every prompt is checked against before it is enqueued (and workers re-check from the job record).
+
+    ``vocab_size``: every id must be below it. ``context_length``: prompt + max_new_tokens must be below it
+    (SGLang refuses ``prompt + max_new_tokens >= context`` in the versions the simulator follows, ``>`` in newer
+    ones: ``<`` satisfies both); None = unknown, not checked.
+    """
+
+    vocab_size: int
+    vocab_source: str  # "config.json text_config.vocab_size", "len(tokenizer)", …
+    context_length: int | None = None
+    context_source: str = ""  # "--context-length", "config.json max_position_embeddings", …; "" when unknown
+
+    def context_warning(self) -> str | None:
+        if self.context_length is not None:
+            return None
+        return (
+            "context length unknown (no config.json with max_position_embeddings next to --tokenizer): "
+            "prompt + max_new_tokens is not checked and over-long rows will come back as dead 400s; "
+            "pass --context-length N (the server's context length) to check it"
+        )
+
+
+def _text_config(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The language model's config and its path prefix ("" at the top level, "text_config." nested)."""
+    for path in TEXT_CONFIG_PATHS:
+        node: Any = config
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            return node, ".".join(path) + "."
+    return config, ""
+
+
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def config_context_length(config: dict[str, Any]) -> tuple[int | None, str]:
+    """SGLang's derived context length of a ``config.json`` and where it came from: the first of
+    :data:`CONTEXT_LENGTH_KEYS` in the text config, × ``rope_scaling.factor`` unless the scaling names an
+    ``original_max_position_embeddings`` (YaRN, as Kimi/DeepSeek-V3 do: the key is already the extended
+    length) or is ``llama3``. (None, "") when no key is there (SGLang would assume 2048; we do not guess)."""
+    text, prefix = _text_config(config)
+    for key in CONTEXT_LENGTH_KEYS:
+        value = _positive_int(text.get(key))
+        if value is None:
+            continue
+        rope = text.get("rope_scaling")
+        factor = 1.0
+        if (
+            isinstance(rope, dict)
+            and "original_max_position_embeddings" not in rope
+            and rope.get("rope_type") != "llama3"
+            and isinstance(rope.get("factor"), int | float)
+        ):
+            factor = float(rope["factor"])
+        where = f"config.json {prefix}{key}"
+        if factor != 1.0:
+            return int(factor * value), f"{where} × rope_scaling.factor {factor:g}"
+        return value, where
+    return None, ""
+
+
+def model_limits(tok: Any, source: str, context_length: int | None = None) -> ModelLimits:
+    """The bounds of the model at ``source`` (the ``--tokenizer`` path, normally the model directory).
+
+    Vocabulary: ``config.json`` ``vocab_size`` (of the text config) when there is one — the embedding
+    table's size, the true bound on the GPU — else ``len(tokenizer)`` (base vocabulary + added/special
+    tokens: the bound of what this tokenizer can produce). Context: ``context_length`` (``--context-length``)
+    when given, else :func:`config_context_length`, else unknown.
+    """
+    config = _model_file(source, "config.json")
+    text, prefix = _text_config(config)
+    vocab = _positive_int(text.get("vocab_size"))
+    vocab_source = f"config.json {prefix}vocab_size"
+    if vocab is None and prefix:
+        vocab, vocab_source = _positive_int(config.get("vocab_size")), "config.json vocab_size"
+    if vocab is None:
+        vocab, vocab_source = len(tok), "len(tokenizer)"
+    if context_length is not None:
+        return ModelLimits(vocab, vocab_source, int(context_length), "--context-length")
+    found, where = config_context_length(config)
+    return ModelLimits(vocab, vocab_source, found, where)
+
+
+def check_prompt(
+    n_tokens: int,
+    max_id: int,
+    max_new_tokens: int,
+    limits: ModelLimits,
+    ids: Sequence[int] | None = None,
+    tok: Any = None,
+) -> str | None:
+    """Why a prompt of ``n_tokens`` ids (the largest ``max_id``) with a budget of ``max_new_tokens`` must not
+    reach the server, with the fix; None when it fits. Ids first: they crash the server, a length only fails.
+
+    ``ids`` (and ``tok``), when given, name the first id out of range, its position (and token).
+    """
+    if max_id >= limits.vocab_size:
+        what = f"id {max_id:,}"
+        bad = [(i, int(t)) for i, t in enumerate(ids) if t >= limits.vocab_size] if ids is not None else []
+        if bad:
+            at, first = bad[0]
+            token = _token_name(tok, first)
+            what = f"id {first:,}{f' {token!r}' if token else ''} at position {at:,}"
+            what += f" ({len(bad):,} such ids)" if len(bad) > 1 else ""
+        return (
+            f"{what} ≥ vocabulary size {limits.vocab_size:,} ({limits.vocab_source}): the model has no embedding "
+            "for it (a CUDA device-side assert on the server); drop the row, or check that --tokenizer is the "
+            "served model's own"
+        )
+    context = limits.context_length
+    if context is None or n_tokens + max_new_tokens < context:
+        return None
+    where = f"context {context:,} ({limits.context_source}; SGLang needs prompt + max_new_tokens < context)"
+    if n_tokens >= context - 1:
+        return f"prompt is {n_tokens:,} tokens, leaving no room for one new token in {where}: shorten or drop the row"
+    return (
+        f"prompt is {n_tokens:,} tokens + max_new_tokens {max_new_tokens:,} ≥ {where}: "
+        f"lower --max-new-tokens to {context - 1 - n_tokens:,} or drop the row"
+    )
+
+
+def _token_name(tok: Any, token_id: int) -> str | None:
+    try:
+        name = tok.convert_ids_to_tokens(token_id) if tok is not None else None
+    except Exception:
+        return None
+    return name if isinstance(name, str) else None
+
+
 # -- rendering -------------------------------------------------------------------------------------------
 #: Per-process state: (tokenizer, chat-template kwargs, think-start id). Set before forking.
 _STATE: tuple[Any, dict[str, Any], int | None] | None = None
 
-#: One result: (packed ids, token count, content hash, ends with think-start) or an error message.
-Result = tuple[bytes, int, str, bool] | str
+#: One result: (packed ids, token count, content hash, ends with think-start, largest id or -1) or an error.
+Result = tuple[bytes, int, str, bool, int] | str
 
 
 def content_hash(ids: np.ndarray) -> str:
@@ -202,7 +356,8 @@ def _render_batch(batch: Sequence[tuple[list[dict[str, Any]], list[dict[str, Any
             continue
         ids = np.asarray(next(encoded), dtype="<u4")
         ends = bool(len(ids)) and think_start is not None and int(ids[-1]) == think_start
-        out.append((pack_ids(ids), len(ids), content_hash(ids), ends))
+        max_id = int(ids.max()) if len(ids) else -1
+        out.append((pack_ids(ids), len(ids), content_hash(ids), ends, max_id))
     return out
 
 
@@ -235,6 +390,7 @@ class RenderPool:
     ) -> None:
         global _STATE
         _STATE = (tok, dict(chat_template_kwargs), think_start_id)
+        self.tok = tok
         self.processes = max(1, processes or os.cpu_count() or 1)
         self._pool = None
         if self.processes > 1:

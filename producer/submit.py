@@ -5,8 +5,10 @@ Order of work (each step says why):
 2. Read every input: a bad file or column fails here, before any rendering.
 3. Take the job's submit lock and read what exists (:mod:`producer.state`), so a re-submit enqueues
    only what is missing and notices content that changed.
-4. Render on every core; new prompts' messages are staged in Redis as they come (hiding the enqueue
-   behind tokenization), never directly onto the queue.
+4. Render on every core; each prompt is checked against the model's limits (:func:`render.model_limits`:
+   every id below the vocabulary size, prompt + max_new_tokens below the context length — an id beyond
+   the vocabulary crashes a GPU server, an over-long row only comes back as a 400); new prompts' messages
+   are staged in Redis as they come (hiding the enqueue behind tokenization), never directly onto the queue.
 5. Any problem without ``--skip-invalid``: drop the staging list and fail, naming file:line and the fix.
 6. Write the storage manifest, then one MULTI: prompt hashes, job record, counters, and the move of
    the staged messages onto the queue.
@@ -15,6 +17,7 @@ Order of work (each step says why):
 from __future__ import annotations
 
 import collections
+import dataclasses
 import inspect
 import time
 from collections.abc import Callable, Iterator
@@ -38,9 +41,15 @@ from producer.report import (
 )
 from producer.state import Existing, StateError, SubmitLock, commit, load_existing, write_manifest
 from thinkfleet.failpoints import failpoint
-from thinkfleet.message import PromptTask
+from thinkfleet.message import PromptTask, unpack_ids
 from thinkfleet.settings import Settings
-from thinkfleet.state.job import MAX_SKIPPED_RECORDS, JobRecord, sample_overrides, sampling_params
+from thinkfleet.state.job import (
+    MAX_SKIPPED_RECORDS,
+    JobRecord,
+    max_new_tokens_of,
+    sample_overrides,
+    sampling_params,
+)
 
 #: prompt_id of sample k when --samples > 1: "<dataset>/<id>#<k>".
 SAMPLE_SEP = "#"
@@ -64,6 +73,8 @@ class SubmitOptions:
     think_start_id: int | None = None
     think_end_id: int | None = None
     max_prompt_tokens: int | None = None
+    #: the served context length (``--context-length``); None = from the model's config.json, if any.
+    context_length: int | None = None
     #: sampling flags as given on the command line; None = not given (the job's value, or the default).
     sampling: dict[str, Any] = field(default_factory=dict)
     expected_model: str | None = None
@@ -89,6 +100,7 @@ def submit(settings: Settings, opts: SubmitOptions, on_progress: ProgressFn | No
     except render.TokenizerError as e:
         raise SubmitError(str(e)) from e
     info = render.describe_tokenizer(tok, opts.tokenizer, opts.think_start_id, opts.think_end_id)
+    limits = render.model_limits(tok, opts.tokenizer, opts.context_length)
     client = redis.Redis.from_url(settings.redis_url)
     pool = render.RenderPool(
         tok, opts.tokenizer, opts.chat_template_kwargs, info.think_start_id, opts.processes, opts.trust_remote_code
@@ -98,13 +110,15 @@ def submit(settings: Settings, opts: SubmitOptions, on_progress: ProgressFn | No
         datasets = _open_all(opts)
         if opts.dry_run:
             existing = load_existing(client, settings, opts.job, redis_required=False)
-            collector = _run(opts, settings, pool, info, datasets, existing, problems, None, on_progress)
+            collector = _run(opts, settings, pool, info, limits, datasets, existing, problems, None, on_progress)
         else:
             with SubmitLock(client, settings, opts.job):
                 existing = load_existing(client, settings, opts.job)
                 stager = Stager(client, settings.keys, opts.job, settings.queue)
                 try:
-                    collector = _run(opts, settings, pool, info, datasets, existing, problems, stager, on_progress)
+                    collector = _run(
+                        opts, settings, pool, info, limits, datasets, existing, problems, stager, on_progress
+                    )
                     write_manifest(settings, opts.job, collector.rows)
                     record = _job_record(opts, info, existing, collector, problems)
                     failpoint("submit_after_stage")
@@ -165,6 +179,7 @@ def _run(
     settings: Settings,
     pool: render.RenderPool,
     info: render.TokenizerInfo,
+    limits: render.ModelLimits,
     datasets: list[Dataset],
     existing: Existing,
     problems: list[Problem],
@@ -174,7 +189,8 @@ def _run(
     """Render everything; stage the messages of prompts that are new. Fails (nothing staged stays) on problems."""
     params = _sampling(opts, info, existing.record)
     _check_compatible(opts, info, existing.record, params)
-    collector = _Collector(opts, existing, params, problems, Envelope(settings))
+    limits = _inherit_context(limits, existing.record)
+    collector = _Collector(opts, existing, params, problems, Envelope(settings), limits, pool.tok)
     feed = _Feed(opts, datasets, problems)
     for results in pool.render(feed):
         messages = collector.add_batch(feed.take(len(results)), results)
@@ -203,6 +219,15 @@ def _sampling(opts: SubmitOptions, info: render.TokenizerInfo, record: JobRecord
         base = {"stop_token_ids": info.stop_token_ids or None}
     known = inspect.signature(sampling_params).parameters  # a newer producer's extra keys are not ours to keep
     return sampling_params(**{**{k: v for k, v in base.items() if v is not None and k in known}, **given})
+
+
+def _inherit_context(limits: render.ModelLimits, record: JobRecord | None) -> render.ModelLimits:
+    """A re-submit that knows no context length (no flag, no config.json) keeps the job's, as it keeps its
+    sampling flags: the check goes on applying, and the record does not lose the bound workers read."""
+    if limits.context_length is not None or record is None or record.context_length is None:
+        return limits
+    source = f"{record.context_source or 'job record'}, as first submitted"
+    return dataclasses.replace(limits, context_length=record.context_length, context_source=source)
 
 
 def _check_compatible(
@@ -241,9 +266,15 @@ class _Collector:
         params: dict[str, Any],
         problems: list[Problem],
         envelope: Envelope,
+        limits: render.ModelLimits,
+        tok: Any = None,
     ) -> None:
         self.opts, self.existing, self.params, self.problems = opts, existing, params, problems
-        self.envelope = envelope
+        self.envelope, self.limits, self.tok = envelope, limits, tok
+        #: the largest generation budget any sample of a row gets (per-sample overrides included).
+        self.budget = max(
+            max_new_tokens_of({**params, **sample_overrides(params, k, opts.samples)}) for k in range(opts.samples)
+        )
         self.finished = existing.finished
         self.reports: dict[str, DatasetReport] = collections.defaultdict(DatasetReport)
         self.rows: list[dict[str, Any]] = []  # manifest rows: every valid prompt of this submission
@@ -267,12 +298,18 @@ class _Collector:
         return messages
 
     def _add(
-        self, dataset: str, prompt: Prompt, blob: bytes, n_tokens: int, digest: str, ends: bool
+        self, dataset: str, prompt: Prompt, blob: bytes, n_tokens: int, digest: str, ends: bool, max_id: int
     ) -> list[PromptTask]:
         opts = self.opts
         if opts.max_prompt_tokens and n_tokens > opts.max_prompt_tokens:
             reason = f"prompt is {n_tokens} tokens, over --max-prompt-tokens {opts.max_prompt_tokens}"
             self.problems.append(Problem(prompt.location, f"{reason}; shorten it, raise the limit, or --skip-invalid"))
+            return []
+        unfit = render.check_prompt(n_tokens, max_id, self.budget, self.limits)
+        if unfit is not None:
+            if max_id >= self.limits.vocab_size:  # rare: unpack the ids to name the first one out of range
+                unfit = render.check_prompt(n_tokens, max_id, self.budget, self.limits, unpack_ids(blob), self.tok)
+            self.problems.append(Problem(prompt.location, f"{unfit} (--skip-invalid skips and records it)"))
             return []
         if not ends:
             self.not_ending += 1
@@ -342,6 +379,9 @@ def _job_record(
     record.submissions += 1
     record.skipped = [{"location": p.location, "reason": p.reason} for p in problems[:MAX_SKIPPED_RECORDS]]
     record.skipped_count = len(problems)
+    limits = collector.limits
+    record.vocab_size, record.vocab_source = limits.vocab_size, limits.vocab_source
+    record.context_length, record.context_source = limits.context_length, limits.context_source
     return record
 
 
@@ -352,6 +392,9 @@ def _report(
         report.skipped = sum(1 for p in problems if p.location.startswith(str(_source(opts, name))))
     c.reports = dict(c.reports)
     thinking = opts.chat_template_kwargs.get("thinking", True) is not False
+    warnings = think_warnings(thinking, info.think_start_id, c.not_ending, c.first_not_ending)
+    if (no_context := c.limits.context_warning()) is not None:
+        warnings.append(no_context)
     prompts = sum(r.prompts for r in c.reports.values())
     return SubmitReport(
         job=opts.job,
@@ -362,7 +405,7 @@ def _report(
         lengths=length_stats(c.lengths),
         estimated_redis_bytes=estimate_redis_bytes(c.message_bytes, c.enqueued, c.rows),
         projected_wall_s=projected_wall_s(prompts, opts.mean_output_tokens, opts.hosts, opts.server_tok_s),
-        warnings=think_warnings(thinking, info.think_start_id, c.not_ending, c.first_not_ending),
+        warnings=warnings,
         problems=problems,
         changed=c.changed,
         elapsed_s=elapsed_s,

@@ -33,6 +33,18 @@ field                            absent →            what
 ``submissions``                  0                   how many submits wrote this record
 ``skipped`` / ``skipped_count``  [] / 0              rows skipped by ``--skip-invalid``: [{location,
                                                      reason}] (first 1000)
+``vocab_size``                   null (unknown)      every prompt id is below it (the producer refused the
+                                                     rest): ``config.json`` ``vocab_size`` (the model's
+                                                     embedding size) when the tokenizer path has one, else
+                                                     ``len(tokenizer)``; workers refuse ids at or above it
+``vocab_source``                 ""                  where ``vocab_size`` came from, e.g. ``config.json
+                                                     text_config.vocab_size`` or ``len(tokenizer)``
+``context_length``               null (unknown)      the model's context length: every prompt has
+                                                     prompt tokens + max_new_tokens < it (SGLang's rule);
+                                                     null = nothing known, nothing checked
+``context_source``               ""                  ``--context-length`` or ``config.json
+                                                     [text_config.]max_position_embeddings`` (…); "" when
+                                                     unknown
 ================================ =================== ======================================================
 
 Marker ids: absent vs null. ``producer submit`` always writes every marker field, so an absent one
@@ -115,6 +127,10 @@ class JobRecord:
     submissions: int = 0
     skipped: list[dict[str, str]] = field(default_factory=list)
     skipped_count: int = 0
+    vocab_size: int | None = None
+    vocab_source: str = ""
+    context_length: int | None = None
+    context_source: str = ""
 
     # -- sampling ---------------------------------------------------------------------------------
     @property
