@@ -63,6 +63,7 @@ def worker_metric_names() -> set[str]:
     metrics.retried.labels("e").inc()
     metrics.dead.labels("e").inc()
     metrics.errors.labels("k").inc()
+    metrics.crashes.labels("KeyError").inc()
     return {sample.name for family in metrics.registry.collect() for sample in family.samples}
 
 

@@ -88,7 +88,9 @@ def test_hostile_and_malformed_messages_are_refused_and_the_worker_keeps_working
     # Then none was deserialized by pickle, each was refused with a log line, and the real job is whole.
     assert not canary.exists(), "a pickle message was deserialized"
     assert "untrusted content" in log and "pickle" in log
-    assert "malformed thinkfleet.generate message wrong-arity dropped" in log
+    assert "malformed message wrong-arity dead-lettered" in log
+    malformed = [json.loads(raw) for raw in client.lrange(keys.malformed, 0, -1)]
+    assert [m["message_id"] for m in malformed] == ["wrong-arity"] and "9 args" in malformed[0]["error"]
     assert "garbage-body" in log
     assert client.llen(settings.queue) == 0, "every hostile message left the queue"
     outcome = check_job(settings, "after", job.prompts, job.sampling_params)
