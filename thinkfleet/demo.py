@@ -22,6 +22,9 @@ from thinkfleet.settings import load_settings
 from thinkfleet.testing.fleet import WorkerProcess, free_port, wait_for_port, worker_env
 from thinkfleet.testing.tokenizer import build_test_tokenizer
 
+#: Kimi-K2.5's context length, served by the demo's simulator and checked by its submit.
+CONTEXT_LENGTH = 262_144
+
 DATA_DIR = Path(__file__).parent / "data"
 
 
@@ -77,7 +80,10 @@ def _simulator(workdir: Path, time_scale: float) -> Iterator[str]:
     port = free_port()
     log = open(workdir / "sglang-sim.log", "ab")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sglang_sim.cli", "--port", str(port), "--time-scale", str(time_scale)],
+        [
+            *(sys.executable, "-m", "sglang_sim.cli", "--port", str(port), "--time-scale", str(time_scale)),
+            *("--context-length", str(CONTEXT_LENGTH)),
+        ],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -131,6 +137,9 @@ def main() -> None:
                 str(tokenizer),
                 "--max-new-tokens",
                 "4096",
+                # The simulated server's context (with a real model directory, its config.json says it).
+                "--context-length",
+                str(CONTEXT_LENGTH),
                 "--seed",
                 "1",
             )
