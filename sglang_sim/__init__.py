@@ -1,6 +1,7 @@
 """sglang-sim: a simulated SGLang server for thinkfleet's tests, demos and benchmarks.
 
-It speaks SGLang's native protocol (``/generate`` with token ids, JSON or SSE; ``/health``,
+It speaks SGLang's native protocol as a given release does (``--sglang-version``; see
+docs/sglang-versions.md) — ``/generate`` with token ids, JSON or SSE; ``/health``,
 ``/model_info``, ``/server_info``, ``/v1/models``, ``/flush_cache``, ``/abort_request``, ``/metrics``)
 with SGLang's keys, shapes and error wording, and times requests like a continuously batched GPU
 server, ``time_scale`` times faster than wall time.
@@ -14,7 +15,9 @@ Modules, one concern each:
 - :mod:`~sglang_sim.protocol` — request parsing/validation, response and error bodies, SSE framing.
 - :mod:`~sglang_sim.text` — the ``text`` field (a real tokenizer, or a built-in rendering).
 - :mod:`~sglang_sim.generate` — the ``/generate`` handler.
-- :mod:`~sglang_sim.faults` — 503s, dropped connections, hangs, outages, slow start.
+- :mod:`~sglang_sim.versions` — what differs between the SGLang releases imitated (``--sglang-version``;
+  default the deployed one, :data:`thinkfleet.sglang_version.SGLANG_VERSION`).
+- :mod:`~sglang_sim.faults` — 503s, dropped connections, hangs, outages, NaN and abort finishes.
 - :mod:`~sglang_sim.metrics` — Prometheus metrics and ``/control/stats`` counts.
 - :mod:`~sglang_sim.server` — the aiohttp app, the other routes, the scheduler tick.
 - :mod:`~sglang_sim.config` — ``SimConfig`` (server/engine/content/faults parts, flat option names).

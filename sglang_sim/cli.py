@@ -2,6 +2,9 @@
 
 Every config field is a flag (``max_running_requests`` → ``--max-running-requests``, booleans as
 ``--think-end/--no-think-end``); ``sglang-sim --help`` lists them with their defaults.
+``--sglang-version`` picks the release imitated (default: the deployed one,
+``thinkfleet.sglang_version.SGLANG_VERSION``). With ``--load-s S`` the process sleeps S seconds before it
+binds the port, as SGLang opens its HTTP port only after the weights are loaded.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import time
 import types
 import typing
 from collections.abc import Sequence
@@ -21,6 +25,7 @@ from sglang_sim.content import ContentConfig
 from sglang_sim.engine import EngineConfig
 from sglang_sim.faults import FaultConfig
 from sglang_sim.server import create_app, describe
+from sglang_sim.versions import SUPPORTED_VERSIONS
 
 _HELP = {
     "port": "TCP port to listen on.",
@@ -41,8 +46,25 @@ _HELP = {
     "fault_seed": "Seed of the per-call fault choice.",
     "outage_at_s": "Start an outage this many wall seconds after start.",
     "outage_duration_s": "Length of an outage in wall seconds.",
-    "slow_start_s": "Wall seconds during which /health* answers 503 after start.",
     "weight_version": "meta_info.weight_version.",
+    "sglang_version": "SGLang release whose protocol and behaviour are imitated (docs/sglang-versions.md).",
+    "enable_deterministic_inference": "Report --enable-deterministic-inference in /server_info "
+    "(the simulator's output is deterministic either way).",
+    "load_s": "Wall seconds before the port opens (weights loading: connections are refused).",
+    "warmup_s": "Wall seconds after the port opens during which /health* answer 503 (warm-up).",
+    "warmup_rejects_generate": "Also answer /generate 503 during warm-up (a real server serves it).",
+    "health_min_s": "Least wall seconds a 200 health answer takes (SGLang's scheduler round trip).",
+    "health_delay_s": "Extra wall seconds every health answer takes (POST /control/health_delay changes it).",
+    "health_check_timeout_s": "SGLANG_HEALTH_CHECK_TIMEOUT: a slower health answer is a 503 after this long.",
+    "report_context_length": "Report context_length in /server_info (a real server reports null unless "
+    "--context-length was given).",
+    "nan_rate": "Share of generations ending on SGLang's NaN path (last id overwritten, matched 'NaN happened').",
+    "abort_rate": "Share of generations the scheduler aborts part-way (see --abort-status-code).",
+    "abort_status_code": "Status of those aborts: 503 running timeout, 500 internal error, 400 bad request.",
+}
+_CHOICES: dict[str, Sequence[Any]] = {
+    "sglang_version": SUPPORTED_VERSIONS,
+    "abort_status_code": (400, 500, 503),
 }
 
 
@@ -79,7 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": text}
             if "action" not in extra:
                 kwargs["type"] = flag_type
+            if f.name in _CHOICES:
+                kwargs["choices"] = _CHOICES[f.name]
             group.add_argument("--" + f.name.replace("_", "-"), **kwargs, **extra)
+    parser.add_argument("--slow-start-s", dest="warmup_s", type=float, default=None, help=argparse.SUPPRESS)
     return parser
 
 
@@ -94,6 +119,9 @@ def config_from_args(argv: Sequence[str] | None = None) -> SimConfig:
 def main(argv: Sequence[str] | None = None) -> None:
     config = config_from_args(argv)
     logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.server.load_s > 0:
+        logging.getLogger("sglang_sim").info("loading weights for %.1f s: the port stays closed", config.server.load_s)
+        time.sleep(config.server.load_s)  # SIGTERM now ends the process, as it would a loading server
     app = create_app(config)
     logging.getLogger("sglang_sim").info(describe(config))
     # run_app handles SIGINT/SIGTERM: on_shutdown drops hanging calls, then the loop exits cleanly.

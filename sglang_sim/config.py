@@ -14,10 +14,11 @@ from typing import Any
 from sglang_sim.content import ContentConfig
 from sglang_sim.engine import EngineConfig
 from sglang_sim.faults import FaultConfig
+from sglang_sim.versions import DEFAULT_VERSION, VersionProfile, profile
 from thinkfleet import kimi
+from thinkfleet.sglang_version import SGLANG_VERSION
 
-#: The SGLang release whose wire format this simulator mirrors (reference §0, §1.4–1.5).
-SGLANG_VERSION = "0.5.15"
+__all__ = ["SGLANG_VERSION", "ServerConfig", "SimConfig"]
 
 
 @dataclass
@@ -25,6 +26,29 @@ class ServerConfig:
     # -- network ------------------------------------------------------------------------------------
     host: str = "127.0.0.1"
     port: int = 30000
+
+    # -- which SGLang ----------------------------------------------------------------------------------
+    #: The release whose wire format and behaviour are imitated (sglang_sim.versions); the deployed one
+    #: by default. /server_info reports it as ``version``.
+    sglang_version: str = DEFAULT_VERSION
+    #: Reported in /server_info (``enable_deterministic_inference`` and the settings it forces); the
+    #: simulator's output is deterministic either way (it does not model batch-dependent sampling).
+    enable_deterministic_inference: bool = False
+
+    # -- lifecycle and health (wall seconds) --------------------------------------------------------------
+    #: Weights loading: the port refuses connections this long after start (SGLang starts uvicorn only
+    #: once the scheduler has loaded the model).
+    load_s: float = 0.0
+    #: Warm-up after the port opens: /health and /health_generate answer 503 (ServerStatus.Starting).
+    warmup_s: float = 0.0
+    #: During warm-up /generate also answers 503 (the real server serves it; this is a test knob).
+    warmup_rejects_generate: bool = False
+    #: Least time a 200 health answer takes (SGLang polls its scheduler round trip once a second).
+    health_min_s: float = 1.0
+    #: Extra time every health answer takes (a slow scheduler); POST /control/health_delay changes it.
+    health_delay_s: float = 0.0
+    #: SGLANG_HEALTH_CHECK_TIMEOUT: a health answer that would take longer is a 503 after this long.
+    health_check_timeout_s: float = 20.0
 
     # -- model --------------------------------------------------------------------------------------
     model_path: str = "moonshotai/Kimi-K2.5"
@@ -35,6 +59,9 @@ class ServerConfig:
     context_length: int = 262_144
     vocab_size: int = kimi.VOCAB_SIZE
     weight_version: str = "default"
+    #: /server_info ``context_length`` is SGLang's *CLI value*: False reports null, as a server started
+    #: without ``--context-length`` does (the effective length is /v1/models ``max_model_len``).
+    report_context_length: bool = True
     tp_size: int = 8
     #: KV-cache capacity reported by /server_info (not enforced).
     max_total_num_tokens: int = 1_200_000
@@ -58,6 +85,16 @@ class ServerConfig:
             raise ValueError("time_scale and tick_ms must be > 0")
         if self.context_length < 2:
             raise ValueError("context_length must be >= 2")
+        profile(self.sglang_version)  # validates
+        for name in ("load_s", "warmup_s", "health_min_s", "health_delay_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.health_check_timeout_s <= 0:
+            raise ValueError("health_check_timeout_s must be > 0")
+
+    @property
+    def profile(self) -> VersionProfile:
+        return profile(self.sglang_version)
 
     @property
     def model_name(self) -> str:
@@ -65,8 +102,8 @@ class ServerConfig:
 
     @property
     def max_req_input_len(self) -> int:
-        """The scheduler's input limit (SGLang reserves a few tokens: context_len - 5 in practice)."""
-        return max(1, min(self.context_length, self.max_total_num_tokens) - 5)
+        """The scheduler's input limit: ``min(context_len - 1, pool - 1) - 5`` (tp_worker)."""
+        return max(1, min(self.context_length - 1, self.max_total_num_tokens - 1) - 5)
 
 
 @dataclass
@@ -81,6 +118,8 @@ class SimConfig:
         """Build from flat field names (``time_scale=1000, tool_call_share=0.2, no_think_end=True``)."""
         if "no_think_end" in kwargs:
             kwargs["think_end"] = not kwargs.pop("no_think_end")
+        if "slow_start_s" in kwargs:  # the old name of warmup_s
+            kwargs.setdefault("warmup_s", kwargs.pop("slow_start_s"))
         parts: dict[str, dict[str, Any]] = {name: {} for name in ("server", "engine", "content", "faults")}
         owners = {
             f.name: part

@@ -154,6 +154,41 @@ def expected_generation(
     return Generation(output, finish, reasoning_token_count(output), plan.tool_call)
 
 
+#: ``finish_reason.matched`` of SGLang's NaN / out-of-vocabulary path.
+NAN_MATCHED = "NaN happened"
+
+
+def nan_overwrite_id(stop_token_ids: Sequence[int], eos_token_ids: Sequence[int], vocab_size: int) -> int:
+    """The id SGLang writes over the bad sample (``Req._check_vocab_boundary_finish``, 0.5.9 and 0.5.23).
+
+    It first writes ``next(iter(sampling_params.stop_token_ids))`` if the request has stop ids, then
+    ``next(iter(eos_token_ids))`` if the model has an EOS set — so the model's EOS wins whenever it has
+    one (Python set order: 163585 ``[EOS]`` for Kimi's ``{163586, 163585}``). With neither, the
+    out-of-vocabulary sample itself stays (the simulator reports ``vocab_size``).
+    """
+    overwrite = vocab_size
+    if stop_token_ids:
+        overwrite = next(iter(set(stop_token_ids)))
+    if eos_token_ids:
+        overwrite = next(iter(set(eos_token_ids)))
+    return overwrite
+
+
+def nan_generation(generation: Generation, position: int, overwrite_id: int) -> Generation:
+    """``generation`` as the NaN path ends it: the sample at ``position`` was out of vocabulary.
+
+    ``output_ids == generation.output_ids[:position] + [overwrite_id]`` — every id but the last is the
+    normal output, so a test recognizes a NaN row by ``finish_reason.matched == "NaN happened"`` and
+    checks ``output_ids[:-1]`` against :func:`expected_generation`. ``position`` must be below
+    ``len(generation.output_ids) - 1`` (the NaN stop comes before the natural end).
+    """
+    if not 0 <= position < len(generation.output_ids) - 1:
+        raise ValueError(f"position {position} is not before the last of {len(generation.output_ids)} ids")
+    ids = [*generation.output_ids[:position], overwrite_id]
+    finish = {"type": "stop", "matched": NAN_MATCHED}
+    return Generation(ids, finish, reasoning_token_count(ids), generation.tool_call)
+
+
 def _index(ids: list[int], token: int) -> int:
     """Position of ``token`` in ``ids``, or ``len(ids)`` (C-speed ``list.index``)."""
     try:

@@ -1,4 +1,4 @@
-"""Faults on demand: random per-call faults, a timed outage, and a slow start.
+"""Faults on demand: random per-call faults, per-generation faults (NaN, abort) and a timed outage.
 
 Times here are *wall* seconds (a client's timeouts and retries run on the wall clock, whatever the
 simulator's ``time_scale``).
@@ -6,6 +6,15 @@ simulator's ``time_scale``).
 Per-call faults are chosen by hashing ``(fault_seed, key, n)`` where ``key`` is the call's rid (or its
 input ids when the client sent no rid) and ``n`` counts earlier calls with that key. The choice is
 therefore reproducible whatever order concurrent calls arrive in, and a retried rid draws afresh.
+Per-generation faults draw the same way, per batch item, from their own stream.
+
+- NaN (``nan_rate``): SGLang's ``Req._check_vocab_boundary_finish`` path — the sampler produced an
+  id outside the vocabulary (NaN logits), the scheduler overwrites that *last* output id with a stop id
+  and finishes ``{"type": "stop", "matched": "NaN happened"}``. See
+  :func:`sglang_sim.content.nan_generation`.
+- Abort (``abort_rate``): the scheduler finishes the request early with
+  ``FINISH_ABORT(message, status_code, err_type)``; a non-streamed call then gets the HTTP error
+  the tokenizer manager raises for that status (see :data:`ABORTS`).
 """
 
 from __future__ import annotations
@@ -38,18 +47,67 @@ class FaultConfig:
     #: Start an outage this many wall seconds after start (None = never).
     outage_at_s: float | None = None
     outage_duration_s: float = 30.0
-    #: /health* answers 503 (and /generate waits) for this many wall seconds after start.
-    slow_start_s: float = 0.0
+    #: Share of generations that end on SGLang's NaN path (stop early, last id overwritten by a stop id).
+    nan_rate: float = 0.0
+    #: Share of generations the scheduler aborts part-way, with ``abort_status_code``.
+    abort_rate: float = 0.0
+    #: 503 (running timeout), 500 (internal error) or 400 (bad request): see :data:`ABORTS`.
+    abort_status_code: int = 503
 
     def __post_init__(self) -> None:
         rates = (self.fault_503_rate, self.fault_drop_rate, self.fault_hang_rate)
         if any(not 0.0 <= r <= 1.0 for r in rates) or sum(rates) > 1.0 + 1e-9:
             raise ValueError("fault rates must each be in [0, 1] and sum to at most 1")
-        if self.outage_duration_s < 0 or self.slow_start_s < 0:
-            raise ValueError("outage_duration_s and slow_start_s must be >= 0")
+        generation_rates = (self.nan_rate, self.abort_rate)
+        if any(not 0.0 <= r <= 1.0 for r in generation_rates) or sum(generation_rates) > 1.0 + 1e-9:
+            raise ValueError("nan_rate and abort_rate must each be in [0, 1] and sum to at most 1")
+        if self.abort_status_code not in ABORTS:
+            raise ValueError(f"abort_status_code must be one of {sorted(ABORTS)}, got {self.abort_status_code}")
+        if self.outage_duration_s < 0:
+            raise ValueError("outage_duration_s must be >= 0")
 
     #: Fields that ``POST /control/faults`` may change at runtime.
-    RUNTIME_FIELDS = ("fault_503_rate", "fault_drop_rate", "fault_hang_rate", "fault_seed")
+    RUNTIME_FIELDS = (
+        "fault_503_rate",
+        "fault_drop_rate",
+        "fault_hang_rate",
+        "fault_seed",
+        "nan_rate",
+        "abort_rate",
+        "abort_status_code",
+    )
+
+
+class GenerationFault(StrEnum):
+    NONE = "none"
+    NAN = "nan"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class Abort:
+    """One ``FINISH_ABORT(message, status_code, err_type)`` the real scheduler raises with this status."""
+
+    message: str
+    status_code: int
+    err_type: str | None
+
+    def finish_reason(self) -> dict[str, Any]:
+        """``FINISH_ABORT.to_json()`` (the same four keys in 0.5.9 and 0.5.23)."""
+        return {"type": "abort", "message": self.message, "status_code": self.status_code, "err_type": self.err_type}
+
+
+#: The injected aborts, by status code, each as a real scheduler path builds it:
+#: 503 — ``SGLANG_REQ_RUNNING_TIMEOUT`` (scheduler ``_abort_on_running_timeout`` / ``_poll_timeout_aborts``);
+#: 500 — a grammar/sampling-backend failure (0.5.23 ``batch_result_processor``; err_type "InternalServerError");
+#: 400 — ``Req.set_finish_with_abort`` (err_type "BadRequestError").
+#: The tokenizer manager turns 500/503 into ``HTTPException`` → that status with SGLang's ErrorResponse
+#: body, and 400 into ``ValueError`` → 400 ``{"error": {"message"}}``, in both 0.5.9 and 0.5.23.
+ABORTS: dict[int, Abort] = {
+    503: Abort("Request running timeout reached.", 503, None),
+    500: Abort("Grammar accept_token failed: sglang-sim injected abort", 500, "InternalServerError"),
+    400: Abort("Invalid request: sglang-sim injected abort", 400, "BadRequestError"),
+}
 
 
 class FaultInjector:
@@ -58,6 +116,7 @@ class FaultInjector:
         self._wall = wall_clock
         self.started_at_s = wall_clock()
         self._seen: Counter[str] = Counter()
+        self._seen_generation: Counter[str] = Counter()
         self.injected: Counter[str] = Counter()
         self._outage_until_s: float | None = None
         self._scheduled_outage_done = config.outage_at_s is None
@@ -80,6 +139,24 @@ class FaultInjector:
                 return fault
             u -= rate
         return Fault.NONE
+
+    def choose_generation(self, key: str) -> tuple[GenerationFault, float]:
+        """The NaN/abort fault for one generation and a uniform draw in [0, 1) placing it in the output."""
+        n = self._seen_generation[key]
+        self._seen_generation[key] += 1
+        digest = hashlib.blake2b(f"{self.config.fault_seed}|gen|{key}|{n}".encode(), digest_size=16).digest()
+        u = int.from_bytes(digest[:8], "little") / 2**64
+        where = int.from_bytes(digest[8:], "little") / 2**64
+        cfg = self.config
+        if u < cfg.nan_rate:
+            return GenerationFault.NAN, where
+        if u < cfg.nan_rate + cfg.abort_rate:
+            return GenerationFault.ABORT, where
+        return GenerationFault.NONE, where
+
+    @property
+    def abort(self) -> Abort:
+        return ABORTS[self.config.abort_status_code]
 
     def update(self, changes: dict[str, Any]) -> dict[str, Any]:
         """Apply ``POST /control/faults``; raises ValueError on unknown fields or bad values."""
@@ -116,16 +193,9 @@ class FaultInjector:
         assert self._outage_until_s is not None
         return self._outage_until_s - self._wall()
 
-    def starting(self) -> bool:
-        return self._wall() - self.started_at_s < self.config.slow_start_s
-
-    def start_left_s(self) -> float:
-        return max(0.0, self.config.slow_start_s - (self._wall() - self.started_at_s))
-
     def describe(self) -> dict[str, Any]:
         return {
             **asdict(self.config),
             "in_outage": self.in_outage(),
             "outage_left_s": round(self.outage_left_s(), 3),
-            "starting": self.starting(),
         }

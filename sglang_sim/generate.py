@@ -1,4 +1,9 @@
-"""``POST/PUT /generate``: parse, validate, inject faults, run through the engine, answer (JSON or SSE)."""
+"""``POST/PUT /generate``: parse, validate, inject faults, run through the engine, answer (JSON or SSE).
+
+What differs between releases (``--sglang-version``) is read from ``sim.profile``
+(:class:`sglang_sim.versions.VersionProfile`): the sampling-params contract check, duplicate rids, the
+context boundary, meta_info keys, the streamed error chunk.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +14,17 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from sglang_sim import protocol
-from sglang_sim.content import expected_generation, reasoning_token_count
+from sglang_sim.content import (
+    Generation,
+    expected_generation,
+    nan_generation,
+    nan_overwrite_id,
+    reasoning_token_count,
+)
 from sglang_sim.engine import QueueFullError, SimRequest
-from sglang_sim.faults import Fault
+from sglang_sim.faults import Abort, Fault, GenerationFault
 
 if TYPE_CHECKING:
-    from sglang_sim.content import Generation
     from sglang_sim.protocol import GenerateCall, GenerateItem
     from sglang_sim.server import Simulator
 
@@ -22,16 +32,25 @@ if TYPE_CHECKING:
 SIM_KEY: web.AppKey[Simulator] = web.AppKey("sglang_sim")
 #: Message of the 503 /generate answers during an outage.
 OUTAGE_MESSAGE = "Service Unavailable: the server is down (sglang-sim outage)."
+#: Message of the 503 /generate answers during warm-up with ``--warmup-rejects-generate``.
+WARMUP_MESSAGE = "Service Unavailable: the server is warming up (sglang-sim --warmup-rejects-generate)."
 _DROP = object()
 
 
 class CallItem:
     """One prompt of an HTTP call while it runs: its expected output and its engine request."""
 
-    def __init__(self, call: Call, item: GenerateItem, generation: Generation) -> None:
+    def __init__(
+        self, call: Call, item: GenerateItem, generation: Generation, nan: bool = False, abort: Abort | None = None
+    ) -> None:
         self.call = call
         self.item = item
+        #: What this item reports once finished (a NaN or injected-abort variant of the expected one).
         self.generation = generation
+        #: The generation took SGLang's NaN path (``--nan-rate``).
+        self.nan = nan
+        #: The scheduler aborts it after ``len(generation.output_ids)`` tokens (``--abort-rate``).
+        self.injected_abort = abort
         self.req = SimRequest(
             item.rid,
             item.input_ids,
@@ -65,7 +84,7 @@ class CallItem:
         out: dict[str, Any] = {
             "text": sim.codec.decode(ids, finish, params.skip_special_tokens, params.no_stop_trim),
             "output_ids": ids,
-            "meta_info": protocol.meta_info(
+            "meta_info": sim.meta_info(
                 rid=self.item.rid,
                 finish_reason=finish,
                 prompt_tokens=req.prompt_tokens,
@@ -95,6 +114,9 @@ class Call:
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.events: asyncio.Queue[Any] = asyncio.Queue()
         self.dropped = False
+        #: Another call took over one of its rids (no duplicate check): it is never answered.
+        self.orphaned = False
+        self.released = asyncio.Event()  # set when the connection is dropped (outage, shutdown)
 
     def item_finished(self, item: CallItem) -> None:
         self.pending -= 1
@@ -107,35 +129,45 @@ class Call:
         """Close the connection without an answer (the server died)."""
         self.dropped = True
         self.events.put_nowait(_DROP)
+        self.released.set()
         if not self.done.done():
             self.done.set_result(None)
 
 
 async def handle_generate(request: web.Request) -> web.StreamResponse:
     sim = request.app[SIM_KEY]
+    profile = sim.profile
     sim.stats.generate_calls += 1
     if sim.faults.in_outage():
         sim.faults.injected["outage_503"] += 1
         return _json(sim, protocol.error_response_body(OUTAGE_MESSAGE, 503), 503)
-    await sim.wait_started()
+    if sim.config.server.warmup_rejects_generate and sim.warming():
+        return _json(sim, protocol.error_response_body(WARMUP_MESSAGE, 503), 503)
 
     try:
         body = protocol.parse_body(await request.read())
     except protocol.InvalidBody as exc:
         return _json(sim, exc.body, 400)
+    if profile.sampling_contract:
+        contract_error = protocol.contract_error(body.sampling_params)
+        if contract_error is not None:  # before the stream starts: a plain 400 even for stream=true
+            return _json(sim, {"error": contract_error}, 400)
     try:
-        parsed = protocol.normalize_call(body, sim.codec.encode)
+        parsed = protocol.normalize_call(body, sim.codec.encode, profile.rejects_duplicate_rids)
     except ValueError as exc:
         return await _bad_request(sim, request, body.stream, str(exc))
     sim.record_rids(parsed)
     try:
         for item in parsed.items:
             protocol.validate_item(item, sim.limits, sim.codec.has_tokenizer)
-        for item in parsed.items:
-            if item.rid in sim.inflight:
-                raise protocol.BadRequest(f"Duplicate request ID detected: {item.rid}")
+        if profile.rejects_duplicate_rids:
+            for item in parsed.items:
+                if item.rid in sim.inflight:
+                    raise protocol.BadRequest(f"Duplicate request ID detected: {item.rid}")
     except protocol.BadRequest as exc:
         return await _bad_request(sim, request, parsed.stream, str(exc))
+    except protocol.InternalError:
+        return await _internal_error(sim, request, parsed.stream)
 
     fault = sim.faults.choose(_fault_key(parsed))
     if fault is Fault.UNAVAILABLE:
@@ -146,15 +178,21 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         if fault is Fault.HANG:
             return await _hang(sim, request, call)
         for item in parsed.items:
-            call.items.append(CallItem(call, item, _generation(sim, item)))
+            call.items.append(_call_item(sim, call, item))
         call.pending = len(call.items)
         if not _submit_all(sim, call):
             return await _queue_full(sim, request, parsed)
         if parsed.stream:
             return await _stream(sim, request, call, drop=fault is Fault.DROP)
         await call.done
+        await sim.wait_unstalled()
         if call.dropped:
             return _close(sim, request, "outage_dropped")
+        if call.orphaned:
+            return await _orphaned(sim, request, call)
+        aborted = _injected_abort(call)
+        if aborted is not None:
+            return _abort_response(sim, aborted)
         outputs = [item.output(final=True) for item in call.items]
         payload = protocol.dumps(outputs[0] if parsed.is_single else outputs)
         if fault is Fault.DROP:
@@ -183,9 +221,58 @@ def _generation(sim: Simulator, item: GenerateItem) -> Generation:
     return expected_generation(item.input_ids, params, sim.config.content)
 
 
-def _submit_all(sim: Simulator, call: Call) -> bool:
-    """Register and submit every item; on a full queue undo them all and return False."""
+def _call_item(sim: Simulator, call: Call, item: GenerateItem) -> CallItem:
+    """The item's expected generation, or its NaN / injected-abort variant (``--nan-rate``/``--abort-rate``)."""
+    generation = _generation(sim, item)
+    config = sim.faults.config  # POST /control/faults may have changed the rates
+    if not (config.nan_rate or config.abort_rate):
+        return CallItem(call, item, generation)
+    key = item.rid if call.parsed.client_rids else str(hash(tuple(item.input_ids)))
+    fault, where = sim.faults.choose_generation(key)
+    n = len(generation.output_ids)
+    if fault is GenerationFault.NAN and n >= 2:
+        assert item.params is not None
+        overwrite = nan_overwrite_id(
+            list(item.raw_sampling_params.get("stop_token_ids") or []),
+            sim.config.content.eos_token_ids,
+            sim.config.server.vocab_size,
+        )
+        return CallItem(call, item, nan_generation(generation, int(where * (n - 1)), overwrite), nan=True)
+    if fault is GenerationFault.ABORT:
+        abort = sim.faults.abort
+        ids = generation.output_ids[: int(where * n)]
+        partial = Generation(ids, abort.finish_reason(), reasoning_token_count(ids), generation.tool_call)
+        return CallItem(call, item, partial, abort=abort)
+    return CallItem(call, item, generation)
+
+
+def _injected_abort(call: Call) -> Abort | None:
+    """The first item the scheduler aborted with a status (``_handle_abort_finish_reason`` raises it)."""
     for item in call.items:
+        if item.injected_abort is not None and item.req.abort_message is None:
+            return item.injected_abort
+    return None
+
+
+def _abort_response(sim: Simulator, abort: Abort) -> web.Response:
+    """A non-streamed call whose request the scheduler aborted: 400 → ValueError → ``{"error":{"message"}}``;
+    500/503 → ``HTTPException`` → SGLang's ErrorResponse with that status (0.5.9 and 0.5.23 alike)."""
+    if abort.status_code == 400:
+        return _json(sim, protocol.error_body(abort.message), 400)
+    return _json(sim, protocol.error_response_body(abort.message, abort.status_code), abort.status_code)
+
+
+def _submit_all(sim: Simulator, call: Call) -> bool:
+    """Register and submit every item; on a full queue undo them all and return False.
+
+    A rid already registered (only possible without the duplicate check, e.g. 0.5.9) is taken over,
+    as ``rid_to_state[rid] = state`` does: the earlier call holding it will never be answered.
+    """
+    for item in call.items:
+        earlier = sim.inflight.get(item.item.rid)
+        if earlier is not None:
+            (earlier.call if isinstance(earlier, CallItem) else earlier).orphaned = True
+            sim.stats.duplicate_rids.append(item.item.rid)
         sim.inflight[item.item.rid] = item
     for submitted, item in enumerate(call.items):
         try:
@@ -221,6 +308,9 @@ async def _stream(sim: Simulator, request: web.Request, call: Call, drop: bool) 
         final = kind == "finish"
         if not final and (item.finished or item.req.reported_tokens <= item.sent_tokens):
             continue  # superseded by a later event
+        await sim.wait_unstalled()
+        if call.orphaned:  # its rid was taken over: no more chunks, ever
+            return await _orphaned(sim, request, call, resp)
         item.sent_tokens = item.req.reported_tokens
         await resp.write(protocol.sse(item.output(final=final)))
         if drop and (final or 2 * item.req.reported_tokens >= item.req.output_len):
@@ -238,8 +328,28 @@ async def _bad_request(sim: Simulator, request: web.Request, stream: bool, messa
     sim.stats.by_status["200"] += 1
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
-    await resp.write(protocol.sse(protocol.stream_error_chunk(message)) + protocol.SSE_DONE)
+    chunk = protocol.stream_error_chunk(message, sim.profile.detailed_stream_errors)
+    await resp.write(protocol.sse(chunk) + protocol.SSE_DONE)
     return resp
+
+
+async def _internal_error(sim: Simulator, request: web.Request, stream: bool) -> web.StreamResponse:
+    """An uncaught TypeError: FastAPI's plain-text 500, or (stream) 200 headers then a closed connection."""
+    if not stream:
+        sim.stats.by_status["500"] += 1
+        return web.Response(status=500, text=protocol.INTERNAL_ERROR_TEXT, content_type="text/plain")
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    return _close(sim, request, "500_stream", resp)
+
+
+async def _orphaned(
+    sim: Simulator, request: web.Request, call: Call, resp: web.StreamResponse | None = None
+) -> web.StreamResponse:
+    """A call whose rid another call took over: SGLang never answers it (until the client leaves)."""
+    sim.stats.by_status["orphaned"] += 1
+    await call.released.wait()  # only an outage or shutdown drops the connection
+    return _close(sim, request, "outage_dropped", resp)
 
 
 async def _queue_full(sim: Simulator, request: web.Request, parsed: GenerateCall) -> web.StreamResponse:
@@ -253,7 +363,7 @@ async def _queue_full(sim: Simulator, request: web.Request, parsed: GenerateCall
         chunk: dict[str, Any] = {
             "text": "",
             "output_ids": [],
-            "meta_info": protocol.meta_info(
+            "meta_info": sim.meta_info(
                 rid=item.rid,
                 finish_reason=protocol.abort_reason(protocol.QUEUE_FULL_MESSAGE, status_code=503),
                 prompt_tokens=len(item.input_ids),
@@ -277,7 +387,7 @@ async def _hang(sim: Simulator, request: web.Request, call: Call) -> web.StreamR
     for rid in held:
         sim.inflight[rid] = call
     try:
-        await call.done  # only an outage resolves it
+        await call.released.wait()  # only an outage (or shutdown) resolves it
         return _close(sim, request, "outage_dropped")
     finally:
         for rid in held:

@@ -91,6 +91,17 @@ class CallStats:
     aborted: int = 0
     #: How many /generate items carried each rid.
     rids: Counter[str] = field(default_factory=Counter)
+    #: Rids whose generation ended on the NaN path (``--nan-rate``), in finishing order (a rid retried
+    #: and hit again appears again). Every other finished generation is ``expected_generation``'s.
+    nan_rids: list[str] = field(default_factory=list)
+    #: Rids the scheduler aborted part-way (``--abort-rate``), in finishing order.
+    abort_rids: list[str] = field(default_factory=list)
+    #: Rids accepted while already in flight (releases without the duplicate check, e.g. 0.5.9): the
+    #: earlier call holding the rid is never answered.
+    duplicate_rids: list[str] = field(default_factory=list)
+    #: ``POST /control/stall`` calls that started a stall, and health checks answered after the delay.
+    stalls: int = 0
+    health_checks: int = 0
 
     def snapshot(self, engine: Engine, faults: dict[str, int], include_rids: bool) -> dict[str, Any]:
         stats = engine.stats
@@ -112,6 +123,11 @@ class CallStats:
             "queue_full_rejections": stats.queue_full_rejections,
             "gen_throughput": engine.gen_throughput_tok_s(),
             "distinct_rids": len(self.rids),
+            "nan_rids": list(self.nan_rids),
+            "abort_rids": list(self.abort_rids),
+            "duplicate_rids": list(self.duplicate_rids),
+            "stalls": self.stalls,
+            "health_checks": self.health_checks,
         }
         if include_rids:
             out["rids"] = dict(self.rids)

@@ -4,13 +4,18 @@ Request parsing and validation, response and error bodies, SSE framing — with 
 (reference §1; checked against ``entrypoints/http_server.py``, ``managers/tokenizer_manager.py``,
 ``managers/io_struct.py`` and ``sampling/sampling_params.py``).
 
-Two error paths, as in SGLang:
+Error paths, as in SGLang (which of them applies depends on the release, :mod:`sglang_sim.versions`):
 
 - :class:`InvalidBody` — the body is not JSON or has wrong types (FastAPI's ``RequestValidationError``,
   turned into 400): ``{"object":"error","message":…,"type":"Bad Request","param":null,"code":400}``.
+- :func:`contract_error` (0.5.22+) — a sampling key the api/v1 schema does not know, or a value of the
+  wrong JSON type: 400 ``{"error": "<serde message>"}`` (a *string*), streamed or not.
 - :class:`BadRequest` — a ``ValueError`` raised while validating (empty input, too long, bad sampling
   params, duplicate rid): 400 ``{"error":{"message":…}}``; for ``stream: true`` SGLang has already
   started the SSE response, so it is one ``data: {"error":…}`` chunk and ``data: [DONE]`` with 200.
+- :class:`InternalError` (before 0.5.22) — ``SamplingParams(**sampling_params)`` raises TypeError on an
+  unknown key (and comparisons do on a non-numeric number): FastAPI answers 500 ``Internal Server
+  Error`` as text/plain; a stream has already sent its 200 headers and the connection just closes.
 
 Where the simulator cannot imitate a feature (logprobs, input_embeds, n > 1) it refuses with a 400
 that says so instead of returning something plausible but fake.
@@ -54,6 +59,14 @@ class BadRequest(ValueError):
     """A ``ValueError`` SGLang raises while validating a request → 400 ``{"error":{"message"}}``."""
 
 
+class InternalError(Exception):
+    """An exception SGLang does not catch (a TypeError) → FastAPI's 500 ``Internal Server Error``."""
+
+
+#: Starlette's body for an unhandled exception (text/plain).
+INTERNAL_ERROR_TEXT = "Internal Server Error"
+
+
 def error_body(message: str) -> dict[str, Any]:
     """``_create_error_response``: the body of a 400 from a ValueError."""
     return {"error": {"message": message}}
@@ -64,8 +77,13 @@ def error_response_body(message: str, status: int, type_: str | None = None) -> 
     return {"object": "error", "message": message, "type": type_ or str(status), "param": None, "code": status}
 
 
-def stream_error_chunk(message: str) -> dict[str, Any]:
-    """The chunk SGLang emits when a streamed request fails validation, before ``[DONE]``."""
+def stream_error_chunk(message: str, detailed: bool = True) -> dict[str, Any]:
+    """The chunk SGLang emits when a streamed request fails validation, before ``[DONE]``.
+
+    ``detailed`` (0.5.21+) adds ``type``/``code``/``retryable``; 0.5.9 sends ``{"error": {"message"}}``.
+    """
+    if not detailed:
+        return {"error": {"message": message}}
     return {"error": {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}}
 
 
@@ -153,6 +171,101 @@ def _errors(exc: ValidationError, prefix: tuple[Any, ...]) -> list[dict[str, Any
     return errors
 
 
+# -- the api/v1 JSON contract (0.5.22+: entrypoints/api_contract.py, api/v1/api_types.py) ----------------
+#: ``_FIELDS_SamplingParams`` of sglang 0.5.23, in its order (serde lists them in unknown-field errors).
+CONTRACT_SAMPLING_FIELDS = (
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "n",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "stream_interval",
+    "logit_bias",
+    "sampling_seed",
+    "custom_params",
+    "beam_width",
+    "watermark",
+    "choice",
+)
+#: The JSON type ``decode_SamplingParams`` expects of each scalar field (serde's wording).
+_CONTRACT_EXPECTED = {
+    **dict.fromkeys(("max_new_tokens", "top_k", "min_new_tokens", "n", "stream_interval"), "i64"),
+    **dict.fromkeys(("sampling_seed", "beam_width"), "i64"),
+    **dict.fromkeys(
+        ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"), "f64"
+    ),
+    **dict.fromkeys(
+        ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"), "a boolean"
+    ),
+    **dict.fromkeys(("json_schema", "regex", "ebnf", "structural_tag"), "a string"),
+}
+
+
+def _serde_unexpected(value: Any) -> str:
+    """serde's ``Unexpected`` display (``_unexpected`` in api_types.py)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean `{'true' if value else 'false'}`"
+    if isinstance(value, int):
+        return f"integer `{value}`"
+    if isinstance(value, float):
+        return f"floating point `{value}`"
+    if isinstance(value, str):
+        return f'string "{value}"'
+    if isinstance(value, list):
+        return "sequence"
+    if isinstance(value, dict):
+        return "map"
+    return type(value).__name__
+
+
+def _contract_type_ok(value: Any, expected: str) -> bool:
+    if expected == "i64":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if expected == "f64":
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if expected == "a boolean":
+        return isinstance(value, bool)
+    return isinstance(value, str)
+
+
+def contract_error(sampling_params: Any) -> str | None:
+    """The 400 text SGLang 0.5.22+ returns for ``sampling_params`` (``{"error": <this>}``), or None.
+
+    Covers what ``decode_SamplingParams`` checks for the scalar fields — an unknown key, and a value of
+    the wrong JSON type (null is always accepted); the list/map fields are not type-checked here.
+    """
+    items = sampling_params if isinstance(sampling_params, list) else [sampling_params]
+    for params in items:
+        if not isinstance(params, dict):
+            continue  # FastAPI's model validation has already refused it
+        for key, value in params.items():
+            if key not in CONTRACT_SAMPLING_FIELDS:
+                listed = ", ".join(f"`{f}`" for f in CONTRACT_SAMPLING_FIELDS)
+                return f"unknown field `{key}`, expected one of {listed}"
+            expected = _CONTRACT_EXPECTED.get(key)
+            if value is not None and expected is not None and not _contract_type_ok(value, expected):
+                return f"invalid type: {_serde_unexpected(value)}, expected {expected}"
+    return None
+
+
 # -- sampling params -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SamplingParams:
@@ -201,14 +314,24 @@ _DEFAULTS: dict[str, Any] = {
 }
 
 
-def parse_sampling_params(raw: dict[str, Any], vocab_size: int, has_tokenizer: bool) -> SamplingParams:
-    """Validate one item's ``sampling_params`` with SGLang's rules and messages."""
+def parse_sampling_params(
+    raw: dict[str, Any], vocab_size: int, has_tokenizer: bool, type_error_500: bool = False
+) -> SamplingParams:
+    """Validate one item's ``sampling_params`` with SGLang's rules and messages.
+
+    ``type_error_500`` (releases before the api/v1 contract, e.g. 0.5.9): an unknown key or a
+    non-numeric number is SGLang's uncaught TypeError, :class:`InternalError`.
+    """
     for key in raw:
         if key not in _KNOWN_FIELDS:
+            if type_error_500:
+                raise InternalError(f"SamplingParams.__init__() got an unexpected keyword argument '{key}'")
+            if key in CONTRACT_SAMPLING_FIELDS:
+                raise BadRequest(f"sglang-sim does not simulate sampling_params.{key}; leave it out.")
             raise BadRequest(f"Unexpected keyword argument '{key}'")
     p = {**_DEFAULTS, **{k: v for k, v in raw.items() if v is not None}}
     p.setdefault("max_new_tokens", None if "max_new_tokens" in raw else DEFAULT_MAX_NEW_TOKENS)
-    _check_types(p)
+    _check_types(p, type_error_500)
     if 0 <= p["temperature"] < _SAMPLING_EPS:  # greedy: SGLang rewrites it as top_k = 1
         p["temperature"], p["top_k"] = 1.0, 1
     if p["top_k"] == -1:
@@ -234,8 +357,14 @@ def parse_sampling_params(raw: dict[str, Any], vocab_size: int, has_tokenizer: b
     )
 
 
-def _check_types(p: dict[str, Any]) -> None:
-    """SGLang would fail with a TypeError (HTTP 500) here; the simulator says what is wrong instead."""
+def _check_types(p: dict[str, Any], type_error_500: bool = False) -> None:
+    """Wrong value types. With ``type_error_500`` a non-number in a numeric field is SGLang's TypeError
+    (500); otherwise — and for the cases Python would not even notice (a bool for a number, a float for
+    an integer, a non-bool flag) — the simulator refuses with a 400 that says what is wrong."""
+    for name in _FLOAT_FIELDS + _INT_FIELDS:
+        value = p.get(name)
+        if type_error_500 and value is not None and not isinstance(value, int | float):
+            raise InternalError(f"'<' not supported between instances of {type(value).__name__!r} and 'float'")
     for name in _FLOAT_FIELDS:
         value = p.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
@@ -332,10 +461,19 @@ class Limits:
     context_length: int
     vocab_size: int
     max_req_input_len: int
+    #: ``input + max_new_tokens >= context_length`` is refused (≤ 0.5.10); False: only ``>`` (0.5.11+).
+    context_check_inclusive: bool = False
+    #: Unknown sampling keys and non-numeric numbers are a TypeError → 500 (before the 0.5.22 contract).
+    type_error_500: bool = False
 
 
-def normalize_call(body: _GenerateBody, encode: Callable[[str], list[int]]) -> GenerateCall:
-    """``GenerateReqInput.normalize_batch_and_arguments`` (plus tokenizing ``text``)."""
+def normalize_call(
+    body: _GenerateBody, encode: Callable[[str], list[int]], reject_duplicate_rids: bool = True
+) -> GenerateCall:
+    """``GenerateReqInput.normalize_batch_and_arguments`` (plus tokenizing ``text``).
+
+    ``reject_duplicate_rids`` (0.5.11+): a rid repeated inside the batch is a 400; 0.5.9 accepts it.
+    """
     if body.text is None and body.input_ids is None and body.input_embeds is None:
         raise BadRequest("Either text, input_ids or input_embeds should be provided.")
     if body.return_logprob is True or (isinstance(body.return_logprob, list) and any(body.return_logprob)):
@@ -352,7 +490,7 @@ def normalize_call(body: _GenerateBody, encode: Callable[[str], list[int]]) -> G
     n = len(prompts)
     params = _per_item_sampling_params(body.sampling_params, is_single, n)
     rids = _rids(body.rid, is_single, n)
-    if len(set(rids)) != len(rids):
+    if reject_duplicate_rids and len(set(rids)) != len(rids):
         counts = Counter(rids)
         duplicates = [rid for rid, count in counts.items() if count > 1]
         raise BadRequest(f"Duplicate request IDs detected within the request: {duplicates}")
@@ -421,19 +559,26 @@ def validate_item(item: GenerateItem, limits: Limits, has_tokenizer: bool) -> No
             f"The input ({n} tokens) is longer than the model's context length ({limits.context_length} tokens)."
         )
     max_new = item.raw_sampling_params.get("max_new_tokens")
-    if isinstance(max_new, int) and not isinstance(max_new, bool) and max_new + n >= limits.context_length:
+    total = max_new + n if isinstance(max_new, int) and not isinstance(max_new, bool) else None
+    too_long = total is not None and (
+        total >= limits.context_length if limits.context_check_inclusive else total > limits.context_length
+    )
+    if too_long and isinstance(max_new, int):
         raise BadRequest(
             f"Requested token count exceeds the model's maximum context length of {limits.context_length} "
             f"tokens. You requested a total of {max_new + n} tokens: {n} tokens from the input messages and "
             f"{max_new} tokens for the completion. Please reduce the number of tokens in the input messages "
             "or the completion to fit within the limit."
         )
+    # The tokenizer manager builds SamplingParams next; the scheduler checks max_req_input_len after it.
+    item.params = parse_sampling_params(
+        item.raw_sampling_params, limits.vocab_size, has_tokenizer, limits.type_error_500
+    )
     if n >= limits.max_req_input_len:
         raise BadRequest(
             f"Input length ({n} tokens) exceeds the maximum allowed length ({limits.max_req_input_len} "
             "tokens). Use a shorter input or enable --allow-auto-truncate."
         )
-    item.params = parse_sampling_params(item.raw_sampling_params, limits.vocab_size, has_tokenizer)
     # The scheduler turns max_new_tokens=None into "whatever the context leaves".
     item.max_new_tokens = (
         limits.context_length - n - 1 if item.params.max_new_tokens is None else item.params.max_new_tokens
@@ -452,18 +597,25 @@ def meta_info(
     cached_tokens: int,
     e2e_latency_s: float | None = None,
     sent_ts: float | None = None,
+    retractions_key: str = "num_retractions",
+    with_reasoning_tokens: bool = True,
 ) -> dict[str, Any]:
-    """``meta_info`` in ``_handle_batch_output``'s key order; ``e2e_latency`` only once finished."""
+    """``meta_info`` in ``_handle_batch_output``'s key order; ``e2e_latency`` only once finished.
+
+    0.5.9: ``total_retractions`` and no ``reasoning_tokens``; 0.5.12+: ``num_retractions``; 0.5.10+:
+    ``reasoning_tokens`` (see :class:`sglang_sim.versions.VersionProfile`).
+    """
     meta: dict[str, Any] = {
         "id": rid,
         "finish_reason": finish_reason,
         "prompt_tokens": prompt_tokens,
         "weight_version": weight_version,
-        "num_retractions": 0,
-        "reasoning_tokens": reasoning_tokens,
-        "completion_tokens": completion_tokens,
-        "cached_tokens": cached_tokens,
+        retractions_key: 0,
     }
+    if with_reasoning_tokens:
+        meta["reasoning_tokens"] = reasoning_tokens
+    meta["completion_tokens"] = completion_tokens
+    meta["cached_tokens"] = cached_tokens
     if e2e_latency_s is not None:
         meta["e2e_latency"] = e2e_latency_s
         meta["response_sent_to_client_ts"] = sent_ts

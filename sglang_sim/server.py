@@ -2,16 +2,32 @@
 
 Native SGLang routes: ``/generate`` (see :mod:`sglang_sim.generate`), ``/health``,
 ``/health_generate``, ``/model_info`` (+ ``/get_model_info``), ``/server_info`` (+
-``/get_server_info``), ``/v1/models``, ``/flush_cache``, ``/abort_request``, ``/metrics``.
+``/get_server_info``), ``/v1/models``, ``/flush_cache``, ``/abort_request``, ``/metrics``, and
+``/ready`` where the imitated release has it. Shapes follow ``--sglang-version``
+(:mod:`sglang_sim.versions`).
 
-Control routes (simulator only):
+Lifecycle, as a real server's: the port opens only after ``load_s`` (the CLI binds late); for
+``warmup_s`` after that /health* answer 503 at once; afterwards a health answer is a 1-token scheduler
+round trip — 200 after ``health_min_s + health_delay_s`` wall seconds, or 503 after
+``health_check_timeout_s`` if that is longer (``SGLANG_HEALTH_CHECK_TIMEOUT``). Bodies are empty.
+
+Control routes (simulator only; they answer even during a stall):
 
 - ``GET /control/faults`` → the fault settings; ``POST /control/faults`` with any of
-  ``{"fault_503_rate", "fault_drop_rate", "fault_hang_rate", "fault_seed"}`` changes them.
+  ``{"fault_503_rate", "fault_drop_rate", "fault_hang_rate", "fault_seed", "nan_rate", "abort_rate",
+  "abort_status_code"}`` changes them.
 - ``POST /control/outage`` ``{"duration_s": 30, "mode": "drop"|"abort"}``: from now on /generate and
   /health* answer 503 for ``duration_s`` wall seconds; in-flight calls are dropped (connection closed,
   default) or aborted (200 with ``finish_reason.type == "abort"``). ``duration_s: 0`` ends an outage.
-- ``GET /control/stats[?rids=0]`` → counts (see :class:`~sglang_sim.metrics.CallStats`).
+- ``POST /control/health_delay`` ``{"seconds": S}``: every health answer takes S more seconds.
+- ``POST /control/stall`` ``{"seconds": S}``: for S wall seconds the server answers nothing — it accepts
+  connections and reads requests but sends no byte; generations in flight freeze (the simulated clock
+  stops). Afterwards everything resumes: requests received during the stall are then served as if
+  they had just arrived (a client whose timeout is shorter has given up by then). ``seconds: 0`` ends
+  a stall; a new stall replaces the running one.
+- ``GET /control/stats[?rids=0]`` → counts (see :class:`~sglang_sim.metrics.CallStats`), including the
+  rids whose generation took the NaN path (``nan_rids``) or was aborted by ``--abort-rate``
+  (``abort_rids``).
 """
 
 from __future__ import annotations
@@ -22,19 +38,21 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from sglang_sim import protocol
-from sglang_sim.config import SGLANG_VERSION, SimConfig
+from sglang_sim.config import SimConfig
 from sglang_sim.engine import Engine
 from sglang_sim.faults import FaultInjector
 from sglang_sim.generate import SIM_KEY, Call, CallItem, handle_generate
 from sglang_sim.metrics import CallStats, SimMetrics
 from sglang_sim.protocol import GenerateCall, Limits
 from sglang_sim.text import TextCodec
+from sglang_sim.versions import VersionProfile
 
 logger = logging.getLogger("sglang_sim")
 
@@ -53,11 +71,23 @@ class SimClock:
         self.paused_wall_s = 0.0
         self._t0 = time.monotonic()
         self._last_s = 0.0
+        self._frozen_at: float | None = None
 
     def now_s(self) -> float:
-        now = (time.monotonic() - self._t0 - self.paused_wall_s) * self.time_scale
+        wall = time.monotonic() if self._frozen_at is None else self._frozen_at
+        now = (wall - self._t0 - self.paused_wall_s) * self.time_scale
         self._last_s = max(self._last_s, now)  # never backwards, even right after a pause is booked
         return self._last_s
+
+    def freeze(self) -> None:
+        """Stop simulated time (a stalled server makes no progress) until :meth:`thaw`."""
+        if self._frozen_at is None:
+            self._frozen_at = time.monotonic()
+
+    def thaw(self) -> None:
+        if self._frozen_at is not None:
+            self.paused_wall_s += time.monotonic() - self._frozen_at
+            self._frozen_at = None
 
     def note_tick_lag(self, lag_s: float) -> None:
         if self.max_tick_lag_s is not None and lag_s > self.max_tick_lag_s:
@@ -70,6 +100,7 @@ class Simulator:
     def __init__(self, config: SimConfig) -> None:
         self.config = config
         server = config.server
+        self.profile: VersionProfile = server.profile
         lag_s = None if server.max_tick_lag_ms is None else server.max_tick_lag_ms / 1000.0
         self.clock = SimClock(server.time_scale, lag_s)
         self.engine = Engine(config.engine, self.clock.now_s)
@@ -77,21 +108,39 @@ class Simulator:
         self.faults = FaultInjector(config.faults)
         self.metrics = SimMetrics(server.model_name)
         self.stats = CallStats()
-        self.limits = Limits(server.context_length, server.vocab_size, server.max_req_input_len)
+        self.limits = Limits(
+            server.context_length,
+            server.vocab_size,
+            server.max_req_input_len,
+            context_check_inclusive=self.profile.context_check_inclusive,
+            type_error_500=not self.profile.sampling_contract,
+        )
         #: rid → the item (or hanging call) holding it; SGLang's ``rid_to_state``.
         self.inflight: dict[str, CallItem | Call] = {}
         self.calls: set[Call] = set()
         self.created_unix_s = int(time.time())
-        self._started = asyncio.Event()
+        self.startup_time = time.time()
+        #: Extra seconds every health answer takes (``POST /control/health_delay``).
+        self.health_delay_s = server.health_delay_s
+        #: The last health check timed out (ServerStatus.UnHealthy) until one passes again.
+        self.unhealthy = False
+        self.shutting_down = False
+        self._listening_at = time.monotonic()
+        self._unstalled = asyncio.Event()
+        self._unstalled.set()
+        self._stall_timer: asyncio.TimerHandle | None = None
         self._ticker: asyncio.Task[None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
-        if not self.faults.starting():
-            self._started.set()
+        """The port is open now (the CLI binds after ``load_s``): warm-up starts."""
+        self._listening_at = time.monotonic()
+        self.startup_time = time.time()
         self._ticker = asyncio.create_task(self._tick_loop(), name="sglang-sim-ticker")
 
     async def stop(self) -> None:
+        self.shutting_down = True
+        self.end_stall()
         for call in list(self.calls):
             call.drop()
         if self._ticker is not None:
@@ -99,8 +148,13 @@ class Simulator:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ticker
 
-    async def wait_started(self) -> None:
-        await self._started.wait()
+    def warming(self) -> bool:
+        """``ServerStatus.Starting``: the warm-up after the port opened has not finished."""
+        return time.monotonic() - self._listening_at < self.config.server.warmup_s
+
+    def ready(self) -> bool:
+        """``TokenizerManager.is_ready()``: up, not unhealthy, not shutting down."""
+        return not (self.warming() or self.unhealthy or self.shutting_down or self.faults.in_outage())
 
     async def _tick_loop(self) -> None:
         """The scheduler loop: one task advances every request (no per-request sleeps)."""
@@ -110,14 +164,45 @@ class Simulator:
             due = loop.time() + tick_s
             await asyncio.sleep(tick_s)
             self.clock.note_tick_lag(loop.time() - due)
-            if not self._started.is_set() and not self.faults.starting():
-                self._started.set()
             if self.faults.scheduled_outage_due():
                 self.begin_outage(self.config.faults.outage_duration_s, mode="drop")
             try:
                 self.engine.advance()
             except Exception:  # a bug here must not silently freeze every request
                 logger.exception("engine tick failed")
+
+    # -- stall --------------------------------------------------------------------------------------
+    @property
+    def stalled(self) -> bool:
+        return not self._unstalled.is_set()
+
+    def begin_stall(self, seconds: float) -> None:
+        """Answer nothing and freeze generation for ``seconds`` wall seconds (0 ends a stall)."""
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+        if seconds <= 0:
+            self.end_stall()
+            return
+        logger.warning("stall for %.1f s", seconds)
+        self.stats.stalls += 1
+        self.clock.freeze()
+        self._unstalled.clear()
+        self._stall_timer = asyncio.get_running_loop().call_later(seconds, self.end_stall)
+
+    def end_stall(self) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+        if self.stalled:
+            logger.warning("stall over")
+        self.clock.thaw()
+        self._unstalled.set()
+
+    async def wait_unstalled(self) -> None:
+        """Return at once, or when a stall ends (every answer the server sends passes here)."""
+        while not self._unstalled.is_set():
+            await self._unstalled.wait()
 
     # -- events -------------------------------------------------------------------------------------
     def record_rids(self, parsed: GenerateCall) -> None:
@@ -126,11 +211,16 @@ class Simulator:
 
     def on_item_finished(self, item: CallItem) -> None:
         req = item.req
-        aborted = req.abort_message is not None
+        aborted = req.abort_message is not None or item.injected_abort is not None
         if aborted:
             self.stats.aborted += 1
         else:
             self.stats.completed += 1
+        if req.abort_message is None:
+            if item.injected_abort is not None:
+                self.stats.abort_rids.append(item.item.rid)
+            elif item.nan:
+                self.stats.nan_rids.append(item.item.rid)
         if self.inflight.get(item.item.rid) is item:
             del self.inflight[item.item.rid]  # SGLang drops rid_to_state on finish
         self.metrics.observe_finish(
@@ -149,6 +239,14 @@ class Simulator:
                 call.drop()
         self.engine.abort(abort_all=True)
 
+    def meta_info(self, **fields: Any) -> dict[str, Any]:
+        """``protocol.meta_info`` with this release's keys."""
+        return protocol.meta_info(
+            **fields,
+            retractions_key=self.profile.retractions_key,
+            with_reasoning_tokens=self.profile.reasoning_tokens,
+        )
+
 
 # -- routes ------------------------------------------------------------------------------------------
 def _sim(request: web.Request) -> Simulator:
@@ -156,32 +254,71 @@ def _sim(request: web.Request) -> Simulator:
 
 
 async def health(request: web.Request) -> web.Response:
+    """``/health`` and ``/health_generate`` (the same handler; SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION).
+
+    503 at once while warming up, shutting down or in an outage. Otherwise SGLang sends a 1-token
+    generation and polls once a second for *any* scheduler output: 200 after ``health_min_s`` plus the
+    extra delay, or 503 once ``health_check_timeout_s`` has passed without one (and ``/ready`` answers
+    503 until a later health check passes). A stall holds the answer until it ends.
+    """
     sim = _sim(request)
-    unavailable = sim.faults.starting() or sim.faults.in_outage()
-    return web.Response(status=503 if unavailable else 200)
+    server = sim.config.server
+    if sim.shutting_down or sim.warming() or sim.faults.in_outage():
+        return web.Response(status=503)
+    sim.stats.health_checks += 1
+    takes_s = server.health_min_s + sim.health_delay_s
+    if takes_s > server.health_check_timeout_s:
+        await asyncio.sleep(server.health_check_timeout_s)
+        await sim.wait_unstalled()
+        sim.unhealthy = True
+        return web.Response(status=503)
+    await asyncio.sleep(takes_s)
+    await sim.wait_unstalled()
+    if sim.shutting_down or sim.faults.in_outage():  # went down while the probe waited
+        return web.Response(status=503)
+    sim.unhealthy = False
+    return web.Response(status=200)
+
+
+async def ready(request: web.Request) -> web.Response:
+    """``/ready`` (0.5.21+): 200 once warm-up is over and the last health check passed."""
+    return web.Response(status=200 if _sim(request).ready() else 503)
 
 
 async def model_info(request: web.Request) -> web.Response:
-    server = _sim(request).config.server
-    return web.json_response(
-        {
-            "model_path": server.model_path,
-            "tokenizer_path": server.tokenizer or server.model_path,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": server.weight_version,
-            "has_image_understanding": True,  # Kimi-K2.5 is natively multimodal
-            "has_audio_understanding": False,
-            "model_type": "kimi_k25",
-            "architectures": ["KimiK25ForConditionalGeneration"],
+    """``/model_info``: no vocabulary size and no context length in any release (docs/sglang-versions.md)."""
+    sim = _sim(request)
+    server = sim.config.server
+    info: dict[str, Any] = {"model_path": server.model_path}
+    if sim.profile.model_info_extended:
+        info["served_model_name"] = server.model_name
+    info |= {
+        "tokenizer_path": server.tokenizer or server.model_path,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": server.weight_version,
+    }
+    if sim.profile.model_info_extended:
+        info |= {
+            "load_format": "auto",
+            "reasoning_parser": server.reasoning_parser,
+            "tool_call_parser": server.tool_call_parser,
+            "disaggregation_mode": "null",
         }
-    )
+    info |= {
+        "has_image_understanding": True,  # Kimi-K2.5 is natively multimodal
+        "has_audio_understanding": False,
+        "model_type": "kimi_k25",
+        "architectures": ["KimiK25ForConditionalGeneration"],
+    }
+    return web.json_response(info)
 
 
 def _server_args(sim: Simulator) -> dict[str, Any]:
-    """The ``ServerArgs`` fields a client may read, with the simulator's values."""
+    """The ``ServerArgs`` fields a client may read, with the simulator's values (flat in every release)."""
     server, engine = sim.config.server, sim.config.engine
-    return {
+    deterministic = server.enable_deterministic_inference
+    args: dict[str, Any] = {
         "model_path": server.model_path,
         "tokenizer_path": server.tokenizer or server.model_path,
         "served_model_name": server.model_name,
@@ -189,7 +326,8 @@ def _server_args(sim: Simulator) -> dict[str, Any]:
         "trust_remote_code": True,
         "host": server.host,
         "port": server.port,
-        "context_length": server.context_length,
+        # The raw --context-length: null on a real server started without the flag.
+        "context_length": server.context_length if server.report_context_length else None,
         "tp_size": server.tp_size,
         "dp_size": 1,
         "max_running_requests": engine.max_running_requests,
@@ -207,38 +345,87 @@ def _server_args(sim: Simulator) -> dict[str, Any]:
         "weight_version": server.weight_version,
         "enable_metrics": True,
         "allow_auto_truncate": False,
-        "incremental_streaming_output": False,
         "preferred_sampling_params": None,
+        # --enable-deterministic-inference forces the PyTorch sampler, fa3 attention on Hopper and, with
+        # tp > 1, NCCL tree all-reduce without the custom all-reduce (server_args / attention_hook).
+        "enable_deterministic_inference": deterministic,
+        "attention_backend": "fa3",
+        "sampling_backend": "pytorch" if deterministic else "flashinfer",
+        "disable_custom_all_reduce": deterministic and server.tp_size > 1,
     }
+    if sim.profile.server_info_extended:
+        args["incremental_streaming_output"] = False
+        args["enable_dp_attention"] = False  # reported for old clients; --attn-dp-size replaced it
+        args["attn_dp_size"] = 1
+    else:
+        args["stream_output"] = False
+        args["enable_dp_attention"] = False
+    return args
 
 
 async def server_info(request: web.Request) -> web.Response:
+    """``/server_info``: server args + scheduler info + ``internal_states`` + ``version``, per release."""
     sim = _sim(request)
     sim.engine.advance()
     server, engine = sim.config.server, sim.config.engine
     args = _server_args(sim)
-    internal = {
-        **args,
-        "effective_max_running_requests_per_dp": engine.max_running_requests,
-        "last_gen_throughput": sim.engine.gen_throughput_tok_s(),
-        "memory_usage": {"weight": 68.5, "kvcache": 52.3, "token_capacity": server.max_total_num_tokens, "graph": 1.6},
-    }
-    return web.json_response(
-        {
-            **args,
-            "status": "starting" if sim.faults.starting() else "ready",
-            "max_total_num_tokens": server.max_total_num_tokens,
-            "max_req_input_len": server.max_req_input_len,
-            "internal_states": [internal],
-            "version": SGLANG_VERSION,
-            "kv_events": None,
-            "simulator": {
-                "time_scale": server.time_scale,
-                "sim_time_s": sim.engine.now_s,
-                "paused_wall_s": sim.clock.paused_wall_s,
+    extended = sim.profile.server_info_extended
+    internal: dict[str, Any] = dict(args)
+    if extended:
+        internal |= {
+            "world_size": server.tp_size,
+            "startup_time": sim.startup_time,
+            "effective_max_running_requests_per_dp": engine.max_running_requests,
+            "last_gen_throughput": sim.engine.gen_throughput_tok_s(),
+            "memory_usage": {
+                "weight": 68.5,
+                "kvcache": 52.3,
+                "startup_available": 139.8,
+                "token_capacity": server.max_total_num_tokens,
+                "token_capacity_swa": None,
+                "graph": {"decode": 1.6},
             },
         }
-    )
+    else:
+        internal |= {
+            "last_gen_throughput": sim.engine.gen_throughput_tok_s(),
+            "memory_usage": {
+                "weight": 68.5,
+                "kvcache": 52.3,
+                "token_capacity": server.max_total_num_tokens,
+                "graph": 1.6,
+            },
+            "effective_max_running_requests_per_dp": engine.max_running_requests,
+        }
+    info: dict[str, Any] = dict(args)
+    if extended:
+        info["launch_command"] = None
+    info |= {
+        "status": "ready",
+        "max_total_num_tokens": server.max_total_num_tokens,
+        "max_req_input_len": server.max_req_input_len,
+    }
+    if extended:
+        info |= {
+            "startup_time": sim.startup_time,
+            "hicache_object_layout": {
+                "enabled": False,
+                "backend": None,
+                "page_size": 1,
+                "hicache_object_layout": {"pools": []},
+                "reason": "Hierarchical cache is disabled",
+            },
+            "kv_events": None,
+        }
+    info |= {"internal_states": [internal], "version": sim.profile.version}
+    if extended:
+        info["frontend"] = "python"
+    info["simulator"] = {
+        "time_scale": server.time_scale,
+        "sim_time_s": sim.engine.now_s,
+        "paused_wall_s": sim.clock.paused_wall_s,
+    }
+    return web.json_response(info)
 
 
 def _model_card(sim: Simulator, model: str) -> dict[str, Any]:
@@ -332,18 +519,58 @@ async def control_outage(request: web.Request) -> web.Response:
     return web.json_response(sim.faults.describe())
 
 
+async def _seconds(request: web.Request) -> float:
+    body = json.loads(await request.read() or b"{}")
+    seconds = float(body["seconds"])
+    if not seconds >= 0:
+        raise ValueError(f"seconds must be >= 0, got {seconds}")
+    return seconds
+
+
+async def control_health_delay(request: web.Request) -> web.Response:
+    sim = _sim(request)
+    try:
+        sim.health_delay_s = await _seconds(request)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        return web.json_response(protocol.error_body(f'expected {{"seconds": S >= 0}}: {exc}'), status=400)
+    return web.json_response({"health_delay_s": sim.health_delay_s})
+
+
+async def control_stall(request: web.Request) -> web.Response:
+    sim = _sim(request)
+    try:
+        seconds = await _seconds(request)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        return web.json_response(protocol.error_body(f'expected {{"seconds": S >= 0}}: {exc}'), status=400)
+    sim.begin_stall(seconds)
+    return web.json_response({"stalled": sim.stalled, "seconds": seconds})
+
+
 async def control_stats(request: web.Request) -> web.Response:
     sim = _sim(request)
     sim.engine.advance()
     include_rids = request.query.get("rids", "1") not in ("0", "false", "no")
     snapshot = sim.stats.snapshot(sim.engine, dict(sim.faults.injected), include_rids)
     snapshot["paused_wall_s"] = sim.clock.paused_wall_s
+    snapshot["stalled"] = sim.stalled
+    snapshot["sglang_version"] = sim.profile.version
     return web.json_response(snapshot)
+
+
+@web.middleware
+async def _stall_gate(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """During a stall nothing but /control/* is answered (requests wait here until it ends)."""
+    if not request.path.startswith("/control/"):
+        await request.app[SIM_KEY].wait_unstalled()
+    return await handler(request)
 
 
 def create_app(config: SimConfig | None = None) -> web.Application:
     """The aiohttp app of one simulator (``app[SIM_KEY]`` is its :class:`Simulator`)."""
-    app = web.Application(client_max_size=256 * 1024 * 1024)  # a 262k-token prompt is ~2 MB of JSON
+    # A 262k-token prompt is ~2 MB of JSON.
+    app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[_stall_gate])
     sim = Simulator(config or SimConfig())
     app[SIM_KEY] = sim
 
@@ -359,6 +586,8 @@ def create_app(config: SimConfig | None = None) -> web.Application:
     app.router.add_route("PUT", "/generate", handle_generate)
     for path in ("/health", "/health_generate"):
         app.router.add_get(path, health)
+    if sim.profile.ready_route:
+        app.router.add_get("/ready", ready)
     for path in ("/model_info", "/get_model_info"):
         app.router.add_get(path, model_info)
     for path in ("/server_info", "/get_server_info"):
@@ -370,6 +599,8 @@ def create_app(config: SimConfig | None = None) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_route("*", "/control/faults", control_faults)
     app.router.add_post("/control/outage", control_outage)
+    app.router.add_post("/control/health_delay", control_health_delay)
+    app.router.add_post("/control/stall", control_stall)
     app.router.add_get("/control/stats", control_stats)
     return app
 
@@ -379,8 +610,6 @@ def _active_faults(config: SimConfig) -> dict[str, Any]:
     active = {k: v for k, v in faults.items() if k.endswith("_rate") and v}
     if faults["outage_at_s"] is not None:
         active["outage_at_s"], active["outage_duration_s"] = faults["outage_at_s"], faults["outage_duration_s"]
-    if faults["slow_start_s"]:
-        active["slow_start_s"] = faults["slow_start_s"]
     return active
 
 
@@ -389,7 +618,8 @@ def describe(config: SimConfig) -> str:
     server, engine = config.server, config.engine
     return (
         f"sglang-sim serving {server.model_name} on http://{server.host}:{server.port} "
-        f"(time_scale={server.time_scale:g}, max_running={engine.max_running_requests}, "
+        f"(sglang {server.sglang_version}, time_scale={server.time_scale:g}, "
+        f"max_running={engine.max_running_requests}, "
         f"decode={engine.decode_tok_s:g} tok/s, per_request={engine.per_request_tok_s:g} tok/s, "
         f"faults={_active_faults(config)})"
     )

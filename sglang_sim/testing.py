@@ -5,6 +5,11 @@
 - :class:`SimulatorThread` — the same, with the :class:`~sglang_sim.server.Simulator` object at hand.
 - ``with run_simulator_process("--time-scale", "1000") as proc:`` — the ``sglang-sim`` CLI as a
   subprocess, for tests that kill it (``proc.kill()``) or restart it (``proc.start()`` again).
+
+Both imitate the deployed SGLang release unless given ``sglang_version=`` / ``--sglang-version``, and
+answer health checks after ``health_min_s`` (1 s, like SGLang); tests that poll health often pass a
+smaller ``health_min_s``. With ``load_s`` the port opens only after that long: ``start(wait=False)``
+returns before it does (the port is chosen up front), for tests that watch a server load.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class SimulatorThread:
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
         self._app: web.Application | None = None
+        self._opening: asyncio.Task[None] | None = None
 
     @property
     def url(self) -> str:
@@ -71,33 +77,46 @@ class SimulatorThread:
         assert self._app is not None, "not started"
         return self._app[SIM_KEY]
 
-    def start(self, timeout_s: float = 15.0) -> SimulatorThread:
+    def start(self, timeout_s: float = 15.0, wait: bool = True) -> SimulatorThread:
+        """Serve; returns once the port is open (``wait=False``: at once, the port still loading)."""
         ready = threading.Event()
+        running = threading.Event()
         failure: list[BaseException] = []
+        if not wait and self.port == 0:
+            self.port = free_port()
+
+        def opened(task: asyncio.Task[None]) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                failure.append(task.exception())  # type: ignore[arg-type]
+                assert self._loop is not None
+                self._loop.stop()
+            ready.set()
 
         def serve() -> None:
             loop = asyncio.new_event_loop()
             self._loop = loop
-            try:
-                loop.run_until_complete(self._open())
-            except BaseException as exc:
-                failure.append(exc)
-                ready.set()
-                return
-            ready.set()
+            self._opening = loop.create_task(self._open())
+            self._opening.add_done_callback(opened)
+            loop.call_soon(running.set)
             loop.run_forever()
+            if not self._opening.done():
+                self._opening.cancel()
+                with contextlib.suppress(BaseException):
+                    loop.run_until_complete(self._opening)
             loop.run_until_complete(self._close())
             loop.close()
 
         self._thread = threading.Thread(target=serve, name="sglang-sim", daemon=True)
         self._thread.start()
-        if not ready.wait(timeout_s):
+        if not (ready if wait else running).wait(timeout_s + (self.config.server.load_s if wait else 0.0)):
             raise TimeoutError("simulator did not start")
         if failure:
             raise failure[0]
         return self
 
     async def _open(self) -> None:
+        if self.config.server.load_s > 0:
+            await asyncio.sleep(self.config.server.load_s)  # "loading weights": nothing listens yet
         self._app = create_app(self.config)
         self._runner = web.AppRunner(self._app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
@@ -156,10 +175,13 @@ class SimulatorProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 20.0) -> SimulatorProcess:
+    def start(self, timeout_s: float = 20.0, wait: bool = True) -> SimulatorProcess:
+        """Spawn; returns once the port is open (``wait=False``: at once, e.g. to watch ``--load-s``)."""
         command = [sys.executable, "-m", "sglang_sim.cli", "--port", str(self.port), *self.args]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        if not wait:
+            return self
         try:
             wait_for_port(self.port, timeout_s=timeout_s)
         except TimeoutError:

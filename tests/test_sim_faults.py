@@ -1,4 +1,4 @@
-"""Faults on demand: 503s, dropped connections, hangs, outages, a full queue, a slow start (real HTTP)."""
+"""Faults on demand: 503s, dropped connections, hangs, outages, a full queue, a warm-up (real HTTP)."""
 
 from __future__ import annotations
 
@@ -180,16 +180,17 @@ def test_stats_prove_which_rids_reached_the_server() -> None:
     assert "rids" not in without_rids and without_rids["distinct_rids"] == 3
 
 
-def test_cli_slow_start_scheduled_outage_and_clean_sigterm() -> None:
-    args = ("--time-scale", "1000", "--slow-start-s", "1.5", "--outage-at-s", "2.5", "--outage-duration-s", "1")
+def test_cli_warmup_scheduled_outage_and_clean_sigterm() -> None:
+    args = ("--time-scale", "1000", "--warmup-s", "1.5", "--outage-at-s", "2.5", "--outage-duration-s", "1")
+    args += ("--health-min-s", "0.1")
     with run_simulator_process(*args) as proc:
 
         def health() -> int:
             return requests.get(f"{proc.url}/health", timeout=10).status_code
 
-        assert health() == 503  # still "loading"
+        assert health() == 503  # still warming up
         starting = generate(proc.url, {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}, timeout_s=10)
-        assert starting.status_code == 200  # held until the server was up, not refused
+        assert starting.status_code == 200  # SGLang serves /generate during its warm-up
         eventually(lambda: health() == 200)
         eventually(lambda: health() == 503)  # the scheduled outage
         eventually(lambda: health() == 200)

@@ -1,4 +1,8 @@
-"""The simulator speaks SGLang's native protocol (reference/sglang-kimi-protocol.md §1–2), over real HTTP."""
+"""The simulator speaks SGLang's native protocol (reference/sglang-kimi-protocol.md §1–2), over real HTTP.
+
+These tests run the newest imitated release (0.5.23: ``num_retractions``, ``reasoning_tokens``, duplicate
+rids refused); what the deployed 0.5.9 does differently is in test_sim_versions.py.
+"""
 
 from __future__ import annotations
 
@@ -24,19 +28,21 @@ USER_TURN = [kimi.IM_USER, 13, 14, kimi.IM_MIDDLE, 15, kimi.IM_END]
 PROMPT = [*SYSTEM_TURN, *USER_TURN, kimi.IM_ASSISTANT, 16, kimi.IM_MIDDLE, kimi.THINK_START]
 #: meta_info keys in SGLang's order (tokenizer_manager._handle_batch_output).
 META_KEYS = ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions", "reasoning_tokens"]
+#: The release these tests run (and the health round trip shortened: they poll health).
+NEW = {"sglang_version": "0.5.23", "health_min_s": 0.05}
 META_KEYS += ["completion_tokens", "cached_tokens", "e2e_latency", "response_sent_to_client_ts"]
 
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[SimulatorThread]:
-    with SimulatorThread(time_scale=2000, context_length=32_768, weight_version="w7") as thread:
+    with SimulatorThread(time_scale=2000, context_length=32_768, weight_version="w7", **NEW) as thread:
         yield thread
 
 
 @pytest.fixture(scope="module")
 def slow_sim() -> Iterator[SimulatorThread]:
     """Slow enough (40 tok/s × 2) that requests stay in flight while a test pokes at them."""
-    with SimulatorThread(time_scale=2) as thread:
+    with SimulatorThread(time_scale=2, **NEW) as thread:
         yield thread
 
 
@@ -273,6 +279,11 @@ def test_info_endpoints_have_sglangs_keys(sim: SimulatorThread) -> None:
         info = requests.get(f"{sim.url}{path}", timeout=10).json()
         assert set(info) == {
             "model_path",
+            "served_model_name",
+            "load_format",
+            "reasoning_parser",
+            "tool_call_parser",
+            "disaggregation_mode",
             "tokenizer_path",
             "is_generation",
             "preferred_sampling_params",
@@ -425,7 +436,7 @@ def write_word_tokenizer(directory: Path, words: int) -> None:
 
 def test_text_prompts_and_response_text_use_the_configured_tokenizer(tmp_path: Path) -> None:
     write_word_tokenizer(tmp_path, words=50)
-    with SimulatorThread(time_scale=2000, tokenizer=str(tmp_path), normal_vocab_size=50) as tok_sim:
+    with SimulatorThread(time_scale=2000, tokenizer=str(tmp_path), normal_vocab_size=50, **NEW) as tok_sim:
         out = generate(tok_sim.url, {"text": "w1 w2 w3", "sampling_params": {"max_new_tokens": 30_000}}).json()
 
     expected = expected_generation([1, 2, 3], {"max_new_tokens": 30_000}, ContentConfig(normal_vocab_size=50))
