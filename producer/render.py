@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from thinkfleet.message import content_hash as message_content_hash
 from thinkfleet.message import pack_ids
 
 #: Conversations per task sent to a pool process (big enough to amortize IPC, small for a smooth bar).
@@ -320,8 +321,9 @@ Result = tuple[bytes, int, str, bool, int] | str
 
 
 def content_hash(ids: np.ndarray) -> str:
-    """Hash of the prompt ids (uint32 LE): a re-submit whose content changed is caught with it."""
-    return hashlib.blake2b(np.ascontiguousarray(ids, dtype="<u4").tobytes(), digest_size=8).hexdigest()
+    """Hash of the prompt ids (uint32 LE): a re-submit whose content changed is caught with it, and
+    workers and ``producer verify`` recompute it from the ids (:func:`thinkfleet.message.content_hash`)."""
+    return message_content_hash(ids)
 
 
 def render_ids(

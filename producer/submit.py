@@ -41,7 +41,7 @@ from producer.report import (
 )
 from producer.state import Existing, StateError, SubmitLock, commit, load_existing, write_manifest
 from thinkfleet.failpoints import failpoint
-from thinkfleet.message import PromptTask, unpack_ids
+from thinkfleet.message import PromptTask, is_plain_name, unpack_ids
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import (
     MAX_SKIPPED_RECORDS,
@@ -93,6 +93,16 @@ ProgressFn = Callable[[int, int], None]
 def submit(settings: Settings, opts: SubmitOptions, on_progress: ProgressFn | None = None) -> SubmitReport:
     """Run one submit; raises :class:`SubmitError` (nothing enqueued) on any problem it is not told to skip."""
     started = time.monotonic()
+    if not is_plain_name(opts.job):
+        # The job name builds Redis keys ({prefix}:job:{job}:…) and the output directory: `x:claims`
+        # would write into job x's claims, and workers refuse such messages (bad_job_name) anyway.
+        raise SubmitError(
+            f"job name {opts.job!r} is not plain: use letters, digits, '.', '_', '-' (at most 128, starting "
+            "with a letter or digit)"
+        )
+    if not opts.max_prompt_tokens or opts.max_prompt_tokens > settings.max_prompt_tokens:
+        # Workers refuse longer prompts (oversize): refuse them here, naming the row.
+        opts = dataclasses.replace(opts, max_prompt_tokens=settings.max_prompt_tokens)
     if opts.dataset_names and len(opts.dataset_names) != len(opts.paths):
         raise SubmitError(f"{len(opts.dataset_names)} --dataset-name for {len(opts.paths)} inputs; give one per PATH")
     try:
@@ -308,7 +318,9 @@ class _Collector:
         unfit = render.check_prompt(n_tokens, max_id, self.budget, self.limits)
         if unfit is not None:
             if max_id >= self.limits.vocab_size:  # rare: unpack the ids to name the first one out of range
-                unfit = render.check_prompt(n_tokens, max_id, self.budget, self.limits, unpack_ids(blob), self.tok)
+                unfit = render.check_prompt(
+                    n_tokens, max_id, self.budget, self.limits, unpack_ids(blob, None), self.tok
+                )
             self.problems.append(Problem(prompt.location, f"{unfit} (--skip-invalid skips and records it)"))
             return []
         if not ends:

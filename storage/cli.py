@@ -59,10 +59,11 @@ def _print_json(payload: Any) -> None:
 def verify(settings: Settings, job: str, as_json: bool, live: bool, queue: str | None) -> None:
     """Check that every submitted prompt of JOB is stored exactly once, with sound spans.
 
-    Exits 1 on any missing, duplicated, malformed or stale row, on the reasoning alarm, or when there
-    is no submitted set to check against. With --live, exits 1 when a submitted prompt is in no place
-    (not stored, not dead-lettered, not on the queue, not delivered to a live worker), and 2 when that
-    cannot be checked (no such job, Redis unreachable, a RabbitMQ broker).
+    Exits 1 on any missing, duplicated, malformed or stale row, on a row whose input_ids do not hash to
+    its content_hash, on the reasoning alarm, or when there is no submitted set to check against. With
+    --live, exits 1 when a submitted prompt is in no place (not stored, not dead-lettered, not on the
+    queue, not delivered to a live worker), and 2 when that cannot be checked (no such job, Redis
+    unreachable, a RabbitMQ broker).
     """
     if live:
         from storage.verify import format_live_report, verify_live
@@ -104,6 +105,11 @@ def verify(settings: Settings, job: str, as_json: bool, live: bool, queue: str |
 @click.option("--exclude-reasoning", is_flag=True, help="eagle3: mask reasoning out; conversations: drop it.")
 @click.option("--out", "out", default=None, help="Output file [./JOB-FORMAT.parquet|.jsonl].")
 @click.option("--tokenizer", default=None, help="Tokenizer path/id for decoding (default: the job record's).")
+@click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="conversations: allow the tokenizer's own code (Kimi's needs it); off, such a tokenizer is refused.",
+)
 @click.option("--dataset", "datasets", multiple=True, help="Only these datasets (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def export(
@@ -113,10 +119,15 @@ def export(
     exclude_reasoning: bool,
     out: str | None,
     tokenizer: str | None,
+    trust_remote_code: bool,
     datasets: tuple[str, ...],
     as_json: bool,
 ) -> None:
-    """Export the committed rows of JOB as training data (ids round-trip exactly)."""
+    """Export the committed rows of JOB as training data (ids round-trip exactly).
+
+    The conversations format loads a tokenizer from local files only; one that ships its own code is
+    refused unless --trust-remote-code is given.
+    """
     from storage.export import ExportError, export_job
 
     try:
@@ -128,6 +139,7 @@ def export(
             exclude_reasoning=exclude_reasoning,
             tokenizer=tokenizer,  # type: ignore[arg-type]
             datasets=list(datasets) or None,
+            trust_remote_code=trust_remote_code,
         )
     except ExportError as exc:
         raise click.ClickException(str(exc)) from exc

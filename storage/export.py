@@ -13,6 +13,10 @@
   for tools that need text. Re-rendering it through Kimi's chat template loses the reasoning of the
   last assistant turn — train from the ids.
 
+  The tokenizer (``--tokenizer``, else the path the job record names — which anyone who can write Redis
+  can change) is loaded from local files only (``local_files_only``), and a tokenizer that ships its own
+  code is refused unless ``--trust-remote-code`` is given: export never runs code it was not told to.
+
 Exports are written to a temporary name and renamed, one dataset in memory at a time.
 """
 
@@ -84,8 +88,10 @@ def export_job(
     exclude_reasoning: bool = False,
     tokenizer: str | None = None,
     datasets: Sequence[str] | None = None,
+    trust_remote_code: bool = False,
 ) -> ExportResult:
-    """Write the committed rows of ``job`` in ``fmt`` to ``out`` (a local path)."""
+    """Write the committed rows of ``job`` in ``fmt`` to ``out`` (a local path). The conversations format
+    loads a tokenizer: local files only, its own code run only with ``trust_remote_code``."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS)}")
     suffix = ".parquet" if fmt == "eagle3" else ".jsonl"
@@ -100,7 +106,7 @@ def export_job(
             with open(tmp, "w", encoding="utf-8") as f:
                 rows = _write_eagle3_jsonl(f, tables, exclude_reasoning)
         else:
-            tok = load_tokenizer(tokenizer or _job_tokenizer(settings, job))
+            tok = load_tokenizer(tokenizer or _job_tokenizer(settings, job), trust_remote_code)
             with open(tmp, "w", encoding="utf-8") as f:
                 rows = _write_conversations(f, tables, tok, include_reasoning=not exclude_reasoning)
         os.replace(tmp, path)
@@ -146,7 +152,9 @@ def eagle3_table(table: pa.Table, exclude_reasoning: bool = False) -> pa.Table:
     )
 
 
-def load_tokenizer(path: str | None) -> conversations.Decoder:
+def load_tokenizer(path: str | None, trust_remote_code: bool = False) -> conversations.Decoder:
+    """The tokenizer at ``path`` (a local directory or a hub id already in the local cache; never a
+    download). Its own code (``auto_map``) runs only with ``trust_remote_code``; else ExportError."""
     if not path:
         raise ExportError(
             "the conversations format decodes text and needs a tokenizer: pass --tokenizer PATH_OR_ID "
@@ -154,7 +162,18 @@ def load_tokenizer(path: str | None) -> conversations.Decoder:
         )
     from transformers import AutoTokenizer  # slow import; only this format needs it
 
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        if not trust_remote_code and "trust_remote_code" in str(exc):
+            raise ExportError(
+                f"tokenizer {path!r} ships its own code, which export does not run by default: check the "
+                "path (the job record in Redis names it), then pass --trust-remote-code (Kimi's needs it)"
+            ) from exc
+        raise ExportError(
+            f"cannot load tokenizer {path!r} from local files: {type(exc).__name__}: {exc}\n"
+            "  → pass --tokenizer with a local directory (export never downloads)"
+        ) from exc
 
 
 def _job_tokenizer(settings: Settings, job: str) -> str | None:

@@ -3,7 +3,9 @@
 Failing (non-zero exit): a submitted prompt with no row and no dead letter (missing); a prompt with
 more than one row at its winning revision (duplicated — run ``producer compact``, which keeps the
 committed winner); a row whose spans or counts contradict its ids (malformed); a row generated from
-other prompt content than the latest submit (stale); the seed's bug — thinking prompts whose
+other prompt content than the latest submit (stale); a row whose stored ``input_ids`` do not hash to
+its ``content_hash`` (hash mismatch: injected or corrupted — the hash is recomputed here, never taken
+from the message); the seed's bug — thinking prompts whose
 outputs almost never close reasoning (reasoning alarm); or no submitted set to check against.
 
 Reported without failing: dead-lettered prompts with no row ("permanent failures", retried with
@@ -20,9 +22,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from storage import jobstate, reader
-from storage.checks import CHECK_COLUMNS, ThinkingStats, row_problems
+from storage.checks import CHECK_COLUMNS, ThinkingStats, flat_ids, row_problems
 from storage.manifest import read_submitted
-from storage.schema import CONTENT_HASH, DATASET, PROMPT_ID
+from storage.schema import CONTENT_HASH, DATASET, INPUT_IDS, PROMPT_ID
+from thinkfleet.message import hash_id_bytes, is_content_hash
 from thinkfleet.settings import Settings
 
 
@@ -38,6 +41,7 @@ class VerifyReport:
     duplicate_rows: int = 0  # rows beyond the first of each duplicated prompt
     malformed: dict[str, list[str]] = field(default_factory=dict)  # prompt_id → problems
     stale: list[str] = field(default_factory=list)  # row content_hash ≠ latest submitted hash
+    hash_mismatch: list[str] = field(default_factory=list)  # stored input_ids do not hash to content_hash
     permanent_failures: list[str] = field(default_factory=list)  # dead-lettered, no row
     not_submitted: list[str] = field(default_factory=list)
     thinking_rows: int = 0
@@ -53,6 +57,7 @@ class VerifyReport:
             or self.duplicated
             or self.malformed
             or self.stale
+            or self.hash_mismatch
             or self.reasoning_alarm
             or self.submitted_source == "none"
         )
@@ -109,14 +114,34 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
     thinking = ThinkingStats()
     stored_datasets = sorted(set(pc.unique(winners[DATASET]).to_pylist())) if winners.num_rows else []
     for dataset in stored_datasets:  # one dataset in memory at a time
-        table = reader.read_committed(uri, job, CHECK_COLUMNS, [dataset], endpoint)
+        table = reader.read_committed(uri, job, [*CHECK_COLUMNS, CONTENT_HASH], [dataset], endpoint)
         problems, stats = row_problems(table, tokens)
         report.malformed.update(problems)
         thinking.add(stats)
+        report.hash_mismatch.extend(hash_mismatches(table, submitted))
+    report.hash_mismatch.sort()
     report.thinking_rows, report.think_end_rows = thinking.thinking_rows, thinking.think_end_rows
     _reasoning_alarm(report, settings)
     report.per_dataset = _per_dataset(report, sub_dataset, winners)
     return report
+
+
+def hash_mismatches(table: pa.Table, submitted: dict[str, str] | None = None) -> list[str]:
+    """Prompt ids of rows whose ``input_ids`` do not hash to their ``content_hash`` — or, for a row whose
+    hash is no :func:`thinkfleet.message.content_hash` (empty, a placeholder), to the hash submitted for
+    the prompt (``submitted``: prompt_id → hash). Placeholders on both sides (the test fleet's
+    ``h-<prompt>``) cannot be recomputed; the stale check compares them as text.
+    """
+    submitted = submitted or {}
+    hashes = table[CONTENT_HASH].to_pylist()
+    values, offsets = flat_ids(table[INPUT_IDS])
+    ids = values.astype("<u4", copy=False)
+    out = []
+    for i, (pid, stored) in enumerate(zip(table[PROMPT_ID].to_pylist(), hashes, strict=True)):
+        wanted = stored if is_content_hash(stored) else submitted.get(pid)
+        if is_content_hash(wanted) and hash_id_bytes(ids[offsets[i] : offsets[i + 1]].tobytes()) != wanted:
+            out.append(pid)
+    return out
 
 
 def _reasoning_alarm(report: VerifyReport, settings: Settings) -> None:
@@ -175,6 +200,7 @@ def format_report(report: VerifyReport, limit: int = 20) -> str:
         for pid, problems in list(report.malformed.items())[:limit]:
             lines.append(f"  {pid}: {'; '.join(problems)}")
     section("STALE (row from older prompt content)", report.stale)
+    section("HASH MISMATCH (stored input_ids do not hash to the row's content_hash: injected?)", report.hash_mismatch)
     if report.reasoning_alarm:
         lines.append(
             f"REASONING ALARM: {report.thinking_rows - report.think_end_rows} of {report.thinking_rows} "

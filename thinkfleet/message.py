@@ -3,10 +3,26 @@
 One Celery task per prompt (``TASK_NAME``), serialized with msgpack so the token ids ride as raw bytes
 (little-endian uint32, zstd-compressed) instead of a JSON integer list. Flower shows ``argsrepr`` —
 job, dataset and prompt id — never the bytes.
+
+Anyone who can write the broker can write a message, so a worker trusts none of it before
+:meth:`PromptTask.verified_ids` (and the names, checked when the task is built) say so:
+
+- job and dataset names are *plain* (:data:`PLAIN_NAME`, the producer's dataset-name rule): they
+  become Redis keys and storage paths, so ``x:claims`` must never reach a key builder;
+- ``overrides`` only carry the per-message sampling keys the producer and ``producer retry`` set
+  (:data:`OVERRIDE_KEYS`), with sane values;
+- the id blob is decompressed with a bound (``max_prompt_tokens`` ids): a zstd frame whose header
+  declares more is refused before anything is allocated, and a frame that declares no size is refused;
+- the ids hash to the message's ``content_hash`` (the producer's :func:`content_hash` of the ids);
+- every id is below the job's vocabulary when it is known.
+
+A refusal is a :class:`MessageRefused` carrying the dead-letter class.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,10 +34,83 @@ TASK_NAME = "thinkfleet.generate"
 #: Magic byte of the packed ids: 0x01 = zstd(uint32 LE), 0x00 = raw uint32 LE.
 _ZSTD = 0x01
 _RAW = 0x00
-_compressor = zstandard.ZstdCompressor(level=3)
-_decompressor = zstandard.ZstdDecompressor()
+_ID_BYTES = 4
+_compressor = zstandard.ZstdCompressor(level=3)  # writes the content size into every frame
+
+#: Job and dataset names: what ``producer submit`` accepts as a dataset name (producer/inputs.py). They
+#: become Redis keys (``{prefix}:job:{job}:…``) and storage paths, so no ':', '/', spaces or leading dot.
+PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+#: The longest prompt a worker decodes, in ids (``THINKFLEET_MAX_PROMPT_TOKENS``): 4 MiB of uint32.
+DEFAULT_MAX_PROMPT_TOKENS = 1 << 20
+#: The sampling keys one message may set for itself; everything else comes from the job record.
+#: ``sampling_seed``: per-sample seeds (``thinkfleet.state.job.sample_overrides``); ``max_new_tokens``:
+#: ``producer retry --truncated --max-new-tokens`` (workers/retry.py).
+OVERRIDE_KEYS = frozenset({"sampling_seed", "max_new_tokens"})
+_INT64 = 1 << 63
+_MAX_NEW_TOKENS = (1 << 31) - 1
+#: What :func:`content_hash` returns: 16 lowercase hex digits (blake2b, 8 bytes).
+_CONTENT_HASH = re.compile(r"[0-9a-f]{16}")
 
 
+class MessageRefused(ValueError):
+    """A message a worker must not run; ``error_class`` is its dead-letter class."""
+
+    def __init__(self, error_class: str, detail: str) -> None:
+        super().__init__(f"{error_class}: {detail}")
+        self.error_class = error_class
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class MessageLimits:
+    """What a worker accepts: ids per prompt, and the job's vocabulary (None = unknown, unchecked)."""
+
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
+    vocab_size: int | None = None
+
+    @property
+    def max_id_bytes(self) -> int:
+        return self.max_prompt_tokens * _ID_BYTES
+
+
+def is_plain_name(name: object) -> bool:
+    """True for a job or dataset name that may become a Redis key and a path segment."""
+    return isinstance(name, str) and PLAIN_NAME.fullmatch(name) is not None
+
+
+def check_name(kind: str, name: object) -> str:
+    """``name`` when it is plain, else :class:`MessageRefused` ``bad_{kind}_name``."""
+    if not is_plain_name(name):
+        raise MessageRefused(
+            f"bad_{kind}_name",
+            f"{kind} name {str(name)[:200]!r} is not plain (letters, digits, '.', '_', '-'; at most 128, "
+            "not starting with '.', '_' or '-')",
+        )
+    return str(name)
+
+
+# -- content hash ------------------------------------------------------------------------------------------
+def content_hash(ids: list[int] | np.ndarray) -> str:
+    """Hash of the prompt ids (uint32 LE): workers and ``producer verify`` recompute it from the ids."""
+    return hash_id_bytes(np.ascontiguousarray(ids, dtype="<u4").tobytes())
+
+
+def hash_id_bytes(raw: bytes | memoryview) -> str:
+    """:func:`content_hash` of ids already packed as uint32 LE bytes."""
+    return hashlib.blake2b(raw, digest_size=8).hexdigest()
+
+
+def is_content_hash(text: object) -> bool:
+    """True when ``text`` has the form :func:`content_hash` returns, so it can be checked against ids.
+
+    Other values (the test fleet's ``h-<prompt>`` placeholders, benchmark ids) cannot be recomputed:
+    a worker passes them through, and ``producer verify`` flags such a row as stale whenever the
+    submitted hash is a real one.
+    """
+    return isinstance(text, str) and _CONTENT_HASH.fullmatch(text) is not None
+
+
+# -- packed ids -------------------------------------------------------------------------------------------
 def pack_ids(ids: list[int] | np.ndarray, compress: bool = True) -> bytes:
     """Token ids → compact bytes (the inverse of :func:`unpack_ids`)."""
     raw = np.asarray(ids, dtype="<u4").tobytes()
@@ -30,33 +119,92 @@ def pack_ids(ids: list[int] | np.ndarray, compress: bool = True) -> bytes:
     return bytes([_RAW]) + raw
 
 
-def unpack_ids(blob: bytes) -> list[int]:
-    """Bytes from :func:`pack_ids` → token ids. Raises ValueError on anything else."""
+def unpack_id_bytes(blob: bytes, max_bytes: int | None = DEFAULT_MAX_PROMPT_TOKENS * _ID_BYTES) -> bytes:
+    """Bytes from :func:`pack_ids` → the uint32 LE id bytes, never more than ``max_bytes`` (None: no bound).
+
+    Raises :class:`MessageRefused` ``oversize`` for more ids than that — a zstd frame whose header
+    declares more is refused before any output is allocated — and ValueError for anything else
+    (an unknown kind byte, a broken or sizeless frame, a partial id).
+    """
     if not blob:
         raise ValueError("empty token blob")
-    kind, body = blob[0], blob[1:]
+    kind, body = blob[0], memoryview(blob)[1:]
     if kind == _ZSTD:
-        body = _decompressor.decompress(body)
-    elif kind != _RAW:
+        try:
+            declared = zstandard.frame_content_size(body)
+        except zstandard.ZstdError as exc:
+            raise ValueError(f"not a zstd frame: {exc}") from None
+        if declared < 0:  # CONTENTSIZE_UNKNOWN / _ERROR: decompressing it would need a growing buffer
+            raise ValueError("zstd frame declares no content size (pack_ids always writes it)")
+        if max_bytes is not None and declared > max_bytes:
+            raise MessageRefused(
+                "oversize", f"zstd frame declares {declared:,} bytes of ids, over the limit of {max_bytes:,}"
+            )
+        # One-shot with a declared size: the output buffer is exactly that size, whatever the frame holds.
+        try:
+            data = zstandard.ZstdDecompressor().decompress(body)
+        except zstandard.ZstdError as exc:
+            raise ValueError(f"broken zstd frame: {exc}") from None
+        if len(data) != declared:
+            raise ValueError(f"zstd frame declared {declared} bytes but held {len(data)}")
+    elif kind == _RAW:
+        if max_bytes is not None and len(body) > max_bytes:
+            raise MessageRefused("oversize", f"{len(body):,} bytes of raw ids, over the limit of {max_bytes:,}")
+        data = bytes(body)
+    else:
         raise ValueError(f"unknown token blob kind {kind:#x}")
-    if len(body) % 4:
-        raise ValueError(f"token blob of {len(body)} bytes is not a whole number of uint32")
-    return np.frombuffer(body, dtype="<u4").tolist()
+    if len(data) % _ID_BYTES:
+        raise ValueError(f"token blob of {len(data)} bytes is not a whole number of uint32")
+    return data
+
+
+def unpack_ids(blob: bytes, max_ids: int | None = DEFAULT_MAX_PROMPT_TOKENS) -> list[int]:
+    """Bytes from :func:`pack_ids` → token ids (at most ``max_ids``; None: no bound). Raises
+    :class:`MessageRefused` (``oversize``) or ValueError on anything else."""
+    data = unpack_id_bytes(blob, None if max_ids is None else max_ids * _ID_BYTES)
+    return np.frombuffer(data, dtype="<u4").tolist()
+
+
+def check_overrides(overrides: dict[str, Any]) -> None:
+    """Only :data:`OVERRIDE_KEYS`, each an integer in range; else :class:`MessageRefused` ``bad_overrides``."""
+    extra = sorted(str(k)[:64] for k in overrides if k not in OVERRIDE_KEYS)
+    if extra:
+        raise MessageRefused(
+            "bad_overrides", f"overrides {extra} are not per-message keys (allowed: {sorted(OVERRIDE_KEYS)})"
+        )
+    seed = overrides.get("sampling_seed")
+    if "sampling_seed" in overrides and not (_is_int(seed) and -_INT64 <= seed < _INT64):
+        raise MessageRefused("bad_overrides", f"sampling_seed {str(seed)[:64]!r} is not a 64-bit integer")
+    budget = overrides.get("max_new_tokens")
+    if "max_new_tokens" in overrides and not (_is_int(budget) and 1 <= budget <= _MAX_NEW_TOKENS):
+        raise MessageRefused("bad_overrides", f"max_new_tokens {str(budget)[:64]!r} is not a positive integer")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
 class PromptTask:
-    """Everything a worker needs about one generation unit; sampling params come from the job record."""
+    """Everything a worker needs about one generation unit; sampling params come from the job record.
+
+    ``job`` and ``dataset`` are plain names (:data:`PLAIN_NAME`), checked when the task is built: a
+    task with any other name cannot exist (``bad_job_name`` / ``bad_dataset_name``).
+    """
 
     job: str
     dataset: str
     prompt_id: str  # unique within the job (includes the sample index when --samples > 1)
     row_index: int  # row in the source dataset file
-    content_hash: str  # hash of the rendered prompt ids; a changed re-submit is detected with it
+    content_hash: str  # content_hash() of the prompt ids; workers and verify recompute it
     ids_blob: bytes  # pack_ids(prompt input_ids)
     sample_index: int = 0
     revision: int = 0  # bumped by `producer retry --max-new-tokens`; the highest revision wins
     overrides: dict[str, Any] = field(default_factory=dict)  # sampling overrides of this revision
+
+    def __post_init__(self) -> None:
+        check_name("job", self.job)
+        check_name("dataset", self.dataset)
 
     def to_args(self) -> list[Any]:
         return [
@@ -73,11 +221,14 @@ class PromptTask:
 
     @classmethod
     def from_args(cls, args: list[Any] | tuple[Any, ...]) -> PromptTask:
+        """Decode a message's args; raises ValueError (or :class:`MessageRefused` for a bad name)."""
         if len(args) != 9:
             raise ValueError(f"a {TASK_NAME} message has 9 args, got {len(args)}")
         job, dataset, prompt_id, row_index, content_hash, ids_blob, sample_index, revision, overrides = args
         if not isinstance(ids_blob, bytes | bytearray):
             raise ValueError("ids_blob must be bytes (msgpack bin); was the message JSON-serialized?")
+        check_name("job", job)  # before str(): a non-string job is no name at all
+        check_name("dataset", dataset)
         return cls(
             job=str(job),
             dataset=str(dataset),
@@ -93,6 +244,38 @@ class PromptTask:
     @property
     def input_ids(self) -> list[int]:
         return unpack_ids(self.ids_blob)
+
+    def verified_ids(self, limits: MessageLimits = MessageLimits()) -> list[int]:
+        """The prompt ids once the message passed every check a worker makes before it claims the prompt.
+
+        Raises :class:`MessageRefused` with the dead-letter class: ``bad_overrides``, ``oversize`` (more
+        than ``limits.max_prompt_tokens`` ids, declared or real), ``corrupt_message`` (an undecodable
+        blob), ``content_hash_mismatch`` (the ids do not hash to ``content_hash``) or ``invalid_ids``
+        (an id at or above ``limits.vocab_size``).
+        """
+        check_overrides(self.overrides)
+        try:
+            data = unpack_id_bytes(self.ids_blob, limits.max_id_bytes)
+        except MessageRefused:
+            raise
+        except Exception as exc:  # a truncated zstd frame, a partial id: resending it cannot help
+            raise MessageRefused("corrupt_message", f"{type(exc).__name__}: {exc}") from exc
+        if is_content_hash(self.content_hash):
+            actual = hash_id_bytes(data)
+            if actual != self.content_hash:
+                raise MessageRefused(
+                    "content_hash_mismatch",
+                    f"the ids hash to {actual}, the message says {self.content_hash}: not the submitted prompt",
+                )
+        ids = np.frombuffer(data, dtype="<u4")
+        vocab = limits.vocab_size
+        if vocab is not None and len(ids) and int(ids.max()) >= vocab:
+            at = int(np.argmax(ids >= vocab))
+            raise MessageRefused(
+                "invalid_ids",
+                f"prompt id {int(ids[at])} at position {at} of {len(ids)} is >= the vocabulary size {vocab}; not sent",
+            )
+        return ids.tolist()
 
     @property
     def task_id(self) -> str:

@@ -81,6 +81,20 @@ class Settings(BaseSettings):
         0.95, gt=0, le=1, description="Fire when this share of rows lacks a think-end token."
     )
 
+    # -- messages: what a worker accepts ----------------------------------------------------------
+    max_prompt_tokens: int = Field(
+        1 << 20,
+        ge=1,
+        description="Longest prompt, in ids, a worker decodes (4 bytes each: 4 MiB by default); a longer one is "
+        "dead-lettered as oversize and refused by producer submit.",
+    )
+    max_message_bytes: int = Field(
+        0,
+        ge=0,
+        description="Largest message body a worker decodes; bigger ones go to the malformed list as oversize. "
+        "0 = derived from max_prompt_tokens (4 bytes per id + 64 KiB).",
+    )
+
     log_level: str = Field("INFO", description="Python logging level.")
 
     @field_validator("output_uri")
@@ -113,6 +127,12 @@ class Settings(BaseSettings):
         at most this many messages that are not yet sending.
         """
         return max(4, self.max_inflight // 4)
+
+    @property
+    def message_byte_limit(self) -> int:
+        """``max_message_bytes``, or what the largest plausible prompt's message needs: its ids raw (zstd never
+        expands them by more than a few bytes per 128 KiB) plus room for names, hash and overrides."""
+        return self.max_message_bytes or self.max_prompt_tokens * 4 + (64 << 10)
 
     @property
     def worker_identity(self) -> str:

@@ -1,15 +1,37 @@
-"""The Celery task and the signal hooks that tie a worker process to its WorkerRuntime."""
+"""The Celery task and the signal hooks that tie a worker process to its WorkerRuntime.
+
+Message-level refusals happen here, before kombu or Celery decode anything a sender controls:
+
+- **compression**: kombu decompresses a body whose ``compression`` header names a codec while it
+  builds the ``Message`` — before any content check, with no output limit (a 2 KB zlib frame
+  is 64 MiB). A worker's consumer (:class:`GuardedConsumer`) installs :func:`refuse_compression`
+  first: every codec raises :class:`CompressionRefused` instead of inflating, kombu hands the message
+  to ``on_decode_error``, which records it in the malformed list (``compressed_message``), counts it
+  and acks (drops) it. thinkfleet never sends compressed messages (ids are zstd-packed inside).
+- **size**: a message body over ``Settings.message_byte_limit`` is recorded as ``oversize`` in the
+  malformed list, counted and acked by the task's strategy (:func:`guarded_strategy`) before Celery
+  decodes the msgpack body.
+
+Everything inside a decoded message (names, overrides, ids, hash, vocabulary) is checked by
+``thinkfleet.message`` in the runtime.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
+import kombu.compression
+import kombu.message
 from celery import Celery, signals
 from celery.exceptions import Reject
+from celery.worker.consumer import Consumer
 
 from thinkfleet.message import TASK_NAME
 from thinkfleet.settings import Settings
@@ -20,6 +42,106 @@ log = logging.getLogger("thinkfleet.worker")
 
 #: Exit status of a worker whose runtime could not be built (sysexits' EX_CONFIG).
 START_FAILED_EXIT = 78
+
+
+# -- message-level refusals ------------------------------------------------------------------------------
+class CompressionRefused(ValueError):
+    """A message with a ``compression`` header: never inflated (a decompression bomb costs nothing)."""
+
+    def __init__(self, codec: str, size: int) -> None:
+        super().__init__(
+            f"message body of {size:,} bytes declares compression {codec[:64]!r}: refused before decompressing "
+            "(thinkfleet never compresses messages)"
+        )
+
+
+def _refuse(body: Any, content_type: str = "?") -> bytes:
+    raise CompressionRefused(str(content_type), len(body) if hasattr(body, "__len__") else -1)
+
+
+def refuse_compression() -> None:
+    """Make every kombu codec refuse instead of decompressing, in this process (a worker's consumer).
+
+    Both the module-level ``decompress`` that ``kombu.message.Message`` calls and each registered decoder
+    are replaced; a self-check builds a compressed message and fails loudly if kombu still inflates it.
+    """
+    kombu.message.decompress = _refuse  # type: ignore[assignment]
+    decoders: dict[str, Callable[..., Any]] = kombu.compression._decoders  # type: ignore[attr-defined]
+    for codec in list(decoders):
+        decoders[codec] = lambda body, _codec=codec: _refuse(body, _codec)
+    probe = kombu.message.Message(body=b"x\x9c\x03\x00", headers={"compression": "application/x-gzip"})
+    if not (probe.errors and isinstance(probe.errors[0][1], CompressionRefused)):
+        raise RuntimeError("kombu still decompresses message bodies: cannot refuse compressed messages")
+
+
+def _message_summary(message: Any) -> dict[str, Any]:
+    headers = getattr(message, "headers", None) or {}
+    body = getattr(message, "body", b"") or b""
+    return {
+        "message_id": str(headers.get("id", ""))[:200] or None,
+        "task": str(headers.get("task", ""))[:200],
+        "argsrepr": str(headers.get("argsrepr", ""))[:500],
+        "compression": str(headers.get("compression", ""))[:64] or None,
+        "body_bytes": len(body) if hasattr(body, "__len__") else None,
+    }
+
+
+def record_refused(kind: str, message: Any, reason: str) -> None:
+    """Log, count (``thinkfleet_internal_errors{kind}``) and record a message refused before decoding in
+    the malformed list (its headers, never its body). Best effort: the message is dropped either way."""
+    summary = _message_summary(message)
+    log.error("refused message %s (%s): %s; headers %s", summary["message_id"], kind, reason, summary)
+    rt = current_runtime()
+    if rt is None:
+        return
+    rt.metrics.errors.labels(kind).inc()
+    record = {**summary, "error": f"{kind}: {reason}", "at": time.time()}
+    try:
+        rt.loop.run(rt._push_malformed(json.dumps(record)), timeout_s=10)
+    except Exception as exc:
+        log.error("could not record refused message %s: %s", summary["message_id"], exc)
+
+
+class GuardedConsumer(Consumer):
+    """Celery's consumer with compressed messages refused before kombu inflates them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        refuse_compression()  # before any message is received
+        super().__init__(*args, **kwargs)
+
+    def on_decode_error(self, message: Any, exc: BaseException) -> None:
+        if isinstance(exc, CompressionRefused):
+            record_refused("compressed_message", message, str(exc))
+        super().on_decode_error(message, exc)  # logs it and acks: the message leaves the queue
+
+
+def guarded_strategy(settings: Settings) -> Callable[..., Any]:
+    """The task's Celery strategy: Celery's own, behind the size check (and a compression check, should
+    a message ever arrive inflated)."""
+    limit = settings.message_byte_limit
+
+    def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[..., Any]:
+        from celery.worker.strategy import default
+
+        handle = default(task, app, consumer, **kwargs)
+
+        def on_message(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **kw: Any) -> Any:
+            raw = message.body if body is None else None
+            size = len(raw) if isinstance(raw, bytes | bytearray | str | memoryview) else 0
+            reason = kind = None
+            if message.headers.get("compression"):
+                kind, reason = "compressed_message", "a compression header reached the task (kombu inflated it)"
+            elif size > limit:
+                kind, reason = "oversize", f"body of {size:,} bytes is over the limit of {limit:,} (max_message_bytes)"
+            if kind is None:
+                return handle(message, body, ack, reject, callbacks, **kw)
+            record_refused(kind, message, str(reason))
+            message.ack_log_error(log, consumer.connection_errors)
+            return None
+
+        return on_message
+
+    return strategy
 
 
 def worker_identity(settings: Settings, celery_hostname: str | None) -> str:
@@ -52,7 +174,16 @@ def register_tasks(app: Celery, settings: Settings) -> None:
     def runtime() -> Any:
         return get_runtime(settings, worker_identity(settings, state["hostname"]))
 
-    @app.task(name=TASK_NAME, bind=True, acks_late=True, ignore_result=True)
+    # Compressed messages are refused by the consumer before kombu inflates them (GuardedConsumer).
+    app.conf.worker_consumer = f"{__name__}:GuardedConsumer"
+
+    @app.task(
+        name=TASK_NAME,
+        bind=True,
+        acks_late=True,
+        ignore_result=True,
+        Strategy=staticmethod(guarded_strategy(settings)),  # oversize bodies refused before decoding
+    )
     def generate(self: Any, *args: Any) -> str:
         # The only exits: an outcome (acked: stored, dead-lettered, malformed recorded) or Reject with
         # requeue (handed back). Celery acks a task that raises anything else, which would drop it.

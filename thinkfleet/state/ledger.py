@@ -34,16 +34,20 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from thinkfleet.keys import Keys
-from thinkfleet.message import PromptTask
+from thinkfleet.message import PromptTask, is_plain_name
 from thinkfleet.state.scripts import lua
+
+log = logging.getLogger("thinkfleet.worker")
 
 
 @dataclass(frozen=True)
@@ -174,15 +178,23 @@ class Ledger:
         whoever claims next still finds a committed part and only finalizes it). Returns how many."""
         abandoned = 0
         for raw_job in await self.r.smembers(self.keys.jobs):
-            job = raw_job.decode() if isinstance(raw_job, bytes) else raw_job
-            async for prompt_id, raw in self.r.hscan_iter(self.keys.claims(job)):
-                try:
-                    claim = json.loads(raw)
-                except ValueError:
-                    continue  # not ours to judge: a foreign value in the hash must not stop the worker
-                if isinstance(claim, dict) and claim.get("worker") == self.worker:
-                    orphan = json.dumps({**claim, "worker": ""})
-                    abandoned += int(await self._abandon(keys=[self.keys.claims(job)], args=[prompt_id, raw, orphan]))
+            job = raw_job.decode(errors="replace") if isinstance(raw_job, bytes) else str(raw_job)
+            if not is_plain_name(job):
+                # Never a submitted job (submit refuses such names): `x:claims` would name job x's keys.
+                log.warning("abandon_claims: skipping job %r in %s: not a plain job name", job[:200], self.keys.jobs)
+                continue
+            try:
+                async for prompt_id, raw in self.r.hscan_iter(self.keys.claims(job)):
+                    try:
+                        claim = json.loads(raw)
+                    except ValueError:
+                        continue  # not ours to judge: a foreign value in the hash must not stop the worker
+                    if isinstance(claim, dict) and claim.get("worker") == self.worker:
+                        orphan = json.dumps({**claim, "worker": ""})
+                        keys = [self.keys.claims(job)]
+                        abandoned += int(await self._abandon(keys=keys, args=[prompt_id, raw, orphan]))
+            except ResponseError as exc:  # e.g. WRONGTYPE: a foreign key where the claims hash belongs
+                log.warning("abandon_claims: skipping job %r: %s", job, exc)
         return abandoned
 
     async def raise_alarm(self, job: str, evidence: dict[str, Any]) -> bool:
