@@ -51,7 +51,9 @@ def common_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _settings(overrides: dict[str, Any]) -> Settings:
     names = ("redis_url", "output_uri", "key_prefix", "queue", "s3_endpoint_url")
-    return load_settings(**{k: overrides.pop(k, None) for k in names})
+    settings = load_settings(**{k: overrides.pop(k, None) for k in names})
+    settings.require_safe_redis_password(click.ClickException)  # a placeholder or short password for a remote Redis
+    return settings
 
 
 @click.group()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shlex
 import shutil
@@ -31,6 +32,12 @@ COMPOSE = {
     "sim": REPO / "deploy" / "docker-compose.sim.yml",
     "head": REPO / "deploy" / "head" / "docker-compose.yml",
 }
+#: Opt-in override files (TLS) and the base file each goes on top of.
+OVERRIDES = {
+    "head-tls": (REPO / "deploy" / "head" / "docker-compose.tls.yml", "head"),
+    "node-tls": (REPO / "deploy" / "docker-compose.tls.yml", "node"),
+}
+ACL_TEMPLATE = REPO / "deploy" / "head" / "redis" / "users.acl.template"
 DOCKER_COMPOSE = shutil.which("docker-compose")
 SGLANG_PORT = "30000"
 WORKER_METRICS_PORT = "9464"
@@ -113,7 +120,8 @@ def required_variables(path: Path) -> set[str]:
 
 
 def load_raw(name: str) -> dict[str, Any]:
-    return yaml.safe_load(COMPOSE[name].read_text())
+    path = COMPOSE[name] if name in COMPOSE else OVERRIDES[name][0]
+    return yaml.safe_load(path.read_text())
 
 
 def load_compose(name: str, env: dict[str, str] | None = None, **overrides: str) -> dict[str, Any]:
@@ -167,10 +175,11 @@ def setting_env_names() -> set[str]:
 # -- the files are valid Compose ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(COMPOSE))
+@pytest.mark.parametrize("name", sorted(COMPOSE) + sorted(OVERRIDES))
 def test_compose_file_matches_the_compose_spec_before_and_after_interpolation(name: str) -> None:
     assert schema_errors(load_raw(name)) == []
-    assert schema_errors(load_compose(name)) == []
+    env = {**dotenv(), "REDIS_TLS_CA_FILE": "/srv/secrets/redis_tls_ca.crt"}
+    assert schema_errors(load_compose(name, env)) == []
 
 
 def test_schema_check_rejects_a_misspelt_key() -> None:
@@ -191,10 +200,15 @@ def compose_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def docker_compose_config(project: Path, name: str, env_file: str = ".env") -> subprocess.CompletedProcess[str]:
-    path = COMPOSE[name].relative_to(REPO)
+def docker_compose_config(
+    project: Path, name: str, env_file: str = ".env", env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``docker-compose config`` of a base file, or of an override on top of its base file."""
+    files = [COMPOSE[OVERRIDES[name][1]], OVERRIDES[name][0]] if name in OVERRIDES else [COMPOSE[name]]
+    args = [a for path in files for a in ("-f", str(path.relative_to(REPO)))]
     return subprocess.run(
-        [DOCKER_COMPOSE or "docker-compose", "--env-file", env_file, "-f", str(path), "config"],
+        [DOCKER_COMPOSE or "docker-compose", "--env-file", env_file, *args, "config"],
+        env=None if env is None else {**os.environ, **env},
         cwd=project,
         capture_output=True,
         text=True,
@@ -207,19 +221,39 @@ def docker_compose_config(project: Path, name: str, env_file: str = ".env") -> s
 def test_docker_compose_accepts_the_file_with_the_example_env(compose_project: Path, name: str) -> None:
     result = docker_compose_config(compose_project, name)
     assert result.returncode == 0, result.stderr
-    assert yaml.safe_load(result.stdout)["services"]
+    config = yaml.safe_load(result.stdout)
+    assert config["services"]
+    # Log rotation, secrets and ACL entrypoint survive compose's own parsing (anchors resolved).
+    for service in config["services"].values():
+        assert service["logging"]["driver"] == "json-file"
+    if name == "head":
+        assert {"redis_worker_password", "redis_flower_password"} <= set(config["secrets"])
 
 
 @pytest.mark.skipif(DOCKER_COMPOSE is None, reason="docker-compose not installed (apt-get install docker-compose)")
-def test_docker_compose_refuses_to_start_without_the_required_secrets(compose_project: Path) -> None:
-    # Given a .env without the Redis password
-    (compose_project / "no-password.env").write_text(
-        "\n".join(f"{k}={v}" for k, v in dotenv().items() if k != "REDIS_PASSWORD") + "\n"
-    )
-    # Then the head node does not come up with an open Redis
-    result = docker_compose_config(compose_project, "head", env_file="no-password.env")
+@pytest.mark.parametrize("name", sorted(OVERRIDES))
+def test_docker_compose_merges_the_tls_override_onto_its_base_file(compose_project: Path, name: str) -> None:
+    result = docker_compose_config(compose_project, name, env={"REDIS_TLS_CA_FILE": "/srv/secrets/ca.crt"})
+    assert result.returncode == 0, result.stderr
+    services = yaml.safe_load(result.stdout)["services"]
+    if name == "head-tls":
+        redis = services["redis"]
+        assert redis["environment"]["REDIS_TLS_CERT_FILE"] == "/run/secrets/redis_tls_server_cert"
+        # The override adds secrets; the ACL passwords of the base file stay mounted.
+        sources = {s["source"] if isinstance(s, dict) else s for s in redis["secrets"]}
+        assert {"redis_tls_server_key", "redis_tls_ca", "redis_worker_password"} <= sources
+        assert services["flower"]["environment"]["THINKFLEET_REDIS_URL"].startswith("rediss://flower@redis:6379/")
+        assert services["redis-exporter"]["environment"]["REDIS_ADDR"] == "rediss://redis:6379"
+    else:
+        sources = {s["source"] if isinstance(s, dict) else s for s in services["worker"]["secrets"]}
+        assert sources == {"redis_worker_password", "redis_tls_ca"}
+
+
+@pytest.mark.skipif(DOCKER_COMPOSE is None, reason="docker-compose not installed (apt-get install docker-compose)")
+def test_node_tls_override_needs_the_ca_certificate(compose_project: Path) -> None:
+    result = docker_compose_config(compose_project, "node-tls", env={"REDIS_TLS_CA_FILE": ""})
     assert result.returncode != 0
-    assert "REDIS_PASSWORD" in result.stderr
+    assert "REDIS_TLS_CA_FILE" in result.stderr
 
 
 def test_the_sim_node_runs_the_same_worker_as_a_gpu_node() -> None:
@@ -335,27 +369,166 @@ def test_worker_settings_come_from_env_and_name_real_settings() -> None:
     assert worker["hostname"] == dotenv()["NODE_NAME"]
 
 
-def test_worker_metrics_port_is_published_for_prometheus() -> None:
+def test_worker_metrics_port_is_published_for_prometheus_on_the_private_address_only() -> None:
+    env = dotenv()
     worker = load_compose("node")["services"]["worker"]
     assert worker["environment"]["THINKFLEET_METRICS_PORT"] == WORKER_METRICS_PORT
-    assert f"{dotenv()['WORKER_METRICS_PORT']}:{WORKER_METRICS_PORT}" in worker["ports"]
+    assert f"{env['WORKER_METRICS_BIND']}:{env['WORKER_METRICS_PORT']}:{WORKER_METRICS_PORT}" in worker["ports"]
+    private = load_compose("node", WORKER_METRICS_BIND="10.0.0.11")["services"]["worker"]
+    assert f"10.0.0.11:{env['WORKER_METRICS_PORT']}:{WORKER_METRICS_PORT}" in private["ports"]
+
+
+@pytest.mark.parametrize("name", ["node", "sim"])
+def test_worker_reads_its_redis_password_from_a_compose_secret(name: str) -> None:
+    document = load_compose(name)
+    worker = document["services"]["worker"]
+    path = worker["environment"]["THINKFLEET_REDIS_PASSWORD_FILE"]
+    assert path == "/run/secrets/redis_worker_password" and worker["secrets"] == ["redis_worker_password"]
+    source = Path(document["secrets"]["redis_worker_password"]["file"])
+    assert (COMPOSE[name].parent / source).resolve() == REPO / "secrets" / "redis_worker_password"
+    assert load_compose(name, SECRETS_DIR="/srv/s")["secrets"]["redis_worker_password"]["file"] == (
+        "/srv/s/redis_worker_password"
+    )
+    # The URL names the ACL user; the password is not in .env at all.
+    url = dotenv()["THINKFLEET_REDIS_URL"]
+    assert url.startswith("redis://worker@") and ":" not in url.split("//")[1].split("@")[0]
 
 
 # -- the head node ---------------------------------------------------------------------------------
 
 
-def test_redis_is_durable_never_evicts_and_needs_a_password() -> None:
-    raw = load_raw("head")["services"]["redis"]
-    assert flag(raw["command"], "--requirepass").startswith("${REDIS_PASSWORD:?")
+def acl_users() -> list[str]:
+    """Users of the ACL template (the rendered file has one line per user; see entrypoint.sh)."""
+    return re.findall(r"^user (\S+)", ACL_TEMPLATE.read_text(), flags=re.MULTILINE)
+
+
+def test_redis_is_durable_never_evicts_and_runs_with_the_acl_file() -> None:
     redis = load_compose("head")["services"]["redis"]
     args = command_args(redis["command"])
     assert flag(args, "--appendonly") == "yes"
     assert flag(args, "--appendfsync") == "everysec"
     assert flag(args, "--maxmemory-policy") == "noeviction"
-    assert flag(args, "--requirepass") == dotenv()["REDIS_PASSWORD"]
     assert flag(args, "--dir") == "/data"
+    assert "--requirepass" not in args, "one shared password on argv is what the ACL replaces"
     volume = next(v for v in redis["volumes"] if v.endswith(":/data"))
     assert volume.split(":")[0] in load_raw("head")["volumes"], "Redis data must live on a named volume"
+    # The entrypoint renders the ACL from the template mounted next to it, onto a tmpfs.
+    assert redis["entrypoint"] == ["/bin/sh", "/usr/local/etc/thinkfleet/entrypoint.sh"]
+    assert "./redis:/usr/local/etc/thinkfleet:ro" in redis["volumes"]
+    assert "/run/thinkfleet-redis" in redis["tmpfs"]
+    # Every user of the template but the (disabled) default one gets its password file as a secret,
+    # and the prefix, queue and database the patterns are written for match the clients'.
+    users = acl_users()
+    assert {"default", "producer", "worker", "flower", "exporter"} <= set(users)
+    assert set(redis["secrets"]) == {f"redis_{u}_password" for u in users if u != "default"}
+    env = dotenv()
+    assert redis["environment"]["THINKFLEET_KEY_PREFIX"] == env["THINKFLEET_KEY_PREFIX"]
+    assert redis["environment"]["THINKFLEET_QUEUE"] == env["THINKFLEET_QUEUE"]
+    assert redis["environment"]["REDIS_DB"] == env["REDIS_DB"]
+    assert "healthcheck.sh" in " ".join(redis["healthcheck"]["test"])
+
+
+ADMIN_COMMANDS = {
+    *("flushall", "flushdb", "keys", "config", "debug", "shutdown", "acl", "module", "monitor"),
+    *("function", "migrate", "restore", "swapdb", "save", "bgsave", "replicaof", "slaveof"),
+}
+
+
+def test_default_user_is_off_and_no_role_gets_admin_commands() -> None:
+    rules = {}
+    for block in re.split(
+        r"\n(?=user )", "\n".join(line for line in ACL_TEMPLATE.read_text().splitlines() if not line.startswith("#"))
+    ):
+        words = block.split()
+        if words and words[0] == "user":
+            rules[words[1]] = words[2:]
+    assert rules["default"][0] == "off" and "-@all" in rules["default"]
+    for role in ("producer", "worker", "flower", "exporter"):
+        words = rules[role]
+        assert words.index("-@all") < words.index("+@connection"), role
+        assert "-@dangerous" in words and "-@admin" in words, role
+        granted = {w[1:].split("|")[0] for w in words if w.startswith("+") and not w.startswith("+@")}
+        assert not granted & ADMIN_COMMANDS, role
+        assert "~*" not in words and "allkeys" not in words and "&*" not in words, role
+
+
+@pytest.mark.parametrize("name", sorted(COMPOSE))
+def test_published_ports_never_default_to_all_interfaces(name: str) -> None:
+    # Docker publishes "PORT:PORT" on 0.0.0.0, past ufw/firewalld: every port names its address.
+    for env in (dotenv(), {"MODEL_PATH": "/m", "NODE_NAME": "n", **_required_placeholders()}):
+        for service_name, service in load_compose(name, env).get("services", {}).items():
+            for mapping in service.get("ports", []):
+                host_ip = str(mapping).split(":")[0]
+                assert str(mapping).count(":") == 2, f"{service_name}: {mapping} has no host address"
+                assert host_ip not in ("0.0.0.0", "", "::"), f"{service_name}: {mapping}"
+    head = load_compose("head", REDIS_BIND="10.0.0.10")["services"]["redis"]
+    assert f"10.0.0.10:{dotenv()['REDIS_PORT']}:6379" in head["ports"]
+
+
+def _required_placeholders() -> dict[str, str]:
+    return {"FLOWER_BASIC_AUTH": "a:b", "GRAFANA_ADMIN_PASSWORD": "x"}
+
+
+@pytest.mark.parametrize("name", sorted(COMPOSE))
+def test_every_service_rotates_its_logs(name: str) -> None:
+    env = dotenv()
+    for service_name, service in load_compose(name)["services"].items():
+        logging = service.get("logging")
+        assert logging, f"{service_name} in {name} keeps one log file that grows forever"
+        assert logging["driver"] == "json-file"
+        assert logging["options"] == {"max-size": env["LOG_MAX_SIZE"], "max-file": env["LOG_MAX_FILE"]}
+    # compose's defaults, too
+    defaults = load_compose(name, {"MODEL_PATH": "/m", "NODE_NAME": "n", **_required_placeholders()})
+    for service in defaults["services"].values():
+        assert duration_or_size(service["logging"]["options"]["max-size"]) > 0
+        assert int(service["logging"]["options"]["max-file"]) >= 2
+
+
+def duration_or_size(text: str) -> int:
+    number, unit = re.fullmatch(r"(\d+)([kmg]?)", text).groups()  # type: ignore[union-attr]
+    return int(number) * {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}[unit]
+
+
+@pytest.mark.parametrize("name", sorted(COMPOSE))
+def test_no_shm_size_beside_ipc_host(name: str) -> None:
+    # With ipc: host the container uses the host's /dev/shm; shm_size would silently do nothing.
+    for service_name, service in load_compose(name)["services"].items():
+        assert not ("shm_size" in service and service.get("ipc") == "host"), service_name
+
+
+def test_sglang_keeps_its_jit_kernel_caches_on_a_volume() -> None:
+    document = load_compose("node")
+    sglang = document["services"]["sglang"]
+    assert "sglang-cache:/root/.cache" in sglang["volumes"] and "sglang-cache" in document["volumes"]
+    for variable in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        assert sglang["environment"][variable].startswith("/root/.cache/")
+
+
+@pytest.mark.parametrize(("name", "service_name"), [("node", "sglang"), ("node", "worker"), ("sim", "sglang")])
+def test_an_unhealthy_container_is_restarted(name: str, service_name: str) -> None:
+    # Docker only marks it unhealthy; the healthcheck itself makes the container exit, then the
+    # restart policy starts it again (tests/test_deploy_services.py runs the script).
+    service = load_compose(name)["services"][service_name]
+    kind, *argv = service["healthcheck"]["test"]
+    assert kind == "CMD" and argv[1] == "/opt/thinkfleet/deploy/healthcheck.py"
+    assert int(flag(argv, "--restart-after")) > 0
+    assert service["init"] is True, "PID 1 must be tini for the SIGTERM to reach the service"
+    assert service["restart"] == "unless-stopped"
+    if name == "node" and service_name == "sglang":
+        assert "./deploy/healthcheck.py:/opt/thinkfleet/deploy/healthcheck.py:ro" in service["volumes"]
+
+
+def test_flower_and_the_exporter_log_in_as_their_own_redis_users() -> None:
+    head = load_compose("head")
+    flower, exporter = head["services"]["flower"], head["services"]["redis-exporter"]
+    assert flower["environment"]["THINKFLEET_REDIS_URL"] == f"redis://flower@redis:6379/{dotenv()['REDIS_DB']}"
+    assert flower["environment"]["THINKFLEET_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_flower_password"
+    assert flower["secrets"] == ["redis_flower_password"]
+    assert exporter["environment"]["REDIS_USER"] == "exporter"
+    assert exporter["environment"]["REDIS_PASSWORD_FILE"] == "/run/secrets/redis_exporter_passwords"
+    assert exporter["environment"]["REDIS_EXPORTER_CONFIG_COMMAND"] == "-"
+    assert exporter["secrets"] == ["redis_exporter_passwords"]
+    assert head["secrets"]["redis_exporter_passwords"]["file"].endswith("/redis_exporter_passwords.json")
 
 
 def test_flower_requires_basic_auth_and_keeps_state_for_a_whole_job() -> None:
@@ -373,11 +546,16 @@ def test_flower_requires_basic_auth_and_keeps_state_for_a_whole_job() -> None:
 
 
 def test_no_secret_is_written_into_a_compose_file() -> None:
-    for name in COMPOSE:
-        text = COMPOSE[name].read_text()
-        for line in text.splitlines():
-            if re.search(r"(PASSWORD|BASIC_AUTH|SECRET)\w*:\s*\S", line) or "--requirepass" in line:
-                assert "${" in line or line.strip().endswith("--requirepass"), line
+    paths = [*COMPOSE.values(), *(path for path, _ in OVERRIDES.values())]
+    for path in paths:
+        for line in path.read_text().splitlines():
+            if line.lstrip().startswith("#"):
+                continue
+            assert "--requirepass" not in line and "REDIS_PASSWORD:" not in line, line
+            # Redis URLs name a user, never a password.
+            assert not re.search(r"rediss?://[^@\s/]*:[^@\s/]*@", line), line
+            if re.search(r"(PASSWORD|BASIC_AUTH|SECRET)\w*:\s*\S", line) and "_FILE:" not in line:
+                assert "${" in line, line
 
 
 # -- .env.example ----------------------------------------------------------------------------------

@@ -2,10 +2,13 @@
 
 Each service's argv and environment are read from the compose files (interpolated with .env.example,
 as ``docker compose`` would) and from deploy/Dockerfile; only what a container would provide differently
-is swapped: loopback addresses, free ports, scratch directories. One module-wide fleet — the head
-node's Redis (password, AOF, noeviction), the sim node's ``sglang-sim``, the node's worker and the head
-node's Flower — runs a small job submitted with ``producer submit``; the tests then look at it the
-way an operator would: Flower's API and pages, the worker's metrics, a drain with SIGTERM.
+is swapped: loopback addresses, free ports, scratch directories, and the container paths of bind mounts
+and secrets (mapped back to the repository and to a secrets directory deploy/make-secrets.sh fills).
+One module-wide fleet — the head node's Redis (its entrypoint renders the ACL: one user per role, AOF,
+noeviction), the sim node's ``sglang-sim``, the node's worker (user ``worker``) and the head node's
+Flower (user ``flower``) — runs a small job submitted with ``producer submit`` (user ``producer``); the
+tests then look at it the way an operator would: Flower's API and pages, the worker's metrics, a drain
+with SIGTERM — and at the end, that Redis denied none of their commands (ACL LOG is empty).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ pytestmark = [
 ]
 
 BIN = Path(sys.executable).parent
-REDIS_PASSWORD = "deploy-test-secret"
+HEAD = REPO / "deploy" / "head"
 #: Lower than .env.example's 50 so that generations of the drain test are still running at SIGTERM.
 SIM_TIME_SCALE = "5"
 #: The drain test's grace (the production default is 20 s; the mechanism is the same).
@@ -75,7 +78,36 @@ def dockerfile_entrypoint() -> list[str]:
 
 
 def head_env() -> dict[str, str]:
-    return {**dotenv(), "REDIS_PASSWORD": REDIS_PASSWORD}
+    return dotenv()
+
+
+def make_secrets(directory: Path) -> dict[str, str]:
+    """deploy/make-secrets.sh into ``directory``; returns user → password."""
+    result = subprocess.run(
+        ["sh", str(REPO / "deploy" / "make-secrets.sh"), str(directory)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    return {
+        path.name.removeprefix("redis_").removesuffix("_password"): path.read_text().strip()
+        for path in directory.glob("redis_*_password")
+    }
+
+
+def host_path(name: str, service: str, path: str, secrets_dir: Path) -> str:
+    """Where a container path of a compose service is outside containers: a bind mount's source in the
+    repository, or a compose secret's file (in ``secrets_dir``)."""
+    document = load_compose(name, head_env())
+    if path.startswith("/run/secrets/"):
+        secret = document["secrets"][path.removeprefix("/run/secrets/")]
+        return str(secrets_dir / Path(secret["file"]).name)
+    for volume in document["services"][service].get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if source.startswith(".") and (path == target or path.startswith(target + "/")):
+            return str((COMPOSE_DIRS[name] / source).resolve()) + path[len(target) :]
+    return path
+
+
+COMPOSE_DIRS = {"head": HEAD, "node": REPO, "sim": REPO / "deploy"}
 
 
 def http(url: str, auth: str | None = None, timeout_s: float = 10.0) -> tuple[int, bytes]:
@@ -103,13 +135,16 @@ class Fleet:
     """Processes started from the compose commands, and what the tests need to reach them."""
 
     workdir: Path
-    redis_url: str = ""
+    redis_url: str = ""  # as the worker user
+    admin_url: str = ""  # the operators' account, for looking at Redis from the tests
     sim_url: str = ""
     flower_url: str = ""
     flower_auth: str = ""
     metrics_url: str = ""
     worker_env: dict[str, str] = field(default_factory=dict)
+    producer_env: dict[str, str] = field(default_factory=dict)
     flower_env: dict[str, str] = field(default_factory=dict)
+    passwords: dict[str, str] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -136,7 +171,7 @@ class Fleet:
     def producer(self, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [str(BIN / "producer"), *args],
-            env=self.worker_env,
+            env=self.producer_env,
             cwd=self.workdir,
             capture_output=True,
             text=True,
@@ -144,16 +179,37 @@ class Fleet:
         )
 
 
+def redis_entrypoint_env(fleet: Fleet, name: str) -> dict[str, str]:
+    """The head node's redis environment, with the secrets and the rendered ACL file in scratch places."""
+    redis = load_compose("head", head_env())["services"]["redis"]
+    return {
+        **os.environ,
+        **redis["environment"],
+        "REDIS_SECRETS_DIR": str(fleet.workdir / "secrets"),
+        "REDIS_ACL_FILE": str(fleet.workdir / f"{name}-acl" / "users.acl"),
+    }
+
+
 def start_head_redis(fleet: Fleet, name: str = "redis") -> int:
-    """The head node's redis-server command, on a free loopback port with a scratch --dir."""
-    args = command_args(load_compose("head", head_env())["services"]["redis"]["command"])
+    """The head node's redis service — its entrypoint (which renders the ACL from the template and the
+    password files) and command — on a free loopback port with a scratch --dir."""
+    redis = load_compose("head", head_env())["services"]["redis"]
+    if not fleet.passwords:
+        fleet.passwords = make_secrets(fleet.workdir / "secrets")
+    args = command_args(redis["command"])
     data = fleet.workdir / f"{name}-data"
     data.mkdir()
     port = free_port()
-    args = [REDIS_SERVER or "redis-server", *replace_flag(args[1:], "--dir", str(data))]
-    fleet.start(name, [*args, "--port", str(port), "--bind", "127.0.0.1"])
+    entrypoint = [redis["entrypoint"][0], host_path("head", "redis", redis["entrypoint"][1], fleet.workdir)]
+    args = [*entrypoint, REDIS_SERVER or "redis-server", *replace_flag(args[1:], "--dir", str(data))]
+    fleet.start(name, [*args, "--port", str(port), "--bind", "127.0.0.1"], redis_entrypoint_env(fleet, name))
     wait_for_port(port)
+    fleet.admin_url = f"redis://admin:{fleet.passwords['admin']}@127.0.0.1:{port}/0"
     return port
+
+
+def user_url(fleet: Fleet, user: str, port: int) -> str:
+    return f"redis://{user}:{fleet.passwords[user]}@127.0.0.1:{port}/0"
 
 
 def write_dataset(path: Path, n: int, topic: str) -> Path:
@@ -195,7 +251,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
 def _start_fleet(fleet: Fleet) -> None:
     redis_port = start_head_redis(fleet)
-    fleet.redis_url = f"redis://:{REDIS_PASSWORD}@127.0.0.1:{redis_port}/0"
+    fleet.redis_url = user_url(fleet, "worker", redis_port)
+    secrets = fleet.workdir / "secrets"
 
     # The sim node's SGLang stand-in.
     sim = load_compose("sim", SIM_TIME_SCALE=SIM_TIME_SCALE)["services"]["sglang"]
@@ -212,16 +269,28 @@ def _start_fleet(fleet: Fleet) -> None:
     # The node's worker: the image's entrypoint + the service's command, env_file + environment.
     worker = load_compose("node")["services"]["worker"]
     metrics_port = free_port()
+    # .env names the worker's ACL user without a password; the compose secret supplies it.
+    env_url = dotenv()["THINKFLEET_REDIS_URL"]
+    assert env_url.startswith("redis://worker@")
     fleet.worker_env = {
         **os.environ,
         **dotenv(),  # env_file: .env
         **worker["environment"],
-        # What differs outside a container: addresses, ports, the output directory.
-        "THINKFLEET_REDIS_URL": fleet.redis_url,
+        # What differs outside a container: addresses, ports, the output directory, the secret's path.
+        "THINKFLEET_REDIS_URL": env_url.replace("@head-node.example:6379", f"@127.0.0.1:{redis_port}"),
+        "THINKFLEET_REDIS_PASSWORD_FILE": host_path(
+            "node", "worker", worker["environment"]["THINKFLEET_REDIS_PASSWORD_FILE"], secrets
+        ),
         "THINKFLEET_SGLANG_URL": fleet.sim_url,
         "THINKFLEET_METRICS_PORT": str(metrics_port),
         "THINKFLEET_OUTPUT_URI": str(fleet.workdir / "output"),
         "THINKFLEET_SHUTDOWN_GRACE_S": str(DRAIN_GRACE_S),
+    }
+    # The producer host: its own ACL user and password file, otherwise the same settings.
+    fleet.producer_env = {
+        **fleet.worker_env,
+        "THINKFLEET_REDIS_URL": f"redis://producer@127.0.0.1:{redis_port}/0",
+        "THINKFLEET_REDIS_PASSWORD_FILE": str(secrets / "redis_producer_password"),
     }
     fleet.start("worker", [*dockerfile_entrypoint(), *command_args(worker["command"])], fleet.worker_env)
     wait_for_port(metrics_port, 60)
@@ -236,11 +305,14 @@ def _start_fleet(fleet: Fleet) -> None:
     argv = replace_flag(argv, "--db", str(fleet.workdir / "flower-data" / "flower.db"))
     (fleet.workdir / "flower-data").mkdir()
     compose_url = flower["environment"]["THINKFLEET_REDIS_URL"]
-    assert compose_url == f"redis://:{REDIS_PASSWORD}@redis:6379/0"
+    assert compose_url == "redis://flower@redis:6379/0"
     env = {
         **os.environ,
         **flower["environment"],
         "THINKFLEET_REDIS_URL": compose_url.replace("@redis:6379", f"@127.0.0.1:{redis_port}"),
+        "THINKFLEET_REDIS_PASSWORD_FILE": host_path(
+            "head", "flower", flower["environment"]["THINKFLEET_REDIS_PASSWORD_FILE"], secrets
+        ),
     }
     fleet.flower_env = env
     fleet.start("flower", argv, env)
@@ -249,24 +321,37 @@ def _start_fleet(fleet: Fleet) -> None:
     fleet.flower_auth = flower["environment"]["FLOWER_BASIC_AUTH"]
 
 
+#: Where the thinkfleet image keeps deploy/ (the Dockerfile's WORKDIR + the COPY's destination).
+IMAGE_DEPLOY = "/opt/thinkfleet/deploy/"
+
+
 def healthcheck_argv(service: dict, port_from: str, port_to: int) -> list[str]:  # type: ignore[type-arg]
-    """A compose healthcheck's test command, pointed at the port the process really listens on."""
+    """A compose healthcheck's test command, pointed at the port the process really listens on (and at
+    the repository's copy of the image's deploy/ files)."""
     kind, *argv = service["healthcheck"]["test"]
     assert kind == "CMD", "only exec-form healthchecks run unchanged outside the image"
+    argv = [str(REPO / "deploy" / a.removeprefix(IMAGE_DEPLOY)) if a.startswith(IMAGE_DEPLOY) else a for a in argv]
     return executable([a.replace(f":{port_from}/", f":{port_to}/") for a in argv])
 
 
 # -- the head node's Redis ------------------------------------------------------------------------
 
 
-def test_head_redis_needs_its_password_and_appends_every_write(tmp_path: Path) -> None:
+def test_head_redis_needs_a_user_and_appends_every_write(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
     try:
         port = start_head_redis(fleet)
-        # Given the head node's Redis, When a client has no password, Then it gets nothing
+        # Given the head node's Redis, When a client has no user or a wrong password, Then it gets nothing
         with pytest.raises(redis.exceptions.AuthenticationError):
             redis.Redis(port=port, retry=None).ping()
-        client = redis.Redis(port=port, password=REDIS_PASSWORD)
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(port=port, username="worker", password=fleet.passwords["flower"], retry=None).ping()
+        # (the default user is off: not even the old shared-password login works)
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(port=port, password=fleet.passwords["worker"], retry=None).ping()
+        for user in ("producer", "worker", "flower", "exporter"):
+            assert redis.Redis.from_url(user_url(fleet, user, port)).ping()
+        client = redis.Redis.from_url(fleet.admin_url)
         config = {k: v for k, v in client.config_get("*").items()}
         assert config["appendonly"] == "yes"
         assert config["appendfsync"] == "everysec"
@@ -274,6 +359,7 @@ def test_head_redis_needs_its_password_and_appends_every_write(tmp_path: Path) -
         assert int(config["maxmemory"]) == 8 * 1024**3  # REDIS_MAXMEMORY=8gb
         # And every write goes to the append-only file in the data directory (the persistent volume)
         client.set("probe", "1")
+        assert not (tmp_path / "redis-acl" / "users.acl").read_text().count(fleet.passwords["worker"])
         aof = list((tmp_path / "redis-data" / "appendonlydir").glob("*.aof"))
         assert aof, "no AOF in the Redis data directory"
     finally:
@@ -283,7 +369,8 @@ def test_head_redis_needs_its_password_and_appends_every_write(tmp_path: Path) -
 def test_head_redis_refuses_writes_at_maxmemory_instead_of_evicting_prompts(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
     try:
-        client = redis.Redis(port=start_head_redis(fleet), password=REDIS_PASSWORD)
+        start_head_redis(fleet)
+        client = redis.Redis.from_url(fleet.admin_url)
         # Given queued prompts and a Redis at its memory ceiling
         client.rpush("thinkfleet", *[b"x" * 1024] * 100)
         client.config_set("maxmemory", int(client.info("memory")["used_memory"]) + 64 * 1024)
@@ -454,3 +541,88 @@ def test_sigterm_drains_the_worker_within_the_stop_grace_period_and_hands_work_b
     assert done < n, "the job finished before the drain; nothing was handed back"
     assert done + queued == n
     assert client.hlen("tf:kombu:unacked") == 0
+
+
+# -- healthchecks ------------------------------------------------------------------------------------
+
+
+def test_head_redis_healthcheck_pings_as_the_exporter_user(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    try:
+        port = start_head_redis(fleet)
+        redis_service = load_compose("head", head_env())["services"]["redis"]
+        kind, *argv = redis_service["healthcheck"]["test"]
+        assert kind == "CMD"
+        argv = [host_path("head", "redis", a, tmp_path) for a in argv]
+        env = {**redis_entrypoint_env(fleet, "redis"), "REDIS_LISTEN_PORT": str(port)}
+        result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+        assert result.returncode == 0, result.stdout + result.stderr
+        # The password went through the environment, not argv; a wrong one fails the check.
+        assert fleet.passwords["exporter"] not in " ".join(argv)
+        (tmp_path / "secrets" / "redis_exporter_password").write_text("x" * 40 + "\n")
+        assert subprocess.run(argv, env=env, capture_output=True, timeout=30).returncode != 0
+    finally:
+        fleet.stop()
+
+
+def test_a_container_that_stays_unhealthy_is_stopped_for_its_restart_policy(tmp_path: Path) -> None:
+    # Given the worker's healthcheck command, a stand-in for the container's PID 1, and a metrics
+    # endpoint that answers once and then stops (a wedged worker)
+    worker = load_compose("node")["services"]["worker"]
+    restart_after = int(worker["healthcheck"]["test"][worker["healthcheck"]["test"].index("--restart-after") + 1])
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    from threading import Thread
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Metrics)
+    port = server.server_address[1]
+    Thread(target=server.handle_request, daemon=True).start()
+    init = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    argv = [*healthcheck_argv(worker, "9464", port), "--pid", str(init.pid), "--state", str(tmp_path / "s.json")]
+    try:
+        assert subprocess.run(argv, timeout=30).returncode == 0  # healthy once
+        server.server_close()
+        # When it fails restart_after - 1 times, nothing happens yet…
+        for _ in range(restart_after - 1):
+            assert subprocess.run(argv, capture_output=True, timeout=30).returncode == 1
+            assert init.poll() is None
+        # …and at restart_after failures in a row the container's init gets SIGTERM (the restart).
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        assert result.returncode == 1 and "SIGTERM" in result.stderr
+        assert init.wait(10) == -signal.SIGTERM
+    finally:
+        init.kill()
+        init.wait()
+        server.server_close()
+
+
+def test_a_service_that_never_became_healthy_is_left_loading(tmp_path: Path) -> None:
+    # SGLang loading its model for an hour fails every probe: that must never count.
+    sglang = load_compose("sim")["services"]["sglang"]
+    init = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    argv = [*healthcheck_argv(sglang, "30000", free_port()), "--pid", str(init.pid), "--state", str(tmp_path / "s")]
+    try:
+        for _ in range(12):
+            assert subprocess.run(argv, capture_output=True, timeout=60).returncode == 1
+        assert init.poll() is None
+    finally:
+        init.kill()
+        init.wait()
+
+
+# -- last: nothing the fleet did was denied ----------------------------------------------------------
+
+
+def test_redis_denied_no_command_of_the_fleet(fleet: Fleet) -> None:
+    # Everything above — submit, wait, verify, the worker's job and drain, Flower's pages and API —
+    # ran under the per-role ACL; a denial would be in ACL LOG (and usually a failed test above).
+    log = redis.Redis.from_url(fleet.admin_url).acl_log(count=100)
+    assert log == [], [(e["username"], e["reason"], e["object"]) for e in log]

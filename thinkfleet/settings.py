@@ -7,14 +7,24 @@ Units live in the names (``_s`` seconds, ``_ms`` milliseconds).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
+from pathlib import Path
 from typing import Any
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from thinkfleet.keys import DEFAULT_PREFIX, Keys
+
+#: Shortest Redis password accepted for a Redis that is not on loopback (`openssl rand -hex 24` makes 48).
+MIN_REDIS_PASSWORD_LEN = 16
+_PASSWORD_FIX = (
+    "generate one with `openssl rand -hex 24` (deploy/make-secrets.sh makes one per Redis user) and give it "
+    "in THINKFLEET_REDIS_PASSWORD_FILE or the URL"
+)
 
 
 class Settings(BaseSettings):
@@ -23,6 +33,11 @@ class Settings(BaseSettings):
     # -- where things are ---------------------------------------------------------------------------
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for job state (and broker).")
     broker_url: str | None = Field(None, description="Celery broker; defaults to redis_url. amqp://… selects RabbitMQ.")
+    redis_password_file: str | None = Field(
+        None,
+        description="File holding the Redis password (a compose secret); it replaces any password in redis_url "
+        "(which may name the ACL user: redis://worker@head:6379/0) and in a redis:// broker_url.",
+    )
     sglang_url: str = Field("http://127.0.0.1:30000", description="This host's SGLang server.")
     output_uri: str = Field(
         "./thinkfleet-output", description="Root for Parquet parts: a local path or s3://bucket/prefix."
@@ -103,6 +118,19 @@ class Settings(BaseSettings):
         return value.rstrip("/") or value
 
     @model_validator(mode="after")
+    def _password_from_file(self) -> Settings:
+        if not self.redis_password_file:
+            return self
+        password = read_password_file(self.redis_password_file)
+        old = self.redis_url
+        self.redis_url = with_redis_password(old, password)
+        if not self.broker_url or self.broker_url == old:
+            self.broker_url = self.redis_url
+        elif not urlsplit(self.broker_url).password:
+            self.broker_url = with_redis_password(self.broker_url, password)
+        return self
+
+    @model_validator(mode="after")
     def _default_broker(self) -> Settings:
         if not self.broker_url:
             self.broker_url = self.redis_url
@@ -142,6 +170,17 @@ class Settings(BaseSettings):
         """Per-request deadline scaled to the generation budget (no fixed 300 s ceiling)."""
         return self.request_timeout_floor_s + max_new_tokens / self.request_min_decode_tok_s
 
+    def require_safe_redis_password(self, error: type[Exception] = ValueError) -> None:
+        """Raise ``error`` naming the fix when a Redis that is not on loopback gets a placeholder or short
+        password (the producer CLI and the worker's start call this before they touch Redis)."""
+        urls = {"THINKFLEET_REDIS_URL": self.redis_url}
+        if self.broker_url != self.redis_url:
+            urls["THINKFLEET_BROKER_URL"] = self.broker_url
+        for setting, url in urls.items():
+            problem = redis_password_problem(url, setting)
+            if problem:
+                raise error(problem)
+
     def with_overrides(self, **overrides: Any) -> Settings:
         """A copy with CLI flags applied; ``None`` means "flag not given"."""
         given = {k: v for k, v in overrides.items() if v is not None}
@@ -152,6 +191,53 @@ class Settings(BaseSettings):
             data["broker_url"] = None
         data.update(given)
         return Settings.model_validate(data)
+
+
+def read_password_file(path: str) -> str:
+    """A password file's content without surrounding whitespace (``openssl rand -hex 24 > FILE`` adds a newline)."""
+    try:
+        password = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"THINKFLEET_REDIS_PASSWORD_FILE: cannot read {path}: {exc.strerror or exc}") from None
+    if not password:
+        raise ValueError(f"THINKFLEET_REDIS_PASSWORD_FILE: {path} is empty")
+    return password
+
+
+def with_redis_password(url: str, password: str) -> str:
+    """``url`` (redis:// or rediss://) with ``password``, keeping its user: redis://worker@h/0 → redis://worker:PW@h/0."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss"):
+        return url
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    user = userinfo.partition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{hostport}"))
+
+
+def redis_password_problem(url: str | None, setting: str = "THINKFLEET_REDIS_URL") -> str | None:
+    """Why ``url``'s password is unsafe, or None: a placeholder (``change-me``) or fewer than
+    :data:`MIN_REDIS_PASSWORD_LEN` characters, for a Redis that is not on loopback (a local test or demo
+    Redis may have none)."""
+    parts = urlsplit(url or "")
+    if parts.scheme not in ("redis", "rediss"):
+        return None
+    host = parts.hostname or ""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if loopback or not host:
+        return None
+    password = unquote(parts.password or "")
+    if "change-me" in password.lower():
+        return f"{setting}: the password for Redis at {host} is the .env.example placeholder; {_PASSWORD_FIX}"
+    if len(password) < MIN_REDIS_PASSWORD_LEN:
+        have = f"has only {len(password)} characters" if password else "is missing"
+        return (
+            f"{setting}: the password for Redis at {host} {have} (at least {MIN_REDIS_PASSWORD_LEN} for a Redis "
+            f"reachable over the network); {_PASSWORD_FIX}"
+        )
+    return None
 
 
 def load_settings(**overrides: Any) -> Settings:

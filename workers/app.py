@@ -34,14 +34,23 @@ def broker_transport_options(settings: Settings) -> dict[str, Any]:
     return options
 
 
+#: TLS file options a ``rediss://`` URL may carry (``?ssl_ca_certs=/run/secrets/redis_tls_ca``).
+SSL_FILE_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+
+
 def broker_ssl(broker_url: str | None) -> dict[str, Any] | None:
     """TLS options of a ``rediss://`` broker: verify the server's certificate unless the URL says
-    ``?ssl_cert_reqs=none|optional`` (kombu's own default for rediss is no verification at all)."""
+    ``?ssl_cert_reqs=none|optional`` (kombu's own default for rediss is no verification at all), against
+    the CA in ``?ssl_ca_certs=`` when given (else the system's). The file options are repeated here
+    because Flower's broker page reads ``broker_use_ssl`` only, not the URL."""
     if not broker_url or not broker_url.startswith("rediss://"):
         return None
-    wanted = (parse_qs(urlsplit(broker_url).query).get("ssl_cert_reqs") or ["required"])[0].lower()
+    query = parse_qs(urlsplit(broker_url).query)
+    wanted = (query.get("ssl_cert_reqs") or ["required"])[0].lower()
     levels = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL}
-    return {"ssl_cert_reqs": levels.get(wanted.removeprefix("cert_"), ssl.CERT_REQUIRED)}
+    options: dict[str, Any] = {"ssl_cert_reqs": levels.get(wanted.removeprefix("cert_"), ssl.CERT_REQUIRED)}
+    options.update({name: query[name][0] for name in SSL_FILE_OPTIONS if query.get(name)})
+    return options
 
 
 def task_queue(settings: Settings) -> Queue:

@@ -175,6 +175,7 @@ class WorkerRuntime:
     async def _preflight_redis(self) -> None:
         """One PING with no retries: a wrong URL or password must stop the worker now, by name."""
         s = self.settings
+        s.require_safe_redis_password(RuntimeStartError)  # placeholder or short password for a remote Redis
         probe = aioredis.from_url(s.redis_url, socket_connect_timeout=10, socket_timeout=10)
         try:
             await probe.ping()

@@ -14,8 +14,10 @@ list kept for two sweeps in a row (a reply lost with its connection, or a popped
 free slot — another worker may serve it now). Both may hand a message out twice; the claims in
 ledger.py make a second delivery cost nothing.
 
-Only a worker consuming its one task queue from plain ``redis://`` uses this; everything else (the
-producer, other queues, ``rediss://``/``sentinel://``, RabbitMQ) is kombu's stock transport.
+Only a worker consuming its one task queue from ``redis://`` or ``rediss://`` (TLS: the channel is
+kombu's own, so it connects through kombu's SSL connection class with the ``broker_use_ssl`` options)
+uses this; everything else (the producer, other queues, ``sentinel://``, RabbitMQ) is kombu's stock
+transport.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from thinkfleet.settings import Settings
 
 log = logging.getLogger(__name__)
 
-#: The transport ``workers.app`` selects for ``redis://`` brokers.
+#: The transport ``workers.app`` selects for ``redis://`` and ``rediss://`` brokers.
 TRANSPORT = "workers.transit:Transport"
 
 # Move a transit list's messages back to the consuming end of the queue: all of them (no ARGV), or
@@ -131,8 +133,13 @@ class Transport(kombu_redis.Transport):
     Channel = Channel
 
 
+#: Broker URL schemes the transit transport serves (kombu picks the SSL connection class from
+#: ``broker_use_ssl``, which ``workers.app.broker_ssl`` sets for rediss://).
+TRANSIT_SCHEMES = ("redis://", "rediss://")
+
+
 def uses_transit(broker_url: str | None) -> bool:
-    return bool(broker_url) and str(broker_url).startswith("redis://")
+    return bool(broker_url) and str(broker_url).startswith(TRANSIT_SCHEMES)
 
 
 def enable_transit(app: Celery, settings: Settings, worker: str) -> None:

@@ -1,0 +1,49 @@
+#!/bin/sh
+# Make the secrets of a thinkfleet fleet: one Redis password per role, and the exporter's password map.
+#
+#   sh deploy/make-secrets.sh [DIR]          # DIR defaults to secrets/ at the repository root
+#
+# Files (existing ones are kept, so a rerun never changes a password a node already has; delete a file
+# to rotate it, then restart the head node's redis and the services using it):
+#   redis_admin_password      operators only (redis-cli --user admin): the break-glass account
+#   redis_producer_password   the producer host (THINKFLEET_REDIS_PASSWORD_FILE)
+#   redis_worker_password     every GPU node (compose secret of the worker)
+#   redis_flower_password     head node: Flower
+#   redis_exporter_password   head node: the redis_exporter and Redis's healthcheck
+#   redis_exporter_passwords.json  the same password in the exporter's own format ({"address": "password"})
+#
+# The head node needs all of them; a GPU node only redis_worker_password; the producer host only
+# redis_producer_password. The directory is made 0700 and ignores itself in git; the files are 0644 so
+# the containers' non-root users (Flower, the worker, the exporter) can read their bind-mounted copy.
+set -eu
+here=$(CDPATH= cd -- "$(dirname -- "$0")" && pwd)
+dir=${1:-${SECRETS_DIR:-$here/../secrets}}
+mkdir -p "$dir"
+chmod 700 "$dir"
+printf '*\n' >"$dir/.gitignore"
+
+random_password() {
+    if command -v openssl >/dev/null 2>&1; then
+        openssl rand -hex 24
+    else
+        od -An -N24 -tx1 /dev/urandom | tr -d ' \n'
+        echo
+    fi
+}
+
+for user in admin producer worker flower exporter; do
+    file="$dir/redis_${user}_password"
+    if [ -s "$file" ]; then
+        echo "kept    $file"
+    else
+        (umask 022 && random_password >"$file")
+        echo "created $file"
+    fi
+    chmod 644 "$file"
+done
+
+# redis_exporter reads REDIS_PASSWORD_FILE as JSON: redis address (exactly as in REDIS_ADDR) → password.
+pw=$(cat "$dir/redis_exporter_password")
+printf '{"redis://redis:6379": "%s", "rediss://redis:6379": "%s"}\n' "$pw" "$pw" >"$dir/redis_exporter_passwords.json"
+chmod 644 "$dir/redis_exporter_passwords.json"
+echo "wrote   $dir/redis_exporter_passwords.json"
