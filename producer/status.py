@@ -115,6 +115,7 @@ class StatusReader:
             "output_tokens": counters.get("output_tokens", 0),
             "truncated": counters.get("truncated", 0),
             "missing_think_end": counters.get("missing_think_end", 0),
+            "nondeterministic_seeds": counters.get("nondeterministic_seeds", 0),  # seeded, server ignores seeds
             "max_new_tokens": record.max_new_tokens,
         }
 

@@ -89,6 +89,14 @@ def status_view(st: dict[str, Any]) -> Group:
                 border_style="red",
             )
         )
+    if st.get("nondeterministic_seeds"):
+        parts.append(
+            Text(
+                "sampling_seed is set but SGLang runs without --enable-deterministic-inference: "
+                "seeds are ignored, rows are not reproducible",
+                style="bold yellow",
+            )
+        )
     table = Table(title=f"job {st['job']}")
     states = ("total", "queued", "running", "done", "dead", "unaccounted")
     for col in ("dataset", "progress", *states):

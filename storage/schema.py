@@ -24,7 +24,9 @@ import pyarrow as pa
 
 from storage.spans import KIMI_TOKENS, SpanTokens, compute_spans_batch, ids_at
 
-SCHEMA_VERSION = "1"
+#: 2: + ``deterministic``; ``reasoning_tokens``/``num_retractions``/``cached_tokens`` are null when the server
+#: did not report them (parts of version 1 read back with ``deterministic`` null).
+SCHEMA_VERSION = "2"
 
 # -- column names (import these instead of spelling strings) ------------------------------------------
 JOB = "job"
@@ -57,6 +59,7 @@ MODEL = "model"
 WEIGHT_VERSION = "weight_version"
 SAMPLING_PARAMS = "sampling_params"
 SAMPLING_SEED = "sampling_seed"
+DETERMINISTIC = "deterministic"
 TOKENIZER_FINGERPRINT = "tokenizer_fingerprint"
 CHAT_TEMPLATE_HASH = "chat_template_hash"
 CONTENT_HASH = "content_hash"
@@ -103,8 +106,8 @@ SCHEMA = pa.schema(
         pa.field(PROMPT_TOKENS, pa.int32(), nullable=False),  # defaults to len(input_ids)
         pa.field(COMPLETION_TOKENS, pa.int32(), nullable=False),  # must equal len(output_ids)
         pa.field(CACHED_TOKENS, pa.int32()),  # prefix-cache hits; null if the server didn't say
-        pa.field(REASONING_TOKENS, pa.int32()),  # SGLang's count (incl. </think>) when it reports it
-        pa.field(NUM_RETRACTIONS, pa.int32()),  # times SGLang retracted the request under memory pressure
+        pa.field(REASONING_TOKENS, pa.int32()),  # SGLang's count (incl. </think>); null before 0.5.10 (unreported)
+        pa.field(NUM_RETRACTIONS, pa.int32()),  # retractions under memory pressure (total_/num_retractions)
         pa.field(LATENCY_S, pa.float64()),  # request send → response, seconds, as the worker saw it
         # -- provenance: what produced the row ------------------------------------------------------
         pa.field(WORKER, pa.string(), nullable=False),  # worker identity (hostname-pid or --name)
@@ -113,6 +116,8 @@ SCHEMA = pa.schema(
         pa.field(WEIGHT_VERSION, pa.string()),  # meta_info.weight_version
         pa.field(SAMPLING_PARAMS, pa.string()),  # JSON of the sampling params sent (sorted keys)
         pa.field(SAMPLING_SEED, pa.int64()),  # per-request seed if one was sent, else null
+        # server ran --enable-deterministic-inference (only then is sampling_seed honoured); null = unknown
+        pa.field(DETERMINISTIC, pa.bool_()),
         pa.field(TOKENIZER_FINGERPRINT, pa.string()),  # hash of the tokenizer files used to tokenize
         pa.field(CHAT_TEMPLATE_HASH, pa.string()),  # hash of the chat template that rendered the prompt
         pa.field(CONTENT_HASH, pa.string()),  # hash of the prompt ids; ties the row to its submit

@@ -15,6 +15,8 @@ from tests.worker_harness import fast_env, isolated_settings, make_prompts, post
 from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
 
 FAST = ("--time-scale", "400")
+#: The SGLang releases the simulator imitates: the deployed one (compose pin) and the current one.
+PROFILES = ("0.5.9", "0.5.23")
 
 
 def _assert_byte_exact(settings, job) -> None:
@@ -35,10 +37,11 @@ def workdir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_happy_path_stores_byte_exact_output_ids(redis_url: str, workdir: Path) -> None:
+@pytest.mark.parametrize("version", PROFILES)
+def test_happy_path_stores_byte_exact_output_ids(redis_url: str, workdir: Path, version: str) -> None:
     settings = isolated_settings(redis_url, str(workdir / "out"))
     client = redis.Redis.from_url(redis_url)
-    with simulator(workdir / "logs", *FAST) as sim:
+    with simulator(workdir / "logs", *FAST, "--sglang-version", version) as sim:
         worker = WorkerProcess("w1", fast_env(settings, sim, max_inflight=8), workdir / "logs").start()
         try:
             worker.wait_ready(client, settings.keys)
@@ -49,9 +52,17 @@ def test_happy_path_stores_byte_exact_output_ids(redis_url: str, workdir: Path) 
     _assert_byte_exact(settings, job)
     assert not client.exists(settings.keys.alarm("happy")), "the reasoning alarm stays quiet on normal output"
     assert job_progress(client, settings.keys, "happy")["dead"] == 0
+    meta = read_committed(settings.output_uri, "happy", columns=["reasoning_tokens", "num_retractions"]).to_pylist()
+    assert all(r["num_retractions"] is not None for r in meta), "either retraction key is read"
+    if version == "0.5.9":  # no reasoning_tokens before 0.5.10: null, never 0 or a guess
+        assert all(r["reasoning_tokens"] is None for r in meta)
+    else:
+        assert all(r["reasoning_tokens"] for r in meta)
 
 
-def test_context_overflow_is_dead_lettered_with_its_reason(redis_url: str, workdir: Path) -> None:
+def test_context_overflow_is_dead_lettered_with_its_reason_before_any_server_call(
+    redis_url: str, workdir: Path
+) -> None:
     settings = isolated_settings(redis_url, str(workdir / "out"))
     client = redis.Redis.from_url(redis_url)
     prompts = make_prompts(6)
@@ -66,13 +77,16 @@ def test_context_overflow_is_dead_lettered_with_its_reason(redis_url: str, workd
                 120,
                 what="all resolved",
             )
+            sent = {rid.split("/")[1] for rid in sim_stats(sim, rids=True)["rids"]}
         finally:
             worker.terminate()
     dead = dead_letters(client, settings.keys, "poison")
     assert set(dead) == {"too-long"}
     assert dead["too-long"]["error_class"] == "context_overflow"
     assert "context length" in dead["too-long"]["message"]
-    assert dead["too-long"]["attempts"] == 1, "a permanent error is never retried"
+    assert f"+ max_new_tokens 2048 = {len(prompts['too-long']) + 2048} tokens" in dead["too-long"]["message"]
+    assert dead["too-long"]["attempts"] == 0, "refused before it was sent, never retried"
+    assert "too-long" not in sent and len(sent) == 6, "the server never saw it"
 
 
 def test_faults_and_an_outage_lose_nothing_and_dead_letter_nothing(redis_url: str, workdir: Path) -> None:

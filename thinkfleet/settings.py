@@ -65,7 +65,13 @@ class Settings(BaseSettings):
     retry_base_s: float = Field(0.5, gt=0, description="First backoff; doubles per attempt, jittered.")
     retry_max_backoff_s: float = Field(30.0, gt=0, description="Backoff ceiling.")
     health_interval_s: float = Field(5.0, gt=0, description="Health probe period while serving.")
-    preflight_timeout_s: float = Field(30.0, gt=0, description="Timeout of one health/info probe.")
+    preflight_timeout_s: float = Field(30.0, gt=0, description="Timeout of one /model_info or /server_info read.")
+    health_probe_timeout_s: float = Field(
+        70.0,
+        gt=0,
+        description="Timeout of one /health_generate probe; above SGLANG_HEALTH_CHECK_TIMEOUT (60 in compose) so "
+        "the server's own verdict decides.",
+    )
 
     # -- worker: durability -------------------------------------------------------------------------
     lease_s: float = Field(60.0, gt=0, description="A silent worker's prompts are re-run by others after this long.")

@@ -3,6 +3,11 @@
 aiohttp's defaults are traps here (reference: 100 connections per session, 300 s total timeout):
 the connector is sized to the thread pool and the only timeout is a per-request deadline scaled to
 ``max_new_tokens``.
+
+Health probes (:meth:`SGLangClient.probe_health`) tell "not ready yet" (connection refused while the
+weights load, a prompt 503 while warming up) from a failure (no answer within the probe timeout — set
+above the server's own ``SGLANG_HEALTH_CHECK_TIMEOUT``, so the server's verdict decides —, a 503 after
+that wait, any other status).
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -17,6 +24,7 @@ import aiohttp
 from workers.sglang import (
     Generation,
     ServerFault,
+    Unanswered,
     build_request,
     classify_http_error,
     parse_response,
@@ -24,14 +32,47 @@ from workers.sglang import (
 
 log = logging.getLogger(__name__)
 
+#: A 503 from /health_generate sooner than this is "warming up / shutting down" (SGLang answers those at
+#: once); a later one is the server's own health-check timeout — a failure.
+PROMPT_503_S = 5.0
+#: Best effort: an /abort_request that gets no answer this soon is given up.
+ABORT_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One /health_generate probe: ``state`` is ready | loading | warming | timeout | error."""
+
+    state: str
+    detail: str
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "ready"
+
+    @property
+    def not_ready_yet(self) -> bool:
+        """Loading (connection refused) or warming up (a prompt 503): expected while a server starts."""
+        return self.state in ("loading", "warming")
+
 
 class SGLangClient:
-    def __init__(self, base_url: str, connections: int, connect_timeout_s: float, probe_timeout_s: float):
+    def __init__(
+        self,
+        base_url: str,
+        connections: int,
+        connect_timeout_s: float,
+        probe_timeout_s: float,
+        health_probe_timeout_s: float | None = None,
+    ):
         self.base_url = base_url.rstrip("/")
         self._connections = connections
         self._connect_timeout_s = connect_timeout_s
-        self._probe_timeout_s = probe_timeout_s
+        self._probe_timeout_s = probe_timeout_s  # /model_info, /server_info
+        self.health_probe_timeout_s = health_probe_timeout_s or probe_timeout_s
         self._session: aiohttp.ClientSession | None = None
+        self._aborts: set[asyncio.Task[None]] = set()
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -57,10 +98,13 @@ class SGLangClient:
                     if resp.status != 200:
                         raise classify_http_error(resp.status, payload)
         except TimeoutError:
-            await self.abort(rid)
-            raise ServerFault(f"no answer within the {deadline_s:.0f}s deadline (rid {rid})") from None
+            # Free the server's slot without holding ours: a stalled server would not answer the abort either.
+            task = asyncio.get_running_loop().create_task(self.abort(rid))
+            self._aborts.add(task)
+            task.add_done_callback(self._aborts.discard)
+            raise Unanswered(f"no answer within the {deadline_s:.0f}s deadline (rid {rid})") from None
         except (aiohttp.ClientError, ConnectionError) as exc:
-            raise ServerFault(f"{type(exc).__name__}: {exc}") from exc
+            raise Unanswered(f"{type(exc).__name__}: {exc}") from exc
         try:
             data = json.loads(payload)
         except ValueError as exc:
@@ -70,7 +114,7 @@ class SGLangClient:
     async def abort(self, rid: str) -> None:
         """Free the server's slot of a request we gave up on (best effort)."""
         try:
-            async with asyncio.timeout(self._probe_timeout_s):
+            async with asyncio.timeout(min(self._probe_timeout_s, ABORT_TIMEOUT_S)):
                 async with self.session.post(f"{self.base_url}/abort_request", json={"rid": rid}) as resp:
                     await resp.read()
         except Exception as exc:
@@ -82,11 +126,37 @@ class SGLangClient:
                 return resp.status, await resp.read()
 
     async def healthy(self) -> bool:
+        return (await self.probe_health()).ok
+
+    async def probe_health(self, timeout_s: float | None = None) -> Probe:
+        """One ``/health_generate`` (a real 1-token generation: ≥ 1 s on a real server, longer under load)."""
+        timeout = timeout_s or self.health_probe_timeout_s
+        started = time.monotonic()
+
+        def probe(state: str, detail: str) -> Probe:
+            return Probe(state, detail, time.monotonic() - started)
+
         try:
-            status, _ = await self.get("/health_generate")
-            return status == 200
-        except (TimeoutError, aiohttp.ClientError, ConnectionError, OSError):
-            return False
+            async with asyncio.timeout(timeout):
+                async with self.session.get(f"{self.base_url}/health_generate") as resp:
+                    await resp.read()
+                    status = resp.status
+        except TimeoutError:
+            return probe("timeout", f"no answer to /health_generate within {timeout:g}s")
+        except aiohttp.ClientConnectorError as exc:
+            if isinstance(exc.os_error, ConnectionRefusedError) or "refused" in str(exc).lower():
+                return probe("loading", "connection refused (loading weights, or restarting)")
+            return probe("error", f"{type(exc).__name__}: {exc}")
+        except (aiohttp.ClientError, ConnectionError, OSError) as exc:
+            return probe("error", f"{type(exc).__name__}: {exc}")
+        if status == 200:
+            return probe("ready", "200")
+        elapsed = time.monotonic() - started
+        if status == 503 and elapsed < PROMPT_503_S:
+            return probe("warming", "503 (warming up or shutting down)")
+        if status == 503:
+            return probe("error", f"503 after {elapsed:.0f}s (the server's own health check timed out)")
+        return probe("error", f"HTTP {status} from /health_generate")
 
     async def get_json(self, path: str) -> Any:
         status, body = await self.get(path)

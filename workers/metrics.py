@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, start_http_server
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,24 @@ class WorkerMetrics:
         self.skipped = Counter("thinkfleet_skipped_stored", "Redeliveries skipped (already stored)", registry=r)
         self.errors = Counter("thinkfleet_internal_errors", "Our own crashes, by kind", ["kind"], registry=r)
         self.healthy = Gauge("thinkfleet_server_healthy", "1 when the local SGLang server is healthy", registry=r)
+        self.server_state = Enum(
+            "thinkfleet_server_state",
+            "The local SGLang server as the health gate sees it (loading/warming: not ready yet, not a failure)",
+            states=["unknown", "ready", "loading", "warming", "unhealthy"],
+            registry=r,
+        )
+        self.probes = Counter("thinkfleet_health_probes", "/health_generate probes by result", ["result"], registry=r)
+        self.probe_seconds = Histogram(
+            "thinkfleet_health_probe_seconds",
+            "/health_generate probe duration",
+            buckets=(0.5, 1, 1.5, 2, 5, 10, 30, 60, 70, 120),
+            registry=r,
+        )
+        self.probes_excused = Counter(
+            "thinkfleet_health_probes_excused",
+            "Failed probes that did not close the gate because generations completed meanwhile",
+            registry=r,
+        )
         self.storage_healthy = Gauge(
             "thinkfleet_storage_healthy", "1 while Parquet commits succeed (0: rows held in memory)", registry=r
         )

@@ -27,7 +27,10 @@ def build_row(
     model: str,
     attempt: int,
     latency_s: float,
+    deterministic: bool | None = None,
 ) -> tuple[dict[str, Any], FinalRow]:
+    """One row; counts the server did not report (``reasoning_tokens`` before SGLang 0.5.10, …) stay None
+    (null), and ``deterministic`` says whether the server honoured ``sampling_seed`` (None: unknown)."""
     spans = compute_spans(
         gen.output_ids,
         prompt_ends_with_think_start=bool(input_ids) and input_ids[-1] == job.tokens.think_start_id,
@@ -65,6 +68,7 @@ def build_row(
         "weight_version": gen.weight_version,
         "sampling_params": json.dumps(sampling_params, sort_keys=True),
         "sampling_seed": None if seed is None else int(seed),
+        "deterministic": deterministic,
         "tokenizer_fingerprint": job.tokenizer_fingerprint,
         "chat_template_hash": job.chat_template_hash,
         "content_hash": task.content_hash,

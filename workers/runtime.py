@@ -27,6 +27,7 @@ import threading
 import time
 import traceback
 import uuid
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -42,7 +43,7 @@ from thinkfleet.failpoints import failpoint
 from thinkfleet.keys import kombu_transport_options
 from thinkfleet.message import PromptTask
 from thinkfleet.settings import Settings
-from thinkfleet.state.job import DEFAULT_MAX_NEW_TOKENS
+from thinkfleet.state.job import DEFAULT_MAX_NEW_TOKENS, JobRecord
 from thinkfleet.state.ledger import FinalRow, Ledger
 from workers.client import SGLangClient
 from workers.committer import GroupCommitter, StorageUnavailable
@@ -52,7 +53,15 @@ from workers.lease import HeldMessages, LeaseKeeper
 from workers.loop import EventLoopThread
 from workers.metrics import WorkerMetrics
 from workers.rows import build_row
-from workers.sglang import Generation, PermanentError, ServerFault
+from workers.sglang import (
+    Generation,
+    NanStop,
+    PermanentError,
+    RequestLimits,
+    ServerFault,
+    ServerInfo,
+    check_request,
+)
 from workers.transit import TransitSweeper
 
 log = logging.getLogger("thinkfleet.worker")
@@ -60,6 +69,16 @@ log = logging.getLogger("thinkfleet.worker")
 #: Retries of one Redis command on a lost connection (0.05 s doubling to 2 s: ≈ 30 s in all), so a Redis
 #: restart doesn't throw away finished generations; past that the prompt is handed back.
 REDIS_RETRIES = 20
+
+
+@dataclass(frozen=True)
+class JobCheck:
+    """What a job's preflight read once from its record: the fallback limits when the server reports none."""
+
+    vocab_size: int | None
+    context_length: int | None
+    vocab_source: str = ""
+    context_source: str = ""
 
 
 class HandBack(Exception):
@@ -116,6 +135,7 @@ class WorkerRuntime:
             connections=s.max_inflight + 16,
             connect_timeout_s=s.connect_timeout_s,
             probe_timeout_s=s.preflight_timeout_s,
+            health_probe_timeout_s=s.health_probe_timeout_s,
         )
         self.semaphore = asyncio.Semaphore(s.max_inflight)
         self._isolation = asyncio.Lock()  # one last-chance (suspect) prompt at a time
@@ -144,8 +164,15 @@ class WorkerRuntime:
         )
         self.committer.start()
         self.gate = HealthGate(
-            self.client, s.health_interval_s, s.max_inflight, on_down=self._server_down, on_up=self._server_up
+            self.client,
+            s.health_interval_s,
+            s.max_inflight,
+            on_down=self._server_down,
+            on_up=self._server_up,
+            metrics=self.metrics,
         )
+        self._job_checks: dict[str, JobCheck] = {}
+        self._job_check_lock = asyncio.Lock()  # one preflight (and one warning) per job
         self.gate.start()
         try:
             port = self.metrics.serve(s.metrics_port) if s.metrics_port >= 0 else None
@@ -262,6 +289,7 @@ class WorkerRuntime:
 
     def _drain_timer(self) -> None:
         self.committer.flush_soon()
+        self.gate.wake_waiters()  # a retry waiting on the gate's verdict hands its prompt back now
         self.loop.loop.call_later(self.settings.shutdown_grace_s, self._cancel_requests)
 
     def _cancel_requests(self) -> None:
@@ -511,6 +539,16 @@ class WorkerRuntime:
             self.metrics.errors.labels("model_mismatch").inc()
             await asyncio.sleep(self.settings.health_interval_s)
             raise HandBack()
+        info = self.gate.info
+        limits = await self._limits(task.job, sampling, info)
+        max_new = sampling.get("max_new_tokens")
+        refused = check_request(input_ids, int(max_new) if max_new is not None else None, limits)
+        if refused is not None:
+            # Never sent: an id >= the vocabulary or an overflowing context must not reach the GPU.
+            await self.ledger.dead_letter(task, refused.error_class, refused.message, 0)
+            self.metrics.dead.labels(refused.error_class).inc()
+            log.warning("dead-lettered %s/%s: %s: %s", task.job, task.prompt_id, refused.error_class, refused.message)
+            return "dead"
         try:
             gen, attempts, latency = await self._generate(task, input_ids, sampling)
         except PermanentError as exc:
@@ -518,14 +556,74 @@ class WorkerRuntime:
             self.metrics.dead.labels(exc.error_class).inc()
             log.warning("dead-lettered %s/%s: %s: %s", task.job, task.prompt_id, exc.error_class, exc.message)
             return "dead"
-        model = self.gate.info.model_path if self.gate.info else ""
-        row, final = build_row(task, job, input_ids, gen, sampling, self.identity, model, attempts, latency)
+        info = self.gate.info or info
+        model = info.model_path if info else ""
+        deterministic = info.deterministic if info else None
+        row, final = build_row(
+            task, job, input_ids, gen, sampling, self.identity, model, attempts, latency, deterministic
+        )
         # Waits through storage failures (the commit is retried); raises StorageUnavailable only if a
         # drain gives up on it, which hands the prompt back.
         await self.committer.commit(task.job, task.dataset, row, final)
         self.metrics.completed.labels(task.dataset).inc()
         self.metrics.output_tokens.inc(gen.completion_tokens)
         return "stored"
+
+    async def _limits(self, job: str, sampling: dict[str, Any], info: ServerInfo | None) -> RequestLimits:
+        """The limits a prompt of ``job`` must fit: the server's, else the job record's. The first prompt
+        of a job runs its preflight (record read, seed warning) once per worker."""
+        check = self._job_checks.get(job)
+        if check is None:
+            async with self._job_check_lock:
+                check = self._job_checks.get(job) or await self._job_preflight(job, sampling, info)
+        vocab = info.vocab_size if info and info.vocab_size else None
+        context = info.context_length if info and info.context_length else None
+        return RequestLimits(
+            vocab_size=vocab or check.vocab_size,
+            vocab_source="reported by the server" if vocab else f"from the job record{check.vocab_source}",
+            context_length=context or check.context_length,
+            context_source="reported by the server" if context else f"from the job record{check.context_source}",
+            max_req_input_len=info.max_req_input_len if info else None,
+            context_check_inclusive=info.context_check_inclusive if info else True,
+            version=info.version if info else None,
+        )
+
+    async def _job_preflight(self, job: str, sampling: dict[str, Any], info: ServerInfo | None) -> JobCheck:
+        record = await JobRecord.aload(self.redis, self.settings.keys, job)
+        vocab = getattr(record, "vocab_size", None)
+        context = getattr(record, "context_length", None)
+        vocab_from = getattr(record, "vocab_source", "")
+        context_from = getattr(record, "context_source", "")
+        check = JobCheck(
+            vocab_size=vocab if isinstance(vocab, int) and vocab > 0 else None,
+            context_length=context if isinstance(context, int) and context > 0 else None,
+            vocab_source=f": {vocab_from}" if vocab_from else "",
+            context_source=f": {context_from}" if context_from else "",
+        )
+        self._job_checks[job] = check
+        seeded = sampling.get("sampling_seed") is not None
+        deterministic = info.deterministic if info else None
+        if seeded and deterministic is False:
+            log.error(
+                "\n%s\nNONDETERMINISTIC SEEDS for job %s: its sampling_params carry sampling_seed=%s, but %s does not "
+                "run --enable-deterministic-inference,\nso SGLang ignores the seed: rows are NOT reproducible from "
+                "their seed (each row records deterministic=false).\nRestart SGLang with "
+                "--enable-deterministic-inference (a throughput cost) if reproducibility matters.\n%s",
+                "!" * 78,
+                job,
+                sampling.get("sampling_seed"),
+                self.settings.sglang_url,
+                "!" * 78,
+            )
+            await self.redis.hset(self.settings.keys.counters(job), "nondeterministic_seeds", 1)
+        elif seeded and deterministic is None:
+            log.warning(
+                "job %s sends sampling_seed but %s does not report whether deterministic inference is on: "
+                "rows record deterministic=null",
+                job,
+                self.settings.sglang_url,
+            )
+        return check
 
     async def _generate(
         self, task: PromptTask, input_ids: list[int], sampling: dict[str, Any]
@@ -542,6 +640,7 @@ class WorkerRuntime:
                 attempt += 1
                 rid = f"{task.task_id}/a{attempt}-{uuid.uuid4().hex[:8]}"
                 started = time.perf_counter()
+                sent_at = time.monotonic()
                 self.metrics.request_started()
                 request = asyncio.ensure_future(self.client.generate(input_ids, sampling, rid, deadline))
                 self._requests.add(request)
@@ -554,6 +653,9 @@ class WorkerRuntime:
                         await self.client.abort(rid)
                         raise HandBack() from None
                     raise
+                except NanStop as exc:
+                    error = exc
+                    self.gate.note_completion()  # a bad sample, but the server answers
                 except ServerFault as exc:
                     error = exc
                 except BaseException:
@@ -566,13 +668,25 @@ class WorkerRuntime:
                         # Nothing else in flight (the queue ran dry): don't let the last rows wait.
                         self.committer.flush_soon()
             if error is None:
+                self.gate.note_completion()
                 return gen, attempt, time.perf_counter() - started
             self.metrics.retried.labels(error.error_class).inc()
-            self.gate.report_failure()
+            if not isinstance(error, NanStop):
+                self.gate.report_failure()
             if attempt >= s.retry_max_attempts:
-                exhausted = PermanentError(f"retries_exhausted:{error.error_class}", str(error))
+                error_class = error.exhausted_class or f"retries_exhausted:{error.error_class}"
+                exhausted = PermanentError(error_class, str(error))
                 exhausted.attempts = attempt  # type: ignore[attr-defined]
                 raise exhausted
+            if isinstance(error, NanStop):
+                log.warning("NaN stop for %s (attempt %d), retrying: %s", task.prompt_id, attempt, error)
+            if not isinstance(error, NanStop) and not self.gate.alive_since(sent_at):
+                # No generation completed while this attempt ran: the fault may be the whole server's (an
+                # outage, a stall), not this prompt's. Wait for the next completion or probe verdict
+                # instead of spending retries on it; if the gate closes, the prompt is handed back.
+                await self.gate.wait_news(s.health_probe_timeout_s + s.health_interval_s)
+                if self.draining or not self.gate.healthy:
+                    raise HandBack()
             backoff = random.uniform(0, min(s.retry_max_backoff_s, s.retry_base_s * 2 ** (attempt - 1)))
             log.info("retrying %s (attempt %d) in %.2fs: %s", task.prompt_id, attempt, backoff, error)
             await asyncio.sleep(backoff)

@@ -1,13 +1,21 @@
 """SGLang's native ``/generate`` wire format, client side — the one module that knows it.
 
-See ../shared/reference/sglang-kimi-protocol.md §1. We send ``input_ids`` (never text), one request
-per HTTP call (a batch fails as a whole), non-streaming, with a unique ``rid`` per attempt, and read
-``output_ids`` + ``meta_info`` defensively (keys vary across SGLang versions).
+See ../shared/reference/sglang-kimi-protocol.md §1 and docs/sglang-versions.md. We send ``input_ids``
+(never text), one request per HTTP call (a batch fails as a whole), non-streaming, with a unique ``rid``
+per attempt, and read ``output_ids`` + ``meta_info`` defensively: every shape from 0.5.9 (the deployed
+release) to 0.5.23 parses, and a count the server did not report stays None (a null column).
+
+What is never stored: a NaN stop (its last id was written by the server, not sampled — :class:`NanStop`,
+retried), an abort (by its status: 4xx dead-letters, the rest retries), an inconsistent answer. What is
+never sent (:func:`check_request`): an id at or above the vocabulary (neither release checks input ids;
+on the GPU it is an out-of-range embedding lookup) or a prompt + ``max_new_tokens`` past the context
+length (``>=`` up to 0.5.10, ``>`` from 0.5.11).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,12 +40,35 @@ class ServerFault(Exception):
     """The server misbehaved (5xx, dropped connection, malformed or inconsistent response): retry."""
 
     error_class = "server_fault"
+    #: The dead-letter class once this fault outlasts every retry; None → ``retries_exhausted:<error_class>``.
+    exhausted_class: str | None = None
 
 
 class QueueFull(ServerFault):
     """503 "The request queue is full." or a waiting/running timeout: back off and retry."""
 
     error_class = "queue_full"
+
+
+class Unanswered(ServerFault):
+    """No answer: the deadline passed, or the connection was refused or dropped."""
+
+    error_class = "unanswered"
+
+
+class NanStop(ServerFault):
+    """``finish_reason {"type": "stop", "matched": "NaN happened"}``: the server sampled a NaN or an
+    out-of-vocabulary id and overwrote the last output id with a stop id. That id was never generated:
+    the output is a server fault, retried like a 503, and dead-lettered as ``nan_stop`` if it repeats."""
+
+    error_class = "nan_stop"
+    exhausted_class = "nan_stop"
+
+
+class ServerAbort(ServerFault):
+    """``finish_reason.type == "abort"`` with no status, a 5xx or a retryable 4xx (408, 429)."""
+
+    error_class = "server_abort"
 
 
 class PermanentError(Exception):
@@ -50,18 +81,22 @@ class PermanentError(Exception):
         self.status = status
 
 
+#: ``finish_reason.matched`` of a NaN / out-of-vocab sample (scheduler output processing, every version).
+NAN_MATCHED = "NaN happened"
+
+
 @dataclass(frozen=True)
 class Generation:
-    """One validated /generate result."""
+    """One validated /generate result. A count the server did not report is None, never a guess."""
 
     output_ids: list[int]
-    finish_type: str  # stop | length | abort
+    finish_type: str  # stop | length
     finish_matched: str | None  # the matched stop id/string, as text
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int
-    reasoning_tokens: int
-    num_retractions: int
+    cached_tokens: int | None
+    reasoning_tokens: int | None  # absent before SGLang 0.5.10
+    num_retractions: int | None  # ``total_retractions`` up to 0.5.11, ``num_retractions`` from 0.5.12
     weight_version: str
     e2e_latency_s: float | None
     rid: str
@@ -83,7 +118,8 @@ def build_request(input_ids: list[int], sampling_params: dict[str, Any], rid: st
 
 
 def error_message(body: bytes) -> str:
-    """The message of an SGLang error body (either `{"error":{"message"}}` or ErrorResponse)."""
+    """The message of an SGLang error body: ``{"error": {"message"}}``, ``{"error": "<str>"}`` (0.5.22+) or
+    an ErrorResponse ``{"object": "error", "message", …}``; anything else (0.5.9's plain-text 500) as text."""
     try:
         data = json.loads(body)
     except ValueError:
@@ -92,6 +128,8 @@ def error_message(body: bytes) -> str:
         err = data.get("error")
         if isinstance(err, dict) and "message" in err:
             return str(err["message"])
+        if isinstance(err, str):  # 0.5.22+: the sampling-params contract check's 400 {"error": "<str>"}
+            return err
         if "message" in data:
             return str(data["message"])
     return str(data)[:500]
@@ -99,7 +137,11 @@ def error_message(body: bytes) -> str:
 
 def classify_http_error(status: int, body: bytes) -> Exception:
     """Map an HTTP error to ServerFault (retry) or PermanentError (dead-letter)."""
-    message = error_message(body)
+    return classify_status(status, error_message(body))
+
+
+def classify_status(status: int, message: str) -> Exception:
+    """An HTTP status (or an abort's ``status_code``) and its message → retry or dead letter."""
     if status == 503:
         return QueueFull(f"503: {message}")
     if status >= 500 or status in (408, 429):
@@ -113,8 +155,40 @@ def classify_http_error(status: int, body: bytes) -> Exception:
     return PermanentError("invalid_request", message, status)
 
 
+def classify_abort(finish: dict[str, Any]) -> Exception:
+    """An abort finish by its ``status_code``: 4xx is the request's fault (dead letter with the message);
+    no status (an abort from the waiting queue), 5xx, 408 and 429 are the server's (retry)."""
+    status = finish.get("status_code")
+    message = str(finish.get("message") or "aborted")
+    err_type = finish.get("err_type")
+    code = status if isinstance(status, int) and not isinstance(status, bool) else None
+    what = f"{code}" if code is not None else "no status"
+    text = f"request aborted by the server ({what}{f', {err_type}' if err_type else ''}): {message}"
+    if code is not None and 400 <= code < 500:
+        verdict = classify_status(code, message)
+        if isinstance(verdict, PermanentError):
+            return PermanentError(verdict.error_class, text, code)
+    if code == 503:
+        return QueueFull(text)
+    return ServerAbort(text)
+
+
+def _count(meta: dict[str, Any], *names: str) -> int | None:
+    """The first of ``names`` that ``meta`` holds as a non-negative int; None when none is there."""
+    for name in names:
+        value = meta.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return None
+
+
 def parse_response(data: Any, rid: str, max_new_tokens: int | None) -> Generation:
-    """Validate a non-streaming single-request response; inconsistencies are server faults, not data."""
+    """Validate a non-streaming single-request response; inconsistencies are server faults, not data.
+
+    Reads every ``meta_info`` shape from SGLang 0.5.9 to 0.5.23 (../shared/reference/sglang-versions.md):
+    the retraction count is ``total_retractions`` (≤ 0.5.11) or ``num_retractions`` (≥ 0.5.12);
+    ``reasoning_tokens`` exists from 0.5.10 — absent, it stays None (stored as null).
+    """
     if not isinstance(data, dict):
         raise ServerFault(f"expected a JSON object from /generate, got {type(data).__name__}")
     output_ids = data.get("output_ids")
@@ -124,25 +198,27 @@ def parse_response(data: Any, rid: str, max_new_tokens: int | None) -> Generatio
             "response has no output_ids/meta_info (SGLang < 0.5.0 in tokenizer mode? run >= 0.5.5 "
             "or --skip-tokenizer-init)"
         )
-    if not all(isinstance(t, int) and t >= 0 for t in output_ids):
-        raise ServerFault("output_ids contains a non-integer or negative id")
-    completion = meta.get("completion_tokens")
-    if completion is not None and completion != len(output_ids):
-        # SGLang 0.5.0–0.5.4 could leak prompt ids into output_ids (sglang#17240).
-        raise ServerFault(f"len(output_ids)={len(output_ids)} != meta_info.completion_tokens={completion}")
     finish = meta.get("finish_reason")
     if not isinstance(finish, dict) or finish.get("type") not in ("stop", "length", "abort"):
         raise ServerFault(f"malformed finish_reason {finish!r}")
     finish_type = finish["type"]
     if finish_type == "abort":
-        status = finish.get("status_code")
-        message = str(finish.get("message", "aborted"))
-        if status == 400:
-            raise PermanentError("invalid_request", message, 400)
-        raise ServerFault(f"request aborted by the server: {message}")
+        raise classify_abort(finish)
+    matched = finish.get("matched")
+    if finish_type == "stop" and matched == NAN_MATCHED:
+        last = output_ids[-1] if output_ids else None
+        raise NanStop(
+            f"NaN stop (rid {meta.get('id') or rid}): the server overwrote the last of {len(output_ids)} output "
+            f"ids with a stop id ({last}); that id was never sampled"
+        )
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in output_ids):
+        raise ServerFault("output_ids contains a non-integer or negative id")
+    completion = meta.get("completion_tokens")
+    if completion is not None and completion != len(output_ids):
+        # SGLang 0.5.0–0.5.4 could leak prompt ids into output_ids (sglang#17240).
+        raise ServerFault(f"len(output_ids)={len(output_ids)} != meta_info.completion_tokens={completion}")
     if finish_type == "length" and max_new_tokens is not None and len(output_ids) > max_new_tokens:
         raise ServerFault(f"{len(output_ids)} ids exceed max_new_tokens={max_new_tokens}")
-    matched = finish.get("matched")
     if finish_type == "length":
         matched = None
     latency = meta.get("e2e_latency")
@@ -150,42 +226,151 @@ def parse_response(data: Any, rid: str, max_new_tokens: int | None) -> Generatio
         output_ids=output_ids,
         finish_type=finish_type,
         finish_matched=None if matched is None else str(matched),
-        prompt_tokens=int(meta.get("prompt_tokens") or 0),
+        prompt_tokens=_count(meta, "prompt_tokens") or 0,
         completion_tokens=len(output_ids),
-        cached_tokens=int(meta.get("cached_tokens") or 0),
-        reasoning_tokens=int(meta.get("reasoning_tokens") or 0),
-        num_retractions=int(meta.get("num_retractions") or 0),
+        cached_tokens=_count(meta, "cached_tokens"),
+        reasoning_tokens=_count(meta, "reasoning_tokens"),
+        num_retractions=_count(meta, "num_retractions", "total_retractions"),
         weight_version=str(meta.get("weight_version") or "default"),
         e2e_latency_s=float(latency) if isinstance(latency, int | float) else None,
         rid=str(meta.get("id") or rid),
     )
 
 
+# -- what the server is ---------------------------------------------------------------------------------
+#: First release whose context check is ``input + max_new_tokens > context`` (``>=`` up to 0.5.10).
+STRICT_CONTEXT_CHECK_FROM = (0, 5, 11)
+
+
+def parse_version(text: Any) -> tuple[int, int, int] | None:
+    """``"0.5.9"``, ``"0.5.10rc0"``, ``"v0.5.9.post1"`` → (0, 5, 9); None when there is no version."""
+    match = re.search(r"(\d+)\.(\d+)\.(\d+)", str(text or ""))
+    return (int(match[1]), int(match[2]), int(match[3])) if match else None
+
+
 @dataclass(frozen=True)
 class ServerInfo:
-    """What preflight learned from /model_info and /server_info."""
+    """What preflight learned from /model_info and /server_info (None: the server did not say)."""
 
     model_path: str
     weight_version: str
     reasoning_parser: str | None
     effective_max_running_requests: int | None
     context_length: int | None
+    version: str | None = None
+    vocab_size: int | None = None
+    max_req_input_len: int | None = None
+    deterministic: bool | None = None  # --enable-deterministic-inference (sampling_seed is honoured)
+
+    @property
+    def context_check_inclusive(self) -> bool:
+        """True when the server refuses ``input + max_new_tokens >= context`` (≤ 0.5.10, and an unknown
+        version: the stricter check); False from 0.5.11, which refuses only ``>``."""
+        version = parse_version(self.version)
+        return version is None or version < STRICT_CONTEXT_CHECK_FROM
 
 
-def parse_server_info(model_info: dict[str, Any], server_info: dict[str, Any]) -> ServerInfo:
+def _positive_int(*values: Any) -> int | None:
+    for value in values:
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def parse_server_info(
+    model_info: dict[str, Any], server_info: dict[str, Any], models: dict[str, Any] | None = None
+) -> ServerInfo:
+    """``/model_info``, ``/server_info`` and (optional) ``/v1/models`` → :class:`ServerInfo`.
+
+    The context length is the model's effective one: ``/v1/models`` ``data[].max_model_len`` when given,
+    else ``/server_info`` ``context_length`` (the raw ``--context-length``: null unless it was set).
+    """
+    served = (models or {}).get("data") or []
+    max_model_len = served[0].get("max_model_len") if served and isinstance(served[0], dict) else None
     states = server_info.get("internal_states") or []
+    state0 = states[0] if states and isinstance(states[0], dict) else {}
     effective = None
-    if states and isinstance(states[0], dict):
-        values = [s.get("effective_max_running_requests_per_dp") for s in states]
+    if state0:
+        values = [s.get("effective_max_running_requests_per_dp") if isinstance(s, dict) else None for s in states]
         if all(isinstance(v, int) for v in values):
             effective = sum(values)  # one scheduler per DP rank
     if effective is None and isinstance(server_info.get("max_running_requests"), int):
         effective = server_info["max_running_requests"]
-    context = server_info.get("context_length")
+    deterministic = server_info.get("enable_deterministic_inference")
+    if not isinstance(deterministic, bool):
+        deterministic = state0.get("enable_deterministic_inference")
     return ServerInfo(
         model_path=str(model_info.get("model_path") or server_info.get("model_path") or ""),
         weight_version=str(model_info.get("weight_version") or "default"),
         reasoning_parser=server_info.get("reasoning_parser"),
         effective_max_running_requests=effective,
-        context_length=context if isinstance(context, int) else None,
+        context_length=_positive_int(
+            max_model_len,
+            model_info.get("context_length"),
+            server_info.get("context_length"),
+            state0.get("context_length"),
+        ),
+        version=str(server_info["version"]) if server_info.get("version") else None,
+        vocab_size=_positive_int(model_info.get("vocab_size"), server_info.get("vocab_size"), state0.get("vocab_size")),
+        max_req_input_len=_positive_int(server_info.get("max_req_input_len"), state0.get("max_req_input_len")),
+        deterministic=deterministic if isinstance(deterministic, bool) else None,
     )
+
+
+# -- refusing what the server would choke on ------------------------------------------------------------
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a prompt must fit before it is sent (None: unknown, not checked)."""
+
+    vocab_size: int | None = None
+    vocab_source: str = "server"
+    context_length: int | None = None
+    context_source: str = "server"
+    max_req_input_len: int | None = None
+    context_check_inclusive: bool = True
+    version: str | None = None
+
+
+def check_request(input_ids: list[int], max_new_tokens: int | None, limits: RequestLimits) -> PermanentError | None:
+    """The refusal (``invalid_ids`` / ``context_overflow``, with a message naming the id or the lengths)
+    of a prompt the server must never see, or None when it fits what the worker knows of the server."""
+    vocab = limits.vocab_size
+    if vocab is not None and input_ids:
+        top = max(input_ids)
+        if top >= vocab:
+            at = input_ids.index(top)
+            return PermanentError(
+                "invalid_ids",
+                f"prompt id {top} at position {at} of {len(input_ids)} is >= the vocabulary size {vocab} "
+                f"({limits.vocab_source}); not sent: an out-of-vocabulary id is undefined on the GPU",
+            )
+    if input_ids and min(input_ids) < 0:
+        return PermanentError("invalid_ids", f"prompt id {min(input_ids)} is negative; not sent")
+    n = len(input_ids)
+    ctx = limits.context_length
+    where = f"({limits.context_source}{f', SGLang {limits.version}' if limits.version else ''})"
+    if ctx is not None:
+        if n >= ctx:
+            return PermanentError(
+                "context_overflow",
+                f"prompt of {n} tokens is not shorter than the model's context length of {ctx} tokens "
+                f"{where}; not sent",
+            )
+        if max_new_tokens is not None:
+            total = n + max_new_tokens
+            inclusive = limits.context_check_inclusive
+            if total > ctx or (inclusive and total == ctx):
+                rule = ">=" if inclusive else ">"
+                return PermanentError(
+                    "context_overflow",
+                    f"prompt of {n} tokens + max_new_tokens {max_new_tokens} = {total} tokens {rule} the model's "
+                    f"context length of {ctx} tokens {where}; not sent (lower max_new_tokens with `producer retry`)",
+                )
+    cap = limits.max_req_input_len
+    if cap is not None and n >= cap:
+        return PermanentError(
+            "context_overflow",
+            f"prompt of {n} tokens is not shorter than the server's maximum input length of {cap} tokens "
+            f"(context length {ctx}) {where}; not sent",
+        )
+    return None
