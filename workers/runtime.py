@@ -41,7 +41,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from storage.writer import PartWriter, StorageNotWritable
 from thinkfleet.failpoints import failpoint
 from thinkfleet.keys import kombu_transport_options
-from thinkfleet.message import PromptTask
+from thinkfleet.message import MessageLimits, MessageRefused, PromptTask
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import DEFAULT_MAX_NEW_TOKENS, JobRecord
 from thinkfleet.state.ledger import FinalRow, Ledger
@@ -433,12 +433,15 @@ class WorkerRuntime:
             log.error("%s", exc)
             return "dead"
         try:
-            input_ids = task.input_ids
-        except Exception as exc:
-            # A corrupt id blob (truncated zstd frame, wrong length): resending it cannot help.
-            await self.ledger.dead_letter(task, "corrupt_message", f"{type(exc).__name__}: {exc}", 0)
-            self.metrics.dead.labels("corrupt_message").inc()
-            log.error("dead-lettered %s/%s: corrupt ids: %s", task.job, task.prompt_id, exc)
+            # The message's own checks (thinkfleet/message.py): overrides whitelist, ids decoded within
+            # max_prompt_tokens, corrupt blob, content hash recomputed, ids below the vocabulary.
+            vocab = (await self._limits(task.job, job.sampling_params, self.gate.info)).vocab_size
+            input_ids = task.verified_ids(MessageLimits(self.settings.max_prompt_tokens, vocab))
+        except MessageRefused as exc:
+            # Resending it cannot help: dead-lettered with the check it failed (the whole message kept).
+            await self.ledger.dead_letter(task, exc.error_class, exc.detail, 0)
+            self.metrics.dead.labels(exc.error_class).inc()
+            log.error("dead-lettered %s/%s: %s", task.job, task.prompt_id, exc)
             return "dead"
         isolated = False
         claimed = False
