@@ -12,8 +12,10 @@ from typing import Any
 
 import click
 import redis
+from click.core import ParameterSource
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -24,6 +26,18 @@ from rich.progress import (
 )
 
 from producer.inputs import Columns, count_rows
+from producer.jobfile import (
+    DATASET_FLAGS,
+    FLAG_KEYS,
+    JOB_FILE_SUFFIXES,
+    JobFileError,
+    apply_flags,
+    dataset_options,
+    is_job_file,
+    submit_flags,
+)
+from producer.jobfile import load as load_job_file
+from producer.jobfile import resolved as resolved_job_file
 from producer.status import DEFAULT_WINDOW_S, StatusReader, confirm_stored, format_duration
 from producer.submit import SubmitError, SubmitOptions, submit
 from producer.view import status_view, submit_report
@@ -63,8 +77,8 @@ def cli() -> None:
 
 @cli.command("submit")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("--job", required=True, help="Job name (re-submitting the same job enqueues only what is missing).")
-@click.option("--tokenizer", required=True, help="Tokenizer directory or hub id (local cache only).")
+@click.option("--job", help="Job name (re-submitting the same job enqueues only what is missing). [job file: job]")
+@click.option("--tokenizer", help="Tokenizer directory or hub id (local cache only). [job file: tokenizer]")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the tokenizer's own code (Kimi's needs it).")
 @click.option("--chat-template-kwargs", default=None, help='JSON merged over {"thinking": true}.')
 @click.option("--think-start-id", type=int, help="Override the <think> id read from the tokenizer.")
@@ -103,10 +117,21 @@ def cli() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @common_options
 def submit_cmd(paths: tuple[Path, ...], as_json: bool, progress: bool | None, **flags: Any) -> None:
-    """Tokenize PATH… with the model's chat template and enqueue the prompts of job JOB."""
+    """Tokenize PATH… with the model's chat template and enqueue the prompts of job JOB.
+
+    One JOB.yaml argument is a job file (docs/examples/job.yaml): every dataset with its own columns,
+    samples and sampling; flags given next to it override its top-level values."""
     settings = _settings(flags)
-    opts = _submit_options(list(paths), flags)
     err = Console(stderr=True)
+    if is_job_file(paths):
+        opts = _job_file_options(paths[0], flags, err)
+    elif any(p.suffix.lower() in JOB_FILE_SUFFIXES for p in paths):
+        raise click.UsageError("a job file is submitted alone: producer submit JOB.yaml [flags]")
+    else:
+        for name in ("job", "tokenizer"):
+            if not flags[name]:
+                raise click.UsageError(f"Missing option '--{name}' (or give a job file: producer submit JOB.yaml)")
+        opts = _submit_options(list(paths), flags)
     opts.progress = err.is_terminal if progress is None else progress
     try:
         report = _with_progress(err, settings, opts) if opts.progress else submit(settings, opts)
@@ -119,6 +144,47 @@ def submit_cmd(paths: tuple[Path, ...], as_json: bool, progress: bool | None, **
             err.print(f"[bold red]WARNING:[/] {w}", soft_wrap=True)
     else:
         Console().print(submit_report(report, opts.hosts, opts.server_tok_s, opts.mean_output_tokens))
+
+
+def _job_file_options(path: Path, flags: dict[str, Any], err: Console) -> SubmitOptions:
+    """A job file → options: its values, overridden by the flags given on the command line."""
+    ctx = click.get_current_context()
+    given = {n: v for n, v in flags.items() if ctx.get_parameter_source(n) not in (None, ParameterSource.DEFAULT)}
+    try:
+        for param in ctx.command.params:
+            if param.name in given and param.name in DATASET_FLAGS:
+                raise JobFileError(
+                    [f"{param.opts[0]} describes PATH inputs: set `{DATASET_FLAGS[param.name]}:` in each "
+                     f"datasets entry of {path} instead"]
+                )  # fmt: skip
+        jf = apply_flags(load_job_file(path), given, path)
+        file_flags, warnings = submit_flags(jf, set(flags), path)
+        _check_as_flags(ctx, file_flags, set(given), path)
+    except JobFileError as e:
+        err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    for w in warnings:
+        err.print(f"[yellow]note:[/] {escape(w)}", highlight=False, soft_wrap=True)
+    opts = _submit_options([], {**flags, **file_flags})
+    opts.datasets = dataset_options(jf)
+    opts.job_file = resolved_job_file(jf)
+    opts.priority = jf.priority
+    return opts
+
+
+def _check_as_flags(ctx: click.Context, values: dict[str, Any], given: set[str], path: Path) -> None:
+    """The file's values pass the checks their flags make (a --model-family choice, an --samples range)."""
+    params = {p.name: p for p in ctx.command.params}
+    problems = []
+    for name, value in values.items():
+        if value is None or name in given or name not in params:
+            continue
+        try:
+            values[name] = params[name].type_cast_value(ctx, value)
+        except click.BadParameter as e:
+            problems.append(f"{path}: {'.'.join(FLAG_KEYS[name])}: {e.message}; fix the value")
+    if problems:
+        raise JobFileError(problems)
 
 
 def _submit_options(paths: list[Path], f: dict[str, Any]) -> SubmitOptions:
@@ -189,7 +255,7 @@ def _with_progress(console: Console, settings: Settings, opts: SubmitOptions) ->
         TimeElapsedColumn(),
         TimeRemainingColumn(),
     )
-    counts = [count_rows(Path(p)) for p in opts.paths]
+    counts = [count_rows(d.path) for d in opts.inputs()]
     total = None if None in counts else sum(c or 0 for c in counts)
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task("render", total=total, rate=0.0, tokens=0)

@@ -1,7 +1,7 @@
 """Datasets → conversations: readers, conversation-column detection and row validation.
 
-Formats: JSONL, JSON (a list of objects), Parquet, CSV, a directory of such files (one dataset, the
-files read in name order) and a Hugging Face ``save_to_disk`` directory. A row becomes a
+Inputs (local files and directories, ``s3://``, save_to_disk directories, hub ids) are read by
+:mod:`producer.sources`. A row becomes a
 :class:`Prompt`: OpenAI-style messages cut after the last user (or tool) turn — the trailing assistant
 turns are what we regenerate — plus optional tools.
 
@@ -11,16 +11,45 @@ to do; the caller decides whether problems abort the submit or are skipped and r
 
 from __future__ import annotations
 
-import csv
 import json
+import posixpath
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-#: File suffixes read as datasets.
-SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+from producer.sources import (
+    S3_SCHEMES,
+    SKIP_HINT,
+    SUFFIXES,
+    InputError,
+    Problem,
+    Source,
+    count_rows,
+    is_hf_dataset_dir,
+    locate_input,
+    records,
+)
+
+__all__ = [
+    "S3_SCHEMES",
+    "SUFFIXES",
+    "Columns",
+    "Dataset",
+    "InputError",
+    "Problem",
+    "Prompt",
+    "RowError",
+    "Source",
+    "count_rows",
+    "dataset_name",
+    "is_hf_dataset_dir",
+    "iter_prompts",
+    "open_dataset",
+    "read_dataset",
+]
+
 #: ShareGPT ``from`` values → OpenAI roles.
 SHAREGPT_ROLES = {
     "human": "user",
@@ -40,24 +69,10 @@ ROLES = {"system", "user", "assistant", "tool"}
 #: Message keys kept for the chat template (others are dropped so rendering is deterministic).
 MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-SKIP_HINT = "fix the row, or pass --skip-invalid to skip and record it"
-
-
-class InputError(Exception):
-    """A user error that stops the submit before anything is enqueued."""
 
 
 class RowError(ValueError):
     """One row is unusable; the message says why (the reader adds where)."""
-
-
-@dataclass(frozen=True)
-class Problem:
-    location: str  # "data/train.jsonl:17" or "data/x.parquet row 16"
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.location}: {self.reason}"
 
 
 @dataclass(frozen=True)
@@ -86,7 +101,7 @@ class Prompt:
 @dataclass
 class Dataset:
     name: str
-    source: Path
+    source: Source
     prompts: list[Prompt] = field(default_factory=list)
     rows: int = 0
 
@@ -98,136 +113,6 @@ class _Layout:
     system: str | None
     tools: str | None
     id: str | None
-
-
-# -- readers: (location, record) per row ----------------------------------------------------------------
-def _read_jsonl(path: Path, problems: list[Problem]) -> Iterator[tuple[str, dict[str, Any] | None]]:
-    with path.open("rb") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            loc = f"{path}:{line_no}"
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                problems.append(Problem(loc, f"not valid JSON ({e}); {SKIP_HINT}"))
-                yield loc, None
-                continue
-            if not isinstance(record, dict):
-                problems.append(Problem(loc, f"a JSON {type(record).__name__}, not an object; {SKIP_HINT}"))
-                yield loc, None
-                continue
-            yield loc, record
-
-
-def _read_json(path: Path, problems: list[Problem]) -> Iterator[tuple[str, dict[str, Any] | None]]:
-    try:
-        data = json.loads(path.read_bytes())
-    except ValueError as e:
-        # A .json file may really be JSON Lines.
-        if path.read_bytes().lstrip()[:1] == b"{":
-            yield from _read_jsonl(path, problems)
-            return
-        raise InputError(f"{path}: not valid JSON ({e}); a .json input must be a list of objects") from e
-    if isinstance(data, dict):
-        lists = [v for v in data.values() if isinstance(v, list)]
-        if len(lists) != 1:
-            raise InputError(f"{path}: a JSON object, not a list of rows; save the rows as a JSON list or JSONL")
-        data = lists[0]
-    if not isinstance(data, list):
-        raise InputError(f"{path}: top level is a {type(data).__name__}; a .json input must be a list of objects")
-    for i, record in enumerate(data):
-        loc = f"{path} item {i}"
-        if not isinstance(record, dict):
-            problems.append(Problem(loc, f"a JSON {type(record).__name__}, not an object; {SKIP_HINT}"))
-            yield loc, None
-        else:
-            yield loc, record
-
-
-def _read_parquet(path: Path, problems: list[Problem]) -> Iterator[tuple[str, dict[str, Any] | None]]:
-    import pyarrow.parquet as pq
-
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as e:
-        raise InputError(f"{path}: not a readable Parquet file ({e})") from e
-    i = 0
-    for batch in pf.iter_batches(batch_size=4096):
-        for record in batch.to_pylist():
-            yield f"{path} row {i}", record
-            i += 1
-
-
-def _read_csv(path: Path, problems: list[Problem]) -> Iterator[tuple[str, dict[str, Any] | None]]:
-    csv.field_size_limit(1 << 30)
-    with path.open(newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        try:
-            for record in reader:
-                yield f"{path}:{reader.line_num}", dict(record)
-        except UnicodeDecodeError as e:
-            raise InputError(f"{path}:{reader.line_num + 1}: not UTF-8 text ({e}); re-save the file as UTF-8") from e
-
-
-def _read_hf(path: Path, split: str | None) -> Iterator[tuple[str, dict[str, Any] | None]]:
-    import datasets
-
-    try:
-        ds = datasets.load_from_disk(str(path))
-    except Exception as e:
-        raise InputError(f"{path}: not a readable Hugging Face save_to_disk directory ({e})") from e
-    if isinstance(ds, datasets.DatasetDict):
-        names = list(ds)
-        if split is None and len(names) == 1:
-            split = names[0]
-        if split not in ds:
-            raise InputError(f"{path}: a DatasetDict with splits {names}; choose one with --split")
-        ds = ds[split]
-    for i, record in enumerate(ds):
-        yield f"{path} row {i}", record
-
-
-def count_rows(path: Path) -> int | None:
-    """Rows in an input, cheaply, for a progress bar's total (JSONL lines, Parquet metadata); None if unknown."""
-    try:
-        if path.is_dir():
-            if is_hf_dataset_dir(path):
-                return None
-            counts = [count_rows(p) for p in sorted(path.iterdir()) if p.is_file() and p.suffix in SUFFIXES]
-            return None if None in counts else sum(c or 0 for c in counts)
-        if path.suffix == ".jsonl":
-            with path.open("rb") as f:
-                return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 24), b""))
-        if path.suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            return pq.ParquetFile(path).metadata.num_rows
-    except OSError:
-        return None
-    return None
-
-
-def is_hf_dataset_dir(path: Path) -> bool:
-    return (path / "dataset_dict.json").exists() or (path / "state.json").exists()
-
-
-def _records(path: Path, problems: list[Problem], split: str | None) -> Iterator[tuple[str, dict | None]]:
-    if path.is_dir():
-        if is_hf_dataset_dir(path):
-            yield from _read_hf(path, split)
-            return
-        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in SUFFIXES)
-        if not files:
-            raise InputError(f"{path}: a directory with no {', '.join(SUFFIXES)} files and no save_to_disk dataset")
-        for f in files:
-            yield from _records(f, problems, split)
-        return
-    readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet, ".csv": _read_csv}
-    reader = readers.get(path.suffix)
-    if reader is None:
-        raise InputError(f"{path}: unknown format; use {', '.join(SUFFIXES)}, a directory, or a save_to_disk dataset")
-    yield from reader(path, problems)
 
 
 # -- conversations ---------------------------------------------------------------------------------------
@@ -380,16 +265,23 @@ def _tools(record: dict[str, Any], layout: _Layout) -> list[dict[str, Any]] | No
 
 
 # -- datasets --------------------------------------------------------------------------------------------
-def open_dataset(path: str | Path, name: str | None = None) -> Dataset:
-    """A dataset to read: checks the path and the name (file stem, or directory name) up front."""
-    path = Path(path)
-    if not path.exists():
-        raise InputError(f"{path}: no such file or directory")
-    return Dataset(check_dataset_name(name or dataset_name(path), path), path)
+def open_dataset(
+    path: str | Path, name: str | None = None, s3_endpoint_url: str | None = None, split: str | None = None
+) -> Dataset:
+    """A dataset to read: resolves the input (:func:`locate_input`) and checks the name (file stem,
+    directory name, or the last part of a hub id) up front."""
+    source = locate_input(str(path), s3_endpoint_url, split)
+    return Dataset(check_dataset_name(name or dataset_name(source.given), source.given), source)
 
 
-def dataset_name(path: Path) -> str:
-    return path.name if path.is_dir() else path.stem
+def dataset_name(path: str | Path) -> str:
+    """The default dataset name: a file's stem, a directory's (or hub id's) last part."""
+    text = str(path).rstrip("/")
+    if not text.startswith(S3_SCHEMES) and Path(text).is_dir():
+        return Path(text).name
+    last = text.rsplit("/", 1)[-1]
+    stem, suffix = posixpath.splitext(last)
+    return stem if suffix in SUFFIXES else last
 
 
 def iter_prompts(
@@ -402,7 +294,7 @@ def iter_prompts(
     collect = problems if problems is not None else []
     layout: _Layout | None = None
     seen: dict[str, str] = {}
-    for row_index, (loc, record) in enumerate(_records(dataset.source, collect, split)):
+    for row_index, (loc, record) in enumerate(records(dataset.source, collect, split)):
         dataset.rows += 1
         if record is None:
             continue  # the reader recorded why
@@ -433,7 +325,7 @@ def read_dataset(
     problems: list[Problem] | None = None,
 ) -> Dataset:
     """Read one input into ``Dataset.prompts``; row problems go to ``problems`` (raises if not given)."""
-    dataset = open_dataset(path, name)
+    dataset = open_dataset(path, name, split=split)
     collect = problems if problems is not None else []
     dataset.prompts = list(iter_prompts(dataset, columns, split, collect))
     if problems is None and collect:
@@ -441,7 +333,7 @@ def read_dataset(
     return dataset
 
 
-def check_dataset_name(name: str, path: Path) -> str:
+def check_dataset_name(name: str, path: str | Path) -> str:
     """Dataset names become Redis keys and ``dataset=NAME`` storage partitions: keep them plain."""
     if not _NAME.fullmatch(name):
         raise InputError(

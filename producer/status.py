@@ -117,6 +117,7 @@ class StatusReader:
             "missing_think_end": counters.get("missing_think_end", 0),
             "nondeterministic_seeds": counters.get("nondeterministic_seeds", 0),  # seeded, server ignores seeds
             "max_new_tokens": record.max_new_tokens,
+            "job_file": record.job_file,  # the job file as it ran (producer submit job.yaml), else null
         }
 
     def _rates(self, now: float, counters: dict[str, int], workers: dict[str, int]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ import redis
 
 from producer import render
 from producer.enqueue import Envelope, Stager
-from producer.inputs import Columns, Dataset, InputError, Problem, Prompt, dataset_name, iter_prompts, open_dataset
+from producer.inputs import Columns, Dataset, InputError, Problem, Prompt, iter_prompts, open_dataset
 from producer.report import (
     DatasetReport,
     SubmitReport,
@@ -59,6 +59,20 @@ class SubmitError(Exception):
     """The submit cannot proceed; the message says what to do. Nothing was enqueued."""
 
 
+@dataclass(frozen=True)
+class DatasetOptions:
+    """One input of a submit: a job file's ``datasets:`` entry (the PATH form makes one per PATH).
+    ``None`` (and an empty ``sampling``) = the job's value in :class:`SubmitOptions`."""
+
+    path: str  # a local path, s3://bucket/key, or a Hugging Face dataset id (local cache)
+    name: str | None = None
+    columns: Columns | None = None
+    split: str | None = None
+    samples: int | None = None
+    #: this dataset's sampling overrides, keyed as the sampling flags are (max_new_tokens, …, seed)
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass
 class SubmitOptions:
     paths: list[Path]
@@ -84,6 +98,21 @@ class SubmitOptions:
     hosts: int = 1
     server_tok_s: float = 860.0
     mean_output_tokens: float = 1416.0
+    #: the inputs one by one (a job file's ``datasets``); empty = ``paths`` with the shared flags.
+    datasets: list[DatasetOptions] = field(default_factory=list)
+    #: the job file, resolved (names and defaults filled, flags applied): kept in the job record.
+    job_file: dict[str, Any] | None = None
+    #: the job file's ``priority`` (kept in the job record); None = the job's, else 0.
+    priority: int | None = None
+
+    def inputs(self) -> list[DatasetOptions]:
+        """Every input with its own options: ``datasets``, else one per PATH."""
+        if self.datasets:
+            return list(self.datasets)
+        return [
+            DatasetOptions(str(p), self.dataset_names[i] if self.dataset_names else None)
+            for i, p in enumerate(self.paths)
+        ]
 
 
 #: Called after each rendered batch with (prompts, prompt tokens) — the CLI's progress bar.
@@ -105,6 +134,10 @@ def submit(settings: Settings, opts: SubmitOptions, on_progress: ProgressFn | No
         opts = dataclasses.replace(opts, max_prompt_tokens=settings.max_prompt_tokens)
     if opts.dataset_names and len(opts.dataset_names) != len(opts.paths):
         raise SubmitError(f"{len(opts.dataset_names)} --dataset-name for {len(opts.paths)} inputs; give one per PATH")
+    if opts.datasets and opts.paths:
+        raise SubmitError("give the inputs as PATHs or as a job file's datasets, not both")
+    if not opts.inputs():
+        raise SubmitError("no inputs: give PATH… or a job file with datasets")
     try:
         tok = render.load_tokenizer(opts.tokenizer, opts.trust_remote_code)
     except render.TokenizerError as e:
@@ -117,7 +150,7 @@ def submit(settings: Settings, opts: SubmitOptions, on_progress: ProgressFn | No
     )
     try:
         problems: list[Problem] = []
-        datasets = _open_all(opts)
+        datasets = _open_all(opts, settings)
         if opts.dry_run:
             existing = load_existing(client, settings, opts.job, redis_required=False)
             collector = _run(opts, settings, pool, info, limits, datasets, existing, problems, None, on_progress)
@@ -144,19 +177,37 @@ def submit(settings: Settings, opts: SubmitOptions, on_progress: ProgressFn | No
     return _report(opts, info, collector, problems, time.monotonic() - started)
 
 
-def _open_all(opts: SubmitOptions) -> list[Dataset]:
-    datasets: list[Dataset] = []
-    names: dict[str, Path] = {}
-    for i, path in enumerate(opts.paths):
+@dataclass
+class _Input:
+    """An opened dataset and what its rows get: the job's options, or its own (:class:`DatasetOptions`)."""
+
+    dataset: Dataset
+    options: DatasetOptions
+    columns: Columns
+    split: str | None
+    samples: int = 1  # resolved in _run (a re-submit keeps the job's value)
+    overrides: dict[str, Any] = field(default_factory=dict)  # sampling_params keys that differ from the job's
+    params: dict[str, Any] = field(default_factory=dict)  # the job's sampling_params ← overrides
+    budget: int = 0  # the largest max_new_tokens any sample of a row gets
+
+
+def _open_all(opts: SubmitOptions, settings: Settings) -> list[_Input]:
+    inputs: list[_Input] = []
+    names: dict[str, str] = {}
+    for d in opts.inputs():
+        split = d.split if d.split is not None else opts.split
         try:
-            ds = open_dataset(path, opts.dataset_names[i] if opts.dataset_names else None)
+            ds = open_dataset(d.path, d.name, settings.s3_endpoint_url, split)
         except InputError as e:
             raise SubmitError(str(e)) from e
         if ds.name in names:
-            raise SubmitError(f"{path}: dataset name {ds.name!r} is also {names[ds.name]}; give each a --dataset-name")
-        names[ds.name] = path
-        datasets.append(ds)
-    return datasets
+            raise SubmitError(
+                f"{d.path}: dataset name {ds.name!r} is also {names[ds.name]}; give each a --dataset-name "
+                "(job file: name)"
+            )
+        names[ds.name] = d.path
+        inputs.append(_Input(ds, d, d.columns or opts.columns, split))
+    return inputs
 
 
 class _Feed:
@@ -166,16 +217,16 @@ class _Feed:
     A file-level error stops the feed and is re-raised by the caller once rendering has drained.
     """
 
-    def __init__(self, opts: SubmitOptions, datasets: list[Dataset], problems: list[Problem]) -> None:
-        self.opts, self.datasets, self.problems = opts, datasets, problems
+    def __init__(self, opts: SubmitOptions, inputs: list[_Input], problems: list[Problem]) -> None:
+        self.opts, self.inputs, self.problems = opts, inputs, problems
         self.pending: collections.deque[tuple[str, Prompt]] = collections.deque()
         self.error: Exception | None = None
 
     def __iter__(self) -> Iterator[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]]:
         try:
-            for ds in self.datasets:
-                for prompt in iter_prompts(ds, self.opts.columns, self.opts.split, self.problems):
-                    self.pending.append((ds.name, prompt))
+            for inp in self.inputs:
+                for prompt in iter_prompts(inp.dataset, inp.columns, inp.split, self.problems):
+                    self.pending.append((inp.dataset.name, prompt))
                     yield prompt.messages, prompt.tools
         except Exception as e:  # raised in the pool's thread: hand it to the caller instead
             self.error = e
@@ -190,7 +241,7 @@ def _run(
     pool: render.RenderPool,
     info: render.TokenizerInfo,
     limits: render.ModelLimits,
-    datasets: list[Dataset],
+    inputs: list[_Input],
     existing: Existing,
     problems: list[Problem],
     stager: Stager | None,
@@ -198,10 +249,12 @@ def _run(
 ) -> _Collector:
     """Render everything; stage the messages of prompts that are new. Fails (nothing staged stays) on problems."""
     params = _sampling(opts, info, existing.record)
-    _check_compatible(opts, info, existing.record, params)
+    for inp in inputs:
+        _dataset_sampling(opts, inp, params, existing.record)
+    _check_compatible(opts, info, existing.record, params, inputs)
     limits = _inherit_context(limits, existing.record)
-    collector = _Collector(opts, existing, params, problems, Envelope(settings), limits, pool.tok)
-    feed = _Feed(opts, datasets, problems)
+    collector = _Collector(opts, existing, params, problems, Envelope(settings), limits, pool.tok, inputs)
+    feed = _Feed(opts, inputs, problems)
     for results in pool.render(feed):
         messages = collector.add_batch(feed.take(len(results)), results)
         if stager is not None and messages:
@@ -212,8 +265,8 @@ def _run(
         raise SubmitError(str(feed.error)) from feed.error
     if feed.error is not None:
         raise feed.error
-    for ds in datasets:
-        collector.reports[ds.name].rows = ds.rows
+    for inp in inputs:
+        collector.reports[inp.dataset.name].rows = inp.dataset.rows
     if problems and not opts.skip_invalid:
         raise SubmitError(problem_summary(problems))
     return collector
@@ -231,6 +284,34 @@ def _sampling(opts: SubmitOptions, info: render.TokenizerInfo, record: JobRecord
     return sampling_params(**{**{k: v for k, v in base.items() if v is not None and k in known}, **given})
 
 
+def flag_names(params: dict[str, Any]) -> dict[str, Any]:
+    """``sampling_params`` keyed as the sampling flags (and job file keys) are: ``sampling_seed`` → ``seed``."""
+    return {("seed" if k == "sampling_seed" else k): v for k, v in params.items()}
+
+
+def _dataset_sampling(opts: SubmitOptions, inp: _Input, params: dict[str, Any], record: JobRecord | None) -> None:
+    """A dataset's own sampling and samples: its options win; otherwise the job's existing values for it (as
+    :func:`_sampling`); otherwise the job's. Sets ``overrides`` (what differs from the job's ``params``, kept
+    in the job record's ``dataset_sampling``), ``params`` (what its rows are sent) and ``budget``."""
+    name = inp.dataset.name
+    before = flag_names(record.dataset_sampling.get(name, {})) if record is not None else {}
+    given = {**before, **{k: v for k, v in inp.options.sampling.items() if v is not None}}
+    known = inspect.signature(sampling_params).parameters
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise SubmitError(f"dataset {name}: sampling keys {unknown} are not among {sorted(known)}")
+    merged = sampling_params(**{**{k: v for k, v in flag_names(params).items() if k in known}, **given})
+    inp.overrides = {k: v for k, v in merged.items() if params.get(k) != v}
+    inp.params = {**params, **inp.overrides}
+    samples = inp.options.samples
+    if samples is None and record is not None:
+        samples = record.dataset_samples.get(name)
+    inp.samples = samples or opts.samples
+    inp.budget = max(
+        max_new_tokens_of({**inp.params, **sample_overrides(inp.params, k, inp.samples)}) for k in range(inp.samples)
+    )
+
+
 def _inherit_context(limits: render.ModelLimits, record: JobRecord | None) -> render.ModelLimits:
     """A re-submit that knows no context length (no flag, no config.json) keeps the job's, as it keeps its
     sampling flags: the check goes on applying, and the record does not lose the bound workers read."""
@@ -241,7 +322,11 @@ def _inherit_context(limits: render.ModelLimits, record: JobRecord | None) -> re
 
 
 def _check_compatible(
-    opts: SubmitOptions, info: render.TokenizerInfo, record: JobRecord | None, params: dict[str, Any]
+    opts: SubmitOptions,
+    info: render.TokenizerInfo,
+    record: JobRecord | None,
+    params: dict[str, Any],
+    inputs: list[_Input],
 ) -> None:
     """A job has one tokenizer, template and sampling setup: a re-submit must not silently change them."""
     if record is None:
@@ -259,6 +344,15 @@ def _check_compatible(
         mismatches.append(f"sampling params {record.sampling_params} ≠ {params}")
     if opts.expected_model and record.expected_model and opts.expected_model != record.expected_model:
         mismatches.append(f"--expect-model {record.expected_model} ≠ {opts.expected_model}")
+    for inp in inputs:
+        name = inp.dataset.name
+        if name not in record.datasets:
+            continue  # a dataset new to the job may bring its own settings
+        if record.dataset_sampling.get(name, {}) != inp.overrides:
+            mismatches.append(f"dataset {name} sampling {record.dataset_sampling.get(name, {})} ≠ {inp.overrides}")
+        samples = record.dataset_samples.get(name, record.samples)
+        if samples != inp.samples:
+            mismatches.append(f"dataset {name} samples {samples} ≠ {inp.samples}")
     if mismatches:
         raise SubmitError(
             "; ".join(mismatches)
@@ -277,14 +371,13 @@ class _Collector:
         problems: list[Problem],
         envelope: Envelope,
         limits: render.ModelLimits,
-        tok: Any = None,
+        tok: Any,
+        inputs: list[_Input],
     ) -> None:
         self.opts, self.existing, self.params, self.problems = opts, existing, params, problems
         self.envelope, self.limits, self.tok = envelope, limits, tok
-        #: the largest generation budget any sample of a row gets (per-sample overrides included).
-        self.budget = max(
-            max_new_tokens_of({**params, **sample_overrides(params, k, opts.samples)}) for k in range(opts.samples)
-        )
+        #: each dataset's sampling, samples and budget (the largest max_new_tokens any sample of a row gets).
+        self.inputs = {inp.dataset.name: inp for inp in inputs}
         self.finished = existing.finished
         self.reports: dict[str, DatasetReport] = collections.defaultdict(DatasetReport)
         self.rows: list[dict[str, Any]] = []  # manifest rows: every valid prompt of this submission
@@ -310,17 +403,15 @@ class _Collector:
     def _add(
         self, dataset: str, prompt: Prompt, blob: bytes, n_tokens: int, digest: str, ends: bool, max_id: int
     ) -> list[PromptTask]:
-        opts = self.opts
+        opts, inp = self.opts, self.inputs[dataset]
         if opts.max_prompt_tokens and n_tokens > opts.max_prompt_tokens:
             reason = f"prompt is {n_tokens} tokens, over --max-prompt-tokens {opts.max_prompt_tokens}"
             self.problems.append(Problem(prompt.location, f"{reason}; shorten it, raise the limit, or --skip-invalid"))
             return []
-        unfit = render.check_prompt(n_tokens, max_id, self.budget, self.limits)
+        unfit = render.check_prompt(n_tokens, max_id, inp.budget, self.limits)
         if unfit is not None:
             if max_id >= self.limits.vocab_size:  # rare: unpack the ids to name the first one out of range
-                unfit = render.check_prompt(
-                    n_tokens, max_id, self.budget, self.limits, unpack_ids(blob, None), self.tok
-                )
+                unfit = render.check_prompt(n_tokens, max_id, inp.budget, self.limits, unpack_ids(blob, None), self.tok)
             self.problems.append(Problem(prompt.location, f"{unfit} (--skip-invalid skips and records it)"))
             return []
         if not ends:
@@ -329,8 +420,8 @@ class _Collector:
         self.lengths.append(n_tokens)
         report = self.reports[dataset]
         tasks = []
-        for k in range(opts.samples):
-            pid = prompt.prompt_id if opts.samples == 1 else f"{prompt.prompt_id}{SAMPLE_SEP}{k}"
+        for k in range(inp.samples):
+            pid = prompt.prompt_id if inp.samples == 1 else f"{prompt.prompt_id}{SAMPLE_SEP}{k}"
             old = self.existing.hashes.get(pid)
             if old is not None and old != digest:
                 self.changed += 1
@@ -353,7 +444,7 @@ class _Collector:
             else:
                 report.enqueued += 1
                 self.tokens_enqueued += n_tokens
-                overrides = sample_overrides(self.params, k, opts.samples)
+                overrides = sample_overrides(inp.params, k, inp.samples)
                 tasks.append(PromptTask(opts.job, dataset, pid, prompt.row_index, digest, blob, k, 0, overrides))
         return tasks
 
@@ -387,6 +478,7 @@ def _job_record(
         setattr(record, name, info.tool_ids.get(name))
     record.prompt_ends_with_think_start = info.think_start_id is not None and collector.not_ending == 0
     record.expected_model = opts.expected_model or record.expected_model
+    _record_datasets(record, opts, collector)
     record.updated_at = now
     record.submissions += 1
     record.skipped = [{"location": p.location, "reason": p.reason} for p in problems[:MAX_SKIPPED_RECORDS]]
@@ -397,11 +489,48 @@ def _job_record(
     return record
 
 
+def _record_datasets(record: JobRecord, opts: SubmitOptions, collector: _Collector) -> None:
+    """Per-dataset sampling and samples (where they differ from the job's), the job file and its priority."""
+    sampling, samples = dict(record.dataset_sampling), dict(record.dataset_samples)
+    for name, inp in collector.inputs.items():
+        sampling[name], samples[name] = inp.overrides, inp.samples
+    record.dataset_sampling = {n: o for n, o in sorted(sampling.items()) if o}
+    record.dataset_samples = {n: k for n, k in sorted(samples.items()) if k != opts.samples}
+    if opts.priority is not None:
+        record.priority = opts.priority
+    if opts.job_file is not None:
+        record.job_file = _resolved_job_file(opts.job_file, collector, record)
+
+
+def _resolved_job_file(job_file: dict[str, Any], collector: _Collector, record: JobRecord) -> dict[str, Any]:
+    """The job file as it ran: the template switches and family in effect, the job's sampling with every
+    default filled, each dataset's samples and the sampling it set (the values its rows get)."""
+    resolved = {
+        **job_file,
+        "chat_template_kwargs": dict(record.chat_template_kwargs),
+        "sampling": flag_names(collector.params),
+        "samples": record.samples,
+    }
+    if getattr(record, "model_family", None):
+        resolved["model_family"] = record.model_family
+    entries = []
+    for entry in job_file.get("datasets") or []:
+        inp = collector.inputs.get(entry.get("name"))
+        if inp is not None:
+            given = {k for k, v in (entry.get("sampling") or {}).items() if v is not None}
+            own = {k: v for k, v in flag_names(inp.params).items() if k in given or k in flag_names(inp.overrides)}
+            entry = {**entry, "samples": inp.samples, "sampling": own}
+        entries.append(entry)
+    resolved["datasets"] = entries
+    return resolved
+
+
 def _report(
     opts: SubmitOptions, info: render.TokenizerInfo, c: _Collector, problems: list[Problem], elapsed_s: float
 ) -> SubmitReport:
     for name, report in c.reports.items():
-        report.skipped = sum(1 for p in problems if p.location.startswith(str(_source(opts, name))))
+        source = str(c.inputs[name].dataset.source) if name in c.inputs else name
+        report.skipped = sum(1 for p in problems if p.location.startswith(source))
     c.reports = dict(c.reports)
     thinking = opts.chat_template_kwargs.get("thinking", True) is not False
     warnings = think_warnings(thinking, info.think_start_id, c.not_ending, c.first_not_ending)
@@ -424,11 +553,3 @@ def _report(
         tokenizer_fingerprint=info.fingerprint,
         prompt_ends_with_think_start=info.think_start_id is not None and c.not_ending == 0,
     )
-
-
-def _source(opts: SubmitOptions, dataset: str) -> Path:
-    for i, path in enumerate(opts.paths):
-        name = opts.dataset_names[i] if opts.dataset_names else dataset_name(path)
-        if name == dataset:
-            return path
-    return Path(dataset)

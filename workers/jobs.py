@@ -7,7 +7,7 @@ The record is decoded by ``thinkfleet.state.job.JobRecord`` (one decoder, one se
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -29,11 +29,20 @@ class JobSpec:
     chat_template_hash: str
     expected_model: str | None
     tokens: SpanTokens = KIMI_TOKENS  # the marker ids spans are found with
+    #: {dataset: sampling_params keys of that dataset} (the record's ``dataset_sampling``)
+    dataset_sampling: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: the datasets the record listed when it was read (a later submit may add some: :class:`JobCache`)
+    datasets: frozenset[str] = frozenset()
 
     @property
     def max_new_tokens(self) -> int:
         """The record's budget, else the job record's default (``JobRecord.max_new_tokens``)."""
         return max_new_tokens_of(self.sampling_params)
+
+    def sampling_for(self, dataset: str) -> dict[str, Any]:
+        """What a row of ``dataset`` is sent, before its message's own overrides (which the caller merges
+        last): the job's ``sampling_params`` ← the dataset's own (a job file's ``datasets[i].sampling``)."""
+        return {**self.sampling_params, **(self.dataset_sampling.get(dataset) or {})}
 
     @classmethod
     def from_record(cls, record: JobRecord) -> JobSpec:
@@ -44,24 +53,37 @@ class JobSpec:
             chat_template_hash=record.chat_template_hash,
             expected_model=record.expected_model or None,
             tokens=record.span_tokens(),
+            dataset_sampling={name: dict(params) for name, params in record.dataset_sampling.items()},
+            datasets=frozenset(record.datasets),
         )
 
 
 class JobCache:
+    """Job specs, read once per job — and again when a message names a dataset the cached record did not
+    list: a re-submit that adds a dataset (with its own sampling) writes the record in the same MULTI that
+    enqueues its messages, so the record read then has it. Each (job, dataset) re-reads at most once."""
+
     def __init__(self, client: aioredis.Redis, keys: Keys) -> None:
         self.r = client
         self.keys = keys
         self._specs: dict[str, JobSpec] = {}
+        self._reread: set[tuple[str, str]] = set()
         self._lock = asyncio.Lock()
 
-    async def get(self, job: str) -> JobSpec:
+    async def get(self, job: str, dataset: str | None = None) -> JobSpec:
         spec = self._specs.get(job)
-        if spec is not None:
+        if spec is not None and self._fresh(spec, job, dataset):
             return spec
         async with self._lock:
-            if job not in self._specs:
+            spec = self._specs.get(job)
+            if spec is None or not self._fresh(spec, job, dataset):
                 record = await JobRecord.aload(self.r, self.keys, job)
                 if record is None:
                     raise UnknownJob(f"job {job!r} has no record at {self.keys.job(job)}; re-run producer submit")
                 self._specs[job] = JobSpec.from_record(record)
+                if dataset is not None:
+                    self._reread.add((job, dataset))
         return self._specs[job]
+
+    def _fresh(self, spec: JobSpec, job: str, dataset: str | None) -> bool:
+        return dataset is None or dataset in spec.datasets or (job, dataset) in self._reread

@@ -426,7 +426,7 @@ class WorkerRuntime:
 
     async def _claim_and_run(self, task: PromptTask) -> str:
         try:
-            job = await self.jobs.get(task.job)
+            job = await self.jobs.get(task.job, task.dataset)
         except UnknownJob as exc:
             await self.ledger.dead_letter(task, "unknown_job", str(exc), 0)
             self.metrics.dead.labels("unknown_job").inc()
@@ -530,7 +530,7 @@ class WorkerRuntime:
         return True
 
     async def _generate_and_store(self, task: PromptTask, job: JobSpec, input_ids: list[int]) -> str:
-        sampling = {**job.sampling_params, **task.overrides}
+        sampling = {**job.sampling_for(task.dataset), **task.overrides}
         if job.expected_model and self.gate.info and self.gate.info.model_path != job.expected_model:
             log.error(
                 "job %s expects model %s but %s serves %s: refusing",

@@ -45,6 +45,15 @@ field                            absent →            what
 ``context_source``               ""                  ``--context-length`` or ``config.json
                                                      [text_config.]max_position_embeddings`` (…); "" when
                                                      unknown
+``dataset_sampling``             {}                  {dataset: sampling_params keys set for that dataset
+                                                     (a job file's ``datasets[i].sampling``)}: its rows
+                                                     get ``sampling_params`` ← these (← the message's
+                                                     overrides); datasets without any are absent
+``dataset_samples``              {}                  {dataset: generations per row} where a dataset's
+                                                     ``samples`` differs from ``samples``
+``job_file``                     null                the job file (``producer submit job.yaml``) as it
+                                                     ran: names and defaults filled, flags applied
+``priority``                     0                   the job file's ``priority`` (kept for scheduling)
 ================================ =================== ======================================================
 
 Marker ids: absent vs null. ``producer submit`` always writes every marker field, so an absent one
@@ -131,6 +140,10 @@ class JobRecord:
     vocab_source: str = ""
     context_length: int | None = None
     context_source: str = ""
+    dataset_sampling: dict[str, dict[str, Any]] = field(default_factory=dict)
+    dataset_samples: dict[str, int] = field(default_factory=dict)
+    job_file: dict[str, Any] | None = None
+    priority: int = 0
 
     # -- sampling ---------------------------------------------------------------------------------
     @property
