@@ -84,7 +84,8 @@ def stored_prompt_ids(settings: Settings, job: str) -> set[str]:
 
 
 def write_manifest(settings: Settings, job: str, rows: list[dict[str, Any]]) -> None:
-    """Tell storage what was submitted (``verify`` finds missing prompts against it, even without Redis)."""
+    """Tell storage what was submitted (``verify`` finds missing prompts against it, even without Redis),
+    with each prompt's source ``messages``/``tools`` when the rows carry them (``export --format messages``)."""
     try:
         from storage.manifest import write_submitted
     except ImportError:

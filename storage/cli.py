@@ -96,37 +96,73 @@ def verify(settings: Settings, job: str, as_json: bool, live: bool, queue: str |
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["eagle3", "conversations"]),
+    type=click.Choice(["eagle3", "specforge", "hf", "messages", "conversations"]),
     default="eagle3",
     show_default=True,
     help="eagle3: token ids + loss mask (Parquet, or JSONL if --out ends in .jsonl); "
-    "conversations: SpecForge conversations JSONL with decoded reasoning_content.",
+    "specforge: JSONL {input_ids, loss_mask} for SpecForge data.prompts_path and speculators prepare-data; "
+    "hf: a Hugging Face dataset (save_to_disk) with ids, spans and metadata; "
+    "messages: OpenAI/TRL chat JSONL (source conversation + the generated turn); "
+    "conversations: the same under SpecForge's 'conversations' key.",
 )
-@click.option("--exclude-reasoning", is_flag=True, help="eagle3: mask reasoning out; conversations: drop it.")
-@click.option("--out", "out", default=None, help="Output file [./JOB-FORMAT.parquet|.jsonl].")
+@click.option(
+    "--out",
+    "out",
+    default=None,
+    help="Local path or s3://bucket/key [./JOB-FORMAT.jsonl|.parquet, hf: ./JOB-hf]. "
+    "With --shard-rows: X.jsonl → X-00000.jsonl…, or a directory of part-00000.*.",
+)
+@click.option("--shard-rows", type=click.IntRange(min=1), default=None, help="At most N rows per output file.")
+@click.option("--drop-truncated", is_flag=True, help="Leave out rows that did not end on a stop (length, abort).")
+@click.option(
+    "--min-reasoning-tokens", type=click.IntRange(min=0), default=0, help="Leave out rows with less reasoning."
+)
+@click.option(
+    "--exclude-reasoning",
+    is_flag=True,
+    help="Token formats: mask the reasoning (through </think>) out of the loss; text formats: drop it.",
+)
+@click.option(
+    "--max-length",
+    type=click.IntRange(min=1),
+    default=2048,
+    show_default=True,
+    help="eagle3/specforge: warn about rows longer than this (SpecForge's data.max_length default cuts them).",
+)
 @click.option("--tokenizer", default=None, help="Tokenizer path/id for decoding (default: the job record's).")
 @click.option(
     "--trust-remote-code",
     is_flag=True,
-    help="conversations: allow the tokenizer's own code (Kimi's needs it); off, such a tokenizer is refused.",
+    help="messages/conversations: allow the tokenizer's own code (Kimi's needs it); off, such a tokenizer is refused.",
 )
+@click.option(
+    "--push-to-hub", "push_to_hub", default=None, metavar="REPO", help="hf: also upload to this Hub dataset repo."
+)
+@click.option("--hub-private", is_flag=True, help="hf: make a repo that --push-to-hub creates private.")
 @click.option("--dataset", "datasets", multiple=True, help="Only these datasets (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def export(
     settings: Settings,
     job: str,
     fmt: str,
-    exclude_reasoning: bool,
     out: str | None,
+    shard_rows: int | None,
+    drop_truncated: bool,
+    min_reasoning_tokens: int,
+    exclude_reasoning: bool,
+    max_length: int,
     tokenizer: str | None,
     trust_remote_code: bool,
+    push_to_hub: str | None,
+    hub_private: bool,
     datasets: tuple[str, ...],
     as_json: bool,
 ) -> None:
-    """Export the committed rows of JOB as training data (ids round-trip exactly).
+    """Export the committed rows of JOB as training data.
 
-    The conversations format loads a tokenizer from local files only; one that ships its own code is
-    refused unless --trust-remote-code is given.
+    Token formats keep the stored ids exactly; the text formats decode the generated turn from them with
+    the job's tokenizer (local files only; one that ships its own code is refused unless
+    --trust-remote-code is given) and take the conversation before it from the submit manifest.
     """
     from storage.export import ExportError, export_job
 
@@ -134,19 +170,32 @@ def export(
         result = export_job(
             settings,
             job,
-            fmt,
+            fmt,  # type: ignore[arg-type]
             out,
             exclude_reasoning=exclude_reasoning,
-            tokenizer=tokenizer,  # type: ignore[arg-type]
+            tokenizer=tokenizer,
             datasets=list(datasets) or None,
             trust_remote_code=trust_remote_code,
+            drop_truncated=drop_truncated,
+            min_reasoning_tokens=min_reasoning_tokens,
+            shard_rows=shard_rows,
+            max_length=max_length,
+            push_to_hub=push_to_hub,
+            hub_private=hub_private,
         )
     except ExportError as exc:
         raise click.ClickException(str(exc)) from exc
     if as_json:
         _print_json(asdict(result))
-    else:
-        click.echo(f"wrote {result.rows} rows ({result.format}) to {result.path}")
+        return
+    files = f" in {len(result.files)} files" if len(result.files) > 1 else ""
+    click.echo(f"wrote {result.rows} rows ({result.format}) to {result.path}{files}")
+    for reason, count in result.skipped.items():
+        click.echo(f"  left out {count} rows: {reason.replace('_', ' ')}")
+    if result.pushed_to:
+        click.echo(f"  pushed to the Hub: {result.pushed_to}")
+    for warning in result.warnings:
+        click.echo(f"warning: {warning}", err=True)
 
 
 @click.command("report")
@@ -155,7 +204,17 @@ def export(
 @click.option("--out", "out_dir", default=None, help="Directory for report.png and report.html.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of tables.")
 def report(settings: Settings, job: str, out_dir: str | None, as_json: bool) -> None:
-    """Counts, length and reasoning distributions, finish reasons, tokens/s, per-worker totals."""
+    """Counts, length and reasoning distributions, finish reasons, tokens/s, per-worker totals.
+
+    --out also draws report.png/report.html with matplotlib: pip install 'thinkfleet[report]'.
+    """
+    import importlib.util
+
+    if out_dir and importlib.util.find_spec("matplotlib") is None:
+        raise click.ClickException(
+            "report --out draws its charts with matplotlib, which is not installed: "
+            "pip install 'thinkfleet[report]' (or run report without --out for the summary alone)"
+        )
     from storage.report import print_summary, report_job
 
     summary, written = report_job(settings, job, out_dir)

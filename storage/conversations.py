@@ -1,63 +1,66 @@
-"""Token ids → chat messages with text, for tools that need text (SpecForge's conversations format).
+"""The generated assistant turn as a chat message, decoded from ``output_ids`` by its stored spans.
 
-The prompt is split on Kimi's role tokens (``<|im_system|>``/``<|im_user|>``/``<|im_assistant|>``
-name ``<|im_middle|>`` content ``<|im_end|>``, reference §4.2); the output is cut by its stored spans
-into ``reasoning_content``, ``content`` and ``tool_calls``. Each piece is decoded on its own, so the
-reasoning text comes straight from the reasoning ids — never from a chat-template re-render, which
-for Kimi drops the last assistant turn's reasoning (reference §5.2).
+Used by ``producer export --format messages|conversations``. The conversation before the turn is the
+SOURCE conversation the producer rendered (kept in the submit manifest, :mod:`storage.manifest`), not
+a re-parse of the prompt ids, so this works for any model family. The generated turn is cut by the
+row's span columns — never by parsing text — and each piece is decoded on its own:
+
+- ``reasoning_content`` = ``output_ids[reasoning_start:reasoning_end]`` (markers excluded),
+- ``content`` = ``output_ids[answer_start:answer_end]``,
+- ``tool_calls``: one per ``tool_call_spans`` entry, its markers taken from the job record
+  (``tool_call_begin_id``/``tool_call_argument_begin_id``/``tool_call_end_id``, :class:`ToolMarkers`).
+  With an argument-begin marker the call is split there and the family's header is read by
+  ``thinkfleet.profiles.parse_tool_call`` (Kimi ``functions.NAME:IDX``, DeepSeek, GLM-4.5, harmony
+  ``commentary to=functions.NAME``); Kimi's header is also the call's ``id``, other families get
+  ``call_N``. Without one (Qwen's ``<tool_call>{"name": …, "arguments": …}</tool_call>``) the body is read
+  as a JSON object with ``name`` and ``arguments``/``parameters``.
+
+Arguments are text (OpenAI's convention): as the model emitted them when they follow an argument marker,
+even when they are not valid JSON; re-serialized from the JSON object otherwise. Ids outside the spans (a
+stop token, the tool-section markers) are in no field.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from thinkfleet import kimi
+from thinkfleet.state.job import JobRecord
+
+try:  # the per-family header readers (thinkfleet/profiles.py); Kimi's rule alone without them
+    from thinkfleet.profiles import parse_tool_call as _parse_family_call
+except ImportError:  # pragma: no cover - a tree without model profiles
+    _parse_family_call = None
 
 
 class Decoder(Protocol):
     def decode(self, ids: list[int], **kwargs: Any) -> str: ...
 
 
-_HEADERS = {kimi.IM_SYSTEM: "system", kimi.IM_USER: "user", kimi.IM_ASSISTANT: "assistant"}
+@dataclass(frozen=True)
+class ToolMarkers:
+    """The tool-call marker ids of a job (None: the tokenizer has no such token)."""
+
+    begin_id: int | None = None
+    argument_begin_id: int | None = None
+    end_id: int | None = None
+    family: str = "kimi"  # the job's model family (a record from before profiles: Kimi)
+
+    @classmethod
+    def of(cls, record: JobRecord) -> ToolMarkers:
+        tokens = record.span_tokens()
+        family = str(getattr(record, "model_family", "") or "kimi")
+        return cls(tokens.tool_call_begin_id, record.tool_call_argument_begin_id, tokens.tool_call_end_id, family)
+
+
 _CALL_ID = re.compile(r"^\s*(?:functions\.)?(?P<name>[^:\s]+?)(?::(?P<idx>\d+))?\s*$")
 
 
 def decode(tok: Decoder, ids: Sequence[int]) -> str:
     return tok.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-def prompt_messages(tok: Decoder, input_ids: Sequence[int]) -> tuple[list[dict[str, Any]], str | None]:
-    """The prompt's messages, and the tool declaration text if the prompt declares tools.
-
-    The trailing generation prompt (``<|im_assistant|>assistant<|im_middle|><think>``, no
-    ``<|im_end|>``) is not a message and is dropped.
-    """
-    messages: list[dict[str, Any]] = []
-    tools: str | None = None
-    ids = list(input_ids)
-    i = 0
-    while i < len(ids):
-        header = _HEADERS.get(ids[i])
-        if header is None:
-            i += 1
-            continue
-        try:
-            middle = ids.index(kimi.IM_MIDDLE, i + 1)
-            end = ids.index(kimi.IM_END, middle + 1)
-        except ValueError:
-            break  # the open generation prompt
-        name = decode(tok, ids[i + 1 : middle]).strip()
-        body = ids[middle + 1 : end]
-        i = end + 1
-        if header == "system" and name == "tool_declare":
-            tools = decode(tok, body)
-            continue
-        role = header if header != "system" or name == "system" else "tool"
-        message = _assistant_message(tok, body) if role == "assistant" else {"content": decode(tok, body)}
-        messages.append({"role": role, **message} if role != "tool" else {"role": role, "name": name, **message})
-    return messages, tools
 
 
 def output_message(
@@ -66,59 +69,50 @@ def output_message(
     reasoning: tuple[int, int],
     answer: tuple[int, int],
     tool_calls: Sequence[tuple[int, int]],
+    markers: ToolMarkers,
     include_reasoning: bool = True,
 ) -> dict[str, Any]:
-    """The generated assistant message, cut by the stored spans."""
+    """``{"role": "assistant", "reasoning_content", "content", "tool_calls"}``, cut by the stored spans."""
     ids = list(output_ids)
-    message: dict[str, Any] = {"role": "assistant", "content": decode(tok, ids[answer[0] : answer[1]])}
+    message: dict[str, Any] = {"role": "assistant"}
     if include_reasoning:
         message["reasoning_content"] = decode(tok, ids[reasoning[0] : reasoning[1]])
-    calls = [_tool_call(tok, ids[s:e]) for s, e in tool_calls]
+    message["content"] = decode(tok, ids[answer[0] : answer[1]])
+    calls = [tool_call(tok, ids[s:e], markers, i) for i, (s, e) in enumerate(tool_calls)]
     if calls:
         message["tool_calls"] = calls
     return message
 
 
-def _assistant_message(tok: Decoder, body: list[int]) -> dict[str, Any]:
-    """A history assistant turn: ``<think>…</think>content`` plus an optional tool-call section."""
-    message: dict[str, Any] = {}
-    if kimi.THINK_START in body and kimi.THINK_END in body:
-        start, end = body.index(kimi.THINK_START), body.index(kimi.THINK_END)
-        message["reasoning_content"] = decode(tok, body[start + 1 : end])
-        body = body[end + 1 :]
-    section = body.index(kimi.TOOL_CALLS_SECTION_BEGIN) if kimi.TOOL_CALLS_SECTION_BEGIN in body else len(body)
-    message["content"] = decode(tok, body[:section])
-    calls: list[dict[str, Any]] = []
-    rest = body[section:]
-    while kimi.TOOL_CALL_BEGIN in rest:
-        start = rest.index(kimi.TOOL_CALL_BEGIN)
-        end = rest.index(kimi.TOOL_CALL_END, start) + 1 if kimi.TOOL_CALL_END in rest[start:] else len(rest)
-        calls.append(_tool_call(tok, rest[start:end]))
-        rest = rest[end:]
-    if calls:
-        message["tool_calls"] = calls
-    return message
-
-
-def _tool_call(tok: Decoder, ids: list[int]) -> dict[str, Any]:
-    """``<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}<|tool_call_end|>``."""
-    body = ids[1:] if ids and ids[0] == kimi.TOOL_CALL_BEGIN else ids
-    complete = bool(body) and body[-1] == kimi.TOOL_CALL_END
-    if complete:
+def tool_call(tok: Decoder, ids: Sequence[int], markers: ToolMarkers, index: int = 0) -> dict[str, Any]:
+    """One tool-call span (its markers included) → an OpenAI ``tool_calls`` entry."""
+    body = list(ids)
+    if body and markers.begin_id is not None and body[0] == markers.begin_id:
+        body = body[1:]
+    if body and markers.end_id is not None and body[-1] == markers.end_id:
         body = body[:-1]
-    if kimi.TOOL_CALL_ARGUMENT_BEGIN in body:
-        split = body.index(kimi.TOOL_CALL_ARGUMENT_BEGIN)
-        head, args = body[:split], body[split + 1 :]
+    if markers.argument_begin_id is not None and markers.argument_begin_id in body:
+        split = body.index(markers.argument_begin_id)
+        header, arguments = decode(tok, body[:split]), decode(tok, body[split + 1 :])
+        if _parse_family_call is not None:
+            name, arguments = _parse_family_call(markers.family, header, arguments)
+        else:
+            match = _CALL_ID.match(header)
+            name = match.group("name") if match else header.strip()
+        call_id = header.strip() if markers.family == "kimi" else f"call_{index}"
     else:
-        head, args = body, []
-    call_id = decode(tok, head).strip()
-    match = _CALL_ID.match(call_id)
-    name = match.group("name") if match else call_id
-    call: dict[str, Any] = {
-        "id": call_id,
-        "type": "function",
-        "function": {"name": name, "arguments": decode(tok, args)},
-    }
-    if not complete:
-        call["truncated"] = True
-    return call
+        call_id = f"call_{index}"
+        name, arguments = _json_call(decode(tok, body))
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _json_call(text: str) -> tuple[str, str]:
+    """``{"name": …, "arguments"|"parameters": …}`` → (name, arguments as text); else ("", the text)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return "", text
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return "", text
+    args = value.get("arguments", value.get("parameters", {}))
+    return value["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)

@@ -1,4 +1,6 @@
-"""``producer export``: EAGLE-3 records and conversations round-trip the ids exactly."""
+"""``producer export``: EAGLE-3 records round-trip the ids exactly; the text formats decode the generated turn by
+its spans and take the conversation before it from the submit manifest (tests/test_export_formats.py has the
+other formats, sharding, S3, filters and the consumers)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from storage.cli import export
-from storage.export import export_job
+from storage.export import ExportError, export_job
+from storage.manifest import write_submitted
 from storage.testing import make_row
 from storage.writer import PartWriter
 from thinkfleet import kimi
@@ -90,6 +93,31 @@ def job_rows(tmp_path: Path) -> dict[str, dict]:
     return {r["prompt_id"]: r for r in rows}
 
 
+def _source(row: dict) -> list[dict]:
+    """The conversation a row's prompt was rendered from (here: words of its system and user turns)."""
+    ids = row["input_ids"]
+    system = " ".join(f"t{t}" for t in ids[3 : ids.index(kimi.IM_END)])
+    user = " ".join(f"t{t}" for t in ids[ids.index(kimi.IM_USER) + 3 : -5])
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+def _manifest(tmp_path: Path, rows: list[dict], with_sources: bool = True) -> None:
+    write_submitted(
+        str(tmp_path / "out"),
+        JOB,
+        [
+            {
+                "prompt_id": r["prompt_id"],
+                "dataset": r["dataset"],
+                "row_index": 0,
+                "content_hash": r["content_hash"],
+                **({"messages": _source(r), "tools": None} if with_sources else {}),
+            }
+            for r in rows
+        ],
+    )
+
+
 def _settings(tmp_path: Path) -> Settings:
     return Settings(output_uri=str(tmp_path / "out"), redis_url="redis://127.0.0.1:1/0")
 
@@ -117,9 +145,10 @@ def test_eagle3_can_exclude_reasoning_from_the_mask(tmp_path: Path, job_rows: di
         assert out_mask == [0] * (think_end + 1) + [1] * (len(row["output_ids"]) - think_end - 1)
 
 
-def test_conversations_carry_decoded_reasoning_and_exact_ids(
+def test_conversations_carry_the_source_turns_decoded_reasoning_and_exact_ids(
     tmp_path: Path, job_rows: dict[str, dict], tokenizer_dir: str
 ) -> None:
+    _manifest(tmp_path, list(job_rows.values()))
     out = tmp_path / "conv.jsonl"
     args = [
         JOB,
@@ -140,17 +169,33 @@ def test_conversations_carry_decoded_reasoning_and_exact_ids(
     assert len(lines) == len(job_rows)
     for rec in lines:
         row = job_rows[rec["id"]]
-        assert rec["input_ids"] == row["input_ids"] and rec["output_ids"] == row["output_ids"]
-        system, user, reply = rec["conversations"]
-        assert (system["role"], user["role"], reply["role"]) == ("system", "user", "assistant")
-        user_ids = row["input_ids"][row["input_ids"].index(kimi.IM_USER) + 3 : -5]
-        assert user["content"] == " ".join(f"t{t}" for t in user_ids)
+        # prompt_ids, never input_ids: a top-level input_ids makes SpecForge demand a loss_mask.
+        assert "input_ids" not in rec
+        assert rec["prompt_ids"] == row["input_ids"] and rec["output_ids"] == row["output_ids"]
+        *source, reply = rec["conversations"]
+        assert source == _source(row)
         think_end = row["output_ids"].index(kimi.THINK_END)
+        assert reply["role"] == "assistant"
         assert reply["reasoning_content"] == " ".join(f"t{t}" for t in row["output_ids"][:think_end])
-        assert reply["reasoning_content"] and "<think>" not in reply["content"]
+        answer = row["output_ids"][think_end + 1 : think_end + 6]
+        assert reply["content"] == " ".join(f"t{t}" for t in answer)
         if kimi.TOOL_CALL_BEGIN in row["output_ids"]:
             (call,) = reply["tool_calls"]
-            assert call["id"] == "t8" and call["function"]["arguments"].count("t") == 3
+            args = row["output_ids"][row["output_ids"].index(kimi.TOOL_CALL_ARGUMENT_BEGIN) + 1 :][:3]
+            assert call["id"] == call["function"]["name"] == "t8"
+            assert call["function"]["arguments"] == " ".join(f"t{t}" for t in args)
+        else:
+            assert "tool_calls" not in reply
+
+
+def test_text_formats_refuse_rows_whose_source_conversation_was_not_kept(
+    tmp_path: Path, job_rows: dict[str, dict], tokenizer_dir: str
+) -> None:
+    _manifest(tmp_path, list(job_rows.values()), with_sources=False)  # a manifest from before sources were kept
+    out = tmp_path / "m.jsonl"
+    with pytest.raises(ExportError, match="Re-run the same `producer submit`"):
+        export_job(_settings(tmp_path), JOB, "messages", str(out), tokenizer=tokenizer_dir)
+    assert not out.exists() and not list(tmp_path.glob(".m.jsonl*"))
 
 
 def test_conversations_without_a_tokenizer_says_how_to_fix(tmp_path: Path, job_rows: dict[str, dict]) -> None:
