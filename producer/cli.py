@@ -41,6 +41,7 @@ from producer.jobfile import resolved as resolved_job_file
 from producer.status import DEFAULT_WINDOW_S, StatusReader, confirm_stored, format_duration
 from producer.submit import SubmitError, SubmitOptions, submit
 from producer.view import status_view, submit_report
+from thinkfleet.profiles import FAMILIES
 from thinkfleet.settings import Settings, load_settings
 
 #: ``producer wait`` exit codes.
@@ -80,7 +81,22 @@ def cli() -> None:
 @click.option("--job", help="Job name (re-submitting the same job enqueues only what is missing). [job file: job]")
 @click.option("--tokenizer", help="Tokenizer directory or hub id (local cache only). [job file: tokenizer]")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the tokenizer's own code (Kimi's needs it).")
-@click.option("--chat-template-kwargs", default=None, help='JSON merged over {"thinking": true}.')
+@click.option(
+    "--chat-template-kwargs",
+    default=None,
+    help='JSON merged over the model family\'s thinking switch (kimi/deepseek {"thinking": true}, '
+    'qwen3/glm45 {"enable_thinking": true}, harmony {"reasoning_effort": "medium"}).',
+)
+@click.option(
+    "--model-family",
+    type=click.Choice(FAMILIES),
+    help="Reasoning/tool-call markers and thinking switch of this model family [detected from the tokenizer].",
+)
+@click.option(
+    "--no-reasoning-spans",
+    is_flag=True,
+    help="Run although the tokenizer lacks the family's reasoning markers: empty reasoning spans, no alarm.",
+)
 @click.option("--think-start-id", type=int, help="Override the <think> id read from the tokenizer.")
 @click.option("--think-end-id", type=int, help="Override the </think> id read from the tokenizer.")
 @click.option("--dataset-name", "dataset_names", multiple=True, help="Dataset name per PATH (default: file stem).")
@@ -188,7 +204,7 @@ def _check_as_flags(ctx: click.Context, values: dict[str, Any], given: set[str],
 
 
 def _submit_options(paths: list[Path], f: dict[str, Any]) -> SubmitOptions:
-    kwargs: dict[str, Any] = {"thinking": True}
+    kwargs: dict[str, Any] = {}  # merged over the model family's thinking switch by submit
     if f["chat_template_kwargs"]:
         try:
             given = json.loads(f["chat_template_kwargs"])
@@ -222,6 +238,8 @@ def _submit_options(paths: list[Path], f: dict[str, Any]) -> SubmitOptions:
         samples=f["samples"],
         trust_remote_code=f["trust_remote_code"],
         chat_template_kwargs=kwargs,
+        model_family=f["model_family"],
+        reasoning_spans=not f["no_reasoning_spans"],
         think_start_id=f["think_start_id"],
         think_end_id=f["think_end_id"],
         max_prompt_tokens=f["max_prompt_tokens"],

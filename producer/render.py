@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from thinkfleet import profiles
 from thinkfleet.message import content_hash as message_content_hash
 from thinkfleet.message import pack_ids
 
@@ -31,14 +32,9 @@ from thinkfleet.message import pack_ids
 DEFAULT_BATCH = 64
 THINK_START = "<think>"
 THINK_END = "</think>"
-#: Job-record field → marker token; workers find tool-call spans with these ids.
-TOOL_TOKENS = {
-    "tool_section_begin_id": "<|tool_calls_section_begin|>",
-    "tool_section_end_id": "<|tool_calls_section_end|>",
-    "tool_call_begin_id": "<|tool_call_begin|>",
-    "tool_call_argument_begin_id": "<|tool_call_argument_begin|>",
-    "tool_call_end_id": "<|tool_call_end|>",
-}
+#: Job-record field → Kimi's marker token (kept for old callers; the markers of a job come from its
+#: model profile, :mod:`thinkfleet.profiles`, and its tokenizer).
+TOOL_TOKENS = {role: profiles.KIMI.markers[role] for role in profiles.TOOL_ROLES}
 
 
 class TokenizerError(Exception):
@@ -105,8 +101,18 @@ class TokenizerInfo:
     chat_template_hash: str
     think_start_id: int | None
     think_end_id: int | None
-    tool_ids: dict[str, int] = field(default_factory=dict)  # TOOL_TOKENS field → id, those present
-    stop_token_ids: list[int] = field(default_factory=list)  # eos of tokenizer ∪ generation_config
+    tool_ids: dict[str, int] = field(default_factory=dict)  # tool-marker role → id, those present
+    stop_token_ids: list[int] = field(default_factory=list)  # eos of tokenizer ∪ generation_config ∪ profile
+    #: The model profile applied to this tokenizer (every id in it read from the tokenizer).
+    profile: profiles.Resolution | None = None
+
+    @property
+    def model_family(self) -> str:
+        return self.profile.family if self.profile is not None else profiles.LEGACY_FAMILY
+
+    @property
+    def reasoning_spans(self) -> bool:
+        return self.profile.reasoning_spans if self.profile is not None else self.think_end_id is not None
 
 
 def fingerprint(tok: Any, vocab: dict[str, int]) -> str:
@@ -121,19 +127,36 @@ def fingerprint(tok: Any, vocab: dict[str, int]) -> str:
 
 
 def describe_tokenizer(
-    tok: Any, source: str, think_start_id: int | None = None, think_end_id: int | None = None
+    tok: Any,
+    source: str,
+    think_start_id: int | None = None,
+    think_end_id: int | None = None,
+    model_family: str | None = None,
+    reasoning_spans: bool = True,
 ) -> TokenizerInfo:
+    """What the job record says about ``tok``: its hashes, stop ids, and the model profile's marker ids,
+    each read from ``tok`` (:func:`thinkfleet.profiles.resolve`: ``model_family`` or detected).
+
+    Raises :class:`thinkfleet.profiles.ProfileError` (naming the missing token) when the tokenizer lacks
+    the profile's reasoning markers and ``reasoning_spans`` is on.
+    """
     vocab = tok.get_vocab()
     template = tok.chat_template
     template_text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+    given = {"think_start_id": think_start_id, "think_end_id": think_end_id}
+    resolution = profiles.resolve(tok, model_family, reasoning_spans, source=f"tokenizer {source!r}", given_ids=given)
+    ids = resolution.marker_ids
+    stops = _stop_ids(tok, source)
+    stops += [t for t in resolution.stop_ids if t not in stops]
     return TokenizerInfo(
         source=source,
         fingerprint=fingerprint(tok, vocab),
         chat_template_hash=hashlib.sha256(template_text.encode()).hexdigest()[:16],
-        think_start_id=think_start_id if think_start_id is not None else vocab.get(THINK_START),
-        think_end_id=think_end_id if think_end_id is not None else vocab.get(THINK_END),
-        tool_ids={f: vocab[t] for f, t in TOOL_TOKENS.items() if t in vocab},
-        stop_token_ids=_stop_ids(tok, source),
+        think_start_id=ids["think_start_id"],
+        think_end_id=ids["think_end_id"],
+        tool_ids={role: ids[role] for role in profiles.TOOL_ROLES if ids[role] is not None},
+        stop_token_ids=stops,
+        profile=resolution,
     )
 
 

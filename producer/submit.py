@@ -40,6 +40,7 @@ from producer.report import (
     think_warnings,
 )
 from producer.state import Existing, StateError, SubmitLock, commit, load_existing, write_manifest
+from thinkfleet import profiles
 from thinkfleet.failpoints import failpoint
 from thinkfleet.message import PromptTask, is_plain_name, unpack_ids
 from thinkfleet.settings import Settings
@@ -83,7 +84,14 @@ class SubmitOptions:
     split: str | None = None
     samples: int = 1
     trust_remote_code: bool = False
-    chat_template_kwargs: dict[str, Any] = field(default_factory=lambda: {"thinking": True})
+    #: Merged over the model profile's thinking switch (Kimi ``{"thinking": true}``, Qwen3
+    #: ``{"enable_thinking": true}``, …); the merged kwargs are what the job record keeps.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: ``--model-family`` (thinkfleet.profiles.FAMILIES); None = detected from the tokenizer.
+    model_family: str | None = None
+    #: False (``--no-reasoning-spans``): run although the tokenizer lacks the profile's reasoning markers;
+    #: rows get empty reasoning spans and the reasoning alarm is off.
+    reasoning_spans: bool = True
     think_start_id: int | None = None
     think_end_id: int | None = None
     max_prompt_tokens: int | None = None
@@ -142,7 +150,17 @@ def submit(settings: Settings, opts: SubmitOptions, on_progress: ProgressFn | No
         tok = render.load_tokenizer(opts.tokenizer, opts.trust_remote_code)
     except render.TokenizerError as e:
         raise SubmitError(str(e)) from e
-    info = render.describe_tokenizer(tok, opts.tokenizer, opts.think_start_id, opts.think_end_id)
+    try:
+        info = render.describe_tokenizer(
+            tok, opts.tokenizer, opts.think_start_id, opts.think_end_id, opts.model_family, opts.reasoning_spans
+        )
+    except profiles.ProfileError as e:
+        raise SubmitError(str(e)) from e
+    assert info.profile is not None
+    # The profile's thinking switch, with the caller's kwargs over it: what renders and what is recorded.
+    opts = dataclasses.replace(
+        opts, chat_template_kwargs={**info.profile.profile.thinking_kwargs, **opts.chat_template_kwargs}
+    )
     limits = render.model_limits(tok, opts.tokenizer, opts.context_length)
     client = redis.Redis.from_url(settings.redis_url)
     pool = render.RenderPool(
@@ -332,6 +350,10 @@ def _check_compatible(
     if record is None:
         return
     mismatches = []
+    if record.model_family != info.model_family:
+        mismatches.append(f"model family {record.model_family} ≠ {info.model_family}")
+    if record.reasoning_spans != info.reasoning_spans:
+        mismatches.append(f"reasoning spans {record.reasoning_spans} ≠ {info.reasoning_spans}")
     if record.tokenizer_fingerprint and record.tokenizer_fingerprint != info.fingerprint:
         mismatches.append(f"tokenizer fingerprint {record.tokenizer_fingerprint} ≠ {info.fingerprint}")
     if record.chat_template_hash and record.chat_template_hash != info.chat_template_hash:
@@ -434,9 +456,7 @@ class _Collector:
             report.prompts += 1
             report.prompt_tokens += n_tokens
             self.rows.append({"prompt_id": pid, "dataset": dataset, "row_index": prompt.row_index,
-                              "sample_index": k, "content_hash": digest, "prompt_tokens": n_tokens,
-                              # the source conversation, kept in the manifest for `export --format messages`
-                              "messages": prompt.messages, "tools": prompt.tools})  # fmt: skip
+                              "sample_index": k, "content_hash": digest, "prompt_tokens": n_tokens})  # fmt: skip
             if pid in self.finished:
                 report.already_done += 1
             elif pid in self.existing.dead:
@@ -476,8 +496,13 @@ def _job_record(
     record.sampling_params = collector.params
     record.think_start_id = info.think_start_id
     record.think_end_id = info.think_end_id
-    for name in render.TOOL_TOKENS:
+    for name in profiles.TOOL_ROLES:
         setattr(record, name, info.tool_ids.get(name))
+    record.model_family = info.model_family
+    record.reasoning_spans = info.reasoning_spans
+    if info.profile is not None:
+        record.markers = dict(info.profile.token_ids)
+        record.channel_ids = {k: list(v) for k, v in info.profile.channel_ids.items()}
     record.prompt_ends_with_think_start = info.think_start_id is not None and collector.not_ending == 0
     record.expected_model = opts.expected_model or record.expected_model
     _record_datasets(record, opts, collector)
@@ -534,8 +559,13 @@ def _report(
         source = str(c.inputs[name].dataset.source) if name in c.inputs else name
         report.skipped = sum(1 for p in problems if p.location.startswith(source))
     c.reports = dict(c.reports)
-    thinking = opts.chat_template_kwargs.get("thinking", True) is not False
-    warnings = think_warnings(thinking, info.think_start_id, c.not_ending, c.first_not_ending)
+    resolution = info.profile
+    warnings = list(resolution.warnings) if resolution is not None else []
+    profile = resolution.profile if resolution is not None else profiles.KIMI
+    if info.reasoning_spans and profile.prompt_opens_reasoning:
+        # A template of this family ends the prompt with the think-start marker in thinking mode.
+        thinking = all(opts.chat_template_kwargs.get(k, True) is not False for k in profile.thinking_kwargs)
+        warnings += think_warnings(thinking, info.think_start_id, c.not_ending, c.first_not_ending)
     if (no_context := c.limits.context_warning()) is not None:
         warnings.append(no_context)
     prompts = sum(r.prompts for r in c.reports.values())

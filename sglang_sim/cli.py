@@ -21,7 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from sglang_sim.config import ServerConfig, SimConfig
-from sglang_sim.content import ContentConfig
+from sglang_sim.content import SIM_FAMILIES, ContentConfig
 from sglang_sim.engine import EngineConfig
 from sglang_sim.faults import FaultConfig
 from sglang_sim.server import create_app, describe
@@ -38,8 +38,9 @@ _HELP = {
     "per_request_tok_s": "Decode speed cap of one request (tokens per simulated second).",
     "prefill_tok_s": "Prefill speed of uncached prompt tokens per simulated second.",
     "time_scale": "Simulated seconds per wall second (1000 turns 57 h into ~3.4 min).",
-    "tool_call_share": "Share of outputs that end in a native Kimi tool call.",
-    "think_end": "Emit </think> (163607); --no-think-end reproduces the seed's empty-reasoning bug.",
+    "tool_call_share": "Share of outputs that end in a native tool call.",
+    "think_end": "Close the reasoning (</think>; harmony: <|end|>); --no-think-end reproduces the seed's "
+    "empty-reasoning bug.",
     "fault_503_rate": "Share of /generate calls answered 503 (queue full).",
     "fault_drop_rate": "Share of /generate calls whose connection drops mid-response.",
     "fault_hang_rate": "Share of /generate calls never answered.",
@@ -61,8 +62,13 @@ _HELP = {
     "nan_rate": "Share of generations ending on SGLang's NaN path (last id overwritten, matched 'NaN happened').",
     "abort_rate": "Share of generations the scheduler aborts part-way (see --abort-status-code).",
     "abort_status_code": "Status of those aborts: 503 running timeout, 500 internal error, 400 bad request.",
+    "model_family": "Whose marker ids the outputs carry (kimi, qwen3, harmony); also sets the vocabulary size, "
+    "model name, parsers and EOS ids unless given.",
+    "eos_token_ids": "The model's own stop ids [the family's].",
+    "normal_vocab_size": "Filler ids are drawn below this [the family's first special id].",
 }
 _CHOICES: dict[str, Sequence[Any]] = {
+    "model_family": SIM_FAMILIES,
     "sglang_version": SUPPORTED_VERSIONS,
     "abort_status_code": (400, 500, 503),
 }

@@ -11,14 +11,31 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from sglang_sim.content import ContentConfig
+from sglang_sim.content import VOCABULARIES, ContentConfig
 from sglang_sim.engine import EngineConfig
 from sglang_sim.faults import FaultConfig
 from sglang_sim.versions import DEFAULT_VERSION, VersionProfile, profile
 from thinkfleet import kimi
 from thinkfleet.sglang_version import SGLANG_VERSION
 
-__all__ = ["SGLANG_VERSION", "ServerConfig", "SimConfig"]
+__all__ = ["FAMILY_SERVER_DEFAULTS", "SGLANG_VERSION", "ServerConfig", "SimConfig"]
+
+#: ``--model-family``'s server settings (each flag given still wins): the vocabulary the server checks
+#: prompt ids against, the model it reports, and the parsers SGLang would run it with.
+FAMILY_SERVER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3": {
+        "model_path": "Qwen/Qwen3-8B",
+        "vocab_size": VOCABULARIES["qwen3"].vocab_size,
+        "reasoning_parser": "qwen3",
+        "tool_call_parser": "qwen25",
+    },
+    "harmony": {
+        "model_path": "openai/gpt-oss-120b",
+        "vocab_size": VOCABULARIES["harmony"].vocab_size,
+        "reasoning_parser": "gpt-oss",
+        "tool_call_parser": "gpt-oss",
+    },
+}
 
 
 @dataclass
@@ -120,6 +137,10 @@ class SimConfig:
             kwargs["think_end"] = not kwargs.pop("no_think_end")
         if "slow_start_s" in kwargs:  # the old name of warmup_s
             kwargs.setdefault("warmup_s", kwargs.pop("slow_start_s"))
+        family = kwargs.get("model_family")
+        if family and family != "kimi":  # --model-family: the served model's vocabulary, name and parsers
+            for key, value in FAMILY_SERVER_DEFAULTS.get(family, {}).items():
+                kwargs.setdefault(key, value)
         parts: dict[str, dict[str, Any]] = {name: {} for name in ("server", "engine", "content", "faults")}
         owners = {
             f.name: part

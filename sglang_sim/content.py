@@ -1,4 +1,4 @@
-"""What the simulated model "says": deterministic Kimi-shaped outputs from (input_ids, sampling_seed).
+"""What the simulated model "says": deterministic outputs of one model family from (input_ids, sampling_seed).
 
 This is a pure library function so tests can compute the exact ids a simulator returned and check stored
 Parquet rows byte for byte: ``expected_generation(input_ids, sampling_params, ContentConfig(...))`` is
@@ -16,7 +16,18 @@ How an output is built:
    Kimi's parser allows. ``think_end=False`` (``--no-think-end``) never emits 163607 — the seed bug.
 4. Filler ids come from the normal vocabulary [0, 163584), one draw per position, so an output cut by
    ``max_new_tokens`` is a prefix of the uncut one (like a real model with a fixed seed).
-5. SGLang's finish rules are then applied in its order (``schedule_batch.Req.check_finished``): length
+5. ``model_family`` (``--model-family``) picks the marker ids, from the real tokenizers' tables in
+   :mod:`thinkfleet.profiles` (the simulator has no tokenizer). ``kimi`` (the default) is exactly the
+   output above. ``qwen3``: ``[<think> 151667, reasoning…, </think> 151668, answer…, <|im_end|> 151645]``
+   (no ``<think>`` when the prompt already ends with it); a tool call is ``…</think>, preamble?, (<tool_call>
+   151657, JSON ids, </tool_call> 151658)+, <|im_end|>``. ``harmony`` (gpt-oss): ``[<|channel|> 200005,
+   analysis 35644, <|message|> 200008, reasoning…, <|end|> 200007, <|start|> 200006, assistant 173781,
+   <|channel|>, final 17196, <|message|>, answer…, <|return|> 200002]``; a tool call replaces the final
+   message with ``<|start|> assistant <|channel|> commentary( 12606 815) to=functions(316 28 44580) NAME…
+   ␠<|constrain|> json<|message|> ARGS… <|call|> 200012``. ``think_end=False`` never closes the reasoning
+   (no ``</think>``; harmony: the analysis message runs to ``<|return|>``). Filler ids come from
+   [0, the family's first special id).
+6. SGLang's finish rules are then applied in its order (``schedule_batch.Req.check_finished``): length
    first (``len == max_new_tokens`` → ``{"type":"length"}``), then a token in ``stop_token_ids`` ∪ the
    model's EOS set → ``{"type":"stop","matched":id}`` with the id *included*; ``ignore_eos`` disables
    every token-based stop and decodes on to ``max_new_tokens``.
@@ -31,10 +42,44 @@ from typing import Any
 
 import numpy as np
 
-from thinkfleet import kimi
+from thinkfleet import kimi, profiles
 
 #: SGLang's default when a request sends no ``max_new_tokens`` (sampling_params.py).
 DEFAULT_MAX_NEW_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class FamilyVocabulary:
+    """The ids a simulated model of one family emits (its real tokenizer's, :mod:`thinkfleet.profiles`)."""
+
+    family: str
+    first_special_id: int  # filler ids are drawn below it
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]  # the model's own stop set (config/generation_config eos)
+    think_start: int | None
+    think_end: int
+
+
+def _ref(family: str) -> dict[str, int]:
+    return dict(profiles.PROFILES[family].reference_ids)
+
+
+_Q, _H = _ref("qwen3"), _ref("harmony")
+#: ``--model-family`` choices of the simulator.
+VOCABULARIES: dict[str, FamilyVocabulary] = {
+    "kimi": FamilyVocabulary(
+        "kimi", kimi.FIRST_SPECIAL_ID, kimi.VOCAB_SIZE, kimi.DEFAULT_STOP_TOKEN_IDS, kimi.THINK_START, kimi.THINK_END
+    ),
+    "qwen3": FamilyVocabulary(
+        "qwen3", 151_643, 151_936, (_Q["<|im_end|>"], _Q["<|endoftext|>"]), _Q["<think>"], _Q["</think>"]
+    ),
+    "harmony": FamilyVocabulary(
+        "harmony", 199_998, 201_088, (_H["<|return|>"], _H["<|endoftext|>"], _H["<|call|>"]), None, _H["<|end|>"]
+    ),
+}
+SIM_FAMILIES: tuple[str, ...] = tuple(VOCABULARIES)
+# Ordinary o200k ids of a harmony tool-call header (" to", "=", "functions", " ", "json", "comment", "ary").
+_TO, _EQ, _FUNCTIONS, _SPACE, _JSON, _COMMENT, _ARY = 316, 28, 44580, 220, 4108, 12606, 815
 
 
 @dataclass(frozen=True)
@@ -60,12 +105,32 @@ class ContentConfig:
     max_tool_calls: int = 3
 
     # -- vocabulary -----------------------------------------------------------------------------------
+    #: Whose marker ids the outputs carry (:data:`SIM_FAMILIES`): kimi, qwen3, harmony.
+    model_family: str = "kimi"
     #: The model's own stop set (config/generation_config eos ids); requests add ``stop_token_ids``.
-    eos_token_ids: tuple[int, ...] = kimi.DEFAULT_STOP_TOKEN_IDS
-    #: Filler ids are drawn from [0, normal_vocab_size): never a special token by accident.
-    normal_vocab_size: int = kimi.FIRST_SPECIAL_ID
+    #: None: the family's.
+    eos_token_ids: tuple[int, ...] | None = None
+    #: Filler ids are drawn from [0, normal_vocab_size): never a special token by accident. None: the
+    #: family's first special id.
+    normal_vocab_size: int | None = None
+
+    @property
+    def vocabulary(self) -> FamilyVocabulary:
+        return VOCABULARIES[self.model_family]
+
+    @property
+    def think_end_id(self) -> int:
+        """The id SGLang's ``reasoning_tokens`` counts up to (the family's reasoning end)."""
+        return self.vocabulary.think_end
 
     def __post_init__(self) -> None:
+        if self.model_family not in VOCABULARIES:
+            raise ValueError(f"model_family must be one of {', '.join(SIM_FAMILIES)}")
+        vocab = VOCABULARIES[self.model_family]
+        if self.eos_token_ids is None:
+            object.__setattr__(self, "eos_token_ids", vocab.eos_token_ids)
+        if self.normal_vocab_size is None:
+            object.__setattr__(self, "normal_vocab_size", vocab.first_special_id)
         if self.length_median_tokens <= 0 or self.length_sigma < 0:
             raise ValueError("length_median_tokens must be > 0 and length_sigma >= 0")
         if not 4 <= self.min_length_tokens <= self.max_length_tokens:
@@ -77,8 +142,8 @@ class ContentConfig:
                 raise ValueError(f"{name} must be in [0, 1]")
         if self.max_tool_calls < 1:
             raise ValueError("max_tool_calls must be >= 1")
-        if not 0 < self.normal_vocab_size <= kimi.FIRST_SPECIAL_ID:
-            raise ValueError(f"normal_vocab_size must be in (0, {kimi.FIRST_SPECIAL_ID}]")
+        if not 0 < self.normal_vocab_size <= vocab.first_special_id:
+            raise ValueError(f"normal_vocab_size must be in (0, {vocab.first_special_id}]")
 
 
 @dataclass(frozen=True)
@@ -100,6 +165,8 @@ class _Plan:
     length: int
     specials: list[tuple[int, int]]  # (position, token id)
     tool_call: bool
+    #: The id that ends the natural output (without a stop on it the model decodes on).
+    end_token: int = kimi.IM_END
 
 
 def seed_bytes(input_ids: Sequence[int], sampling_seed: int | None) -> bytes:
@@ -129,12 +196,19 @@ def expected_generation(
     stop_set = stop_ids | set(config.eos_token_ids)
 
     rng = np.random.default_rng(int.from_bytes(seed_bytes(input_ids, params.get("sampling_seed")), "little"))
-    plan = _plan(rng, config)  # its draws depend on (ids, seed) only: the filler is the same for any cap
+    # Its draws depend on (ids, seed) only: the filler is the same for any cap.
+    if config.model_family == "kimi":
+        plan = _plan(rng, config)
+    elif config.model_family == "qwen3":
+        opened = bool(len(input_ids)) and int(input_ids[-1]) == config.vocabulary.think_start
+        plan = _plan_qwen3(rng, config, opened)
+    else:
+        plan = _plan_harmony(rng, config)
     if limit <= 0:
         return Generation([], {"type": "length", "length": limit}, 0, plan.tool_call)
 
     # Without a stop on the natural end token the model decodes on (as ignore_eos does).
-    ends_naturally = not ignore_eos and kimi.IM_END in stop_set
+    ends_naturally = not ignore_eos and plan.end_token in stop_set
     needed = min(plan.length, limit) if ends_naturally else limit
     seq = rng.integers(0, config.normal_vocab_size, size=needed, dtype=np.int64)
     for position, token in plan.specials:
@@ -151,7 +225,7 @@ def expected_generation(
         finish: dict[str, Any] = {"type": "length", "length": limit}
     else:
         finish = {"type": "stop", "matched": output[-1]}
-    return Generation(output, finish, reasoning_token_count(output), plan.tool_call)
+    return Generation(output, finish, reasoning_token_count(output, config.think_end_id), plan.tool_call)
 
 
 #: ``finish_reason.matched`` of SGLang's NaN / out-of-vocabulary path.
@@ -243,3 +317,63 @@ def _plan_tool_call(rng: np.random.Generator, config: ContentConfig, reasoning: 
     specials.append((position, kimi.TOOL_CALLS_SECTION_END))
     specials.append((position + 1, kimi.IM_END))
     return _Plan(position + 2, specials, tool_call=True)
+
+
+def _natural(rng: np.random.Generator, config: ContentConfig, least_reasoning: int) -> tuple[int, int]:
+    """The natural length and where reasoning ends (the draws of :func:`_plan`)."""
+    drawn = rng.lognormal(np.log(config.length_median_tokens), config.length_sigma)
+    length = int(min(max(round(drawn), config.min_length_tokens), config.max_length_tokens))
+    share = rng.uniform(config.reasoning_share_min, config.reasoning_share_max)
+    reasoning = max(least_reasoning, min(round(length * share), length - 2))
+    return max(length, reasoning + 2), reasoning
+
+
+def _plan_qwen3(rng: np.random.Generator, config: ContentConfig, opened: bool) -> _Plan:
+    """Qwen3: ``<think>`` (unless the prompt opened it), reasoning, ``</think>``, answer or ``<tool_call>``
+    JSON ``</tool_call>`` blocks, ``<|im_end|>``."""
+    q = _ref("qwen3")
+    think_start, think_end, im_end = q["<think>"], q["</think>"], q["<|im_end|>"]
+    call_begin, call_end = q["<tool_call>"], q["</tool_call>"]
+    length, reasoning = _natural(rng, config, least_reasoning=2)
+    specials: list[tuple[int, int]] = [] if opened else [(0, think_start)]
+    if rng.random() < config.tool_call_share and config.think_end:
+        position = reasoning
+        specials.append((position, think_end))
+        position += 1 + int(rng.integers(0, 31))  # "\n\n" and a short preamble
+        calls = 1 + int(rng.binomial(config.max_tool_calls - 1, 0.2))
+        for k in range(calls):
+            specials.append((position, call_begin))
+            position += 1 + int(rng.integers(12, 90))  # '\n{"name": "get_weather", "arguments": {…}}\n'
+            specials.append((position, call_end))
+            position += 1 + (k < calls - 1)  # a "\n" between calls
+        specials.append((position, im_end))
+        return _Plan(position + 1, specials, tool_call=True, end_token=im_end)
+    if config.think_end:
+        specials.append((reasoning, think_end))
+    specials.append((length - 1, im_end))
+    return _Plan(length, specials, tool_call=False, end_token=im_end)
+
+
+def _plan_harmony(rng: np.random.Generator, config: ContentConfig) -> _Plan:
+    """gpt-oss: an ``analysis`` message, then a ``final`` message or a ``commentary`` call to a function."""
+    h = _ref("harmony")
+    channel, message, end, start = h["<|channel|>"], h["<|message|>"], h["<|end|>"], h["<|start|>"]
+    length, reasoning = _natural(rng, config, least_reasoning=4)
+    specials = [(0, channel), (1, h["analysis"]), (2, message)]
+    if not config.think_end:  # the analysis message is never closed: the seed's bug, harmony-style
+        specials.append((length - 1, h["<|return|>"]))
+        return _Plan(length, specials, tool_call=False, end_token=h["<|return|>"])
+    position = reasoning
+    header = [end, start, h["assistant"], channel]
+    if rng.random() < config.tool_call_share:
+        name = [int(t) for t in rng.integers(1000, 30000, size=int(rng.integers(1, 4)))]
+        header += [_COMMENT, _ARY, _TO, _EQ, _FUNCTIONS, *name, _SPACE, h["<|constrain|>"], _JSON, message]
+        specials += [(position + i, t) for i, t in enumerate(header)]
+        position += len(header) + int(rng.integers(8, 81))  # the JSON arguments
+        specials.append((position, h["<|call|>"]))
+        return _Plan(position + 1, specials, tool_call=True, end_token=h["<|call|>"])
+    header += [h["final"], message]
+    specials += [(position + i, t) for i, t in enumerate(header)]
+    length = max(length, position + len(header) + 1)
+    specials.append((length - 1, h["<|return|>"]))
+    return _Plan(length, specials, tool_call=False, end_token=h["<|return|>"])

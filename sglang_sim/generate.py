@@ -89,7 +89,9 @@ class CallItem:
                 finish_reason=finish,
                 prompt_tokens=req.prompt_tokens,
                 weight_version=sim.config.server.weight_version,
-                reasoning_tokens=reasoning_token_count(ids) if self.call.parsed.require_reasoning else 0,
+                reasoning_tokens=reasoning_token_count(ids, sim.config.content.think_end_id)
+                if self.call.parsed.require_reasoning
+                else 0,
                 completion_tokens=len(ids),
                 cached_tokens=req.cached_tokens,
                 e2e_latency_s=req.e2e_latency_s if final else None,
@@ -241,7 +243,8 @@ def _call_item(sim: Simulator, call: Call, item: GenerateItem) -> CallItem:
     if fault is GenerationFault.ABORT:
         abort = sim.faults.abort
         ids = generation.output_ids[: int(where * n)]
-        partial = Generation(ids, abort.finish_reason(), reasoning_token_count(ids), generation.tool_call)
+        think_end = sim.config.content.think_end_id
+        partial = Generation(ids, abort.finish_reason(), reasoning_token_count(ids, think_end), generation.tool_call)
         return CallItem(call, item, partial, abort=abort)
     return CallItem(call, item, generation)
 

@@ -54,9 +54,11 @@ def load_job_state(settings: Settings, job: str, timeout_s: float = 5.0) -> JobS
 
 
 def span_tokens(record: dict[str, Any] | JobRecord) -> SpanTokens:
-    """The marker ids a job's rows were spanned with: ``JobRecord.span_tokens`` of its record.
+    """How a job's rows were spanned: ``JobRecord.span_tokens`` of its record — its model profile's
+    scheme (think markers or harmony channels, :mod:`thinkfleet.profiles`) with the ids its tokenizer gave.
 
-    Takes ``JobState.record`` (a dict, empty when Redis had no record: Kimi's ids) or a ``JobRecord``.
+    Takes ``JobState.record`` (a dict, empty when Redis had no record: read as a pre-profile Kimi job)
+    or a ``JobRecord``.
     """
     if not isinstance(record, JobRecord):
         record = JobRecord.from_dict(record)

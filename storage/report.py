@@ -4,6 +4,10 @@ Counts per dataset, output-length and reasoning-share distributions, finish reas
 tokens/s over time (from ``created_at``) and per-worker totals — computed from the committed view's
 scalar columns only (lengths come from ``completion_tokens`` and the spans, never the id lists),
 printed with rich, and drawn into ``report.png`` plus a small ``report.html``.
+
+The job record (Redis, when it answers) says which model profile made the rows: ``model_family``, and
+whether the rows carry reasoning spans at all — a job run with ``--no-reasoning-spans`` reports no
+reasoning share and no ``</think>`` rate (``None``) instead of a misleading 0.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from storage.schema import (
     WORKER,
 )
 from thinkfleet.settings import Settings
+from thinkfleet.state.job import JobRecord
 
 _COLUMNS = [
     PROMPT_ID,
@@ -57,7 +62,11 @@ MAX_TIMELINE_POINTS = 120
 def report_job(settings: Settings, job: str, out_dir: str | None = None) -> tuple[dict[str, Any], list[str]]:
     """Compute the summary; with ``out_dir``, also write report.png and report.html there."""
     table = reader.read_committed(settings.output_uri, job, _COLUMNS, s3_endpoint_url=settings.s3_endpoint_url)
-    summary = summarize(job, table)
+    from storage import jobstate
+
+    state = jobstate.load_job_state(settings, job, timeout_s=2.0)
+    record = JobRecord.from_dict(state.record, name=job) if state.record else None
+    summary = summarize(job, table, record)
     written: list[str] = []
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
@@ -72,8 +81,10 @@ def report_job(settings: Settings, job: str, out_dir: str | None = None) -> tupl
     return summary, written
 
 
-def summarize(job: str, table: pa.Table) -> dict[str, Any]:
+def summarize(job: str, table: pa.Table, record: JobRecord | None = None) -> dict[str, Any]:
+    """The numbers of the report; ``record`` (the job record, None when unknown) names the model profile."""
     rows = table.num_rows
+    spans_on = record is None or record.reasoning_spans
     out_len = table[COMPLETION_TOKENS].to_numpy().astype(np.int64)
     reasoning = (table[REASONING_END].to_numpy() - table[REASONING_START].to_numpy()).astype(np.int64)
     share = np.divide(reasoning, out_len, out=np.zeros(rows), where=out_len > 0)
@@ -81,19 +92,21 @@ def summarize(job: str, table: pa.Table) -> dict[str, Any]:
     tokens = int(out_len.sum())
     summary: dict[str, Any] = {
         "job": job,
+        "model_family": record.model_family if record is not None else None,
+        "reasoning_spans": spans_on,
         "rows": rows,
         "output_tokens": tokens,
         "prompt_tokens": int(pc.sum(table[PROMPT_TOKENS]).as_py() or 0),
-        "reasoning_tokens": int(reasoning.sum()),
+        "reasoning_tokens": int(reasoning.sum()) if spans_on else None,
         "datasets": _counts(table[DATASET]),
         "finish_reasons": finish,
         "truncation_rate": finish.get("length", 0) / rows if rows else 0.0,
-        "think_end_rate": float(table[HAS_THINK_END].to_numpy().mean()) if rows else 0.0,
+        "think_end_rate": (float(table[HAS_THINK_END].to_numpy().mean()) if rows else 0.0) if spans_on else None,
         "tool_call_rows": int((pc.list_value_length(table[TOOL_CALL_SPANS]).to_numpy() > 0).sum()),
         "output_length": _distribution(out_len),
         "over_2000": int((out_len > 2000).sum()),
         "over_5000": int((out_len > 5000).sum()),
-        "reasoning_share": _distribution(share),
+        "reasoning_share": _distribution(share) if spans_on else {},
         "latency_s": _distribution(table[LATENCY_S].drop_null().to_numpy()),
     }
     summary.update(_throughput(table, out_len))
@@ -189,11 +202,10 @@ def to_html(summary: dict[str, Any], png: bytes) -> str:
         body = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{_fmt(v)}</td></tr>" for k, v in rows.items())
         return f"<h2>{html.escape(title)}</h2><table>{body}</table>"
 
-    headline = {
-        k: summary[k]
-        for k in ("rows", "output_tokens", "reasoning_tokens", "truncation_rate", "think_end_rate", "tokens_per_s")
-        if k in summary
-    }
+    keys = ("model_family", "rows", "output_tokens", "reasoning_tokens", "truncation_rate", "think_end_rate")
+    headline = {k: summary[k] for k in (*keys, "tokens_per_s") if summary.get(k) is not None}
+    if not summary.get("reasoning_spans", True):
+        headline["reasoning spans"] = "off (--no-reasoning-spans)"
     workers = {
         k: f"{v['rows']} rows, {v['output_tokens']} tokens, {v['tokens_per_s']:.1f} tok/s"
         for k, v in (summary.get("workers") or {}).items()
@@ -229,6 +241,10 @@ def print_summary(summary: dict[str, Any]) -> None:
 
     console = Console()
     head = Table(title=f"job {summary['job']}", show_header=False)
+    if summary.get("model_family"):
+        head.add_row("model_family", str(summary["model_family"]))
+    if not summary.get("reasoning_spans", True):
+        head.add_row("reasoning spans", "off (--no-reasoning-spans): no reasoning share, no </think> rate")
     for key in (
         "rows",
         "output_tokens",
@@ -238,12 +254,16 @@ def print_summary(summary: dict[str, Any]) -> None:
         "over_2000",
         "over_5000",
     ):
-        head.add_row(key, f"{summary[key]:,}")
+        if summary.get(key) is not None:
+            head.add_row(key, f"{summary[key]:,}")
     for key in ("truncation_rate", "think_end_rate"):
-        head.add_row(key, f"{summary[key]:.1%}")
+        if summary.get(key) is not None:
+            head.add_row(key, f"{summary[key]:.1%}")
     head.add_row("tokens/s (overall)", f"{summary.get('tokens_per_s', 0.0):,.1f}")
     console.print(head)
     for title, key in (("output length", "output_length"), ("reasoning share", "reasoning_share")):
+        if not summary[key]:
+            continue
         dist = Table(title=title)
         for name in summary[key]:
             dist.add_column(name, justify="right")

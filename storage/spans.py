@@ -1,7 +1,10 @@
 """Where reasoning, answer and tool calls are inside ``output_ids`` — derived from token ids only.
 
-Text is never parsed: Kimi's markers are single special tokens, so a span is a pair of offsets into
-``output_ids`` found by comparing ids (reference §4.2). Conventions, all half-open ``[start, end)``:
+Text is never parsed: a model family's markers are single special tokens, so a span is a pair of offsets
+into ``output_ids`` found by comparing ids (reference §4.2). Which ids, and which rules (``think`` markers
+or harmony channels), is the job's model profile (:class:`SpanTokens`, from ``JobRecord.span_tokens``;
+:mod:`thinkfleet.profiles`). The rules below are written with Kimi's names; Qwen3, DeepSeek and GLM-4.5
+follow them with their own markers. Conventions, all half-open ``[start, end)``:
 
 - ``reasoning``: the reasoning tokens, markers excluded. When the prompt ends with ``<think>`` the
   model starts inside reasoning, so it starts at 0; otherwise it starts after the first ``<think>``
@@ -24,7 +27,23 @@ Text is never parsed: Kimi's markers are single special tokens, so a span is a p
 
 A marker id of ``None`` (the job's tokenizer has no such token) matches nothing: with no
 ``</think>`` reasoning ends only at the tool section or the end, and with no tool-call markers a
-row has no tool-call spans.
+row has no tool-call spans. A family without a tool section (Qwen3's and GLM-4.5's bare
+``<tool_call>`` … ``</tool_call>``) ends the answer at its first tool-call begin instead.
+
+Harmony (gpt-oss, ``SpanTokens.scheme == "harmony"``): the output is a series of messages
+``[<|start|>role]<|channel|>CHANNEL …<|message|>CONTENT`` ended by ``<|end|>``, ``<|return|>`` or
+``<|call|>`` (the first message's ``<|start|>assistant`` is the prompt's last ids). Then:
+
+- ``reasoning``: the content of the first ``analysis`` message (after its ``<|message|>``, up to its
+  terminator); ``has_think_end`` when ``<|end|>`` closed it (``output_ids[reasoning_end]`` is
+  ``<|end|>``, the job's ``think_end_id``). Cut off: it runs to the end (minus a stop token). No
+  analysis message: empty at 0.
+- ``answer``: the content of the first ``final`` message after the reasoning (``<|return|>``, a stop
+  token, excluded); empty at the end of the body when there is none (a tool call, a truncation).
+- ``tool_call_spans``: every message ended by ``<|call|>`` (a message addressed ``to=`` a tool), from its
+  ``<|channel|>`` to its ``<|call|>`` included — the channel header with the recipient, the arguments and
+  the markers. A call cut off before its ``<|call|>`` cannot be told from a commentary preamble without
+  reading the header's text, so it gets no span.
 
 The batch function works on a whole group commit at once (flat ids + offsets): the ids are scanned
 with a handful of vectorized comparisons and only the few marker positions are looked at further,
@@ -48,6 +67,7 @@ __all__ = [
     "Spans",
     "compute_spans",
     "compute_spans_batch",
+    "harmony_spans",
     "ids_at",
 ]
 
@@ -106,16 +126,41 @@ def compute_spans(
     tool_call_begin_id: int | None = kimi.TOOL_CALL_BEGIN,
     tool_call_end_id: int | None = kimi.TOOL_CALL_END,
     stop_token_ids: Sequence[int] = kimi.DEFAULT_STOP_TOKEN_IDS,
+    scheme: str = "think",
+    reasoning_spans: bool = True,
+    message_start_id: int | None = None,
+    message_id: int | None = None,
+    return_id: int | None = None,
+    analysis_channel: Sequence[int] = (),
+    final_channel: Sequence[int] = (),
 ) -> Spans:
     """Spans of one output: one vectorized scan for markers, then plain logic over the few found.
 
     This is the readable statement of the rules; :func:`compute_spans_batch` is its vectorized twin
-    and the property tests hold the two equal.
+    and the property tests hold the two equal. The keywords are :class:`SpanTokens`' fields
+    (``compute_spans(ids, **asdict(tokens))``); ``scheme="harmony"`` applies gpt-oss's channel rules.
     """
     # An explicit dtype skips numpy's type inference over a Python list (a third of the cost).
     ids = output_ids if isinstance(output_ids, np.ndarray) else np.array(output_ids, dtype=np.int64)
     if ids.ndim != 1:
         raise ValueError(f"output_ids must be one sequence of ids, got shape {ids.shape}")
+    if scheme == "harmony":
+        return harmony_spans(
+            ids,
+            SpanTokens(
+                think_end_id=think_end_id,
+                tool_call_begin_id=tool_call_begin_id,
+                tool_call_end_id=tool_call_end_id,
+                stop_token_ids=tuple(stop_token_ids),
+                scheme=scheme,
+                reasoning_spans=reasoning_spans,
+                message_start_id=message_start_id,
+                message_id=message_id,
+                return_id=return_id,
+                analysis_channel=tuple(analysis_channel),
+                final_channel=tuple(final_channel),
+            ),
+        )
     n = len(ids)
     last = int(ids[-1]) if n else None
     stop_token = last if last is not None and last in stop_token_ids else None
@@ -156,7 +201,9 @@ def compute_spans(
             reasoning_end = end[0]
             has_think_end = end[1] == think_end_id
             answer_start = reasoning_end + 1 if has_think_end else reasoning_end
-    section = first((tool_section_begin_id,), answer_start)
+    # The answer ends where tool calls start: the section, or (no section marker) the first call.
+    area = tool_section_begin_id if tool_section_begin_id is not None else tool_call_begin_id
+    section = first((area,), answer_start)
     answer_end = section[0] if section else body_end
 
     calls: list[tuple[int, int]] = []
@@ -211,8 +258,11 @@ def compute_spans_batch(
 ) -> SpanArrays:
     """Spans of many outputs stored flat: row ``i`` is ``values[offsets[i]:offsets[i + 1]]``.
 
-    ``prompt_ends_with_think_start`` is one bool for all rows or a bool array (one per row).
+    ``prompt_ends_with_think_start`` is one bool for all rows or a bool array (one per row); a
+    harmony job (``tokens.scheme``) ignores it.
     """
+    if tokens.scheme == "harmony":
+        return _harmony_batch(values, offsets, tokens)
     offsets = np.asarray(offsets, dtype=np.int64)
     n_rows = len(offsets) - 1
     lengths = np.diff(offsets)
@@ -284,8 +334,9 @@ def compute_spans_batch(
         in_reasoning, np.where(has_think_end, end_pos + 1, np.where(end_found, end_pos, body_end)), 0
     )
 
-    # Answer end: the tool-call section, else the stop token / end of output.
-    sec_found, sec_pos, _ = first(eq(kind, t.tool_section_begin_id) & (cpos >= answer_start[crow]))
+    # Answer end: the tool-call section (no section marker: the first call), else the stop token / end.
+    area = t.tool_section_begin_id if t.tool_section_begin_id is not None else t.tool_call_begin_id
+    sec_found, sec_pos, _ = first(eq(kind, area) & (cpos >= answer_start[crow]))
     answer_end = np.where(sec_found, sec_pos, body_end)
 
     # Tool calls: each begin pairs with the first end before the next begin / section end / body end.
@@ -315,4 +366,112 @@ def compute_spans_batch(
         tool_call_starts=(begin - row_start[begin_row]).astype(i32),
         tool_call_ends=(call_end - row_start[begin_row]).astype(i32),
         stop_token=stop_token,
+    )
+
+
+# -- harmony (gpt-oss): channel-delimited messages ----------------------------------------------------------
+def harmony_spans(output_ids: Sequence[int] | np.ndarray, tokens: SpanTokens) -> Spans:
+    """Spans of one harmony output (rules in the module docstring); ``tokens.scheme`` must be ``harmony``."""
+    ids = output_ids if isinstance(output_ids, np.ndarray) else np.array(output_ids, dtype=np.int64)
+    t = tokens
+    n = len(ids)
+    last = int(ids[-1]) if n else None
+    stop_token = last if last is not None and last in t.stop_token_ids else None
+    body_end = n - (stop_token is not None)
+
+    start, channel, message = t.message_start_id, t.tool_call_begin_id, t.message_id
+    end, ret, call = t.think_end_id, t.return_id, t.tool_call_end_id
+    enders = tuple(m for m in (end, ret, call) if m is not None)
+    control = [m for m in (start, channel, message, *enders) if m is not None]
+    marks: list[tuple[int, int]] = []
+    if control and n:
+        lo, hi = min(control), max(control)
+        pos = np.flatnonzero((ids >= lo) & (ids <= hi))
+        marks = [(p, v) for p, v in zip(pos.tolist(), ids[pos].tolist(), strict=True) if v in control]
+
+    # (channel position or None, <|message|> position, content end, terminator id or None)
+    messages: list[tuple[int | None, int, int, int | None]] = []
+    at_channel: int | None = None
+    at_message: int | None = None
+    for p, v in marks:
+        if v == start:
+            if at_message is not None:  # a new header while a message is open: it was cut here
+                messages.append((at_channel, at_message, p, None))
+            at_channel = at_message = None
+        elif v == channel:
+            if at_message is None and at_channel is None:
+                at_channel = p
+        elif v == message:
+            if at_message is None:
+                at_message = p
+        elif v in enders and at_message is not None:
+            messages.append((at_channel, at_message, p, v))
+            at_channel = at_message = None
+    if at_message is not None:
+        messages.append((at_channel, at_message, n, None))
+
+    def on_channel(ch: int | None, msg: int, name: tuple[int, ...]) -> bool:
+        if ch is None or not name or msg - ch - 1 < len(name):
+            return False
+        return tuple(ids[ch + 1 : ch + 1 + len(name)].tolist()) == name
+
+    reasoning_start = reasoning_end = 0
+    has_think_end = False
+    for ch, msg, content_end, term in messages:
+        if on_channel(ch, msg, t.analysis_channel):
+            reasoning_start = min(msg + 1, body_end)
+            reasoning_end = min(content_end, body_end)
+            has_think_end = term is not None and term == end and content_end < body_end
+            break
+    answer_start = answer_end = body_end
+    for ch, msg, content_end, _ in messages:
+        if msg >= reasoning_end and on_channel(ch, msg, t.final_channel):
+            answer_start = min(msg + 1, body_end)
+            answer_end = min(content_end, body_end)
+            break
+    calls = tuple((ch, content_end + 1) for ch, _, content_end, term in messages if ch is not None and term == call)
+    return Spans(
+        reasoning_start=reasoning_start,
+        reasoning_end=reasoning_end,
+        has_think_end=has_think_end,
+        answer_start=answer_start,
+        answer_end=answer_end,
+        tool_call_spans=calls,
+        stop_token=stop_token,
+    )
+
+
+def _harmony_batch(values: np.ndarray, offsets: np.ndarray, tokens: SpanTokens) -> SpanArrays:
+    """:func:`harmony_spans` row by row (harmony outputs hold a handful of control tokens; the scan for
+    them is vectorized per row, the message walk is a short Python loop)."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    n_rows = len(offsets) - 1
+    cols = {k: np.zeros(n_rows, dtype=np.int32) for k in ("rs", "re", "as", "ae")}
+    hte = np.zeros(n_rows, dtype=bool)
+    stop = np.full(n_rows, -1, dtype=np.int64)
+    counts = np.zeros(n_rows, dtype=np.int64)
+    starts: list[int] = []
+    ends: list[int] = []
+    for i in range(n_rows):
+        s = harmony_spans(values[offsets[i] : offsets[i + 1]], tokens)
+        cols["rs"][i], cols["re"][i] = s.reasoning_start, s.reasoning_end
+        cols["as"][i], cols["ae"][i] = s.answer_start, s.answer_end
+        hte[i] = s.has_think_end
+        stop[i] = -1 if s.stop_token is None else s.stop_token
+        counts[i] = len(s.tool_call_spans)
+        for a, b in s.tool_call_spans:
+            starts.append(a)
+            ends.append(b)
+    tool_offsets = np.zeros(n_rows + 1, dtype=np.int32)
+    np.cumsum(counts, out=tool_offsets[1:])
+    return SpanArrays(
+        reasoning_start=cols["rs"],
+        reasoning_end=cols["re"],
+        has_think_end=hte,
+        answer_start=cols["as"],
+        answer_end=cols["ae"],
+        tool_call_offsets=tool_offsets,
+        tool_call_starts=np.asarray(starts, dtype=np.int32),
+        tool_call_ends=np.asarray(ends, dtype=np.int32),
+        stop_token=stop,
     )

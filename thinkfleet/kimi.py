@@ -1,9 +1,10 @@
 """Kimi-K2 / K2.5 special-token ids (reference §4.1).
 
 The real tokenizer is tiktoken-based and needs ``trust_remote_code``; these ids are what its
-``tokenizer_config.json`` declares. The producer still reads think/tool ids from the loaded tokenizer
-(so another model works), and these constants are the defaults, the simulator's vocabulary and the
-test tokenizer's layout.
+``tokenizer_config.json`` declares. The producer reads every marker id from the loaded tokenizer through
+the job's model profile (:mod:`thinkfleet.profiles`), never from here: these constants are what a job
+record written before model profiles means (those were Kimi jobs), the simulator's default vocabulary
+and the Kimi test tokenizer's layout.
 """
 
 from __future__ import annotations

@@ -171,7 +171,9 @@ class GroupCommitter:
         self.on_storage(True, None)
         self.on_flush(len(items), time.perf_counter() - started)
         _, fire, seen, miss = finalized
-        if fire:
+        # A job run without reasoning spans (--no-reasoning-spans) has no </think> to miss: never alarm.
+        watched = any(getattr(i.final, "reasoning_alarm", True) for i in items)
+        if fire and watched:
             await self.on_alarm(job, seen, miss)
         for item in items:
             if not item.future.done():

@@ -28,11 +28,16 @@ class JobSpec:
     tokenizer_fingerprint: str
     chat_template_hash: str
     expected_model: str | None
-    tokens: SpanTokens = KIMI_TOKENS  # the marker ids spans are found with
+    tokens: SpanTokens = KIMI_TOKENS  # how spans are found: the record's profile and marker ids
     #: {dataset: sampling_params keys of that dataset} (the record's ``dataset_sampling``)
     dataset_sampling: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: the datasets the record listed when it was read (a later submit may add some: :class:`JobCache`)
     datasets: frozenset[str] = frozenset()
+
+    @property
+    def reasoning_spans(self) -> bool:
+        """False for a job run with ``--no-reasoning-spans``: no reasoning spans, no reasoning alarm."""
+        return self.tokens.reasoning_spans
 
     @property
     def max_new_tokens(self) -> int:

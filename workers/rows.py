@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -15,6 +15,14 @@ from workers.jobs import JobSpec
 from workers.sglang import Generation
 
 _HOST = socket.gethostname()
+
+
+@dataclass(frozen=True)
+class JobFinalRow(FinalRow):
+    """A :class:`FinalRow` that also says whether its job watches for the reasoning alarm: a job run with
+    ``--no-reasoning-spans`` has no ``</think>`` to miss (the committer never raises the alarm for it)."""
+
+    reasoning_alarm: bool = True
 
 
 def build_row(
@@ -74,10 +82,11 @@ def build_row(
         "content_hash": task.content_hash,
         "created_at": datetime.now(UTC),
     }
-    final = FinalRow(
+    final = JobFinalRow(
         prompt_id=task.prompt_id,
         completion_tokens=gen.completion_tokens,
         has_think_end=spans.has_think_end,
         truncated=gen.finish_type == "length",
+        reasoning_alarm=job.tokens.reasoning_spans,
     )
     return row, final

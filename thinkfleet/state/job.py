@@ -20,11 +20,25 @@ field                            absent →            what
 ``sampling_params``              {}                  SGLang ``sampling_params``: temperature, top_p, top_k,
                                                      min_p, max_new_tokens, stop_token_ids, and
                                                      sampling_seed when ``--seed`` is set
-``think_start_id``               Kimi's 163606       ``<think>`` id; null when the tokenizer has none
-``think_end_id``                 Kimi's 163607       ``</think>`` id; null when the tokenizer has none
-``tool_section_begin_id`` …      Kimi's 163595 …     ``tool_section_end_id``, ``tool_call_begin_id``,
+``model_family``                 "kimi"              the model profile (``thinkfleet.profiles``): kimi, qwen3,
+                                                     deepseek, glm45, harmony, none — detected from the
+                                                     tokenizer or ``--model-family``
+``reasoning_spans``              true                false: ``--no-reasoning-spans`` (the tokenizer lacks the
+                                                     profile's reasoning markers, or the user said so): rows
+                                                     carry empty reasoning spans and the alarm is off
+``think_start_id``               Kimi's 163606 (*)   ``<think>`` id; null when the tokenizer has none
+``think_end_id``                 Kimi's 163607 (*)   ``</think>`` id (harmony: ``<|end|>``, which closes the
+                                                     analysis message); null when the tokenizer has none
+``tool_section_begin_id`` …      Kimi's 163595 … (*) ``tool_section_end_id``, ``tool_call_begin_id``,
                                                      ``tool_call_argument_begin_id``, ``tool_call_end_id``:
-                                                     tool-call markers; null when the tokenizer has none
+                                                     tool-call markers of the profile (harmony:
+                                                     ``<|channel|>``, ``<|message|>``, ``<|call|>``); null
+                                                     when the tokenizer has none
+``markers``                      {}                  every token string of the profile the tokenizer has →
+                                                     its id, as submit read and checked it (harmony's
+                                                     ``<|start|>``, ``<|message|>``, ``<|return|>`` are read
+                                                     from here)
+``channel_ids``                  {}                  harmony: channel name → its ids (``analysis``, …)
 ``prompt_ends_with_think_start`` false               every prompt's last id is ``think_start_id`` (so
                                                      ``reasoning_start`` = 0)
 ``expected_model``               null                ``--expect-model``: workers refuse a server serving
@@ -56,12 +70,17 @@ field                            absent →            what
 ``priority``                     0                   the job file's ``priority`` (kept for scheduling)
 ================================ =================== ======================================================
 
-Marker ids: absent vs null. ``producer submit`` always writes every marker field, so an absent one
-means a record from before the field existed (or one written by hand, like the test fleet's): those
-jobs were Kimi jobs, so it reads as Kimi's id. A field *present* with null means "this tokenizer has no
-such token" and stays None: spans then find no such marker (``thinkfleet.tokens``), rather than
-looking for Kimi's ids in another model's output. A null in a field that is not nullable (say
-``sampling_params``) reads as its default.
+Marker ids: absent vs null. ``producer submit`` always writes ``model_family`` and every marker field,
+each id read from the job's tokenizer (``thinkfleet.profiles.resolve``). (*) A record *without*
+``model_family`` is from before model profiles (or written by hand, like the test fleet's): those jobs
+were Kimi jobs, so an absent marker reads as Kimi's id — the one place Kimi's ids are a default. In a
+record *with* ``model_family`` an absent marker reads as null. A field *present* with null means "this
+tokenizer has no such token" and stays None: spans then find no such marker (``thinkfleet.tokens``),
+rather than looking for Kimi's ids in another model's output. A null in a field that is not nullable
+(say ``sampling_params``) reads as its default.
+
+:meth:`JobRecord.span_tokens` is the one place a job's markers become span rules: the profile's scheme
+(think markers, or harmony channels) with the record's ids; reasoning spans off → no think markers.
 
 Sampling defaults: :attr:`JobRecord.max_new_tokens` is ``sampling_params["max_new_tokens"]``, else
 :data:`DEFAULT_MAX_NEW_TOKENS`; :attr:`JobRecord.stop_token_ids` is ``sampling_params["stop_token_ids"]``
@@ -82,7 +101,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from thinkfleet import kimi
+from thinkfleet import kimi, profiles
 from thinkfleet.keys import Keys
 from thinkfleet.tokens import SpanTokens
 
@@ -129,6 +148,10 @@ class JobRecord:
     tool_call_begin_id: int | None = kimi.TOOL_CALL_BEGIN
     tool_call_argument_begin_id: int | None = kimi.TOOL_CALL_ARGUMENT_BEGIN
     tool_call_end_id: int | None = kimi.TOOL_CALL_END
+    model_family: str = profiles.LEGACY_FAMILY
+    reasoning_spans: bool = True
+    markers: dict[str, int] = field(default_factory=dict)
+    channel_ids: dict[str, list[int]] = field(default_factory=dict)
     prompt_ends_with_think_start: bool = False
     expected_model: str | None = None
     created_at: float = field(default_factory=time.time)
@@ -155,16 +178,20 @@ class JobRecord:
         return stop_token_ids_of(self.sampling_params)
 
     def span_tokens(self) -> SpanTokens:
-        """The marker ids this job's rows are spanned with (None where the tokenizer has no such token)."""
-        return SpanTokens(
-            think_start_id=self.think_start_id,
-            think_end_id=self.think_end_id,
-            tool_section_begin_id=self.tool_section_begin_id,
-            tool_section_end_id=self.tool_section_end_id,
-            tool_call_begin_id=self.tool_call_begin_id,
-            tool_call_end_id=self.tool_call_end_id,
-            stop_token_ids=tuple(self.stop_token_ids),
+        """How this job's rows are spanned: its profile's scheme with the marker ids its record holds
+        (None where the tokenizer has no such token; no think markers when reasoning spans are off)."""
+        return profiles.span_tokens(
+            self.model_family,
+            {role: getattr(self, role) for role in MARKER_FIELDS},
+            self.stop_token_ids,
+            reasoning_spans=self.reasoning_spans,
+            token_ids=self.markers,
+            channel_ids=self.channel_ids,
         )
+
+    def profile(self) -> profiles.ModelProfile | None:
+        """The job's model profile (None for a family this version does not know)."""
+        return profiles.PROFILES.get(self.model_family)
 
     # -- decoding ---------------------------------------------------------------------------------
     @classmethod
@@ -184,6 +211,9 @@ class JobRecord:
             if key in MARKER_FIELDS and value is not None:
                 value = int(value)
             kept[key] = value
+        if "model_family" in kept:  # a profiled record: an absent marker is no marker, not Kimi's
+            for marker in MARKER_FIELDS:
+                kept.setdefault(marker, None)
         kept.setdefault("name", name)
         for stamp in _STAMP_FIELDS:  # unknown, not "now": every decode of one hash gives one record
             kept.setdefault(stamp, 0.0)

@@ -1,21 +1,42 @@
-"""A Kimi-shaped tokenizer built offline, for tests, benchmarks and the simulator.
+"""Model-shaped tokenizers built offline, for tests, benchmarks and the simulator.
 
-The real Kimi-K2.5 tokenizer is tiktoken-based, needs ``trust_remote_code`` and a download. This one
-loads through ``AutoTokenizer.from_pretrained(path)`` with no network and has the same *layout*:
+Real reasoning-model tokenizers need a download (Kimi's also ``trust_remote_code``). These load through
+``AutoTokenizer.from_pretrained(path)`` with no network and have a real family's *layout*:
+``build_test_tokenizer(path, family=...)`` with
 
-- a byte-level BPE base vocabulary of exactly 163,584 ids. The merges are learned from the built-in
-  corpus (:mod:`thinkfleet.testing.corpus`); the learned tokens are scattered over the whole base range
-  (seeded) and the rest is filled with decodable filler words, so token ids span 18 bits like Kimi's
-  and compression figures measured with it are not flattered by small ids;
-- Kimi's special tokens at their real ids 163584–163607 and ``<|reserved_token_N|>`` up to 163839
-  (vocab 163,840), ``eos_token`` ``<|im_end|>``;
-- a chat template of K2.5's shape (reference §4.2): role headers + name + ``<|im_middle|>``, content,
-  ``<|im_end|>``, no newlines between turns, a default system turn, a ``tool_declare`` turn (JSON here;
-  the real K2.5 renders TypeScript-style declarations), tool results as ``## Return of {id}``, history
-  reasoning dropped, and a generation prompt ending in ``<think>`` (or ``<think></think>`` with
-  ``thinking=False``).
+- ``kimi`` (default): a byte-level BPE base vocabulary of exactly 163,584 ids. The merges are learned
+  from the built-in corpus (:mod:`thinkfleet.testing.corpus`); the learned tokens are scattered over the
+  whole base range (seeded) and the rest is filled with decodable filler words, so token ids span 18 bits
+  like Kimi's and compression figures measured with it are not flattered by small ids; Kimi's special
+  tokens at their real ids 163584–163607 and ``<|reserved_token_N|>`` up to 163839 (vocab 163,840),
+  ``eos_token`` ``<|im_end|>``; a chat template of K2.5's shape (reference §4.2): role headers + name +
+  ``<|im_middle|>``, content, ``<|im_end|>``, no newlines between turns, a default system turn, a
+  ``tool_declare`` turn (JSON here; the real K2.5 renders TypeScript-style declarations), tool results as
+  ``## Return of {id}``, history reasoning dropped, and a generation prompt ending in ``<think>`` (or
+  ``<think></think>`` with ``thinking=False``);
+- ``qwen3``: the same kind of base vocabulary over 151,643 ids and Qwen3's added tokens at their real ids
+  151643–151668 (``<|endoftext|>`` 151643, ``<|im_start|>`` 151644, ``<|im_end|>`` 151645, ``<tool_call>``
+  151657, ``</tool_call>`` 151658, ``<think>`` 151667, ``</think>`` 151668; the think/tool ones not
+  special, as in Qwen3's tokenizer_config); a ChatML template of Qwen3's shape: ``<|im_start|>role\n…
+  <|im_end|>\n``, tools declared in the system turn inside ``<tools></tools>``, assistant tool calls as
+  ``<tool_call>\n{"name": …, "arguments": …}\n</tool_call>``, tool results as a user turn of
+  ``<tool_response>`` blocks, reasoning kept only after the last user query, and a generation prompt
+  ``<|im_start|>assistant\n`` (the model opens ``<think>`` itself) or, with ``enable_thinking=False``,
+  ``…<think>\n\n</think>\n\n``;
+- ``harmony`` (gpt-oss): a base vocabulary over 199,998 ids where the words ``analysis`` (35644),
+  ``final`` (17196) and ``assistant`` (173781) are single tokens at their o200k ids, and the
+  ``o200k_harmony`` special block 199998–201087 (``<|return|>`` 200002, ``<|constrain|>`` 200003,
+  ``<|channel|>`` 200005, ``<|start|>`` 200006, ``<|end|>`` 200007, ``<|message|>`` 200008, ``<|call|>``
+  200012, ``<|reserved_N|>`` elsewhere; vocab 201,088); a harmony template: a system message with the
+  reasoning effort and the valid channels, a developer message with the instructions and a
+  ``namespace functions`` of the tools, ``<|start|>role<|message|>…<|end|>`` turns, assistant history on
+  the ``final`` channel, tool calls as ``<|start|>assistant to=functions.NAME<|channel|>commentary json
+  <|message|>ARGS<|call|>``, tool results from ``functions.NAME to=assistant``, and a generation prompt
+  ``<|start|>assistant``;
+- ``plain``: a ChatML tokenizer *without* reasoning tokens (Qwen2.5-shaped: 151643–151664, no
+  ``<think>``): what a submit of a non-reasoning model looks like.
 
-Building takes a few seconds; the directory is cached by content, so a second call is instant.
+Building takes a few seconds; each directory is cached by content, so a second call is instant.
 """
 
 from __future__ import annotations
@@ -26,6 +47,7 @@ import os
 import random
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from thinkfleet import kimi
@@ -106,8 +128,246 @@ CHAT_TEMPLATE = (
 )
 
 
+# -- Qwen3 ---------------------------------------------------------------------------------------------
+#: Qwen3's added tokens (``added_tokens.json`` of the Qwen3 checkpoints), at their real ids.
+QWEN3_SPECIALS: dict[str, int] = {
+    "<|endoftext|>": 151643,
+    "<|im_start|>": 151644,
+    "<|im_end|>": 151645,
+    "<|object_ref_start|>": 151646,
+    "<|object_ref_end|>": 151647,
+    "<|box_start|>": 151648,
+    "<|box_end|>": 151649,
+    "<|quad_start|>": 151650,
+    "<|quad_end|>": 151651,
+    "<|vision_start|>": 151652,
+    "<|vision_end|>": 151653,
+    "<|vision_pad|>": 151654,
+    "<|image_pad|>": 151655,
+    "<|video_pad|>": 151656,
+    "<tool_call>": 151657,
+    "</tool_call>": 151658,
+    "<|fim_prefix|>": 151659,
+    "<|fim_middle|>": 151660,
+    "<|fim_suffix|>": 151661,
+    "<|fim_pad|>": 151662,
+    "<|repo_name|>": 151663,
+    "<|file_sep|>": 151664,
+    "<tool_response>": 151665,
+    "</tool_response>": 151666,
+    "<think>": 151667,
+    "</think>": 151668,
+}
+QWEN3_FIRST_SPECIAL_ID = 151643
+#: Qwen3's tokenizer_config marks these ``special: false`` (they survive ``skip_special_tokens``).
+QWEN3_NOT_SPECIAL = {
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+}
+
+
+def _keep_newlines(template: str) -> str:
+    """Every newline of the template's text as a ``{{ '\\n' }}`` expression: ``{%- … -%}`` tags strip the
+    whitespace of the text next to them, never an expression's output."""
+    return template.replace("\n", "{{ '\\n' }}")
+
+
+# Written for this project after the structure of Qwen3's chat template (not a copy of it).
+_CHATML_BODY = (
+    "{%- macro text(c) -%}"
+    "{%- if c is string -%}{{ c }}"
+    "{%- elif c is not none -%}{%- for part in c -%}"
+    "{%- if part.get('type', 'text') == 'text' -%}{{ part['text'] }}"
+    "{%- else -%}<|vision_start|><|image_pad|><|vision_end|>{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- macro calls(m, content) -%}"
+    "{%- for call in m['tool_calls'] -%}"
+    "{%- if (loop.first and content) or not loop.first -%}{{ '\\n' }}{%- endif -%}"
+    "{%- set f = call['function'] if call.get('function') else call -%}"
+    "{%- set args = f['arguments'] -%}"
+    '<tool_call>\n{"name": "{{ f[\'name\'] }}", "arguments": '
+    "{{ args if args is string else (args | tojson) }}}\n</tool_call>"
+    "{%- endfor -%}"
+    "{%- endmacro -%}"
+)
+QWEN3_CHAT_TEMPLATE = _keep_newlines(
+    _CHATML_BODY + "{%- if tools -%}"
+    "<|im_start|>system\n"
+    "{%- if messages and messages[0]['role'] == 'system' -%}{{ text(messages[0].get('content')) }}\n\n{%- endif -%}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{%- for tool in tools -%}\n{{ tool | tojson }}{%- endfor -%}"
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+    "<args-json-object>}\n</tool_call><|im_end|>\n"
+    "{%- elif messages and messages[0]['role'] == 'system' -%}"
+    "<|im_start|>system\n{{ text(messages[0].get('content')) }}<|im_end|>\n"
+    "{%- endif -%}"
+    # The last user query: reasoning is kept only for the assistant turns after it.
+    "{%- set ns = namespace(last_query=messages | length - 1) -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- set content = text(m.get('content')) -%}"
+    "{%- if m['role'] == 'user' or (m['role'] == 'system' and not loop.first) -%}"
+    "<|im_start|>{{ m['role'] }}\n{{ content }}<|im_end|>\n"
+    "{%- elif m['role'] == 'assistant' -%}"
+    "{%- set reasoning = m.get('reasoning_content') or '' -%}"
+    "{%- if loop.index0 > ns.last_query and (loop.last or reasoning) -%}"
+    "<|im_start|>assistant\n<think>\n{{ reasoning.strip('\\n') }}\n</think>\n\n{{ content.lstrip('\\n') }}"
+    "{%- else -%}<|im_start|>assistant\n{{ content }}{%- endif -%}"
+    "{%- if m.get('tool_calls') -%}{{ calls(m, content) }}{%- endif -%}"
+    "<|im_end|>\n"
+    "{%- elif m['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}<|im_start|>user{%- endif -%}"
+    "\n<tool_response>\n{{ content }}\n</tool_response>"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}<|im_end|>\n{%- endif -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}<think>\n\n</think>\n\n{%- endif -%}"
+    "{%- endif -%}"
+)
+
+# -- plain ChatML (no reasoning tokens) ----------------------------------------------------------------------
+PLAIN_SPECIALS: dict[str, int] = {t: i for t, i in QWEN3_SPECIALS.items() if i <= 151664}
+PLAIN_CHAT_TEMPLATE = _keep_newlines(
+    _CHATML_BODY + "{%- if tools -%}"
+    "<|im_start|>system\n"
+    "{%- if messages and messages[0]['role'] == 'system' -%}{{ text(messages[0].get('content')) }}"
+    "{%- else -%}You are a helpful assistant.{%- endif -%}"
+    "\n\n# Tools\n\n<tools>{%- for tool in tools -%}\n{{ tool | tojson }}{%- endfor -%}\n</tools><|im_end|>\n"
+    "{%- elif messages and messages[0]['role'] == 'system' -%}"
+    "<|im_start|>system\n{{ text(messages[0].get('content')) }}<|im_end|>\n"
+    "{%- else -%}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- set content = text(m.get('content')) -%}"
+    "{%- if m['role'] == 'user' or (m['role'] == 'system' and not loop.first) -%}"
+    "<|im_start|>{{ m['role'] }}\n{{ content }}<|im_end|>\n"
+    "{%- elif m['role'] == 'assistant' -%}<|im_start|>assistant\n{{ content }}"
+    "{%- if m.get('tool_calls') -%}{{ calls(m, content) }}{%- endif -%}<|im_end|>\n"
+    "{%- elif m['role'] == 'tool' -%}"
+    "<|im_start|>user\n<tool_response>\n{{ content }}\n</tool_response><|im_end|>\n"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+)
+
+# -- harmony (gpt-oss) ----------------------------------------------------------------------------------------
+#: o200k_harmony's special tokens (openai/gpt-oss); every other id in 199998–201087 is ``<|reserved_N|>``.
+HARMONY_SPECIALS: dict[str, int] = {
+    "<|startoftext|>": 199998,
+    "<|endoftext|>": 199999,
+    "<|return|>": 200002,
+    "<|constrain|>": 200003,
+    "<|channel|>": 200005,
+    "<|start|>": 200006,
+    "<|end|>": 200007,
+    "<|message|>": 200008,
+    "<|call|>": 200012,
+    "<|endofprompt|>": 200018,
+}
+HARMONY_FIRST_SPECIAL_ID = 199_998
+HARMONY_VOCAB_SIZE = 201_088
+#: Words that are one o200k token, pinned to their real ids (the simulator emits these ids).
+HARMONY_WORDS: dict[str, int] = {"analysis": 35644, "final": 17196, "assistant": 173781}
+
+# Written for this project after the structure of gpt-oss's chat template (not a copy of it).
+HARMONY_CHAT_TEMPLATE = _keep_newlines(
+    "{%- macro text(c) -%}"
+    "{%- if c is string -%}{{ c }}"
+    "{%- elif c is not none -%}{%- for part in c -%}"
+    "{%- if part.get('type', 'text') == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+    "Knowledge cutoff: 2024-06\n\nReasoning: "
+    "{{ reasoning_effort if (reasoning_effort is defined and reasoning_effort) else 'medium' }}"
+    "\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message."
+    "{%- if tools -%}\nCalls to these tools must go to the commentary channel: 'functions'.{%- endif -%}"
+    "<|end|>"
+    "{%- set system = messages[0] if messages and messages[0]['role'] in ('system', 'developer') else none -%}"
+    "{%- if system or tools -%}"
+    "<|start|>developer<|message|>"
+    "{%- if system -%}# Instructions\n\n{{ text(system.get('content')) }}{%- endif -%}"
+    "{%- if tools -%}{%- if system -%}\n\n{%- endif -%}# Tools\n\n## functions\n\nnamespace functions {{ '{' }}\n\n"
+    "{%- for tool in tools -%}{%- set f = tool['function'] if tool.get('function') else tool -%}"
+    "// {{ f.get('description') or '' }}\ntype {{ f['name'] }} = (_: {{ (f.get('parameters') or {}) | tojson }})"
+    " => any;\n\n"
+    "{%- endfor -%}{{ '}' }} // namespace functions{%- endif -%}"
+    "<|end|>"
+    "{%- endif -%}"
+    "{%- set ns = namespace(last_user=-1, last_call='tool') -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] in ('system', 'developer') and loop.first -%}"
+    "{%- elif m['role'] == 'user' -%}<|start|>user<|message|>{{ text(m.get('content')) }}<|end|>"
+    "{%- elif m['role'] == 'assistant' -%}"
+    "{%- if m.get('tool_calls') -%}"
+    # A tool-calling turn after the last user message keeps its reasoning (the model continues from it).
+    "{%- if loop.index0 > ns.last_user and (m.get('reasoning_content') or m.get('thinking')) -%}"
+    "<|start|>assistant<|channel|>analysis<|message|>{{ m.get('reasoning_content') or m.get('thinking') }}<|end|>"
+    "{%- endif -%}"
+    "{%- for call in m['tool_calls'] -%}{%- set f = call['function'] if call.get('function') else call -%}"
+    "{%- set ns.last_call = f['name'] -%}"
+    "<|start|>assistant to=functions.{{ f['name'] }}<|channel|>commentary json<|message|>"
+    "{%- set args = f['arguments'] -%}"
+    "{%- if args is string -%}{{ args }}{%- else -%}{{ args | tojson }}{%- endif -%}<|call|>"
+    "{%- endfor -%}"
+    "{%- else -%}<|start|>assistant<|channel|>final<|message|>{{ text(m.get('content')) }}<|end|>"
+    "{%- endif -%}"
+    "{%- elif m['role'] == 'tool' -%}"
+    "<|start|>functions.{{ m.get('name') or ns.last_call }} to=assistant<|channel|>commentary<|message|>"
+    "{{ text(m.get('content')) }}<|end|>"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}"
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What one family's test tokenizer is made of."""
+
+    family: str
+    #: ids [0, base_size) are the byte-level BPE base vocabulary.
+    base_size: int
+    #: id → token over the special block [base_size, vocab_size).
+    specials: dict[int, str]
+    not_special: frozenset[str]
+    template: str
+    eos: str
+    bos: str | None = None
+    unk: str | None = None
+    pad: str | None = None
+    #: ``generation_config.json``: what SGLang (and the producer) read the model's stop ids from.
+    generation_eos: tuple[int, ...] = ()
+    generation_bos: int | None = None
+    #: words in the base range that are one token at a fixed id (added, not special).
+    pinned: dict[str, int] = field(default_factory=dict)
+    model_max_length: int = 262_144
+
+    @property
+    def vocab_size(self) -> int:
+        return self.base_size + len(self.specials)
+
+
 def special_token_layout() -> dict[int, str]:
-    """id → token for the whole special/reserved block 163584–163839."""
+    """id → token for Kimi's whole special/reserved block 163584–163839."""
     by_id = {token_id: token for token, token_id in kimi.SPECIAL_TOKENS.items()}
     return {
         token_id: by_id.get(token_id, f"<|reserved_token_{token_id}|>")
@@ -115,56 +375,112 @@ def special_token_layout() -> dict[int, str]:
     }
 
 
-def content_hash() -> str:
+def layout(family: str = "kimi") -> Layout:
+    """The layout of the ``family`` test tokenizer (:data:`FAMILIES`)."""
+    if family == "kimi":
+        return Layout(
+            "kimi", kimi.FIRST_SPECIAL_ID, special_token_layout(), frozenset(NOT_SPECIAL), CHAT_TEMPLATE,
+            eos="<|im_end|>", bos="[BOS]", unk="[UNK]", pad="[PAD]",
+            generation_eos=(kimi.IM_END,), generation_bos=kimi.BOS,
+        )  # fmt: skip
+    if family == "qwen3":
+        return Layout(
+            "qwen3", QWEN3_FIRST_SPECIAL_ID, {i: t for t, i in QWEN3_SPECIALS.items()},
+            frozenset(QWEN3_NOT_SPECIAL), QWEN3_CHAT_TEMPLATE, eos="<|im_end|>", pad="<|endoftext|>",
+            generation_eos=(151645, 151643), generation_bos=151643, model_max_length=131_072,
+        )  # fmt: skip
+    if family == "plain":
+        return Layout(
+            "plain", QWEN3_FIRST_SPECIAL_ID, {i: t for t, i in PLAIN_SPECIALS.items()},
+            frozenset(QWEN3_NOT_SPECIAL & set(PLAIN_SPECIALS)), PLAIN_CHAT_TEMPLATE, eos="<|im_end|>",
+            pad="<|endoftext|>", generation_eos=(151645, 151643), generation_bos=151643, model_max_length=32_768,
+        )  # fmt: skip
+    if family == "harmony":
+        by_id = {i: t for t, i in HARMONY_SPECIALS.items()}
+        specials = {i: by_id.get(i, f"<|reserved_{i}|>") for i in range(HARMONY_FIRST_SPECIAL_ID, HARMONY_VOCAB_SIZE)}
+        return Layout(
+            "harmony", HARMONY_FIRST_SPECIAL_ID, specials, frozenset(), HARMONY_CHAT_TEMPLATE,
+            eos="<|return|>", bos="<|startoftext|>", pad="<|endoftext|>",
+            generation_eos=(200002, 199999, 200012), generation_bos=199998, pinned=dict(HARMONY_WORDS),
+            model_max_length=131_072,
+        )  # fmt: skip
+    raise ValueError(f"no test tokenizer for family {family!r}: use one of {', '.join(FAMILIES)}")
+
+
+#: Families :func:`build_test_tokenizer` can build (``plain``: ChatML without reasoning tokens).
+FAMILIES: tuple[str, ...] = ("kimi", "qwen3", "harmony", "plain")
+
+
+def content_hash(family: str = "kimi") -> str:
     """Hash of everything the built directory depends on (the cache key)."""
-    spec = {
+    spec: dict[str, object] = {
         "builder": BUILDER_VERSION,
         "corpus": CORPUS,
         "train_vocab": TRAIN_VOCAB_SIZE,
         "seed": ID_SEED,
-        "template": CHAT_TEMPLATE,
-        "specials": special_token_layout(),
-        "not_special": sorted(NOT_SPECIAL),
-        "vocab": kimi.VOCAB_SIZE,
     }
+    if family == "kimi":  # the spec Kimi's directories were always keyed by
+        spec.update(
+            template=CHAT_TEMPLATE,
+            specials=special_token_layout(),
+            not_special=sorted(NOT_SPECIAL),
+            vocab=kimi.VOCAB_SIZE,
+        )
+    else:
+        lay = layout(family)
+        spec.update(
+            family=family,
+            template=lay.template,
+            specials=lay.specials,
+            not_special=sorted(lay.not_special),
+            vocab=lay.vocab_size,
+            tokens=[lay.eos, lay.bos, lay.unk, lay.pad, list(lay.generation_eos), lay.generation_bos],
+            pinned=lay.pinned,
+            max_length=lay.model_max_length,
+        )
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def default_test_tokenizer_dir(base: str | os.PathLike[str] | None = None) -> Path:
-    """Where the cached test tokenizer lives: ``base`` or ``$THINKFLEET_CACHE_DIR`` or ~/.cache/thinkfleet."""
+def default_test_tokenizer_dir(base: str | os.PathLike[str] | None = None, family: str = "kimi") -> Path:
+    """Where a cached test tokenizer lives: ``base`` or ``$THINKFLEET_CACHE_DIR`` or ~/.cache/thinkfleet."""
     root = Path(base or os.environ.get("THINKFLEET_CACHE_DIR") or Path.home() / ".cache" / "thinkfleet")
-    return root / f"kimi-test-tokenizer-{content_hash()}"
+    return root / f"{family}-test-tokenizer-{content_hash(family)}"
 
 
-def is_built(path: str | os.PathLike[str]) -> bool:
+def is_built(path: str | os.PathLike[str], family: str = "kimi") -> bool:
     """True when ``path`` holds a complete build of the current content."""
     marker = Path(path) / MARKER
     try:
-        return marker.read_text().strip() == content_hash()
+        return marker.read_text().strip() == content_hash(family)
     except OSError:
         return False
 
 
-def build_test_tokenizer(path: str | os.PathLike[str] | None = None) -> Path:
-    """Write (or reuse) the test tokenizer directory at ``path`` (default: the cached location).
+def build_test_tokenizer(path: str | os.PathLike[str] | None = None, family: str | None = None) -> Path:
+    """Write (or reuse) the ``family`` test tokenizer directory at ``path`` (default: the cached location).
 
-    Safe to call from several processes at once: each builds in a private temporary directory and
-    the first to finish renames it into place.
+    ``family`` None: the family a :func:`default_test_tokenizer_dir` path names (``qwen3-test-tokenizer-…``),
+    else ``kimi``. Safe to call from several processes at once: each builds in a private temporary
+    directory and the first to finish renames it into place.
     """
-    target = Path(path) if path is not None else default_test_tokenizer_dir()
-    if is_built(target):
+    if family is None:
+        name = Path(path).name if path is not None else ""
+        family = next((f for f in FAMILIES if name.startswith(f"{f}-test-tokenizer-")), "kimi")
+    lay = layout(family)
+    target = Path(path) if path is not None else default_test_tokenizer_dir(family=family)
+    if is_built(target, family):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared with other users and containers
     try:
-        _write(tmp)
-        if target.exists() and not is_built(target):
+        _write(tmp, lay)
+        if target.exists() and not is_built(target, family):
             shutil.rmtree(target, ignore_errors=True)  # a stale or half-written build
         try:
             tmp.rename(target)
         except OSError:
-            if not is_built(target):  # lost the race to a broken writer: retry once ourselves
+            if not is_built(target, family):  # lost the race to a broken writer: retry once ourselves
                 shutil.rmtree(target, ignore_errors=True)
                 tmp.rename(target)
     finally:
@@ -172,10 +488,11 @@ def build_test_tokenizer(path: str | os.PathLike[str] | None = None) -> Path:
     return target
 
 
-def _write(directory: Path) -> None:
+def _write(directory: Path, lay: Layout | None = None) -> None:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    lay = lay or layout("kimi")
     # 1. Learn merges from the corpus.
     trainer_tok = Tokenizer(models.BPE())
     trainer_tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -189,46 +506,61 @@ def _write(directory: Path) -> None:
     learned: list[str] = [tok for tok, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
     merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
 
-    # 2. Scatter the learned tokens over the base range and fill the rest with filler words.
-    base = kimi.FIRST_SPECIAL_ID
-    slots = random.Random(ID_SEED).sample(range(base), len(learned))
+    # 2. Scatter the learned tokens over the base range and fill the rest with filler words; pinned
+    #    words take their fixed ids (a learned one moves there, its scattered slot goes to a filler).
+    base = lay.base_size
+    pinned_ids = set(lay.pinned.values())
+    free_range = [i for i in range(base) if i not in pinned_ids] if pinned_ids else range(base)
+    slots = random.Random(ID_SEED).sample(free_range, len(learned))
     vocab = dict(zip(learned, slots, strict=True))
-    taken = set(slots)
+    vocab.update(lay.pinned)
+    taken = set(vocab.values())
     fillers = _filler_words(set(vocab))
     for token_id in range(base):
         if token_id not in taken:
             vocab[next(fillers)] = token_id
-    assert len(vocab) == base
+    assert len(vocab) == base and len(set(vocab.values())) == base
 
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
 
-    # 3. The special block, one token at a time so each lands on its id.
-    for token_id, token in special_token_layout().items():
-        added = AddedToken(token, special=token not in NOT_SPECIAL, normalized=False)
-        if added.special:
-            tok.add_special_tokens([added])
-        else:
-            tok.add_tokens([added])
+    # 3. Pinned words always encode to their one id (as o200k's "analysis" does after <|channel|>).
+    for word, token_id in lay.pinned.items():
+        tok.add_tokens([AddedToken(word, special=False, normalized=False, single_word=True)])
+        if tok.token_to_id(word) != token_id:
+            raise RuntimeError(f"test tokenizer: {word} is {tok.token_to_id(word)}, not {token_id}")
+
+    # 4. The special block, in runs of one kind (special or not) so each token lands on its id.
+    items = sorted(lay.specials.items())
+    run: list[AddedToken] = []
+    for k, (_, token) in enumerate(items):
+        run.append(AddedToken(token, special=token not in lay.not_special, normalized=False))
+        last = k == len(items) - 1
+        if last or (items[k + 1][1] in lay.not_special) != (token in lay.not_special):
+            if run[0].special:
+                tok.add_special_tokens(run)
+            else:
+                tok.add_tokens(run)
+            run = []
+    for token_id, token in items:
         if tok.token_to_id(token) != token_id:
             raise RuntimeError(f"test tokenizer: {token} landed on {tok.token_to_id(token)}, not {token_id}")
 
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token="[BOS]",
-        eos_token="<|im_end|>",
-        unk_token="[UNK]",
-        pad_token="[PAD]",
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=262_144,
+        bos_token=lay.bos,
+        eos_token=lay.eos,
+        unk_token=lay.unk,
+        pad_token=lay.pad,
+        chat_template=lay.template,
+        model_max_length=lay.model_max_length,
     )
     fast.save_pretrained(str(directory))
     # What a model directory carries next to the tokenizer: the producer reads stop ids from here.
-    (directory / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": [kimi.IM_END], "bos_token_id": kimi.BOS}, indent=2) + "\n"
-    )
-    (directory / MARKER).write_text(content_hash() + "\n")
+    generation = {"eos_token_id": list(lay.generation_eos), "bos_token_id": lay.generation_bos}
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    (directory / MARKER).write_text(content_hash(lay.family) + "\n")
 
 
 def _filler_words(avoid: set[str]):

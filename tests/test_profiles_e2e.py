@@ -1,0 +1,205 @@
+"""Each model family end to end: the real ``producer submit`` (its own test tokenizer, the family detected),
+a real worker, ``sglang-sim --model-family …``, Parquet rows whose spans cover exactly the reasoning and
+the tool calls the simulator emitted — checked here by reading the ids, not with ``storage.spans``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from sglang_sim.content import ContentConfig, expected_generation
+from storage.reader import read_committed
+from tests.worker_harness import fast_env, isolated_settings, producer_cli, simulator
+from thinkfleet.state.job import JobRecord
+from thinkfleet.testing.datasets import chat_rows, write_jsonl
+from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
+from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
+
+ROWS = 14
+TOOL_SHARE = "0.5"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+# Qwen3's and gpt-oss's real ids (thinkfleet.profiles), as the test tokenizers and the simulator hold them.
+THINK, END_THINK, CALL, END_CALL, IM_END = 151667, 151668, 151657, 151658, 151645
+CHANNEL, MESSAGE, END, START, RETURN, CALL_H, ANALYSIS, FINAL = (
+    200005,
+    200008,
+    200007,
+    200006,
+    200002,
+    200012,
+    35644,
+    17196,
+)
+
+
+def _dataset(path: Path) -> Path:
+    rows = chat_rows(ROWS, words=12)
+    for i, row in enumerate(rows):
+        if i % 2:
+            row["tools"] = TOOLS  # half the prompts declare a tool: the templates' tool blocks render too
+    return write_jsonl(path, rows)
+
+
+def _run(tmp_path: Path, redis_url: str, family: str, sim_family: str, job: str, *flags: str) -> dict[str, Any]:
+    """Submit with the real CLI, run one worker against ``sglang-sim --model-family sim_family``, and return
+    {rows, record, client, settings, submit}."""
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    client = redis.Redis.from_url(redis_url)
+    tok = build_test_tokenizer(default_test_tokenizer_dir(family=family), family=family)
+    data = _dataset(tmp_path / "alpha.jsonl")
+    args = ("submit", str(data), "--job", job, "--tokenizer", str(tok), "--processes", "1", "--no-progress")
+    args += ("--max-new-tokens", "6000", "--seed", "5", "--context-length", "131072", "--json", *flags)
+    sim_args = ("--time-scale", "400", "--model-family", sim_family, "--tool-call-share", TOOL_SHARE)
+    with simulator(tmp_path / "logs", *sim_args) as sim:
+        worker = WorkerProcess("w1", fast_env(settings, sim, max_inflight=8, alarm_min_rows=5), tmp_path / "logs")
+        worker.start()
+        try:
+            worker.wait_ready(client, settings.keys)
+            submitted = producer_cli(settings, *args)
+            assert submitted.returncode == 0, submitted.stderr
+            wait_until(lambda: job_progress(client, settings.keys, job)["done"] == ROWS, 180, what=f"{ROWS} rows")
+        finally:
+            worker.terminate()
+    assert dead_letters(client, settings.keys, job) == {}
+    record = JobRecord.load(client, settings.keys, job)
+    assert record is not None
+    rows = read_committed(settings.output_uri, job).to_pylist()
+    assert len(rows) == ROWS
+    config = ContentConfig(model_family=sim_family, tool_call_share=float(TOOL_SHARE))
+    for row in rows:  # byte-exact: what the simulator of this family said, for this prompt and seed
+        want = expected_generation(row["input_ids"], json.loads(row["sampling_params"]), config)
+        assert row["output_ids"] == want.output_ids, row["prompt_id"]
+    verify = producer_cli(settings, "verify", job, "--json")  # recomputes every span with the job's profile
+    assert verify.returncode == 0 and json.loads(verify.stdout)["ok"], verify.stdout[-3000:]
+    report = producer_cli(settings, "report", job, "--json")
+    assert report.returncode == 0, report.stderr
+    return {
+        "rows": rows,
+        "record": record,
+        "client": client,
+        "settings": settings,
+        "submit": json.loads(submitted.stdout),
+        "report": json.loads(report.stdout),
+    }
+
+
+def _calls(row: dict[str, Any]) -> list[tuple[int, int]]:
+    return [(c["start"], c["end"]) for c in row["tool_call_spans"]]
+
+
+@pytest.mark.timeout(400)
+def test_a_qwen3_job_runs_end_to_end_with_its_own_markers(tmp_path: Path, redis_url: str) -> None:
+    got = _run(tmp_path, redis_url, "qwen3", "qwen3", "qwen")
+    record = got["record"]
+    assert record.model_family == "qwen3" and record.reasoning_spans
+    assert record.chat_template_kwargs == {"enable_thinking": True}
+    assert (record.think_start_id, record.think_end_id) == (THINK, END_THINK)
+    assert (record.tool_call_begin_id, record.tool_call_end_id, record.tool_section_begin_id) == (CALL, END_CALL, None)
+    assert record.sampling_params["stop_token_ids"] == [IM_END, 151643]
+    assert not record.prompt_ends_with_think_start  # Qwen3's model opens <think> itself
+    tool_rows = 0
+    for row in got["rows"]:
+        out = row["output_ids"]
+        assert row["input_ids"][-1] != THINK and out[0] == THINK
+        body_end = len(out) - (out[-1] == IM_END)  # a row cut at max_new_tokens has no <|im_end|>
+        closed = END_THINK in out
+        end = out.index(END_THINK) if closed else body_end
+        # The reasoning span is exactly the ids between <think> and </think>.
+        assert (row["reasoning_start"], row["reasoning_end"], row["has_think_end"]) == (1, end, closed)
+        assert THINK not in out[1:end] and END_THINK not in out[1:end]
+        begins = [i for i, t in enumerate(out) if t == CALL]
+        calls = []
+        for k, b in enumerate(begins):  # each <tool_call> to its </tool_call>, or to where it was cut off
+            limit = begins[k + 1] if k + 1 < len(begins) else body_end
+            close = next((i for i in range(b, limit) if out[i] == END_CALL), None)
+            calls.append((b, close + 1 if close is not None else limit))
+        assert _calls(row) == calls
+        answer = (end + 1, begins[0] if begins else body_end) if closed else (body_end, body_end)
+        assert (row["answer_start"], row["answer_end"]) == answer
+        assert row["stop_token"] == (IM_END if body_end < len(out) else None)
+        tool_rows += bool(begins)
+    assert 0 < tool_rows < ROWS, "the simulator emitted tool calls in some rows, and they were spanned"
+    assert not got["client"].exists(got["settings"].keys.alarm("qwen")), "the rows closed their reasoning"
+    assert got["report"]["model_family"] == "qwen3" and got["report"]["think_end_rate"] > 0.8
+
+
+@pytest.mark.timeout(400)
+def test_a_harmony_job_runs_end_to_end_with_channel_spans(tmp_path: Path, redis_url: str) -> None:
+    got = _run(tmp_path, redis_url, "harmony", "harmony", "gptoss")
+    record = got["record"]
+    assert record.model_family == "harmony" and record.reasoning_spans
+    assert record.chat_template_kwargs == {"reasoning_effort": "medium"}
+    assert record.span_tokens().scheme == "harmony"
+    assert record.sampling_params["stop_token_ids"] == [RETURN, 199999, CALL_H]
+    tool_rows = 0
+    for row in got["rows"]:
+        prompt, out = row["input_ids"], row["output_ids"]
+        assert prompt[-2:] == [START, 173781]  # <|start|>assistant
+        assert out[:3] == [CHANNEL, ANALYSIS, MESSAGE]
+        body_end = len(out) - (out[-1] in (RETURN, CALL_H))
+        assert row["stop_token"] == (out[-1] if body_end < len(out) else None)
+        if END not in out:  # cut off inside the reasoning
+            assert (row["reasoning_start"], row["reasoning_end"], row["has_think_end"]) == (3, body_end, False)
+            assert _calls(row) == [] and row["answer_start"] == row["answer_end"] == body_end
+            continue
+        end = out.index(END)
+        # Reasoning: the analysis message's content, exactly.
+        assert (row["reasoning_start"], row["reasoning_end"], row["has_think_end"]) == (3, end, True)
+        assert not {CHANNEL, MESSAGE, END, START, RETURN, CALL_H} & set(out[3:end])
+        header = out.index(CHANNEL, end)  # the second message's <|channel|>
+        if out[-1] == CALL_H:  # a commentary message to functions.…: the tool call, channel to <|call|>
+            tool_rows += 1
+            assert out[header + 1] != FINAL
+            assert _calls(row) == [(header, len(out))]
+            assert row["answer_start"] == row["answer_end"] == body_end
+        elif out[header + 1] == FINAL:  # the final message is the answer, <|return|> excluded
+            assert out[header + 2] == MESSAGE
+            assert _calls(row) == [] and (row["answer_start"], row["answer_end"]) == (header + 3, body_end)
+        else:  # a call cut off before its <|call|>: no span (its recipient is text)
+            assert _calls(row) == [] and row["answer_start"] == row["answer_end"] == body_end
+    assert 0 < tool_rows < ROWS
+    assert not got["client"].exists(got["settings"].keys.alarm("gptoss"))
+    assert got["report"]["model_family"] == "harmony"
+
+
+@pytest.mark.timeout(400)
+def test_a_tokenizer_without_reasoning_markers_is_refused_then_runs_without_reasoning_spans(
+    tmp_path: Path, redis_url: str
+) -> None:
+    settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    tok = build_test_tokenizer(default_test_tokenizer_dir(family="plain"), family="plain")
+    data = _dataset(tmp_path / "alpha.jsonl")
+    refused = producer_cli(settings, "submit", str(data), "--job", "plain", "--tokenizer", str(tok), "--no-progress")
+    assert refused.returncode == 1
+    assert "'<think>'" in refused.stderr and "--no-reasoning-spans" in refused.stderr
+    assert redis.Redis.from_url(redis_url).llen(settings.queue) == 0
+
+    # The model (Qwen-shaped ids) does think; the job asked for no reasoning spans: none, and no alarm.
+    got = _run(tmp_path, redis_url, "plain", "qwen3", "plain", "--no-reasoning-spans")
+    record = got["record"]
+    assert record.model_family == "qwen3" and record.reasoning_spans is False
+    assert record.think_start_id is None and record.think_end_id is None
+    assert any("reasoning spans are off" in w for w in got["submit"]["warnings"])
+    for row in got["rows"]:
+        assert (row["reasoning_start"], row["reasoning_end"], row["has_think_end"]) == (0, 0, False)
+        out = row["output_ids"]
+        begins = [i for i, t in enumerate(out) if t == CALL]
+        assert [s for s, _ in _calls(row)] == begins  # tool calls are still spanned
+    counters = got["client"].hgetall(got["settings"].keys.counters("plain"))
+    assert int(counters[b"missing_think_end"]) == ROWS  # every row "lacks" </think> …
+    assert not got["client"].exists(got["settings"].keys.alarm("plain")), "… and no alarm: spans are off"
+    assert got["report"]["reasoning_spans"] is False and got["report"]["think_end_rate"] is None
