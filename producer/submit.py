@@ -456,7 +456,9 @@ class _Collector:
             report.prompts += 1
             report.prompt_tokens += n_tokens
             self.rows.append({"prompt_id": pid, "dataset": dataset, "row_index": prompt.row_index,
-                              "sample_index": k, "content_hash": digest, "prompt_tokens": n_tokens})  # fmt: skip
+                              "sample_index": k, "content_hash": digest, "prompt_tokens": n_tokens,
+                              # the source conversation, kept in the manifest for `export --format messages`
+                              "messages": prompt.messages, "tools": prompt.tools})  # fmt: skip
             if pid in self.finished:
                 report.already_done += 1
             elif pid in self.existing.dead:
