@@ -395,21 +395,21 @@ class WorkerRuntime:
         )
         self.metrics.crashes.labels(type(exc).__name__).inc()
         self.metrics.errors.labels("crash").inc()
-        deliveries = await self.ledger.crashed(task.job, task.prompt_id, summary, claimed)
-        if deliveries == 0:  # stored or dead-lettered already (a crash after the commit): ack it
+        crashes = await self.ledger.crashed(task.job, task.prompt_id, summary)
+        if crashes == 0:  # stored or dead-lettered already (a crash after the commit): ack it
             return "already-finished"
-        if deliveries >= self.settings.max_deliveries:
-            return await self._dead_poison(task, summary, deliveries)
+        if crashes >= self.settings.max_deliveries:
+            return await self._dead_poison(task, summary, {"x": crashes, "k": 0, "ik": 0})
         self.metrics.handed_back.inc()
         raise HandBack() from exc
 
-    async def _dead_poison(self, task: PromptTask, error: str, deliveries: int) -> str:
+    async def _dead_poison(self, task: PromptTask, error: str, record: dict[str, Any]) -> str:
         error_class = f"poison:{error.split(':', 1)[0].strip() or 'WorkerLost'}"
-        await self.ledger.dead_letter(task, error_class, f"{deliveries} deliveries crashed; last: {error}", deliveries)
+        x, k = int(record.get("x", 0)), int(record.get("k", 0))
+        message = f"{x} deliveries raised, {k} died with their worker; last: {error}"
+        await self.ledger.dead_letter(task, error_class, message, x + k)
         self.metrics.dead.labels(error_class).inc()
-        log.error(
-            "dead-lettered %s/%s as %s after %d crashed deliveries", task.job, task.prompt_id, error_class, deliveries
-        )
+        log.error("dead-lettered %s/%s as %s: %s", task.job, task.prompt_id, error_class, message)
         return "dead"
 
     async def _release_later(self) -> None:
@@ -459,9 +459,7 @@ class WorkerRuntime:
                     return f"already-{claim.state}"
                 if claim.state == "poison":
                     record = claim.previous or {}
-                    return await self._dead_poison(
-                        task, str(record.get("error") or "WorkerLost"), int(record.get("n", 0))
-                    )
+                    return await self._dead_poison(task, str(record.get("error") or "WorkerLost"), record)
                 if claim.state == "busy" or task.prompt_id in self._active:
                     # A redelivered copy while the first run continues: wait for that run, don't duplicate.
                     # (Our own run may even hold no claim: Redis restarted empty while it generated.)

@@ -12,16 +12,18 @@ States of one prompt of a job (keys in :mod:`thinkfleet.keys`)::
    a claim left by a dead worker is taken over (``stale``); each run counts one *delivery*.
 2. ``mark_part`` — just before a part is written, each claim records the part's path.
 3. ``finalize`` — after the part is committed, the prompts join ``done`` and their claims go.
-4. ``release`` — a clean hand-back (server down, draining, storage down) gives its delivery back;
-   ``crashed`` — an unexpected exception — keeps it and records the error. Deliveries left by killed
-   workers stay counted too, so a prompt that crashes every worker is refused by ``claim`` after
-   ``max_deliveries`` and dead-lettered as ``poison:<ExceptionClass>``.
+4. ``release`` — a clean hand-back (server down, draining, storage down): the claim goes (or, naming a
+   part, stays ownerless and *settled*); ``crashed`` — an unexpected exception — does the same and
+   counts the exception against the prompt (``x``, exactly attributed).
 
-   A killed worker's deliveries are all counted — the prompt that killed it and its bystanders alike
-   (nothing survives a SIGKILL to say which it was). So a prompt's *last-chance* run (one more crash
-   makes it poison) is isolated: ``claim`` answers ``suspect`` without claiming, and the worker
-   claims it again (``isolated=True``) only while it runs no other last-chance prompt. A bystander
-   then waits unclaimed while the culprit kills the worker, and is not counted again.
+   A killed worker cannot say which prompt killed it, so its death is charged (``k``) to every prompt
+   it held when their stale claims are taken over — the culprit and its bystanders alike. A prompt
+   one crash short of ``max_deliveries`` becomes a *suspect*: ``claim`` answers ``suspect`` without
+   claiming, and the worker claims it again (``isolated=True``) only while it runs no other suspect.
+   A death during an isolated run is also counted as ``ik``. Poison = ``x ≥ max_deliveries``
+   (exceptions), or ``x + k ≥ max_deliveries`` with two isolated deaths (``ik ≥ 2``): a culprit that
+   kills every worker is dead-lettered after ``max_deliveries + 1`` deaths, while a bystander would have
+   to be the one isolated prompt on a worker killed for another reason twice.
 5. ``dead_letter`` — a permanent failure, with the whole message kept for ``producer retry``.
 
 A worker that dies between 2 and 3 leaves claims naming a part; so does a hand-back after 2 (the
@@ -84,34 +86,42 @@ class Ledger:
         self._dead_letter = client.register_script(lua("dead_letter"))
         self._crashed = client.register_script(lua("crashed"))
 
-    def _claim_json(self, part: str | None = None) -> str:
-        return json.dumps({"worker": self.worker, "part": part, "at": time.time()})
+    def _claim_json(self, part: str | None = None, isolated: bool = False) -> str:
+        claim: dict[str, Any] = {"worker": self.worker, "part": part, "at": time.time()}
+        if isolated:
+            claim["isolated"] = True
+        return json.dumps(claim)
 
     # -- transitions ----------------------------------------------------------------------------------
     async def claim(self, job: str, prompt_id: str, isolated: bool = False) -> Claim:
         k = self.keys
         state, previous = await self._claim(
             keys=[k.done(job), k.dead(job), k.claims(job), k.deliveries(job)],
-            args=[prompt_id, self.worker, self._claim_json(), k.heartbeat(""), self.max_deliveries, int(isolated)],
+            args=[
+                prompt_id,
+                self.worker,
+                self._claim_json(isolated=isolated),
+                k.heartbeat(""),
+                self.max_deliveries,
+                int(isolated),
+            ],
         )
         state = state.decode() if isinstance(state, bytes) else state
         prev = json.loads(previous) if previous else None
         return Claim(state, prev)
 
     async def release(self, job: str, prompt_id: str) -> bool:
-        """Clean hand-back: drop our claim (keeping a named part, ownerless) and give the delivery
-        back. True if we held the claim."""
-        k = self.keys
-        return bool(await self._release(keys=[k.claims(job), k.deliveries(job)], args=[prompt_id, self.worker]))
+        """Clean hand-back: drop our claim (keeping a named part, ownerless and settled). True if we held it."""
+        return bool(await self._release(keys=[self.keys.claims(job)], args=[prompt_id, self.worker]))
 
-    async def crashed(self, job: str, prompt_id: str, error: str, claimed: bool) -> int:
-        """An unexpected exception ended this delivery: give up our claim (if ``claimed``), keep the
-        delivery counted with ``error``. Returns the crashed deliveries so far (0: already finished)."""
+    async def crashed(self, job: str, prompt_id: str, error: str) -> int:
+        """An unexpected exception ended this delivery: count it with ``error`` and give up our claim.
+        Returns the exceptions counted so far (0: the prompt is already done or dead)."""
         k = self.keys
         return int(
             await self._crashed(
                 keys=[k.claims(job), k.deliveries(job), k.done(job), k.dead(job)],
-                args=[prompt_id, self.worker, int(claimed), error[:500]],
+                args=[prompt_id, self.worker, error[:500]],
             )
         )
 

@@ -5,29 +5,44 @@
 --   done | dead      finished already: skip (no server call)
 --   mine             our own claim (a redelivery to the same process)
 --   busy             another live worker's run: wait for it
---   poison           max_deliveries earlier deliveries crashed: dead-letter it
---   suspect          one more crash makes it poison: not claimed; the worker claims it again with
---                    isolated = 1 once it runs no other last-chance prompt (see ledger.py)
---   new | stale      ours now (stale: its previous owner died; the claim may name a part)
+--   poison           its deliveries crashed too often (see below): dead-letter it
+--   suspect          its last chance: not claimed; the worker claims it again with isolated = 1
+--                    once it runs no other last-chance prompt (see ledger.py)
+--   new | stale      ours now (stale: its previous owner died or gave it back; the claim may name a part)
+--
+-- The delivery record {x, k, ik, error} counts crashed deliveries: x = unexpected exceptions
+-- (crashed.lua: exactly attributed), k = runs whose worker died, ik = of those, runs that were
+-- isolated. A death is charged here, once, when its stale claim is taken over (a claim given back by
+-- release.lua or crashed.lua is 'settled' and charges nothing). A dead worker's every run is charged,
+-- bystanders too — only isolated deaths (ik) can make a prompt poison, and only two of them.
 if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return {'done', ''} end
 if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return {'dead', ''} end
 local cur = redis.call('HGET', KEYS[3], ARGV[1])
 local state = 'new'
+local rec = {x = 0, k = 0, ik = 0, error = ''}
+local raw = redis.call('HGET', KEYS[4], ARGV[1])
+if raw then rec = cjson.decode(raw) end
 if cur then
-  local owner = cjson.decode(cur)['worker']
+  local claim = cjson.decode(cur)
+  local owner = claim['worker']
   if owner == ARGV[2] then return {'mine', cur} end
   if owner ~= '' and redis.call('EXISTS', ARGV[4] .. owner) == 1 then return {'busy', cur} end
   state = 'stale'
+  if not claim['settled'] then
+    -- Its worker died holding it: charge the death once, and mark the claim settled.
+    rec['k'] = tonumber(rec['k']) + 1
+    if claim['isolated'] then rec['ik'] = tonumber(rec['ik']) + 1 end
+    if rec['error'] == '' then rec['error'] = 'WorkerLost: its worker died mid-run' end
+    redis.call('HSET', KEYS[4], ARGV[1], cjson.encode(rec))
+    claim['worker'] = ''
+    claim['settled'] = true
+    cur = cjson.encode(claim)
+    redis.call('HSET', KEYS[3], ARGV[1], cur)
+  end
 end
--- Every delivery that starts a run counts; a clean hand-back gives the count back (release.lua),
--- so what remains counts deliveries that crashed (an exception, or a worker killed mid-run).
-local rec = {n = 0, error = ''}
-local raw = redis.call('HGET', KEYS[4], ARGV[1])
-if raw then rec = cjson.decode(raw) end
-if tonumber(rec['n']) >= tonumber(ARGV[5]) then return {'poison', cjson.encode(rec)} end
-if ARGV[6] ~= '1' and tonumber(rec['n']) + 1 >= tonumber(ARGV[5]) then return {'suspect', cjson.encode(rec)} end
-rec['n'] = tonumber(rec['n']) + 1
-if state == 'stale' and rec['error'] == '' then rec['error'] = 'WorkerLost: its worker died mid-run' end
-redis.call('HSET', KEYS[4], ARGV[1], cjson.encode(rec))
+local max = tonumber(ARGV[5])
+local x, k, ik = tonumber(rec['x']), tonumber(rec['k']), tonumber(rec['ik'])
+if x >= max or (x + k >= max and ik >= 2) then return {'poison', cjson.encode(rec)} end
+if ARGV[6] ~= '1' and x + k + 1 >= max then return {'suspect', cjson.encode(rec)} end
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
 return {state, cur or ''}

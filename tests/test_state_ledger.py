@@ -1,0 +1,169 @@
+"""The prompt state machine (thinkfleet/state/ledger.py + lua/) against a real Redis, transition by
+transition: claims, hand-backs, crashes, deaths, suspects, poison, and the ambiguous commit."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import pytest
+import redis.asyncio as aioredis
+
+from thinkfleet.keys import Keys
+from thinkfleet.message import PromptTask, pack_ids
+from thinkfleet.state.ledger import FinalRow, Ledger
+
+JOB = "j"
+
+
+@pytest.fixture()
+def keys() -> Keys:
+    return Keys(f"led{uuid.uuid4().hex[:6]}")
+
+
+def _task(pid: str = "p1") -> PromptTask:
+    return PromptTask(JOB, "ds", pid, 0, "h", pack_ids([1, 2, 3]))
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _ledger(redis_url: str, keys: Keys, worker: str, max_deliveries: int = 3) -> Ledger:
+    client = aioredis.from_url(redis_url)
+    await client.set(keys.heartbeat(worker), "1")  # alive
+    return Ledger(client, keys, worker, max_deliveries)
+
+
+async def _die(ledger: Ledger) -> None:
+    """The worker is SIGKILLed: its heartbeat expires, its claims stay as they were."""
+    await ledger.r.delete(ledger.keys.heartbeat(ledger.worker))
+
+
+def test_a_clean_hand_back_charges_nothing(redis_url: str, keys: Keys) -> None:
+    async def scenario() -> None:
+        a = await _ledger(redis_url, keys, "a")
+        for _ in range(10):
+            assert (await a.claim(JOB, "p1")).state == "new"
+            assert await a.release(JOB, "p1")
+        assert await a.r.hget(keys.deliveries(JOB), "p1") is None
+
+    run(scenario())
+
+
+def test_exceptions_make_poison_after_max_deliveries(redis_url: str, keys: Keys) -> None:
+    async def scenario() -> None:
+        a = await _ledger(redis_url, keys, "a")
+        assert (await a.claim(JOB, "p1")).state == "new"
+        assert await a.crashed(JOB, "p1", "KeyError: 'x'") == 1
+        assert (await a.claim(JOB, "p1")).state == "new"
+        assert await a.crashed(JOB, "p1", "KeyError: 'x'") == 2
+        # One short of the limit: its next run is isolated.
+        assert (await a.claim(JOB, "p1")).state == "suspect"
+        assert (await a.claim(JOB, "p1", isolated=True)).state == "new"
+        assert await a.crashed(JOB, "p1", "KeyError: 'x'") == 3  # the runtime dead-letters it now
+        assert await a.dead_letter(_task(), "poison:KeyError", "3 raised", 3)
+        assert await a.r.hget(keys.deliveries(JOB), "p1") is None
+        assert (await a.claim(JOB, "p1")).state == "dead"
+
+    run(scenario())
+
+
+def test_a_culprit_that_kills_every_worker_is_poison_and_bystanders_are_not(redis_url: str, keys: Keys) -> None:
+    async def scenario() -> None:
+        deaths = 0
+        # Kill 1: worker w0 holds the culprit and a bystander.
+        w = await _ledger(redis_url, keys, "w0")
+        for pid in ("culprit", "bystander"):
+            assert (await w.claim(JOB, pid)).state == "new"
+        await _die(w)
+        deaths += 1
+        # Kill 2: w1 takes both over again (each death is charged once, at the takeover).
+        w = await _ledger(redis_url, keys, "w1")
+        for pid in ("culprit", "bystander"):
+            assert (await w.claim(JOB, pid)).state == "stale"
+        await _die(w)
+        deaths += 1
+        # Now both are suspects: w2 runs the culprit isolated; the bystander waits unclaimed.
+        w = await _ledger(redis_url, keys, "w2")
+        assert (await w.claim(JOB, "bystander")).state == "suspect"
+        assert (await w.claim(JOB, "culprit")).state == "suspect"
+        assert (await w.claim(JOB, "culprit", isolated=True)).state == "stale"
+        await _die(w)  # kill 3, during the culprit's isolated run
+        deaths += 1
+        w = await _ledger(redis_url, keys, "w3")
+        assert (await w.claim(JOB, "culprit")).state == "suspect", "one isolated death is not proof"
+        assert (await w.claim(JOB, "culprit", isolated=True)).state == "stale"
+        await _die(w)  # kill 4, isolated again
+        deaths += 1
+        w = await _ledger(redis_url, keys, "w4")
+        poison = await w.claim(JOB, "culprit")
+        assert poison.state == "poison" and poison.previous is not None
+        assert poison.previous["ik"] == 2 and poison.previous["error"].startswith("WorkerLost")
+        assert deaths == 3 + 1  # max_deliveries + 1
+        # The bystander was never charged for the culprit's isolated deaths: it runs and is stored.
+        suspect = await w.claim(JOB, "bystander")
+        assert suspect.state == "suspect" and (suspect.previous or {}).get("ik") == 0
+        assert (await w.claim(JOB, "bystander", isolated=True)).state == "stale"
+        await w.finalize(JOB, "ds", [FinalRow("bystander", 5, True, False)], 100, 0.95)
+        assert (await w.claim(JOB, "bystander")).state == "done"
+        assert await w.r.hget(keys.deliveries(JOB), "bystander") is None
+
+    run(scenario())
+
+
+def test_a_bystander_killed_in_three_unrelated_deaths_is_not_poison(redis_url: str, keys: Keys) -> None:
+    """The SIGKILL ×3 scenario: three external kills, the same prompt on the victim every time."""
+
+    async def scenario() -> None:
+        for i in range(3):
+            w = await _ledger(redis_url, keys, f"v{i}")
+            state = (await w.claim(JOB, "p1")).state
+            if state == "suspect":
+                state = (await w.claim(JOB, "p1", isolated=True)).state
+            assert state in ("new", "stale")
+            await _die(w)
+        w = await _ledger(redis_url, keys, "survivor")
+        assert (await w.claim(JOB, "p1")).state == "suspect"
+        assert (await w.claim(JOB, "p1", isolated=True)).state == "stale"
+
+    run(scenario())
+
+
+def test_a_hand_back_after_the_part_was_named_keeps_the_part_for_the_next_claim(redis_url: str, keys: Keys) -> None:
+    async def scenario() -> None:
+        a = await _ledger(redis_url, keys, "a")
+        b = await _ledger(redis_url, keys, "b")
+        assert (await a.claim(JOB, "p1")).state == "new"
+        await a.mark_part(JOB, ["p1"], "file:///out/j/dataset=ds/part-1.parquet")
+        assert await a.release(JOB, "p1")  # the write may have landed: the claim must remember where
+        claim = await b.claim(JOB, "p1")
+        assert claim.state == "stale" and claim.part == "file:///out/j/dataset=ds/part-1.parquet"
+        assert await b.r.hget(keys.deliveries(JOB), "p1") is None, "a settled claim charges no death"
+
+    run(scenario())
+
+
+def test_a_restart_under_the_same_name_charges_the_death_of_its_previous_life(redis_url: str, keys: Keys) -> None:
+    async def scenario() -> None:
+        a = await _ledger(redis_url, keys, "a")
+        await a.r.sadd(keys.jobs, JOB)
+        assert (await a.claim(JOB, "p1")).state == "new"
+        again = await _ledger(redis_url, keys, "a")  # same name, new process: heartbeat fresh
+        assert await again.abandon_claims() == 1
+        assert (await again.claim(JOB, "p1")).state == "stale"
+        record = json.loads(await a.r.hget(keys.deliveries(JOB), "p1"))
+        assert record["k"] == 1 and record["x"] == 0
+
+    run(scenario())
+
+
+def test_dead_letter_is_recorded_once(redis_url: str, keys: Keys) -> None:
+    async def scenario() -> None:
+        a = await _ledger(redis_url, keys, "a")
+        assert await a.dead_letter(_task(), "context_overflow", "too long", 1)
+        assert not await a.dead_letter(_task(), "context_overflow", "too long", 1)
+        assert int(await a.r.hget(keys.counters(JOB), "dead")) == 1
+
+    run(scenario())
