@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Iterator
 
 import boto3
@@ -28,6 +29,9 @@ def s3_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
+    # Moto keeps one in-process backend for every server it starts: reset it, or a test sees the
+    # objects an earlier test in the same session left in the bucket.
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"), timeout=10)
     boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=BUCKET)
     yield endpoint
     server.stop()
