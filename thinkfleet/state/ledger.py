@@ -84,7 +84,6 @@ class Ledger:
         self._finalize = client.register_script(lua("finalize"))
         self._abandon = client.register_script(lua("abandon"))
         self._dead_letter = client.register_script(lua("dead_letter"))
-        self._crashed = client.register_script(lua("crashed"))
 
     def _claim_json(self, part: str | None = None, isolated: bool = False) -> str:
         claim: dict[str, Any] = {"worker": self.worker, "part": part, "at": time.time()}
@@ -110,18 +109,21 @@ class Ledger:
         prev = json.loads(previous) if previous else None
         return Claim(state, prev)
 
-    async def release(self, job: str, prompt_id: str) -> bool:
-        """Clean hand-back: drop our claim (keeping a named part, ownerless and settled). True if we held it."""
-        return bool(await self._release(keys=[self.keys.claims(job)], args=[prompt_id, self.worker]))
+    async def release(self, job: str, prompt_id: str) -> None:
+        """Clean hand-back: drop our claim (keeping a named part, ownerless and settled)."""
+        await self._give_back(job, prompt_id, "")
 
     async def crashed(self, job: str, prompt_id: str, error: str) -> int:
-        """An unexpected exception ended this delivery: count it with ``error`` and give up our claim.
-        Returns the exceptions counted so far (0: the prompt is already done or dead)."""
+        """An unexpected exception ended this delivery: give our claim back and count the exception with
+        ``error``. Returns the exceptions counted so far (0: the prompt is already done or dead)."""
+        return await self._give_back(job, prompt_id, error[:500] or "crash")
+
+    async def _give_back(self, job: str, prompt_id: str, error: str) -> int:
         k = self.keys
         return int(
-            await self._crashed(
+            await self._release(
                 keys=[k.claims(job), k.deliveries(job), k.done(job), k.dead(job)],
-                args=[prompt_id, self.worker, error[:500]],
+                args=[prompt_id, self.worker, error],
             )
         )
 

@@ -1,17 +1,30 @@
--- Give a claim back cleanly (the message is handed back: server down, draining, storage down).
--- KEYS: claims ; ARGV: prompt_id, worker
+-- Give a claim back: the message is handed back to the queue.
+-- KEYS: claims, deliveries, done, dead ; ARGV: prompt_id, worker, error ('' for a clean hand-back)
 -- A claim that names a part keeps it, with no owner and settled (no death to charge): whoever claims
 -- next checks whether that part committed and finalizes from it instead of generating a second row
 -- (the ambiguous commit). A claim with no part just goes.
+-- A clean hand-back (server down, draining, storage down) counts nothing and returns 0. A crash (an
+-- unexpected exception, ARGV[3] = its summary) is counted (x) with its error; returns the exceptions
+-- counted so far — or 0 when the prompt is already done or dead (nothing to count).
+local finished = redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1 or redis.call('HEXISTS', KEYS[4], ARGV[1]) == 1
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
-if not cur then return 0 end
-local claim = cjson.decode(cur)
-if claim['worker'] ~= ARGV[2] then return 0 end
-if claim['part'] and claim['part'] ~= cjson.null then
-  claim['worker'] = ''
-  claim['settled'] = true
-  redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(claim))
-else
-  redis.call('HDEL', KEYS[1], ARGV[1])
+if cur and not finished then
+  local claim = cjson.decode(cur)
+  if claim['worker'] == ARGV[2] then
+    if claim['part'] and claim['part'] ~= cjson.null then
+      claim['worker'] = ''
+      claim['settled'] = true
+      redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(claim))
+    else
+      redis.call('HDEL', KEYS[1], ARGV[1])
+    end
+  end
 end
-return 1
+if ARGV[3] == '' or finished then return 0 end
+local rec = {x = 0, k = 0, ik = 0, error = ''}
+local raw = redis.call('HGET', KEYS[2], ARGV[1])
+if raw then rec = cjson.decode(raw) end
+rec['x'] = tonumber(rec['x']) + 1
+rec['error'] = ARGV[3]
+redis.call('HSET', KEYS[2], ARGV[1], cjson.encode(rec))
+return rec['x']
