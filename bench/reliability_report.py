@@ -17,6 +17,7 @@ when ``git status --porcelain`` lists anything):
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import shutil
@@ -84,7 +85,7 @@ def run_suite(results: Path, slow: bool) -> int:
     runs_path = results / _RUNS
     runs = json.loads(runs_path.read_text()) if runs_path.exists() else {}
     runs["all" if slow else "ci"] = {
-        "command": f"pytest -m '{marker}' tests/test_reliability_*.py",
+        "command": f"pytest -m '{marker}' " + " ".join(f"tests/{g}" for g in SCENARIO_GLOBS),
         "wall_s": round(time.monotonic() - started, 1),
         "exit_code": code,
         "version": version,
@@ -94,8 +95,16 @@ def run_suite(results: Path, slow: bool) -> int:
     return code
 
 
+#: The test files whose scenarios fill RELIABILITY.md (tests/conftest.py records failures of the same).
+SCENARIO_GLOBS = ("test_reliability_*.py", "test_worker_fidelity.py", "test_security_*.py")
+
+
+def is_scenario_file(name: str) -> bool:
+    return any(fnmatch.fnmatch(name, pattern) for pattern in SCENARIO_GLOBS)
+
+
 def _test_files() -> list[Path]:
-    return list((ROOT / "tests").glob("test_reliability_*.py"))
+    return sorted({p for pattern in SCENARIO_GLOBS for p in (ROOT / "tests").glob(pattern)})
 
 
 def load(results: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:

@@ -64,7 +64,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
     recorded anything), SKIP when skipped. Only with ``THINKFLEET_RELIABILITY_RESULTS`` set."""
     outcome = yield
     report = outcome.get_result()
-    if not os.environ.get(RESULTS_ENV) or not item.path.name.startswith("test_reliability_"):
+    if not os.environ.get(RESULTS_ENV):
+        return
+    from bench.reliability_report import is_scenario_file
+
+    if not is_scenario_file(item.path.name):
         return
     if not (report.failed or (report.skipped and not hasattr(report, "wasxfail"))):
         return
