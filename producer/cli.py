@@ -38,6 +38,7 @@ from producer.jobfile import (
 )
 from producer.jobfile import load as load_job_file
 from producer.jobfile import resolved as resolved_job_file
+from producer.lifecycle import make_commands as make_lifecycle_commands
 from producer.status import DEFAULT_WINDOW_S, StatusReader, confirm_stored, format_duration
 from producer.submit import SubmitError, SubmitOptions, submit
 from producer.view import status_view, submit_report
@@ -97,6 +98,14 @@ def cli() -> None:
     is_flag=True,
     help="Run although the tokenizer lacks the family's reasoning markers: empty reasoning spans, no alarm.",
 )
+@click.option(
+    "--turns",
+    type=click.Choice(["last", "all"]),
+    default="last",
+    show_default=True,
+    help="last: regenerate the final assistant turn; all: every assistant turn, each rendered from the model's "
+    "own earlier answers (rows {conversation}/t{i}; turns after a tool call are not generated).",
+)
 @click.option("--think-start-id", type=int, help="Override the <think> id read from the tokenizer.")
 @click.option("--think-end-id", type=int, help="Override the </think> id read from the tokenizer.")
 @click.option("--dataset-name", "dataset_names", multiple=True, help="Dataset name per PATH (default: file stem).")
@@ -122,6 +131,11 @@ def cli() -> None:
 @click.option("--min-p", type=float, help="[0.0]")
 @click.option("--seed", type=int, help="SGLang sampling_seed (samples get seed + index).")
 @click.option("--stop-token-ids", help="Comma-separated ids [tokenizer eos ∪ generation_config eos].")
+@click.option(
+    "--logprobs",
+    type=click.IntRange(0),
+    help="Store each output token's logprob and the top-K alternatives' (0: the sampled token's only).",
+)
 @click.option("--expect-model", help="Model path workers' servers must serve.")
 @click.option("--skip-invalid", is_flag=True, help="Skip bad rows (recorded in the job record) instead of failing.")
 @click.option("--dry-run", is_flag=True, help="Tokenize and report; enqueue nothing.")
@@ -131,8 +145,23 @@ def cli() -> None:
 @click.option("--mean-output-tokens", default=1416.0, show_default=True, help="Dry run: tokens per answer.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar [on a terminal].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option(
+    "--priority", "priority_flag", type=int, help="Job priority, kept in the job record. [job file: priority]"
+)
+@click.option(
+    "--break-lock",
+    is_flag=True,
+    help="Break a dead submit's lock of this job first: its process is gone (same host), or the lock is ≥ 60 s old.",
+)
 @common_options
-def submit_cmd(paths: tuple[Path, ...], as_json: bool, progress: bool | None, **flags: Any) -> None:
+def submit_cmd(
+    paths: tuple[Path, ...],
+    as_json: bool,
+    progress: bool | None,
+    priority_flag: int | None,
+    break_lock: bool,
+    **flags: Any,
+) -> None:
     """Tokenize PATH… with the model's chat template and enqueue the prompts of job JOB.
 
     One JOB.yaml argument is a job file (docs/examples/job.yaml): every dataset with its own columns,
@@ -149,6 +178,10 @@ def submit_cmd(paths: tuple[Path, ...], as_json: bool, progress: bool | None, **
                 raise click.UsageError(f"Missing option '--{name}' (or give a job file: producer submit JOB.yaml)")
         opts = _submit_options(list(paths), flags)
     opts.progress = err.is_terminal if progress is None else progress
+    if priority_flag is not None:
+        opts.priority = priority_flag
+    if break_lock and not opts.dry_run:
+        _break_lock(settings, opts.job, err)
     try:
         report = _with_progress(err, settings, opts) if opts.progress else submit(settings, opts)
     except SubmitError as e:
@@ -160,6 +193,18 @@ def submit_cmd(paths: tuple[Path, ...], as_json: bool, progress: bool | None, **
             err.print(f"[bold red]WARNING:[/] {w}", soft_wrap=True)
     else:
         Console().print(submit_report(report, opts.hosts, opts.server_tok_s, opts.mean_output_tokens))
+
+
+def _break_lock(settings: Settings, job: str, err: Console) -> None:
+    from producer.state import StateError, break_lock
+
+    try:
+        broken = break_lock(redis.Redis.from_url(settings.redis_url), settings, job)
+    except (StateError, redis.RedisError) as e:
+        err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    if broken:
+        err.print(f"[yellow]warning:[/] broke the submit lock of job {job} held by {escape(broken)}", soft_wrap=True)
 
 
 def _job_file_options(path: Path, flags: dict[str, Any], err: Console) -> SubmitOptions:
@@ -240,6 +285,7 @@ def _submit_options(paths: list[Path], f: dict[str, Any]) -> SubmitOptions:
         chat_template_kwargs=kwargs,
         model_family=f["model_family"],
         reasoning_spans=not f["no_reasoning_spans"],
+        turns=f.get("turns") or "last",
         think_start_id=f["think_start_id"],
         think_end_id=f["think_end_id"],
         max_prompt_tokens=f["max_prompt_tokens"],
@@ -253,6 +299,7 @@ def _submit_options(paths: list[Path], f: dict[str, Any]) -> SubmitOptions:
             "seed": f["seed"],
             "stop_token_ids": stops,
         },
+        logprobs=f["logprobs"],
         expected_model=f["expect_model"],
         skip_invalid=f["skip_invalid"],
         dry_run=f["dry_run"],
@@ -414,6 +461,8 @@ def _register_optional_commands() -> None:
 
 
 _register_optional_commands()
+for _command in make_lifecycle_commands(common_options, _settings):
+    cli.add_command(_command)
 
 
 def main() -> None:

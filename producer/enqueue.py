@@ -184,7 +184,8 @@ def _task_id(raw: bytes) -> str | None:
 def queued_prompt_ids(client: redis.Redis, settings: Settings, job: str) -> set[str]:
     """Prompt ids of ``job`` with a message waiting in the queue."""
     found: set[str] = set()
-    for key in queue_keys(client, settings.queue):
+    # A paused job's parked messages are queued too (thinkfleet/state/lifecycle.py).
+    for key in [*queue_keys(client, settings.queue), settings.keys.parked(job)]:
         # Read head to tail while workers pop the tail and others push the head: a push shifts what we
         # have not read yet towards the tail, so re-check the length each time instead of snapshotting it.
         start = 0

@@ -7,6 +7,8 @@ dead-lettered (``producer retry`` re-sends those) are left alone.
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -21,6 +23,8 @@ from thinkfleet.state.job import JobRecord
 
 #: The submit lock expires after this long if a submit dies holding it.
 LOCK_TTL_S = 3600
+#: ``submit --break-lock`` breaks a lock held by another host (or an unknown holder) only once it is this old.
+BREAK_LOCK_MIN_AGE_S = 60
 #: Fields per HSET/SADD command inside the commit's MULTI.
 CHUNK = 5000
 
@@ -105,7 +109,7 @@ class SubmitLock:
         self.key = settings.keys.submit_lock(job)
         self.job = job
         self.redis_url = settings.redis_url
-        self.token = f"{uuid.uuid4().hex}@{time.time():.0f}"
+        self.token = f"{uuid.uuid4().hex}@{time.time():.0f}@{socket.gethostname()}@{os.getpid()}"
 
     def __enter__(self) -> SubmitLock:
         try:
@@ -113,15 +117,82 @@ class SubmitLock:
         except redis.RedisError as e:
             raise StateError(f"cannot reach Redis at {self.redis_url}: {e}") from e
         if not ok:
-            holder = self.client.get(self.key)
+            holder = LockHolder.parse(self.client.get(self.key))
             raise StateError(
-                f"another submit of job {self.job!r} is running ({holder!r}); wait for it, or if it died, "
-                f"delete {self.key} (it expires after {LOCK_TTL_S} s)"
+                f"another submit of job {self.job!r} holds its lock: {holder.describe()}; wait for it, or if it "
+                f"died, run `producer submit … --break-lock` (the lock expires after {LOCK_TTL_S} s)"
             )
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.client.eval(_UNLOCK, 1, self.key, self.token)
+
+
+@dataclass
+class LockHolder:
+    """Who holds a submit lock, from its token ``uuid@unix_seconds@host@pid`` (older tokens: ``uuid@seconds``)."""
+
+    token: str = ""
+    since: float | None = None
+    host: str = ""
+    pid: int | None = None
+
+    @classmethod
+    def parse(cls, raw: bytes | str | None) -> LockHolder:
+        token = raw.decode(errors="replace") if isinstance(raw, bytes) else (raw or "")
+        parts = token.split("@")
+        holder = cls(token=token)
+        try:
+            holder.since = float(parts[1]) if len(parts) > 1 else None
+            holder.pid = int(parts[3]) if len(parts) > 3 else None
+        except ValueError:
+            pass
+        holder.host = parts[2] if len(parts) > 2 else ""
+        return holder
+
+    @property
+    def age_s(self) -> float | None:
+        return None if self.since is None else max(0.0, time.time() - self.since)
+
+    def alive_here(self) -> bool | None:
+        """Whether the holder's process still runs: known only when it ran on this host."""
+        if self.pid is None or self.host != socket.gethostname():
+            return None
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def describe(self) -> str:
+        who = f"pid {self.pid} on {self.host}" if self.host else "an unknown process"
+        age = "of unknown age" if self.age_s is None else f"taken {self.age_s:.0f} s ago"
+        return f"{who}, {age} (token {self.token!r})"
+
+
+def break_lock(
+    client: redis.Redis, settings: Settings, job: str, min_age_s: float = BREAK_LOCK_MIN_AGE_S
+) -> str | None:
+    """Break a stale submit lock of ``job``; returns what was broken (None: no lock). Safe cases only:
+    the holder ran on this host and its process is gone, or the lock is at least ``min_age_s`` old (a
+    holder elsewhere cannot be checked). A younger lock of a live or unknown holder raises StateError."""
+    key = settings.keys.submit_lock(job)
+    raw = client.get(key)
+    if raw is None:
+        return None
+    holder = LockHolder.parse(raw)
+    alive = holder.alive_here()
+    if alive is True:
+        raise StateError(f"the submit lock of job {job!r} is held by a live process: {holder.describe()}")
+    if alive is None and (holder.age_s is None or holder.age_s < min_age_s):
+        raise StateError(
+            f"the submit lock of job {job!r} is held by {holder.describe()}, which cannot be checked from "
+            f"here: --break-lock breaks it once it is {min_age_s:.0f} s old; is that submit still running?"
+        )
+    client.eval(_UNLOCK, 1, key, raw)  # only that holder's lock, not one taken since
+    return holder.describe()
 
 
 # -- the commit -----------------------------------------------------------------------------------------------

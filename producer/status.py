@@ -96,10 +96,15 @@ class StatusReader:
         tok_s = rates["output_tokens_per_s"]
         eta = remaining * mean_out / tok_s if remaining and mean_out and tok_s else (0.0 if not remaining else None)
         alarm_raw = r.get(keys.alarm(job))
+        raw_state = r.get(keys.job_state(job))  # producer pause/cancel (thinkfleet/state/lifecycle.py)
+        state = raw_state.decode() if raw_state else ("finished" if remaining == 0 and totals["total"] else "active")
         return {
             "job": job,
             "exists": True,
             "at": now,
+            "state": state,
+            "priority": record.priority,
+            "parked": int(r.llen(keys.parked(job))),
             **totals,
             "remaining": remaining,
             "finished": remaining == 0 and totals["total"] > 0,

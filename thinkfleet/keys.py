@@ -82,6 +82,20 @@ class Keys:
         """LIST with TTL: a submit's messages before they are moved onto the queue all at once."""
         return f"{self.prefix}:job:{job}:staging:{token}"
 
+    def job_state(self, job: str) -> str:
+        """STRING: the job's lifecycle state, ``paused`` or ``cancelled`` (absent = active), set by
+        ``producer pause``/``resume``/``cancel``; workers read it before each prompt."""
+        return f"{self.prefix}:job:{job}:state"
+
+    def parked(self, job: str) -> str:
+        """LIST of the job's messages taken off the queue while it is paused (``producer resume`` moves them
+        back); the invariant counts them as queued."""
+        return f"{self.prefix}:job:{job}:parked"
+
+    def job_glob(self, job: str) -> str:
+        """Glob of every per-job key but the record itself (``producer purge``)."""
+        return f"{self.prefix}:job:{job}:*"
+
     @property
     def malformed(self) -> str:
         """LIST of messages that are not prompt tasks at all (JSON {message_id, error, args, at}), newest first."""

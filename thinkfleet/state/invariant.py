@@ -4,7 +4,8 @@
 
 - **done**: in the ``done`` SET (its row is committed to storage);
 - **dead**: in the ``dead`` HASH (dead-lettered, waiting for ``producer retry``);
-- **queued**: a message of the prompt is on the queue list (or one of kombu's priority lists);
+- **queued**: a message of the prompt is on the queue list (or one of kombu's priority lists), or in
+  the job's parked list (a paused job, ``thinkfleet/state/lifecycle.py``);
 - **running**: a message of the prompt is delivered — in kombu's ``unacked`` hash, or in a worker's
   transit list (popped with ``BLMOVE``, ``workers/transit.py``) — or a worker whose heartbeat still
   exists holds a claim on it.
@@ -255,7 +256,8 @@ def queued_prompt_ids(client: redis.Redis, settings: Settings, job: str) -> set[
     script = client.register_script(_QUEUE_IDS)
     found: set[str] = set()
     prefix = job + "/"
-    for key in queue_keys(client, settings.queue):
+    # A paused job's messages wait in its parked list (thinkfleet/state/lifecycle.py): queued too.
+    for key in [*queue_keys(client, settings.queue), settings.keys.parked(job)]:
         start, length = 0, 1
         while start < length:
             reply = script(keys=[key], args=[start, start + QUEUE_CHUNK - 1])

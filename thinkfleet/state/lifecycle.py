@@ -1,0 +1,244 @@
+"""A job's lifecycle: active → paused ⇄ active, → cancelled; and purge (every Redis key of the job).
+
+The state is one STRING, ``Keys.job_state(job)``: ``paused`` or ``cancelled``; absent means active
+("finished" is derived: active with every prompt done or dead). Workers read it before each prompt
+(``workers/runtime.py``). Every move keeps the closed set of outcomes and the live invariant:
+
+- **pause** sets the state, then moves the job's queued messages, a slice per Lua call
+  (``lua/park.lua``), from the queue and kombu's priority lists into ``Keys.parked(job)``, which the
+  invariant counts as queued. A message a worker pops meanwhile (or a redelivery later) is parked by
+  that worker (``lua/park_one.lua``: only while the state still says paused) and acked. In-flight
+  generations finish.
+- **resume** clears the state, then moves the parked list back behind the queue (``lua/unpark.lua``).
+  A worker's park after the state changed is refused atomically, so nothing is stranded.
+  ``resume`` of a cancelled job makes it active again (then ``producer retry JOB --error-class
+  cancelled`` revives its cancelled prompts).
+- **cancel** sets the state, parks the queued messages, then dead-letters each parked message as
+  ``cancelled`` (the whole message kept) in the same MULTI that removes it from the parked list.
+  Workers dead-letter what they pop afterwards, and abort their in-flight requests of the job.
+- **purge** deletes every key of the job and its name from ``Keys.jobs``; storage is untouched.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import redis
+
+from thinkfleet.message import PromptTask
+from thinkfleet.settings import Settings
+from thinkfleet.state.scripts import lua
+
+ACTIVE, PAUSED, CANCELLED, FINISHED = "active", "paused", "cancelled", "finished"
+#: Messages per Lua call when moving a job's messages (each call blocks Redis while it runs).
+CHUNK = 200
+#: The dead-letter error class of a cancelled prompt.
+CANCELLED_CLASS = "cancelled"
+
+
+class LifecycleError(Exception):
+    """Unknown job, or an operation its state refuses."""
+
+
+def get_state(client: redis.Redis, settings: Settings, job: str) -> str:
+    """``paused``, ``cancelled`` or ``active`` (stored state only; see :func:`job_summary` for finished)."""
+    raw = client.get(settings.keys.job_state(job))
+    return raw.decode() if raw else ACTIVE
+
+
+def queue_lists(client: redis.Redis, settings: Settings) -> list[str]:
+    from thinkfleet.state.invariant import queue_keys
+
+    return queue_keys(client, settings.queue)
+
+
+def _require_job(client: redis.Redis, settings: Settings, job: str) -> None:
+    if not client.sismember(settings.keys.jobs, job) and not client.exists(settings.keys.job(job)):
+        raise LifecycleError(f"no job {job!r} in Redis ({settings.redis_url})")
+
+
+def park_queued(client: redis.Redis, settings: Settings, job: str) -> int:
+    """Move every queued message of ``job`` into its parked list; returns how many moved."""
+    script = client.register_script(lua("park"))
+    parked = settings.keys.parked(job)
+    moved = 0
+    for key in queue_lists(client, settings):
+        start, length = 0, 1
+        while start < length:
+            nxt, length, n = script(keys=[key, parked], args=[start, CHUNK, job + "/"])
+            start, moved = int(nxt), moved + int(n)
+            length = int(length)
+    return moved
+
+
+def unpark(client: redis.Redis, settings: Settings, job: str, queue: str | None = None) -> int:
+    """Move the parked messages back onto ``queue`` (default: the queue); returns how many moved."""
+    script = client.register_script(lua("unpark"))
+    parked = settings.keys.parked(job)
+    before = int(client.llen(parked))
+    while int(script(keys=[parked, queue or settings.queue], args=[CHUNK])) > 0:
+        pass
+    return before
+
+
+def pause(client: redis.Redis, settings: Settings, job: str) -> int:
+    """Pause ``job``: workers take none of its prompts until :func:`resume`. Returns messages parked."""
+    _require_job(client, settings, job)
+    state = get_state(client, settings, job)
+    if state == CANCELLED:
+        raise LifecycleError(f"job {job!r} is cancelled: resume it first")
+    client.set(settings.keys.job_state(job), PAUSED)
+    return park_queued(client, settings, job)
+
+
+def resume(client: redis.Redis, settings: Settings, job: str) -> int:
+    """Make ``job`` active again; returns the messages moved back onto the queue."""
+    _require_job(client, settings, job)
+    client.delete(settings.keys.job_state(job))
+    return unpark(client, settings, job)
+
+
+def decode_message(raw: bytes) -> PromptTask:
+    """The prompt task of a raw kombu message (ValueError/KeyError/TypeError when it is none)."""
+    envelope = json.loads(raw)
+    body = msgpack.unpackb(base64.b64decode(envelope["body"]), raw=False)
+    return PromptTask.from_args(body[0])
+
+
+def dead_record(task: PromptTask, error_class: str, message: str, worker: str) -> str:
+    """The dead-letter record ``Ledger.dead_letter`` writes (the whole message, for ``producer retry``)."""
+    return json.dumps(
+        {
+            "error_class": error_class,
+            "message": message[:2000],
+            "attempts": 0,
+            "worker": worker,
+            "at": time.time(),
+            "dataset": task.dataset,
+            "task": base64.b64encode(msgpack.packb(task.to_args())).decode(),
+        }
+    )
+
+
+def cancel(client: redis.Redis, settings: Settings, job: str, who: str = "producer cancel") -> int:
+    """Cancel ``job``: its queued and parked prompts dead-lettered ``cancelled``; workers abort its
+    in-flight requests (they watch the state). Stored rows stay. Returns how many were dead-lettered."""
+    _require_job(client, settings, job)
+    keys = settings.keys
+    client.set(keys.job_state(job), CANCELLED)
+    park_queued(client, settings, job)
+    dead_letter = client.register_script(lua("dead_letter"))
+    parked = keys.parked(job)
+    count = 0
+    while True:
+        raws = client.lrange(parked, 0, CHUNK - 1)
+        if not raws:
+            return count
+        with client.pipeline(transaction=True) as pipe:
+            for raw in raws:
+                try:
+                    task = decode_message(raw)
+                except Exception as exc:  # not a prompt task: keep it where nothing is lost
+                    record = {"message_id": None, "error": f"{type(exc).__name__}: {exc}", "at": time.time()}
+                    record["args"] = repr(raw)[:4000]
+                    pipe.lpush(keys.malformed, json.dumps(record))
+                else:
+                    dead_letter(
+                        keys=[
+                            keys.dead(job),
+                            keys.claims(job),
+                            keys.counters(job),
+                            keys.dataset_counters(job, task.dataset),
+                            keys.deliveries(job),
+                            keys.done(job),
+                        ],
+                        args=[task.prompt_id, dead_record(task, CANCELLED_CLASS, f"job cancelled by {who}", who)],
+                        client=pipe,
+                    )
+                    count += 1
+                pipe.lrem(parked, 1, raw)
+            pipe.execute()
+
+
+def job_keys(client: redis.Redis, settings: Settings, job: str) -> list[str]:
+    """Every Redis key of ``job`` (its record and every ``{prefix}:job:{job}:…`` key)."""
+    found = [settings.keys.job(job)] if client.exists(settings.keys.job(job)) else []
+    pattern = _glob_escape(settings.keys.job(job)) + ":*"
+    found += [k.decode() if isinstance(k, bytes) else k for k in client.scan_iter(match=pattern, count=1000)]
+    return found
+
+
+def purge(client: redis.Redis, settings: Settings, job: str) -> int:
+    """Delete every key of ``job`` and its name from the job set; returns how many keys went. Stray
+    messages of the job still on the queue (copies of finished prompts) are parked first and go too."""
+    park_queued(client, settings, job)
+    names = job_keys(client, settings, job)
+    with client.pipeline(transaction=True) as pipe:
+        for start in range(0, len(names), 500):
+            pipe.delete(*names[start : start + 500])
+        pipe.srem(settings.keys.jobs, job)
+        pipe.execute()
+    return len(names)
+
+
+@dataclass
+class JobSummary:
+    job: str
+    state: str
+    total: int
+    done: int
+    dead: int
+    priority: int
+    created_at: float
+    age_s: float | None
+    parked: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def job_summary(client: redis.Redis, settings: Settings, job: str, now: float | None = None) -> JobSummary:
+    from thinkfleet.state.job import JobRecord
+
+    keys = settings.keys
+    record = JobRecord.load(client, keys, job)
+    with client.pipeline(transaction=False) as p:
+        p.hlen(keys.prompts(job))
+        p.scard(keys.done(job))
+        p.hlen(keys.dead(job))
+        p.llen(keys.parked(job))
+        p.get(keys.job_state(job))
+        total, done, dead, parked, raw_state = p.execute()
+    state = raw_state.decode() if raw_state else ACTIVE
+    if state == ACTIVE and total and done + dead >= total:
+        state = FINISHED
+    created = float(record.created_at) if record else 0.0
+    now = time.time() if now is None else now
+    return JobSummary(
+        job=job,
+        state=state,
+        total=int(total),
+        done=int(done),
+        dead=int(dead),
+        priority=int(record.priority) if record else 0,
+        created_at=created,
+        age_s=(now - created) if created else None,
+        parked=int(parked),
+    )
+
+
+def list_jobs(client: redis.Redis, settings: Settings) -> list[JobSummary]:
+    names = sorted(m.decode() for m in client.smembers(settings.keys.jobs))
+    now = time.time()
+    return [job_summary(client, settings, name, now) for name in names]
+
+
+def _glob_escape(text: str) -> str:
+    import re
+
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
