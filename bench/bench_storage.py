@@ -15,6 +15,10 @@ process is pinned to one CPU and Arrow to one thread. Variants, timed in the sam
 
 Reports rows per wall-second and per CPU-second of this process (the fair "one core" figure on a
 shared machine), then one line ``BENCH_STORAGE {json}`` for scripts.
+
+``--logprobs``: instead, the Parquet size per output token of the same rows without logprobs and with
+``--logprobs K`` for K = 0, 5, 20 (zstd, WRITE_OPTIONS; values from the simulator's synthetic model,
+``sglang_sim.content.logprob_arrays``), written to its own section of BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -31,8 +35,20 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from bench.report import table, update_section
 from storage import layout
-from storage.schema import BSS_TOKEN_ENCODING, SCHEMA, WRITE_OPTIONS, rows_to_table
+from storage.schema import (
+    BSS_TOKEN_ENCODING,
+    LOGPROBS,
+    OUTPUT_LOGPROBS,
+    SCHEMA,
+    TOP_IDS,
+    TOP_LOGPROB_IDS,
+    TOP_LOGPROBS,
+    TOP_LOGPROBS_TYPE,
+    WRITE_OPTIONS,
+    rows_to_table,
+)
 from storage.spans import compute_spans, compute_spans_batch
 from storage.testing import synthetic_rows
 from storage.writer import PartWriter, encode_parquet
@@ -101,12 +117,102 @@ def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, float]:
     return statistics.median(walls), statistics.median(cpus)
 
 
+def _with_logprobs(t: pa.Table, k: int) -> pa.Table:
+    """``t`` with the logprob columns of ``--logprobs k`` (built from flat numpy arrays, as stored)."""
+    import numpy as np
+
+    from sglang_sim.content import logprob_arrays
+
+    chosen, values, ids, lengths = [], [], [], []
+    for prompt, out in zip(t["input_ids"].to_pylist(), t["output_ids"].to_pylist(), strict=True):
+        c, v, i = logprob_arrays(prompt, 7, out, k, 163840)
+        chosen.append(c)
+        values.append(v.reshape(-1))
+        ids.append(i.reshape(-1).astype(np.int32))
+        lengths.append(len(out))
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    t = t.set_column(
+        t.schema.get_field_index(OUTPUT_LOGPROBS),
+        OUTPUT_LOGPROBS,
+        pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(chosen)), type=LOGPROBS),
+    )
+    if k == 0:
+        return t
+    inner = np.arange(0, offsets[-1] * k + 1, k, dtype=np.int32)
+    top_ids = pa.ListArray.from_arrays(inner, pa.array(np.concatenate(ids)), type=TOP_IDS.value_type)
+    top_values = pa.ListArray.from_arrays(inner, pa.array(np.concatenate(values)), type=LOGPROBS)
+    t = t.set_column(
+        t.schema.get_field_index(TOP_LOGPROB_IDS),
+        TOP_LOGPROB_IDS,
+        pa.ListArray.from_arrays(offsets, top_ids, type=TOP_IDS),
+    )
+    return t.set_column(
+        t.schema.get_field_index(TOP_LOGPROBS),
+        TOP_LOGPROBS,
+        pa.ListArray.from_arrays(offsets, top_values, type=TOP_LOGPROBS_TYPE),
+    )
+
+
+def logprobs_main(rows: int, batch_rows: int, markdown: bool) -> None:
+    """Parquet bytes per output token without / with logprobs (K = 0, 5, 20), zstd (WRITE_OPTIONS)."""
+    from storage.writer import encode_parquet as encode
+
+    data = synthetic_rows(rows, seed=1, as_numpy=False)
+    tables = [rows_to_table(data[i : i + batch_rows]) for i in range(0, rows, batch_rows)]
+    out_tokens = sum(len(r["output_ids"]) for r in data)
+    base = sum(len(encode(t)) for t in tables)
+    results: list[list[object]] = [["none (null columns)", f"{base / out_tokens:.2f}", "—", "—"]]
+    summary: dict[str, Any] = {"rows": rows, "output_tokens": out_tokens, "bytes_per_output_token": base / out_tokens}
+    for k in (0, 5, 20):
+        size = sum(len(encode(_with_logprobs(t, k))) for t in tables)
+        extra = (size - base) / out_tokens
+        raw = 4 + 8 * k  # float32 + (int32 id + float32) per alternative
+        results.append([f"`--logprobs {k}`", f"{size / out_tokens:.2f}", f"+{extra:.2f}", f"{raw}"])
+        summary[f"k{k}_bytes_per_output_token"] = round(size / out_tokens, 3)
+        print(f"K={k:2}: {size / out_tokens:6.2f} bytes/output token (+{extra:.2f}; raw {raw})")
+    print(f"no logprobs: {base / out_tokens:.2f} bytes/output token ({rows} rows, {out_tokens} output tokens)")
+    print("BENCH_STORAGE_LOGPROBS " + json.dumps(summary, sort_keys=True))
+    if not markdown:
+        return
+    body = f"""What it measures: the size of committed Parquet (zstd level 1, `storage.schema.WRITE_OPTIONS`) per
+output token of the same rows without logprobs and with `producer submit --logprobs K`
+(`output_logprobs` list<float32>, and for K > 0 `top_logprob_ids` list<list<int32>> +
+`top_logprobs` list<list<float32>>). Bytes per output token include the prompt ids and every other
+column of the row.
+
+Command (~1 min):
+
+    .venv/bin/python -m bench.bench_storage --logprobs --rows {rows}
+
+Data: the synthetic rows of the storage benchmark ({rows:,} rows, {out_tokens:,} output tokens, parts of
+{batch_rows}); logprobs from the simulator's synthetic model (`sglang_sim.content.logprob_arrays`: a
+descending ladder `0.4·ln U`, gaps `0.05 + Exp(1)`, as float32), alternatives are ids near the sampled one.
+
+{table(["logprobs", "bytes / output token", "added by logprobs", "raw bytes added (uncompressed)"], results)}
+
+Reading the numbers: logprobs are float32 noise to zstd — the mantissas barely compress, so each
+alternative costs most of its raw 8 bytes (the ids compress some: they sit near the sampled id).
+Real model logprobs are more skewed (many sampled tokens at logprob ≈ 0) and may compress somewhat
+better than these synthetic ones. Budget with these: K = 20 makes a row ~55x the bytes of one without
+logprobs; K = 0 (the sampled token only) ~2.7x.
+"""
+    update_section("bench_storage_logprobs", "Storage size with logprobs", body)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--batch-rows", type=int, default=512, help="rows per part (the worker's flush_rows)")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--logprobs", action="store_true", help="measure size per token with logprobs instead")
+    parser.add_argument(
+        "--no-markdown", action="store_true", help="--logprobs: don't rewrite its BENCHMARKS.md section"
+    )
     args = parser.parse_args()
+    if args.logprobs:
+        logprobs_main(args.rows, args.batch_rows, not args.no_markdown)
+        return
 
     cpu = sorted(os.sched_getaffinity(0))[0]
     os.sched_setaffinity(0, {cpu})

@@ -61,6 +61,7 @@ FLAG_KEYS: dict[str, tuple[str, ...]] = {
     "min_p": ("sampling", "min_p"),
     "seed": ("sampling", "seed"),
     "stop_token_ids": ("sampling", "stop_token_ids"),
+    "logprobs": ("logprobs",),
 }
 #: submit flags that describe one input: a job file sets them per dataset instead.
 DATASET_FLAGS: dict[str, str] = {
@@ -155,6 +156,8 @@ class JobFile(_Strict):
     skip_invalid: bool = False
     think_start_id: int | None = Field(None, ge=0)
     think_end_id: int | None = Field(None, ge=0)
+    #: ``--logprobs K``: the sampled token's logprob and the top-K alternatives per output token
+    logprobs: int | None = Field(None, ge=0)
     datasets: list[DatasetEntry] = Field(min_length=1)
 
     @field_validator("job")
@@ -415,6 +418,7 @@ _EXPECTED = {
     "max_prompt_tokens": "a token count ≥ 1",
     "think_start_id": "a token id ≥ 0",
     "think_end_id": "a token id ≥ 0",
+    "logprobs": "the number of top alternatives per output token ≥ 0, e.g. 5 (0: the sampled token's only)",
     "turns": "`last` (regenerate the last assistant turn) or `all`",
     "trust_remote_code": "true or false",
     "skip_invalid": "true or false",

@@ -99,6 +99,8 @@ class SubmitOptions:
     context_length: int | None = None
     #: sampling flags as given on the command line; None = not given (the job's value, or the default).
     sampling: dict[str, Any] = field(default_factory=dict)
+    #: ``--logprobs K``: rows store logprobs (top K alternatives); None = the job's (a new job: none).
+    logprobs: int | None = None
     expected_model: str | None = None
     skip_invalid: bool = False
     dry_run: bool = False
@@ -290,6 +292,10 @@ def _run(
     return collector
 
 
+#: The ``sampling_params`` key that carries ``--logprobs K`` to workers (``workers.sglang.LOGPROBS_KEY``).
+LOGPROBS_KEY = "logprobs"
+
+
 def _sampling(opts: SubmitOptions, info: render.TokenizerInfo, record: JobRecord | None) -> dict[str, Any]:
     """Flags given win; otherwise the job's existing values; otherwise the defaults (stops from the tokenizer)."""
     given = {k: v for k, v in opts.sampling.items() if v is not None}
@@ -299,7 +305,12 @@ def _sampling(opts: SubmitOptions, info: render.TokenizerInfo, record: JobRecord
     else:
         base = {"stop_token_ids": info.stop_token_ids or None}
     known = inspect.signature(sampling_params).parameters  # a newer producer's extra keys are not ours to keep
-    return sampling_params(**{**{k: v for k, v in base.items() if v is not None and k in known}, **given})
+    params = sampling_params(**{**{k: v for k, v in base.items() if v is not None and k in known}, **given})
+    # --logprobs K travels to workers in sampling_params (workers/sglang.py LOGPROBS_KEY; not sent as sampling)
+    logprobs = opts.logprobs if opts.logprobs is not None else base.get(LOGPROBS_KEY)
+    if logprobs is not None:
+        params[LOGPROBS_KEY] = int(logprobs)
+    return params
 
 
 def flag_names(params: dict[str, Any]) -> dict[str, Any]:
@@ -496,6 +507,7 @@ def _job_record(
     record.chat_template_hash = info.chat_template_hash
     record.chat_template_kwargs = dict(opts.chat_template_kwargs)
     record.sampling_params = collector.params
+    record.logprobs = collector.params.get(LOGPROBS_KEY)
     record.think_start_id = info.think_start_id
     record.think_end_id = info.think_end_id
     for name in profiles.TOOL_ROLES:
@@ -537,11 +549,13 @@ def _resolved_job_file(job_file: dict[str, Any], collector: _Collector, record: 
     resolved = {
         **job_file,
         "chat_template_kwargs": dict(record.chat_template_kwargs),
-        "sampling": flag_names(collector.params),
+        "sampling": {k: v for k, v in flag_names(collector.params).items() if k != LOGPROBS_KEY},
         "samples": record.samples,
     }
     if getattr(record, "model_family", None):
         resolved["model_family"] = record.model_family
+    if record.logprobs is not None:
+        resolved["logprobs"] = record.logprobs
     entries = []
     for entry in job_file.get("datasets") or []:
         inp = collector.inputs.get(entry.get("name"))

@@ -377,3 +377,77 @@ def _plan_harmony(rng: np.random.Generator, config: ContentConfig) -> _Plan:
     length = max(length, position + len(header) + 1)
     specials.append((length - 1, h["<|return|>"]))
     return _Plan(length, specials, tool_call=False, end_token=h["<|return|>"])
+
+
+# -- logprobs (return_logprob / top_logprobs_num) ------------------------------------------------------
+#: Ranks the sampled id can take in the synthetic ladder (rank 0 = the top alternative).
+_MAX_RANK = 4
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer, vectorized (uint64 → uint64)."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return (x ^ (x >> np.uint64(31))) & _MASK64
+
+
+def _uniform(base: int, n: int, column: int, salt: int) -> np.ndarray:
+    """A [0, 1) draw per position that depends on (base, position, column, salt) only — never on the output
+    length or on how many columns are asked for (so top-5 is a prefix of top-20, a cut output a prefix)."""
+    pos = np.arange(n, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        key = np.uint64(base) ^ (np.uint64((column * 1_000_003 + salt * 7919) & 0xFFFFFFFF) << np.uint64(32))
+        h = _mix(_mix(pos * np.uint64(0x9E3779B97F4A7C15) + key))
+    return (h >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def logprob_arrays(
+    input_ids: Sequence[int], sampling_seed: int | None, output_ids: Sequence[int], top_k: int, vocab_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`expected_logprobs` as arrays: (sampled logprobs float32 [n], top logprobs float32 [n, top_k],
+    top ids int64 [n, top_k])."""
+    n = len(output_ids)
+    base = int.from_bytes(seed_bytes(input_ids, sampling_seed)[:8], "little")
+    width = max(top_k, _MAX_RANK + 1)
+    top = 0.4 * np.log1p(-_uniform(base, n, 0, 1))
+    ladder = np.empty((n, width), dtype=np.float64)
+    ladder[:, 0] = top
+    for j in range(1, width):
+        ladder[:, j] = 0.05 - np.log1p(-_uniform(base, n, j, 2))
+    ladder[:, 1:] = top[:, None] - np.cumsum(ladder[:, 1:], axis=1)
+    ladder32 = ladder.astype(np.float32)
+    u = _uniform(base, n, 0, 3)
+    rank = np.where(u < 0.75, 0, 1 + np.minimum(((u - 0.75) * 16).astype(np.int64), _MAX_RANK - 1))
+    chosen = ladder32[np.arange(n), rank]
+    out = np.asarray(output_ids, dtype=np.int64).reshape(n)
+    step = max(1, min(997, (vocab_size - 1) // (width + 1)))
+    offsets = np.empty((n, width), dtype=np.int64)
+    for j in range(width):
+        offsets[:, j] = 1 + (_uniform(base, n, j, 4) * step).astype(np.int64)
+    ids = (out[:, None] + np.cumsum(offsets, axis=1)) % vocab_size
+    ids[np.arange(n), rank] = out
+    return chosen, ladder32[:, :top_k], ids[:, :top_k]
+
+
+def expected_logprobs(
+    input_ids: Sequence[int],
+    sampling_seed: int | None,
+    output_ids: Sequence[int],
+    top_k: int,
+    vocab_size: int,
+) -> tuple[list[float], list[list[tuple[float, int]]] | None]:
+    """The logprobs a simulator returns for ``output_ids`` (``return_logprob``): the sampled id's logprob per
+    position and, when ``top_k`` > 0, the top-``top_k`` alternatives per position as (logprob, id), best first.
+
+    Synthetic but shaped like a model's: per position a descending ladder of logprobs (the top one
+    ``0.4·ln U``, then gaps of ``0.05 + Exp(1)``); the sampled id sits at rank 0 three times in four, else at
+    rank 1–4, and its logprob is its rung. The other rungs hold distinct ids near it. Every value is a
+    float32 (what the Parquet column stores) and depends on (input ids, seed, position, rank) only, so
+    top-5 is a prefix of top-20 and a cut output's logprobs a prefix of the uncut one's.
+    """
+    chosen, values, ids = logprob_arrays(input_ids, sampling_seed, output_ids, top_k, vocab_size)
+    if top_k <= 0:
+        return chosen.tolist(), None
+    return chosen.tolist(), [list(zip(v, i, strict=True)) for v, i in zip(values.tolist(), ids.tolist(), strict=True)]

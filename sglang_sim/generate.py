@@ -17,6 +17,7 @@ from sglang_sim import protocol
 from sglang_sim.content import (
     Generation,
     expected_generation,
+    expected_logprobs,
     nan_generation,
     nan_overwrite_id,
     reasoning_token_count,
@@ -60,6 +61,7 @@ class CallItem:
         )
         self.finished = False
         self.sent_tokens = -1  # tokens in the last streamed chunk
+        self._logprobs: tuple[list[float], list[list[tuple[float, int]]] | None] | None = None
 
     def _on_finish(self, req: SimRequest) -> None:
         self.finished = True
@@ -98,10 +100,44 @@ class CallItem:
                 sent_ts=time.time() if final else None,
             ),
         }
+        if self.item.return_logprob:
+            out["meta_info"] = self._with_logprobs(out["meta_info"], ids)
         if self.call.parsed.return_prompt_token_ids:
             out["prompt_token_ids"] = self.item.input_ids
         if not self.call.parsed.is_single and self.call.parsed.stream:
             out["index"] = self.item.index
+        return out
+
+    def _with_logprobs(self, meta: dict[str, Any], ids: list[int]) -> dict[str, Any]:
+        """``meta`` with the logprob keys where ``_handle_batch_output`` puts them (before
+        ``completion_tokens``), as ``convert_logprob_style`` shapes them: triples ``[logprob, id, text|null]``.
+        ``logprob_start_len`` -1 → one input position (the last prompt id, logprob null)."""
+        item, sim = self.item, self.call.sim
+        k = item.top_logprobs_num
+        if self._logprobs is None:
+            assert item.params is not None
+            self._logprobs = expected_logprobs(
+                item.input_ids, item.params.sampling_seed, self.generation.output_ids, k, sim.config.server.vocab_size
+            )
+        chosen, top = self._logprobs
+        text = self.call.parsed.return_text_in_logprobs and sim.codec.has_tokenizer
+
+        def triple(value: float | None, token: int) -> list[Any]:
+            return [value, token, sim.codec.decode([token], None, False, True) if text else None]
+
+        keys: dict[str, Any] = {
+            "input_token_logprobs": [triple(None, item.input_ids[-1])] if item.input_ids else [],
+            "output_token_logprobs": [triple(v, t) for v, t in zip(chosen, ids, strict=False)],
+        }
+        if k > 0:
+            assert top is not None
+            keys["input_top_logprobs"] = [None] if item.input_ids else []
+            keys["output_top_logprobs"] = [[triple(v, t) for v, t in alts] for alts in top[: len(ids)]]
+        out: dict[str, Any] = {}
+        for key, value in meta.items():
+            if key == "completion_tokens":
+                out.update(keys)
+            out[key] = value
         return out
 
 

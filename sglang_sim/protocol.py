@@ -17,8 +17,9 @@ Error paths, as in SGLang (which of them applies depends on the release, :mod:`s
   unknown key (and comparisons do on a non-numeric number): FastAPI answers 500 ``Internal Server
   Error`` as text/plain; a stream has already sent its 200 headers and the connection just closes.
 
-Where the simulator cannot imitate a feature (logprobs, input_embeds, n > 1) it refuses with a 400
-that says so instead of returning something plausible but fake.
+Where the simulator cannot imitate a feature (input_embeds, n > 1) it refuses with a 400 that says so
+instead of returning something plausible but fake. Logprobs (``return_logprob``, ``top_logprobs_num``)
+are synthetic but exact in shape (``content.expected_logprobs``); ``logprob_start_len`` is taken as -1.
 """
 
 from __future__ import annotations
@@ -108,6 +109,9 @@ class _GenerateBody(BaseModel):
     sampling_params: list[dict[str, Any]] | dict[str, Any] | None = None
     rid: list[str] | str | None = None
     return_logprob: list[bool] | bool | None = None
+    top_logprobs_num: list[int] | int | None = None
+    logprob_start_len: list[int] | int | None = None
+    return_text_in_logprobs: bool = False
     stream: bool = False
     return_prompt_token_ids: bool = False
     require_reasoning: bool = False
@@ -443,6 +447,9 @@ class GenerateItem:
     params: SamplingParams | None = None  # set by validate_item
     #: max_new_tokens after SGLang's defaults (None → what the context leaves).
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    #: ``return_logprob`` / ``top_logprobs_num`` of this item (``normalize_batch_and_arguments``).
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
 
 
 @dataclass
@@ -454,6 +461,8 @@ class GenerateCall:
     require_reasoning: bool
     #: True when the client chose the rids (fault choice keys on them then).
     client_rids: bool = field(default=False)
+    #: ``return_text_in_logprobs`` (the third element of each logprob triple; null without a tokenizer).
+    return_text_in_logprobs: bool = False
 
 
 @dataclass(frozen=True)
@@ -476,8 +485,6 @@ def normalize_call(
     """
     if body.text is None and body.input_ids is None and body.input_embeds is None:
         raise BadRequest("Either text, input_ids or input_embeds should be provided.")
-    if body.return_logprob is True or (isinstance(body.return_logprob, list) and any(body.return_logprob)):
-        raise BadRequest("sglang-sim does not simulate logprobs; send return_logprob=false.")
     if body.return_hidden_states is True or (
         isinstance(body.return_hidden_states, list) and any(body.return_hidden_states)
     ):
@@ -495,6 +502,9 @@ def normalize_call(
         duplicates = [rid for rid, count in counts.items() if count > 1]
         raise BadRequest(f"Duplicate request IDs detected within the request: {duplicates}")
     items = [GenerateItem(i, rids[i], prompts[i], params[i]) for i in range(n)]
+    for i, item in enumerate(items):
+        item.return_logprob = bool(_per_item(body.return_logprob, i, False))
+        item.top_logprobs_num = int(_per_item(body.top_logprobs_num, i, 0) or 0)
     return GenerateCall(
         items=items,
         is_single=is_single,
@@ -502,7 +512,15 @@ def normalize_call(
         return_prompt_token_ids=body.return_prompt_token_ids,
         require_reasoning=body.require_reasoning,
         client_rids=body.rid is not None,
+        return_text_in_logprobs=body.return_text_in_logprobs,
     )
+
+
+def _per_item(value: Any, index: int, default: Any) -> Any:
+    """A batch argument given once or per item (None → ``default``), as ``normalize_param`` spreads it."""
+    if isinstance(value, list):
+        return value[index] if index < len(value) else default
+    return default if value is None else value
 
 
 def _prompts(body: _GenerateBody, encode: Callable[[str], list[int]]) -> list[list[int]]:

@@ -26,7 +26,9 @@ from storage.spans import KIMI_TOKENS, SpanTokens, compute_spans_batch, ids_at
 
 #: 2: + ``deterministic``; ``reasoning_tokens``/``num_retractions``/``cached_tokens`` are null when the server
 #: did not report them (parts of version 1 read back with ``deterministic`` null).
-SCHEMA_VERSION = "2"
+#: 3: + ``output_logprobs``, ``top_logprob_ids``, ``top_logprobs`` (``--logprobs K``; parts of versions 1–2
+#: and jobs without logprobs read back null).
+SCHEMA_VERSION = "3"
 
 # -- column names (import these instead of spelling strings) ------------------------------------------
 JOB = "job"
@@ -64,6 +66,9 @@ TOKENIZER_FINGERPRINT = "tokenizer_fingerprint"
 CHAT_TEMPLATE_HASH = "chat_template_hash"
 CONTENT_HASH = "content_hash"
 CREATED_AT = "created_at"
+OUTPUT_LOGPROBS = "output_logprobs"
+TOP_LOGPROB_IDS = "top_logprob_ids"
+TOP_LOGPROBS = "top_logprobs"
 
 # Non-null list elements: the ids are never null, and saying so lets the Parquet writer skip
 # per-element definition levels.
@@ -71,6 +76,10 @@ TOKEN_IDS = pa.list_(pa.field("element", pa.int32(), nullable=False))
 SPAN = pa.struct([pa.field("start", pa.int32(), nullable=False), pa.field("end", pa.int32(), nullable=False)])
 SPAN_LIST = pa.list_(pa.field("element", SPAN, nullable=False))
 TIMESTAMP = pa.timestamp("us", tz="UTC")
+#: ``--logprobs K``: one float32 per output id; top-K ids / logprobs per output id (best first).
+LOGPROBS = pa.list_(pa.field("element", pa.float32(), nullable=False))
+TOP_IDS = pa.list_(pa.field("element", TOKEN_IDS, nullable=False))
+TOP_LOGPROBS_TYPE = pa.list_(pa.field("element", LOGPROBS, nullable=False))
 #: ``dataset`` is a string column that Arrow holds dictionary-encoded. On disk it is a plain UTF-8
 #: string, but Arrow readers restore the dictionary type, and that is what pyarrow infers for the
 #: hive directory ``dataset=…``: so ``pq.read_table(job_dir)`` / ``pd.read_parquet(job_dir)`` merge
@@ -122,6 +131,10 @@ SCHEMA = pa.schema(
         pa.field(CHAT_TEMPLATE_HASH, pa.string()),  # hash of the chat template that rendered the prompt
         pa.field(CONTENT_HASH, pa.string()),  # hash of the prompt ids; ties the row to its submit
         pa.field(CREATED_AT, TIMESTAMP, nullable=False),  # when the row was built (UTC)
+        # -- logprobs (--logprobs K; null when the job did not ask): aligned with output_ids ----------
+        pa.field(OUTPUT_LOGPROBS, LOGPROBS),  # the sampled token's logprob (as SGLang sampled: after temperature)
+        pa.field(TOP_LOGPROB_IDS, TOP_IDS),  # K > 0: the top-K ids at each output position
+        pa.field(TOP_LOGPROBS, TOP_LOGPROBS_TYPE),  # K > 0: their logprobs
     ],
     metadata={"thinkfleet.schema_version": SCHEMA_VERSION},
 )

@@ -55,6 +55,10 @@ def build_row(
         "attempt": attempt,
         "input_ids": input_ids,
         "output_ids": gen.output_ids,
+        # --logprobs K: aligned with output_ids (parse_response checked it); null when not requested
+        "output_logprobs": gen.output_logprobs,
+        "top_logprob_ids": gen.top_logprob_ids,
+        "top_logprobs": gen.top_logprobs,
         "reasoning_start": spans.reasoning_start,
         "reasoning_end": spans.reasoning_end,
         "has_think_end": spans.has_think_end,

@@ -35,6 +35,10 @@ SAMPLING_KEYS = (
     "sampling_seed",
 )
 
+#: The sampling-dict key (ours, never forwarded in ``sampling_params``) that asks for logprobs: K = how many
+#: top alternatives per output token (0: the chosen token's logprob only). Absent/None: no logprobs.
+LOGPROBS_KEY = "logprobs"
+
 
 class ServerFault(Exception):
     """The server misbehaved (5xx, dropped connection, malformed or inconsistent response): retry."""
@@ -100,6 +104,12 @@ class Generation:
     weight_version: str
     e2e_latency_s: float | None
     rid: str
+    #: ``--logprobs K``: the chosen token's logprob per output id (None: not requested), and with K > 0 the
+    #: top-K alternatives per output id (ids and logprobs, best first). A logprob JSON null (orjson writes
+    #: -inf as null) reads as -inf.
+    output_logprobs: list[float] | None = None
+    top_logprob_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
 
 
 def build_request(input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> dict[str, Any]:
@@ -108,13 +118,18 @@ def build_request(input_ids: list[int], sampling_params: dict[str, Any], rid: st
     # Ids are the product; keep special tokens and the stop token verbatim in `text` too.
     params["skip_special_tokens"] = False
     params["no_stop_trim"] = True
-    return {
+    body: dict[str, Any] = {
         "rid": rid,
         "input_ids": input_ids,
         "sampling_params": params,
         "stream": False,
         "require_reasoning": True,
     }
+    k = sampling_params.get(LOGPROBS_KEY)
+    if k is not None:
+        # logprob_start_len -1 (SGLang's default): output logprobs, plus one input position (ignored).
+        body.update(return_logprob=True, top_logprobs_num=int(k), logprob_start_len=-1, return_text_in_logprobs=False)
+    return body
 
 
 def error_message(body: bytes) -> str:
@@ -182,12 +197,70 @@ def _count(meta: dict[str, Any], *names: str) -> int | None:
     return None
 
 
-def parse_response(data: Any, rid: str, max_new_tokens: int | None) -> Generation:
+def _logprob(value: Any, where: str) -> float:
+    if value is None:  # orjson (SGLang's ORJSONResponse) writes -inf and NaN as null
+        return float("-inf")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ServerFault(f"{where}: logprob {value!r} is not a number")
+    return float(value)
+
+
+def _triple(entry: Any, where: str) -> tuple[float, int]:
+    """One ``[logprob, token_id, text_or_null]`` (``detokenize_logprob_tokens``) → (logprob, id)."""
+    if not isinstance(entry, list | tuple) or len(entry) < 2:
+        raise ServerFault(f"{where}: expected [logprob, token_id, text], got {entry!r}"[:300])
+    token = entry[1]
+    if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+        raise ServerFault(f"{where}: token id {token!r} is not an id")
+    return _logprob(entry[0], where), token
+
+
+def parse_logprobs(
+    meta: dict[str, Any], output_ids: list[int], top_k: int | None
+) -> tuple[list[float] | None, list[list[int]] | None, list[list[float]] | None]:
+    """``meta_info.output_token_logprobs`` (one ``[logprob, id, text|null]`` per output id) and, when
+    ``top_k`` > 0, ``output_top_logprobs`` (per output id a list of such triples, or null) → (chosen
+    logprobs, top ids, top logprobs), each aligned with ``output_ids``. ``top_k`` None: not requested —
+    nothing is read. A misaligned, missing or malformed answer is a :class:`ServerFault` (retried)."""
+    if top_k is None:
+        return None, None, None
+    chosen = meta.get("output_token_logprobs")
+    n = len(output_ids)
+    if not isinstance(chosen, list):
+        raise ServerFault("logprobs were requested but meta_info has no output_token_logprobs list")
+    if len(chosen) != n:
+        raise ServerFault(f"len(output_token_logprobs)={len(chosen)} != len(output_ids)={n}")
+    logprobs: list[float] = []
+    for i, entry in enumerate(chosen):
+        value, token = _triple(entry, f"output_token_logprobs[{i}]")
+        if token != output_ids[i]:
+            raise ServerFault(f"output_token_logprobs[{i}] is for id {token}, output_ids[{i}] is {output_ids[i]}")
+        logprobs.append(value)
+    if top_k <= 0:
+        return logprobs, None, None
+    top = meta.get("output_top_logprobs")
+    if not isinstance(top, list) or len(top) != n:
+        got = len(top) if isinstance(top, list) else type(top).__name__
+        raise ServerFault(f"top_logprobs_num={top_k} was requested: output_top_logprobs has {got} entries, not {n}")
+    top_ids: list[list[int]] = []
+    top_values: list[list[float]] = []
+    for i, alternatives in enumerate(top):
+        pairs = [_triple(e, f"output_top_logprobs[{i}]") for e in alternatives or ()]  # null: no alternatives
+        if len(pairs) > top_k:
+            raise ServerFault(f"output_top_logprobs[{i}] has {len(pairs)} entries > top_logprobs_num={top_k}")
+        top_values.append([v for v, _ in pairs])
+        top_ids.append([t for _, t in pairs])
+    return logprobs, top_ids, top_values
+
+
+def parse_response(data: Any, rid: str, max_new_tokens: int | None, logprobs: int | None = None) -> Generation:
     """Validate a non-streaming single-request response; inconsistencies are server faults, not data.
 
     Reads every ``meta_info`` shape from SGLang 0.5.9 to 0.5.23 (../shared/reference/sglang-versions.md):
     the retraction count is ``total_retractions`` (≤ 0.5.11) or ``num_retractions`` (≥ 0.5.12);
-    ``reasoning_tokens`` exists from 0.5.10 — absent, it stays None (stored as null).
+    ``reasoning_tokens`` exists from 0.5.10 — absent, it stays None (stored as null). ``logprobs`` (the
+    job's K, None when not asked): the answer must carry aligned logprobs (:func:`parse_logprobs`); when
+    None, logprobs are still read if the answer has them (the client passes only ``max_new_tokens``).
     """
     if not isinstance(data, dict):
         raise ServerFault(f"expected a JSON object from /generate, got {type(data).__name__}")
@@ -222,6 +295,10 @@ def parse_response(data: Any, rid: str, max_new_tokens: int | None) -> Generatio
     if finish_type == "length":
         matched = None
     latency = meta.get("e2e_latency")
+    if logprobs is None and isinstance(meta.get("output_token_logprobs"), list):
+        top = meta.get("output_top_logprobs")
+        logprobs = max((len(t) for t in top if isinstance(t, list)), default=1) if isinstance(top, list) else 0
+    chosen, top_ids, top_values = parse_logprobs(meta, output_ids, logprobs)
     return Generation(
         output_ids=output_ids,
         finish_type=finish_type,
@@ -234,6 +311,9 @@ def parse_response(data: Any, rid: str, max_new_tokens: int | None) -> Generatio
         weight_version=str(meta.get("weight_version") or "default"),
         e2e_latency_s=float(latency) if isinstance(latency, int | float) else None,
         rid=str(meta.get("id") or rid),
+        output_logprobs=chosen,
+        top_logprob_ids=top_ids,
+        top_logprobs=top_values,
     )
 
 

@@ -68,6 +68,10 @@ field                            absent →            what
 ``job_file``                     null                the job file (``producer submit job.yaml``) as it
                                                      ran: names and defaults filled, flags applied
 ``priority``                     0                   the job file's ``priority`` (kept for scheduling)
+``logprobs``                     null                ``--logprobs K``: rows carry the sampled token's logprob
+                                                     and (K > 0) the top-K alternatives; null = none asked.
+                                                     Workers read K from ``sampling_params["logprobs"]``
+                                                     (never forwarded to SGLang's ``sampling_params``)
 ================================ =================== ======================================================
 
 Marker ids: absent vs null. ``producer submit`` always writes ``model_family`` and every marker field,
@@ -125,7 +129,7 @@ MARKER_FIELDS: tuple[str, ...] = (
     "tool_call_end_id",
 )
 #: Fields where a stored null is a value; elsewhere null reads as the field's default.
-NULLABLE_FIELDS: frozenset[str] = frozenset({*MARKER_FIELDS, "expected_model"})
+NULLABLE_FIELDS: frozenset[str] = frozenset({*MARKER_FIELDS, "expected_model", "logprobs"})
 _STAMP_FIELDS = ("created_at", "updated_at")
 
 
@@ -167,6 +171,7 @@ class JobRecord:
     dataset_samples: dict[str, int] = field(default_factory=dict)
     job_file: dict[str, Any] | None = None
     priority: int = 0
+    logprobs: int | None = None
 
     # -- sampling ---------------------------------------------------------------------------------
     @property

@@ -241,6 +241,8 @@ def register_id_job(
         "think_start_id": kimi.THINK_START,
         "think_end_id": kimi.THINK_END,
     }
+    if sampling_params.get("logprobs") is not None:  # --logprobs K: the record's field, as submit writes it
+        record["logprobs"] = sampling_params["logprobs"]
     client.hset(keys.job(job), mapping={k: json.dumps(v) for k, v in record.items()})
     client.sadd(keys.jobs, job)
     client.hset(keys.prompts(job), mapping={pid: f"h-{pid}" for pid in prompts})
