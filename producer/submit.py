@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import inspect
+import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -92,6 +93,9 @@ class SubmitOptions:
     #: False (``--no-reasoning-spans``): run although the tokenizer lacks the profile's reasoning markers;
     #: rows get empty reasoning spans and the reasoning alarm is off.
     reasoning_spans: bool = True
+    #: ``--turns``: "last" regenerates the final assistant turn; "all" every turn, chained by the workers
+    #: (turn 0 of each conversation is enqueued here as ``{prompt_id}/t0``; :mod:`workers.turns`).
+    turns: str = "last"
     think_start_id: int | None = None
     think_end_id: int | None = None
     max_prompt_tokens: int | None = None
@@ -148,6 +152,10 @@ def submit(settings: Settings, opts: SubmitOptions, on_progress: ProgressFn | No
         raise SubmitError("give the inputs as PATHs or as a job file's datasets, not both")
     if not opts.inputs():
         raise SubmitError("no inputs: give PATH… or a job file with datasets")
+    if opts.turns not in ("last", "all"):
+        raise SubmitError(f"--turns {opts.turns!r}: use last or all")
+    if opts.turns == "all" and (opts.samples != 1 or any((d.samples or 1) != 1 for d in opts.inputs())):
+        raise SubmitError("--turns all takes one sample per conversation: drop --samples")
     try:
         tok = render.load_tokenizer(opts.tokenizer, opts.trust_remote_code)
     except render.TokenizerError as e:
@@ -184,6 +192,8 @@ def submit(settings: Settings, opts: SubmitOptions, on_progress: ProgressFn | No
                     )
                     write_manifest(settings, opts.job, collector.rows)
                     record = _job_record(opts, info, existing, collector, problems)
+                    if opts.turns == "all":  # before the commit: workers read it once turn 0 is queued
+                        _write_conversations(client, settings, opts, collector)
                     failpoint("submit_after_stage")
                     commit(client, settings, record, collector.rows, existing, stager)
                 except BaseException:
@@ -241,15 +251,34 @@ class _Feed:
         self.opts, self.inputs, self.problems = opts, inputs, problems
         self.pending: collections.deque[tuple[str, Prompt]] = collections.deque()
         self.error: Exception | None = None
+        #: --turns all: conversation id → its turns (workers.turns.plan_conversation) and source
+        self.conversations: dict[str, dict[str, Any]] = {}
+        self.cut_at_tool = 0
 
     def __iter__(self) -> Iterator[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]]:
         try:
             for inp in self.inputs:
                 for prompt in iter_prompts(inp.dataset, inp.columns, inp.split, self.problems):
+                    if self.opts.turns == "all":
+                        prompt = self._first_turn(inp.dataset.name, prompt)
                     self.pending.append((inp.dataset.name, prompt))
                     yield prompt.messages, prompt.tools
         except Exception as e:  # raised in the pool's thread: hand it to the caller instead
             self.error = e
+
+    def _first_turn(self, dataset: str, prompt: Prompt) -> Prompt:
+        """--turns all: the conversation's turn 0 (history up to its first user message), ``{id}/t0``."""
+        from workers.turns import plan_conversation, turn_id
+
+        plan = plan_conversation(prompt.messages)
+        if plan is None:  # no user turn: rendered as it is (one turn), as --turns last would
+            plan = {"messages": prompt.messages, "users": [len(prompt.messages) - 1], "turn_count": 1,
+                    "cut_at_tool": False}  # fmt: skip
+        self.cut_at_tool += int(plan["cut_at_tool"])
+        plan.update(dataset=dataset, row_index=prompt.row_index, tools=prompt.tools)
+        self.conversations[prompt.prompt_id] = plan
+        first = plan["messages"][: plan["users"][0] + 1]
+        return dataclasses.replace(prompt, prompt_id=turn_id(prompt.prompt_id, 0), messages=first)
 
     def take(self, n: int) -> list[tuple[str, Prompt]]:
         return [self.pending.popleft() for _ in range(n)]
@@ -275,6 +304,7 @@ def _run(
     limits = _inherit_context(limits, existing.record)
     collector = _Collector(opts, existing, params, problems, Envelope(settings), limits, pool.tok, inputs)
     feed = _Feed(opts, inputs, problems)
+    collector.feed = feed
     for results in pool.render(feed):
         messages = collector.add_batch(feed.take(len(results)), results)
         if stager is not None and messages:
@@ -418,6 +448,7 @@ class _Collector:
         self.message_bytes = self.enqueued = self.tokens_enqueued = 0
         self.not_ending = self.changed = self.batch_tokens = 0
         self.first_not_ending: str | None = None
+        self.feed: _Feed | None = None  # the inputs being rendered (--turns all: their conversations)
 
     def add_batch(self, prompts: list[tuple[str, Prompt]], results: list[render.Result]) -> list[bytes]:
         tasks: list[PromptTask] = []
@@ -482,6 +513,39 @@ class _Collector:
                 overrides = sample_overrides(inp.params, k, inp.samples)
                 tasks.append(PromptTask(opts.job, dataset, pid, prompt.row_index, digest, blob, k, 0, overrides))
         return tasks
+
+
+def _write_conversations(client: redis.Redis, settings: Settings, opts: SubmitOptions, collector: _Collector) -> None:
+    """--turns all: every conversation of the job (workers render its later turns from it) and the job hash's
+    ``turns`` field (the mode, the conversations, their turns, how many a tool call cut short)."""
+    from workers.turns import conversations_key, split_turn_id
+
+    feed = collector.feed
+    assert feed is not None
+    key = conversations_key(settings.keys, opts.job)
+    kept = {split_turn_id(r["prompt_id"])[0] for r in collector.rows}  # type: ignore[index]
+    convs = {c: json.dumps(v, ensure_ascii=False) for c, v in feed.conversations.items() if c in kept}
+    items = list(convs.items())
+    with client.pipeline(transaction=False) as pipe:
+        for start in range(0, len(items), 1000):
+            pipe.hset(key, mapping=dict(items[start : start + 1000]))
+        pipe.execute()
+    known = client.hlen(key)
+    turns = sum(_turn_counts(client, key))
+    meta = {
+        "mode": "all",
+        "conversations": known,
+        "turns": turns,
+        "cut_at_tool": feed.cut_at_tool,
+        "trust_remote_code": opts.trust_remote_code,
+        "note": "conversations are regenerated up to their first tool call (later turns need tool results)",
+    }
+    client.hset(settings.keys.job(opts.job), "turns", json.dumps(meta))
+
+
+def _turn_counts(client: redis.Redis, key: str) -> Iterator[int]:
+    for _conv, raw in client.hscan_iter(key, count=1000):
+        yield int(json.loads(raw)["turn_count"])
 
 
 def _job_record(

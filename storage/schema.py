@@ -38,6 +38,11 @@ ROW_INDEX = "row_index"
 SAMPLE_INDEX = "sample_index"
 REVISION = "revision"
 ATTEMPT = "attempt"
+#: ``--turns all`` (multi-turn regeneration, workers/turns.py): the conversation, this turn (0-based) and how many
+#: turns it has; null for single-turn jobs.
+CONVERSATION_ID = "conversation_id"
+TURN_INDEX = "turn_index"
+TURN_COUNT = "turn_count"
 INPUT_IDS = "input_ids"
 OUTPUT_IDS = "output_ids"
 REASONING_START = "reasoning_start"
@@ -97,6 +102,9 @@ SCHEMA = pa.schema(
         pa.field(SAMPLE_INDEX, pa.int32(), nullable=False),  # which sample of the prompt (--samples > 1)
         pa.field(REVISION, pa.int32(), nullable=False),  # bumped by `producer retry`; highest wins
         pa.field(ATTEMPT, pa.int32(), nullable=False),  # 1-based attempt that produced this row
+        pa.field(CONVERSATION_ID, pa.string()),  # --turns all: the source conversation (turn prompt ids: …/t{i})
+        pa.field(TURN_INDEX, pa.int32()),  # --turns all: 0-based turn
+        pa.field(TURN_COUNT, pa.int32()),  # --turns all: turns of the conversation
         # -- tokens: exactly what went in and came out ----------------------------------------------
         pa.field(INPUT_IDS, TOKEN_IDS, nullable=False),  # prompt ids sent to /generate (ends with <think>)
         pa.field(OUTPUT_IDS, TOKEN_IDS, nullable=False),  # every generated id, stop token included

@@ -325,12 +325,12 @@ def test_a_bad_file_enqueues_nothing(redis_url: str, redis_client: redis.Redis, 
                         datasets=[{"path": "a.jsonl"}, {"path": "nope.jsonl"}])  # fmt: skip
     code, _, err = run("submit", str(missing), *base)
     assert code == 1 and "nope.jsonl: no such file or directory" in err
-    # `turns: all` is refused until multi-turn rows exist; a per-dataset flag next to a file is refused.
+    # `turns: all` takes one sample per conversation; a per-dataset flag next to a file is refused.
     multi = write_job(
-        tmp_path / "multi.yaml", job="bad", tokenizer=tok_dir, turns="all", datasets=[{"path": "a.jsonl"}]
+        tmp_path / "multi.yaml", job="bad", tokenizer=tok_dir, turns="all", samples=2, datasets=[{"path": "a.jsonl"}]
     )
     code, _, err = run("submit", str(multi), *base)
-    assert code == 1 and "turns: 'all' is not supported yet" in err
+    assert code == 1 and "--turns all takes one sample per conversation" in err
     ok = write_job(tmp_path / "ok.yaml", job="bad", tokenizer=tok_dir, datasets=[{"path": "a.jsonl"}])
     code, _, err = run("submit", str(ok), "--prompt-column", "q", *base)
     assert code == 1 and "--prompt-column describes PATH inputs: set `prompt_column:`" in err

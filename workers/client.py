@@ -109,7 +109,7 @@ class SGLangClient:
             data = json.loads(payload)
         except ValueError as exc:
             raise ServerFault(f"undecodable /generate body ({len(payload)} bytes)") from exc
-        return parse_response(data, rid, sampling_params.get("max_new_tokens"))
+        return parse_response(data, rid, sampling_params.get("max_new_tokens"), sampling_params.get("logprobs"))
 
     async def abort(self, rid: str) -> None:
         """Free the server's slot of a request we gave up on (best effort)."""

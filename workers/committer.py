@@ -77,6 +77,8 @@ class GroupCommitter:
         self.retry_max_s = retry_max_s
         self._giving_up = False
         self._retry_now = asyncio.Event()
+        #: Multi-turn jobs (``workers/turns.py``): set by the runtime; None = every job is single-turn.
+        self.turns: Any = None
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="group-commit")
@@ -127,9 +129,14 @@ class GroupCommitter:
         part = self.writer.part_name(job, dataset)
         marked = written = False
         finalized: tuple[int, bool, int, int] | None = None
+        nexts: list[Any] | None = None
         failures = 0
         while True:
             try:
+                if nexts is None and self.turns is not None:
+                    # Turn columns before the write; the next turns from the rows as they will be stored.
+                    await self.turns.annotate(job, [i.row for i in items])
+                    nexts = await self.turns.plan(job, dataset, [i.row for i in items])
                 if not marked:
                     await self.ledger.mark_part(job, [i.final.prompt_id for i in items], part)
                     marked = True
@@ -141,9 +148,7 @@ class GroupCommitter:
                     written = True
                     failpoint("after_part_write")
                 if finalized is None:
-                    finalized = await self.ledger.finalize(
-                        job, dataset, [i.final for i in items], self.alarm_min_rows, self.alarm_share
-                    )
+                    finalized = await self._finalize(job, dataset, [i.final for i in items], nexts)
                 failpoint("after_finalize")
                 break
             except Exception as exc:
@@ -178,6 +183,32 @@ class GroupCommitter:
         for item in items:
             if not item.future.done():
                 item.future.set_result(None)
+
+    async def _finalize(
+        self, job: str, dataset: str, finals: list[FinalRow], nexts: list[Any] | None
+    ) -> tuple[int, bool, int, int]:
+        if nexts is None or all(n is None for n in nexts):
+            return await self.ledger.finalize(job, dataset, finals, self.alarm_min_rows, self.alarm_share)
+        from workers.turns import answers_key
+
+        return await self.ledger.finalize_next(
+            job,
+            dataset,
+            finals,
+            self.alarm_min_rows,
+            self.alarm_share,
+            nexts,
+            self.turns.queue,
+            answers_key(self.ledger.keys, job),
+        )
+
+    async def finalize_orphan(self, job: str, dataset: str, part: str, final: FinalRow) -> None:
+        """The recovery of a row committed in ``part`` but never finalized: finalize it and, for a turn of a
+        multi-turn job, enqueue the next turn computed from the stored row (as the dead run would have)."""
+        nexts = None
+        if self.turns is not None:
+            nexts = [await self.turns.plan_stored(job, dataset, part, final.prompt_id)]
+        await self._finalize(job, dataset, [final], nexts)
 
     def give_up(self) -> None:
         """Draining: a commit that is failing stops retrying and hands its prompts back."""

@@ -84,6 +84,10 @@ def build_row(
         "tokenizer_fingerprint": job.tokenizer_fingerprint,
         "chat_template_hash": job.chat_template_hash,
         "content_hash": task.content_hash,
+        # --turns all: filled by the committer (workers/turns.py); null for single-turn jobs
+        "conversation_id": None,
+        "turn_index": None,
+        "turn_count": None,
         "created_at": datetime.now(UTC),
     }
     final = JobFinalRow(

@@ -1,0 +1,124 @@
+"""``producer submit --turns all``: every assistant turn regenerated from the model's own earlier answers.
+
+Given 3-turn conversations (no tools) submitted with the real CLI and the Kimi test tokenizer, two workers
+against the simulator, one of them SIGKILLed between writing a part and finalizing it (the failpoint
+``after_part_write=kill``: the orphan recovery must then also enqueue the next turn), then every turn of every
+conversation is stored exactly once, byte-exact against the simulator, and turn i+1's ``input_ids`` are the
+chat template's rendering of the conversation with the model's answers (decoded from the stored ids) for turns
+0..i in place of the dataset's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import redis
+
+from producer.render import load_tokenizer, render_ids
+from sglang_sim.content import expected_generation
+from storage.conversations import ToolMarkers, output_message
+from storage.reader import raw_duplicates, read_committed
+from tests.worker_harness import fast_env, isolated_settings, producer_cli, simulator
+from thinkfleet import failpoints
+from thinkfleet.state.job import JobRecord
+from thinkfleet.testing.corpus import synthetic_text
+from thinkfleet.testing.datasets import write_jsonl
+from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
+from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
+from workers.turns import plan_conversation, turn_messages
+
+CONVERSATIONS = 8
+TURNS = 3
+
+
+def _conversations(path: Path) -> Path:
+    rows = []
+    for c in range(CONVERSATIONS):
+        messages = [{"role": "system", "content": "You are a careful assistant."}]
+        for t in range(TURNS):
+            messages.append({"role": "user", "content": synthetic_text(10, c * 100 + t)})
+            messages.append({"role": "assistant", "content": f"the dataset's answer {t}", "reasoning_content": "x"})
+        rows.append({"id": f"c{c}", "messages": messages})
+    return write_jsonl(path, rows)
+
+
+def test_turns_all_chains_every_turn_exactly_once_through_a_sigkill(redis_url: str, tmp_path: Path) -> None:
+    (tmp_path / "logs").mkdir()
+    fp_dir = tmp_path / "failpoints"
+    fp_dir.mkdir()
+    settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    client = redis.Redis.from_url(redis_url)
+    tok_dir = build_test_tokenizer(default_test_tokenizer_dir())
+    data = _conversations(tmp_path / "chat.jsonl")
+    job = "multi"
+    total = CONVERSATIONS * TURNS
+    with simulator(tmp_path / "logs", "--time-scale", "400") as sim:
+        lease = {"lease_s": 3, "reaper_interval_s": 0.5}
+        env = fast_env(settings, sim, max_inflight=4, **lease)
+        doomed_env = {**env, failpoints.ENV: "after_part_write=kill", failpoints.DIR_ENV: str(fp_dir)}
+        doomed_env.pop(failpoints.TIMES_ENV, None)
+        w1 = WorkerProcess("w1", doomed_env, tmp_path / "logs").start()
+        w2 = WorkerProcess("w2", env, tmp_path / "logs").start()
+        try:
+            w1.wait_ready(client, settings.keys)
+            w2.wait_ready(client, settings.keys)
+            submitted = producer_cli(
+                settings, "submit", str(data), "--job", job, "--tokenizer", str(tok_dir), "--processes", "1",
+                "--no-progress", "--max-new-tokens", "300", "--seed", "3", "--context-length", "131072",
+                "--turns", "all", "--json",
+            )  # fmt: skip
+            assert submitted.returncode == 0, submitted.stderr
+            wait_until(lambda: job_progress(client, settings.keys, job)["done"] == total, 180, what=f"{total} turns")
+        finally:
+            for w in (w1, w2):
+                w.terminate()
+    # The SIGKILL happened (between a part write and its finalize) and w1 is gone.
+    assert (fp_dir / "failpoint-after_part_write-0").exists(), "the failpoint fired"
+    assert not w1.alive()
+    assert dead_letters(client, settings.keys, job) == {}
+    assert raw_duplicates(settings.output_uri, job).num_rows == 0, "no turn stored twice"
+
+    record = JobRecord.load(client, settings.keys, job)
+    assert record is not None
+    meta = json.loads(client.hget(settings.keys.job(job), "turns"))
+    assert meta["mode"] == "all" and meta["conversations"] == CONVERSATIONS and meta["turns"] == total
+    rows = {r["prompt_id"]: r for r in read_committed(settings.output_uri, job).to_pylist()}
+    assert sorted(rows) == sorted(f"chat/c{c}/t{t}" for c in range(CONVERSATIONS) for t in range(TURNS))
+    assert client.hlen(settings.keys.prompts(job)) == total, "each later turn joined the submitted set once"
+
+    orphaned = [r for r in rows.values() if r["worker"] == "w1" and r["turn_index"] < TURNS - 1]
+    assert orphaned, "the killed worker's part held a turn with a successor: the recovery enqueued it"
+
+    tok = load_tokenizer(str(tok_dir))
+    markers = ToolMarkers.of(record)
+    source = [json.loads(line) for line in data.read_text().splitlines()]
+    for c, conv_row in enumerate(source):
+        conv = plan_conversation(conv_row["messages"])
+        assert conv is not None
+        answers = []
+        for t in range(TURNS):
+            row = rows[f"chat/c{c}/t{t}"]
+            assert (row["conversation_id"], row["turn_index"], row["turn_count"]) == (f"chat/c{c}", t, TURNS)
+            # The prompt: the template's rendering with the model's own answers for turns 0..t-1.
+            want_prompt = render_ids(tok, turn_messages(conv, answers), None, record.chat_template_kwargs)
+            assert row["input_ids"] == want_prompt, f"turn {t} of c{c} is not the template's rendering"
+            # The output: byte-exact against the simulator.
+            want = expected_generation(row["input_ids"], record.sampling_params)
+            assert row["output_ids"] == want.output_ids
+            answer = output_message(
+                tok,
+                row["output_ids"],
+                (row["reasoning_start"], row["reasoning_end"]),
+                (row["answer_start"], row["answer_end"]),
+                [(s["start"], s["end"]) for s in row["tool_call_spans"]],
+                markers,
+            )
+            assert "dataset's answer" not in answer["content"]
+            answers.append(answer)
+        # The dataset's answers are nowhere in the last prompt; the model's are.
+        last = tok.decode(rows[f"chat/c{c}/t{TURNS - 1}"]["input_ids"])
+        assert "the dataset's answer" not in last
+        assert answers[0]["content"] in last and answers[1]["content"] in last
+        # Kimi's template keeps reasoning only after the last plain assistant turn: not in later prompts.
+        assert all(a["reasoning_content"] not in last for a in answers[:2] if len(a["reasoning_content"]) > 20)

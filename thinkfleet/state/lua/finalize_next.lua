@@ -1,0 +1,56 @@
+-- finalize.lua, and for each newly done row of a multi-turn job (workers/turns.py): record the model's
+-- answer and enqueue the conversation's next turn, in the same atomic step (exactly once: only the call that
+-- moves the row into done does it, so a recovery that finalizes an orphan part enqueues it if nobody did).
+-- KEYS: done, claims, counters, dataset_counters, worker_counters, timeline, deliveries,
+--       queue, prompts, prompt_dataset, answers
+-- ARGV: worker, now, alarm_min_rows, alarm_missing_share, dataset, then per row: prompt_id, tokens, think_end,
+--       truncated, answer ('' = none), next_prompt_id ('' = none), next_content_hash, next_message
+local new_rows, tokens, think, trunc = 0, 0, 0, 0
+local flags = {}
+for i = 6, #ARGV, 8 do
+  local pid = ARGV[i]
+  redis.call('HDEL', KEYS[2], pid)
+  redis.call('HDEL', KEYS[7], pid)
+  if redis.call('SADD', KEYS[1], pid) == 1 then
+    new_rows = new_rows + 1
+    tokens = tokens + tonumber(ARGV[i + 1])
+    think = think + tonumber(ARGV[i + 2])
+    trunc = trunc + tonumber(ARGV[i + 3])
+    flags[#flags + 1] = ARGV[i + 2]
+    if ARGV[i + 4] ~= '' then redis.call('HSET', KEYS[11], pid, ARGV[i + 4]) end
+    if ARGV[i + 5] ~= '' then
+      redis.call('HSET', KEYS[9], ARGV[i + 5], ARGV[i + 6])
+      redis.call('HSET', KEYS[10], ARGV[i + 5], ARGV[5])
+      redis.call('RPUSH', KEYS[8], ARGV[i + 7])
+      redis.call('HINCRBY', KEYS[3], 'turns_enqueued', 1)
+    end
+  end
+end
+if new_rows == 0 then return {0, 0, 0, 0} end
+redis.call('HINCRBY', KEYS[3], 'done', new_rows)
+redis.call('HINCRBY', KEYS[3], 'output_tokens', tokens)
+redis.call('HINCRBY', KEYS[3], 'think_end', think)
+redis.call('HINCRBY', KEYS[3], 'missing_think_end', new_rows - think)
+redis.call('HINCRBY', KEYS[3], 'truncated', trunc)
+redis.call('HINCRBY', KEYS[4], 'done', new_rows)
+redis.call('HINCRBY', KEYS[4], 'output_tokens', tokens)
+redis.call('HINCRBY', KEYS[5], ARGV[1], tokens)
+redis.call('ZADD', KEYS[6], ARGV[2], ARGV[2] .. ':' .. new_rows .. ':' .. tokens)
+-- The reasoning alarm watches the job's first alarm_min_rows rows, then the running share.
+local minrows = tonumber(ARGV[3])
+local seen = tonumber(redis.call('HGET', KEYS[3], 'alarm_rows') or '0')
+local miss = tonumber(redis.call('HGET', KEYS[3], 'alarm_missing') or '0')
+for _, f in ipairs(flags) do
+  if seen >= minrows then break end
+  seen = seen + 1
+  if f == '0' then miss = miss + 1 end
+end
+redis.call('HSET', KEYS[3], 'alarm_rows', seen, 'alarm_missing', miss)
+local rows = tonumber(redis.call('HGET', KEYS[3], 'done'))
+local missing_all = tonumber(redis.call('HGET', KEYS[3], 'missing_think_end'))
+local share = tonumber(ARGV[4])
+local fire = 0
+if (seen >= minrows and miss >= share * minrows) or (rows >= minrows and missing_all >= share * rows) then
+  fire = 1
+end
+return {new_rows, fire, seen, miss}

@@ -1,0 +1,285 @@
+"""Multi-turn regeneration (``producer submit --turns all``): turn i+1 is rendered from turn i's stored row.
+
+The producer enqueues turn 0 of each conversation (prompt id ``{conversation}/t0``: the history up to the
+first user message) and keeps every conversation in Redis (:func:`conversations_key`; the job hash's ``turns``
+field says the job is multi-turn). When a worker commits turn i, it decodes the model's answer from the
+stored ids by their span columns (:func:`storage.conversations.output_message`: reasoning_content, content,
+tool_calls), puts it in place of the dataset's assistant turn, renders turn i+1 with the job's own tokenizer
+and chat template (its fingerprint checked against the job record first) and hands the message to
+``Ledger.finalize_next``, which marks turn i done, records the answer (:func:`answers_key`) and enqueues turn
+i+1 in ONE Lua call. Everything the next message holds is computed from stored data only (the conversation,
+the answers of turns < i recorded by earlier finalizes, turn i's row in its part), so the recovery of a worker
+that died between the part write and the finalize (orphan part → finalize) enqueues the same turn i+1.
+
+The template decides what of the history it keeps: the answer always carries ``reasoning_content`` (Kimi's
+K2-Thinking template drops it for turns before the last plain assistant turn).
+
+A chain ends early when the model's answer of turn i calls a tool (the next user turn would follow a call with
+no result): the answer record says ``"chain_end": "tool_call"``. Conversations whose dataset history has tool
+calls were cut at the submit (turns up to the first tool call: the conversation record's ``cut_at_tool``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import redis.asyncio as aioredis
+
+from thinkfleet.keys import Keys
+from thinkfleet.message import PromptTask, content_hash, pack_ids
+from thinkfleet.state.job import JobRecord
+
+log = logging.getLogger(__name__)
+
+#: ``{conversation}/t{i}``
+TURN_ID = re.compile(r"^(?P<conv>.+)/t(?P<turn>\d+)$")
+#: The row columns a multi-turn job fills (null for single-turn jobs).
+CONVERSATION_ID, TURN_INDEX, TURN_COUNT = "conversation_id", "turn_index", "turn_count"
+ROW_COLUMNS = (
+    "prompt_id",
+    "input_ids",
+    "output_ids",
+    "reasoning_start",
+    "reasoning_end",
+    "answer_start",
+    "answer_end",
+    "tool_call_spans",
+)
+
+
+def conversations_key(keys: Keys, job: str) -> str:
+    """HASH conversation id → JSON {dataset, row_index, messages, tools, users, turn_count, cut_at_tool}."""
+    return f"{keys.job(job)}:conversations"
+
+
+def answers_key(keys: Keys, job: str) -> str:
+    """HASH turn prompt id → JSON of the model's answer as an assistant message (+ ``chain_end`` when last)."""
+    return f"{keys.job(job)}:turn_answers"
+
+
+def turn_id(conversation: str, turn: int) -> str:
+    return f"{conversation}/t{turn}"
+
+
+def split_turn_id(prompt_id: str) -> tuple[str, int] | None:
+    m = TURN_ID.match(prompt_id)
+    return (m.group("conv"), int(m.group("turn"))) if m else None
+
+
+# -- the producer's side ------------------------------------------------------------------------------------
+def plan_conversation(messages: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The turns of one source conversation (cut after its last user turn): the messages up to the first
+    tool call, the index of each user message, and whether a tool call cut it. None: no user message."""
+    cut_at_tool = False
+    kept: list[dict[str, Any]] = []
+    for m in messages:
+        if m.get("role") == "tool" or (m.get("role") == "assistant" and m.get("tool_calls")):
+            cut_at_tool = True
+            break
+        kept.append(m)
+    users = [i for i, m in enumerate(kept) if m.get("role") == "user"]
+    if not users:
+        return None
+    kept = kept[: users[-1] + 1]
+    return {"messages": kept, "users": users, "turn_count": len(users), "cut_at_tool": cut_at_tool}
+
+
+def turn_messages(conversation: dict[str, Any], answers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Turn ``len(answers)``'s prompt messages: the source history with the dataset's assistant messages of
+    turns 0..len(answers)-1 replaced by the model's ``answers``."""
+    msgs, users = conversation["messages"], conversation["users"]
+    out = list(msgs[: users[0] + 1])
+    for k, answer in enumerate(answers):
+        out.append(answer)
+        out.extend(m for m in msgs[users[k] + 1 : users[k + 1] + 1] if m.get("role") != "assistant")
+    return out
+
+
+# -- the worker's side --------------------------------------------------------------------------------------
+class TurnError(Exception):
+    """Turn i+1 cannot be rendered here (tokenizer mismatch, no conversation record)."""
+
+
+@dataclass(frozen=True)
+class NextTurn:
+    """What ``Ledger.finalize_next`` records for one finalized turn."""
+
+    prompt_id: str  # turn i
+    answer: str  # JSON of turn i's answer (with chain_end when no turn follows)
+    next_prompt_id: str = ""  # "" when the conversation ends here
+    next_hash: str = ""
+    next_message: bytes = b""
+
+
+class _JobTurns:
+    def __init__(self, record: JobRecord, tok: Any) -> None:
+        from storage.conversations import ToolMarkers
+
+        self.record, self.tok, self.markers = record, tok, ToolMarkers.of(record)
+
+
+class TurnChainer:
+    """Computes, for rows of a multi-turn job, their turn columns and the next turn's message."""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys, settings: Any, writer: Any = None) -> None:
+        self.r, self.keys, self.settings, self.writer = client, keys, settings, writer
+        self.queue: str = settings.queue
+        self._mode: dict[str, bool] = {}
+        self._trust: dict[str, bool] = {}
+        self._jobs: dict[str, _JobTurns] = {}
+        self._envelope: Any = None
+
+    async def multi_turn(self, job: str) -> bool:
+        if job not in self._mode:
+            raw = await self.r.hget(self.keys.job(job), "turns")
+            try:
+                meta = json.loads(raw) if raw is not None else {}
+                self._mode[job] = meta.get("mode") == "all"
+                self._trust[job] = bool(meta.get("trust_remote_code"))
+            except (ValueError, AttributeError):
+                self._mode[job] = False
+        return self._mode[job]
+
+    async def conversation(self, job: str, conv: str) -> dict[str, Any]:
+        raw = await self.r.hget(conversations_key(self.keys, job), conv)
+        if raw is None:
+            raise TurnError(f"job {job}: no conversation record for {conv!r}")
+        return json.loads(raw)
+
+    async def _job(self, job: str) -> _JobTurns:
+        if job not in self._jobs:
+            record = await JobRecord.aload(self.r, self.keys, job)
+            if record is None:
+                raise TurnError(f"job {job}: no job record")
+            tok = await asyncio.to_thread(_load_checked, record, self._trust.get(job, False))
+            self._jobs[job] = _JobTurns(record, tok)
+        return self._jobs[job]
+
+    async def annotate(self, job: str, rows: list[dict[str, Any]]) -> None:
+        """Fill the turn columns of a multi-turn job's rows (before they are written)."""
+        if not await self.multi_turn(job):
+            return
+        for row in rows:
+            parts = split_turn_id(row["prompt_id"])
+            if parts is None:
+                continue
+            conv = await self.conversation(job, parts[0])
+            row[CONVERSATION_ID], row[TURN_INDEX], row[TURN_COUNT] = parts[0], parts[1], int(conv["turn_count"])
+
+    async def plan(self, job: str, dataset: str, rows: list[dict[str, Any]]) -> list[NextTurn | None]:
+        """Per row: None (not a turn of a multi-turn job) or what its finalize records and enqueues."""
+        if not await self.multi_turn(job):
+            return [None] * len(rows)
+        return [await self._next_or_end(job, dataset, row) for row in rows]
+
+    async def plan_stored(self, job: str, dataset: str, part: str, prompt_id: str) -> NextTurn | None:
+        """:meth:`plan` for a row already in a committed part (the orphan recovery)."""
+        if not await self.multi_turn(job) or split_turn_id(prompt_id) is None:
+            return None
+        row = await asyncio.to_thread(self._read_row, job, dataset, part, prompt_id)
+        if row is None:
+            raise TurnError(f"part {part} has no row for {prompt_id}")
+        return await self._next_or_end(job, dataset, row)
+
+    async def _next_or_end(self, job: str, dataset: str, row: dict[str, Any]) -> NextTurn | None:
+        """:meth:`_next`; a turn that cannot be rendered here ends its chain, saying why in its answer record
+        (a Redis error propagates: the commit is retried)."""
+        try:
+            return await self._next(job, dataset, row)
+        except TurnError as exc:
+            log.error("multi-turn chain of %s/%s ends: %s", job, row["prompt_id"], exc)
+            await self.r.hincrby(self.keys.counters(job), "turn_chain_errors", 1)
+            return NextTurn(row["prompt_id"], json.dumps({"chain_end": f"error: {exc}"}))
+
+    def _read_row(self, job: str, dataset: str, part: str, prompt_id: str) -> dict[str, Any] | None:
+        import pyarrow.compute as pc
+
+        loc = self.writer.loc
+        path = loc.path(part)
+        if loc.fs.get_file_info(path).type == pafs.FileType.File:
+            with loc.fs.open_input_file(path) as f:
+                table = pq.read_table(f, columns=list(ROW_COLUMNS))
+        else:  # compacted since
+            from storage.reader import read_committed
+
+            table = read_committed(loc.uri(loc.root), job, columns=list(ROW_COLUMNS), datasets=[dataset])
+        table = table.filter(pc.equal(table["prompt_id"], prompt_id))
+        return table.to_pylist()[0] if table.num_rows else None
+
+    async def _next(self, job: str, dataset: str, row: dict[str, Any]) -> NextTurn | None:
+        parts = split_turn_id(row["prompt_id"])
+        if parts is None:
+            return None
+        conv_id, turn = parts
+        conv = await self.conversation(job, conv_id)
+        jt = await self._job(job)
+        answer = _answer(jt, row)
+        count = int(conv["turn_count"])
+        if turn + 1 >= count:
+            return NextTurn(row["prompt_id"], json.dumps(answer, ensure_ascii=False))
+        if answer.get("tool_calls"):
+            # The next user turn would follow a call with no result: the chain ends here, and says so.
+            ended = {**answer, "chain_end": "tool_call"}
+            return NextTurn(row["prompt_id"], json.dumps(ended, ensure_ascii=False))
+        earlier = [turn_id(conv_id, k) for k in range(turn)]
+        raw = await self.r.hmget(answers_key(self.keys, job), earlier) if earlier else []
+        if any(r is None for r in raw):
+            raise TurnError(f"{row['prompt_id']}: an earlier turn's answer is not recorded")
+        answers = [{k: v for k, v in json.loads(r).items() if k != "chain_end"} for r in raw] + [answer]
+        messages = turn_messages(conv, answers)
+        ids = await asyncio.to_thread(self._render, jt, messages, conv.get("tools"))
+        next_id = turn_id(conv_id, turn + 1)
+        digest = content_hash(ids)
+        task = PromptTask(job, dataset, next_id, int(conv["row_index"]), digest, pack_ids(ids))
+        message = self._encode(task)
+        return NextTurn(row["prompt_id"], json.dumps(answer, ensure_ascii=False), next_id, digest, message)
+
+    def _render(self, jt: _JobTurns, messages: list[dict[str, Any]], tools: Any) -> list[int]:
+        from producer.render import render_ids
+
+        return render_ids(jt.tok, messages, tools, dict(jt.record.chat_template_kwargs))
+
+    def _encode(self, task: PromptTask) -> bytes:
+        if self._envelope is None:
+            from producer.enqueue import Envelope
+
+            self._envelope = Envelope(self.settings)
+        return self._envelope.encode(task)
+
+
+def _answer(jt: _JobTurns, row: dict[str, Any]) -> dict[str, Any]:
+    from storage.conversations import output_message
+
+    spans = [(s["start"], s["end"]) if isinstance(s, dict) else tuple(s) for s in row.get("tool_call_spans") or []]
+    return output_message(
+        jt.tok,
+        list(row["output_ids"]),
+        (int(row["reasoning_start"]), int(row["reasoning_end"])),
+        (int(row["answer_start"]), int(row["answer_end"])),
+        spans,
+        jt.markers,
+    )
+
+
+def _load_checked(record: JobRecord, trust_remote_code: bool) -> Any:
+    """The job's tokenizer from its path on this node, refused unless its fingerprint is the job's."""
+    from producer.render import TokenizerError, fingerprint, load_tokenizer
+
+    try:
+        tok = load_tokenizer(record.tokenizer, trust_remote_code)
+    except TokenizerError as exc:
+        raise TurnError(f"job {record.name}: {exc}") from exc
+    found = fingerprint(tok, tok.get_vocab())
+    if record.tokenizer_fingerprint and found != record.tokenizer_fingerprint:
+        raise TurnError(
+            f"job {record.name}: the tokenizer at {record.tokenizer} has fingerprint {found}, the job's is "
+            f"{record.tokenizer_fingerprint}: not rendering its next turns with another tokenizer"
+        )
+    return tok
