@@ -28,7 +28,9 @@ from storage.spans import KIMI_TOKENS, SpanTokens, compute_spans_batch, ids_at
 #: did not report them (parts of version 1 read back with ``deterministic`` null).
 #: 3: + ``output_logprobs``, ``top_logprob_ids``, ``top_logprobs`` (``--logprobs K``; parts of versions 1–2
 #: and jobs without logprobs read back null).
-SCHEMA_VERSION = "3"
+#: 4: + ``conversation_id``, ``turn_index``, ``turn_count`` (``--turns all``; null for single-turn jobs and parts
+#: of versions 1–3).
+SCHEMA_VERSION = "4"
 
 # -- column names (import these instead of spelling strings) ------------------------------------------
 JOB = "job"
