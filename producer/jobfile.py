@@ -265,8 +265,8 @@ def apply_flags(jf: JobFile, given: dict[str, Any], path: str | Path) -> JobFile
 
 def submit_flags(jf: JobFile, available: set[str], path: str | Path) -> tuple[dict[str, Any], list[str]]:
     """The file's top-level values as the ``submit`` command's flags (what ``producer.cli`` builds its
-    options from), and warnings. A key this producer has no flag for yet: ``turns: all`` is refused (a
-    producer without ``--turns``), ``model_family`` is kept in the job record only (the tokenizer's own chat template renders)."""
+    options from), and warnings. A key this producer has no flag for is kept in the job record only
+    (with a warning)."""
     flags: dict[str, Any] = {}
     warnings: list[str] = []
     for flag, keys in FLAG_KEYS.items():

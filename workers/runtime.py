@@ -49,7 +49,6 @@ from thinkfleet.state.lifecycle import CANCELLED, CANCELLED_CLASS, PAUSED
 from thinkfleet.state.scripts import lua
 from workers.client import SGLangClient
 from workers.committer import GroupCommitter, StorageUnavailable
-from workers.turns import TurnChainer
 from workers.health import HealthGate
 from workers.jobs import JobCache, JobSpec, UnknownJob
 from workers.lease import HeldMessages, LeaseKeeper
@@ -66,6 +65,7 @@ from workers.sglang import (
     check_request,
 )
 from workers.transit import TransitSweeper
+from workers.turns import TurnChainer
 
 log = logging.getLogger("thinkfleet.worker")
 
