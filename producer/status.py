@@ -123,6 +123,53 @@ class StatusReader:
             "nondeterministic_seeds": counters.get("nondeterministic_seeds", 0),  # seeded, server ignores seeds
             "max_new_tokens": record.max_new_tokens,
             "job_file": record.job_file,  # the job file as it ran (producer submit job.yaml), else null
+            **self._turns(counters),
+        }
+
+    def _turns(self, counters: dict[str, int]) -> dict[str, Any]:
+        """--turns all: ``conversations`` {total, complete, in_progress, cut_at_tool, chain_ended, dead} and
+        ``turns`` {enqueued, done}, from the job hash's ``turns`` field, the ``turns_enqueued`` counter (later
+        turns the workers enqueued), the done set, the dead letters and the answers hash. {} for other jobs."""
+        from workers.turns import answers_key, conversations_key, split_turn_id, turn_id
+
+        keys, job, r = self.settings.keys, self.job, self.client
+        meta = _json_or_text(r.hget(keys.job(job), "turns"))
+        if not isinstance(meta, dict) or meta.get("mode") != "all":
+            return {}
+        done = {m.decode() for m in r.smembers(keys.done(job))}
+        dead = {k.decode() for k in r.hkeys(keys.dead(job))}
+        ended: set[str] = set()
+        for pid, raw in r.hscan_iter(answers_key(keys, job), count=1000):
+            if b"chain_end" in raw and "chain_end" in (_json_or_text(raw) or {}):
+                parts = split_turn_id(pid.decode())
+                if parts is not None:
+                    ended.add(parts[0])
+        total = complete = chain_ended = dead_convs = 0
+        for conv, raw in r.hscan_iter(conversations_key(keys, job), count=1000):
+            total += 1
+            c, count = conv.decode(), int(json.loads(raw)["turn_count"])
+            if turn_id(c, count - 1) in done:
+                complete += 1
+            elif c in ended:
+                chain_ended += 1
+            elif any(turn_id(c, t) in dead for t in range(count)):
+                dead_convs += 1
+        total = max(total, int(meta.get("conversations") or 0))
+        turns_done = sum(1 for pid in done if split_turn_id(pid) is not None)
+        return {
+            "conversations": {
+                "total": total,
+                "complete": complete,
+                "in_progress": total - complete - chain_ended - dead_convs,
+                "cut_at_tool": int(meta.get("cut_at_tool") or 0),
+                "chain_ended": chain_ended,
+                "dead": dead_convs,
+            },
+            "turns": {
+                "planned": int(meta.get("turns") or 0),
+                "enqueued": total + counters.get("turns_enqueued", 0),
+                "done": turns_done,
+            },
         }
 
     def _rates(self, now: float, counters: dict[str, int], workers: dict[str, int]) -> dict[str, Any]:

@@ -138,6 +138,16 @@ def status_view(st: dict[str, Any]) -> Group:
                 border_style="red",
             )
         )
+    if st.get("conversations"):
+        c, t = st["conversations"], st["turns"]
+        parts.append(
+            Text(
+                f"conversations (--turns all): {c['complete']:,}/{c['total']:,} complete, {c['in_progress']:,} in "
+                f"progress, {c['chain_ended']:,} ended at a tool call, {c.get('dead', 0):,} stopped at a dead turn, "
+                f"{c['cut_at_tool']:,} cut at a dataset tool call   turns: {t['done']:,} done of "
+                f"{t['enqueued']:,} enqueued ({t.get('planned', 0):,} planned)"
+            )
+        )
     r = st["rates"]
     parts.append(
         Text(

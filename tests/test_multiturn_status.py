@@ -1,0 +1,72 @@
+"""`producer status` of a ``--turns all`` job: conversations and turns counted from a hand-built Redis state."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import redis
+from click.testing import CliRunner
+
+from producer.cli import cli
+from producer.submit import SubmitOptions, submit
+from thinkfleet.settings import Settings
+from thinkfleet.testing.datasets import write_jsonl
+from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
+from workers.turns import answers_key
+
+
+def _conversation(c: int, turns: int, tool_after: int | None = None) -> dict:
+    messages = [{"role": "system", "content": "Be brief."}]
+    for t in range(turns):
+        messages.append({"role": "user", "content": f"question {c}.{t}"})
+        if tool_after == t:
+            call = {"id": "x", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            messages.append({"role": "tool", "content": "42", "tool_call_id": "x"})
+        messages.append({"role": "assistant", "content": f"answer {c}.{t}"})
+    return {"id": f"c{c}", "messages": messages}
+
+
+def test_status_counts_conversations_and_turns(redis_url: str, redis_client: redis.Redis, tmp_path: Path) -> None:
+    settings = Settings(redis_url=redis_url, output_uri=str(tmp_path / "out"))
+    tok = build_test_tokenizer(default_test_tokenizer_dir())
+    # c0..c3: 3 turns; c4: a tool call after its 2nd user turn cuts it to 2 turns.
+    rows = [_conversation(c, 3) for c in range(4)] + [_conversation(4, 3, tool_after=1)]
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    submit(settings, SubmitOptions(paths=[path], job="mt", tokenizer=str(tok), processes=1, turns="all"))
+    k, r = settings.keys, redis_client
+    answers = answers_key(k, "mt")
+    # c0 complete (3 turns done); c1 at turn 1 (t0 done, t1 enqueued); c2's model called a tool at t0;
+    # c3's t1 was dead-lettered; c4 (2 turns) only enqueued.
+    done = ["chat/c0/t0", "chat/c0/t1", "chat/c0/t2", "chat/c1/t0", "chat/c2/t0", "chat/c3/t0"]
+    r.sadd(k.done("mt"), *done)
+    for pid in done:
+        r.hset(answers, pid, json.dumps({"role": "assistant", "content": "a"}))
+    r.hset(answers, "chat/c2/t0", json.dumps({"role": "assistant", "content": "", "chain_end": "tool_call"}))
+    r.hset(k.dead("mt"), "chat/c3/t1", json.dumps({"error_class": "context_overflow"}))
+    r.hset(k.counters("mt"), mapping={"done": len(done), "turns_enqueued": 4})  # c0 t1,t2; c1 t1; c3 t1
+
+    result = CliRunner().invoke(cli, ["status", "mt", "--json", "--redis-url", redis_url])
+    assert result.exit_code == 0, result.output
+    st = json.loads(result.output)
+    assert st["conversations"] == {
+        "total": 5, "complete": 1, "in_progress": 2, "cut_at_tool": 1, "chain_ended": 1, "dead": 1,
+    }  # fmt: skip
+    assert st["turns"] == {"planned": 14, "enqueued": 9, "done": 6}
+
+    view = CliRunner().invoke(cli, ["status", "mt", "--redis-url", redis_url])
+    assert view.exit_code == 0, view.output
+    assert "conversations (--turns all): 1/5 complete" in view.output.replace("\n", " ")
+
+
+def test_status_of_a_single_turn_job_has_no_conversations(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    settings = Settings(redis_url=redis_url, output_uri=str(tmp_path / "out"))
+    tok = build_test_tokenizer(default_test_tokenizer_dir())
+    path = write_jsonl(tmp_path / "chat.jsonl", [_conversation(0, 2)])
+    submit(settings, SubmitOptions(paths=[path], job="st", tokenizer=str(tok), processes=1))
+    result = CliRunner().invoke(cli, ["status", "st", "--json", "--redis-url", redis_url])
+    st = json.loads(result.output)
+    assert "conversations" not in st and "turns" not in st
