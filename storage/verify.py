@@ -8,6 +8,11 @@ its ``content_hash`` (hash mismatch: injected or corrupted — the hash is recom
 from the message); the seed's bug — thinking prompts whose
 outputs almost never close reasoning (reasoning alarm); or no submitted set to check against.
 
+Multi-turn jobs (``--turns all``): a later turn joins the submitted set only when a worker enqueues it, so a
+chain that stopped without its turn being enqueued is checked from the stored rows: a conversation whose turn
+i is stored, whose answer record (Redis ``turn_answers``; without Redis, the row itself) has no ``chain_end``
+and whose turn i+1 < ``turn_count`` is neither stored nor dead-lettered fails (``missing_turns``).
+
 Reported without failing: dead-lettered prompts with no row ("permanent failures", retried with
 ``producer retry``) and rows whose prompt_id was never submitted.
 """
@@ -24,7 +29,16 @@ import pyarrow.compute as pc
 from storage import jobstate, reader
 from storage.checks import CHECK_COLUMNS, ThinkingStats, flat_ids, row_problems
 from storage.manifest import read_submitted
-from storage.schema import CONTENT_HASH, DATASET, INPUT_IDS, PROMPT_ID
+from storage.schema import (
+    CONTENT_HASH,
+    CONVERSATION_ID,
+    DATASET,
+    INPUT_IDS,
+    PROMPT_ID,
+    TOOL_CALL_SPANS,
+    TURN_COUNT,
+    TURN_INDEX,
+)
 from thinkfleet.message import hash_id_bytes, is_content_hash
 from thinkfleet.settings import Settings
 
@@ -37,6 +51,8 @@ class VerifyReport:
     stored_rows: int = 0  # every row in storage, duplicates included
     committed: int = 0  # distinct prompt ids in storage
     missing: list[str] = field(default_factory=list)
+    #: --turns all: later turns never enqueued (turn i stored, no chain end, turn i+1 nowhere): prompt ids
+    missing_turns: list[str] = field(default_factory=list)
     duplicated: list[str] = field(default_factory=list)
     duplicate_rows: int = 0  # rows beyond the first of each duplicated prompt
     malformed: dict[str, list[str]] = field(default_factory=dict)  # prompt_id → problems
@@ -54,6 +70,7 @@ class VerifyReport:
     def ok(self) -> bool:
         return not (
             self.missing
+            or self.missing_turns
             or self.duplicated
             or self.malformed
             or self.stale
@@ -87,7 +104,8 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
         else:
             report.notes.append("no submitted set in Redis or in the storage manifest: nothing to check against")
 
-    keys = reader.read_keys(uri, job, columns=[DATASET, CONTENT_HASH], s3_endpoint_url=endpoint)
+    turn_columns = [CONVERSATION_ID, TURN_INDEX, TURN_COUNT]
+    keys = reader.read_keys(uri, job, columns=[DATASET, CONTENT_HASH, *turn_columns], s3_endpoint_url=endpoint)
     report.stored_rows = keys.num_rows
     dups = reader.duplicate_rows(keys)
     dup_counts = Counter(dups[PROMPT_ID].to_pylist())
@@ -112,6 +130,7 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
 
     tokens = jobstate.span_tokens(state.record)
     thinking = ThinkingStats()
+    tool_rows: set[str] = set()  # multi-turn rows whose output calls a tool (a chain end, without Redis)
     stored_datasets = sorted(set(pc.unique(winners[DATASET]).to_pylist())) if winners.num_rows else []
     for dataset in stored_datasets:  # one dataset in memory at a time
         table = reader.read_committed(uri, job, [*CHECK_COLUMNS, CONTENT_HASH], [dataset], endpoint)
@@ -119,11 +138,62 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
         report.malformed.update(problems)
         thinking.add(stats)
         report.hash_mismatch.extend(hash_mismatches(table, submitted))
+        calls = table[TOOL_CALL_SPANS].to_pylist()
+        tool_rows.update(pid for pid, c in zip(table[PROMPT_ID].to_pylist(), calls, strict=True) if c)
     report.hash_mismatch.sort()
+    ends = _chain_ends(settings, job) if state.redis_ok else None
+    report.missing_turns = missing_turns(winners, stored, dead, tool_rows if ends is None else ends)
+    report.missing_turns = [pid for pid in report.missing_turns if pid not in set(report.missing)]
     report.thinking_rows, report.think_end_rows = thinking.thinking_rows, thinking.think_end_rows
     _reasoning_alarm(report, settings)
     report.per_dataset = _per_dataset(report, sub_dataset, winners)
     return report
+
+
+def missing_turns(winners: pa.Table, stored: set[str], dead: set[str], chain_ends: set[str]) -> list[str]:
+    """--turns all: the prompt ids of turns i+1 that should exist — turn i is stored, did not end its chain
+    (``chain_ends``: turn prompt ids), i+1 < turn_count — but are neither stored nor dead-lettered."""
+    if CONVERSATION_ID not in winners.column_names or winners[CONVERSATION_ID].null_count == winners.num_rows:
+        return []
+    out = []
+    rows = zip(
+        winners[PROMPT_ID].to_pylist(),
+        winners[CONVERSATION_ID].to_pylist(),
+        winners[TURN_INDEX].to_pylist(),
+        winners[TURN_COUNT].to_pylist(),
+        strict=True,
+    )
+    for pid, conv, turn, count in rows:
+        if conv is None or turn is None or count is None or turn + 1 >= count or pid in chain_ends:
+            continue
+        following = f"{conv}/t{turn + 1}"
+        if following not in stored and following not in dead:
+            out.append(following)
+    return sorted(out)
+
+
+def _chain_ends(settings: Settings, job: str) -> set[str] | None:
+    """Turn prompt ids whose answer record (``workers.turns.answers_key``) says ``chain_end``; None: Redis
+    could not be read."""
+    import json
+
+    import redis
+
+    key = f"{settings.keys.job(job)}:turn_answers"
+    try:
+        client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        with client:
+            ends = set()
+            for pid, raw in client.hscan_iter(key, count=1000):
+                if b"chain_end" in raw:
+                    try:
+                        if "chain_end" in json.loads(raw):
+                            ends.add(pid.decode())
+                    except ValueError:
+                        continue
+            return ends
+    except (redis.RedisError, OSError):
+        return None
 
 
 def hash_mismatches(table: pa.Table, submitted: dict[str, str] | None = None) -> list[str]:
@@ -194,6 +264,16 @@ def format_report(report: VerifyReport, limit: int = 20) -> str:
             lines.append(f"  … and {len(ids) - limit} more (--json lists all)")
 
     section("MISSING", report.missing, " (submitted, no row, not dead-lettered: producer retry)")
+    if report.missing_turns:
+        lines.append(
+            f"MISSING TURNS: {len(report.missing_turns)} (--turns all: the previous turn is stored and ended no "
+            "chain, this turn was never enqueued)"
+        )
+        for pid in report.missing_turns[:limit]:
+            conv, _, turn = pid.rpartition("/t")
+            lines.append(f"  conversation {conv}: turn {turn} ({pid})")
+        if len(report.missing_turns) > limit:
+            lines.append(f"  … and {len(report.missing_turns) - limit} more (--json lists all)")
     section("DUPLICATED", report.duplicated, f" ({report.duplicate_rows} extra rows: producer compact)")
     if report.malformed:
         lines.append(f"MALFORMED: {len(report.malformed)}")

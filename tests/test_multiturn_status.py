@@ -70,3 +70,67 @@ def test_status_of_a_single_turn_job_has_no_conversations(
     result = CliRunner().invoke(cli, ["status", "st", "--json", "--redis-url", redis_url])
     st = json.loads(result.output)
     assert "conversations" not in st and "turns" not in st
+
+
+# -- producer verify -----------------------------------------------------------------------------------------
+def _turn_rows(convs: int, turns: int) -> list[dict]:
+    from storage.testing import make_row
+
+    return [
+        make_row(
+            f"chat/c{c}/t{t}",
+            dataset="chat",
+            job="mt",
+            seed=c * 10 + t,
+            conversation_id=f"chat/c{c}",
+            turn_index=t,
+            turn_count=turns,
+        )
+        for c in range(convs)
+        for t in range(turns)
+    ]
+
+
+def _store(tmp_path: Path, client: redis.Redis, settings: Settings, rows: list[dict], submitted: list[dict]) -> None:
+    from storage.writer import PartWriter
+
+    PartWriter(str(tmp_path / "out"), "w1").write("mt", "chat", rows)
+    k = settings.keys
+    client.hset(k.prompts("mt"), mapping={r["prompt_id"]: r["content_hash"] for r in submitted})
+    client.hset(k.prompt_dataset("mt"), mapping={r["prompt_id"]: "chat" for r in submitted})
+
+
+def test_verify_passes_every_turn_once_and_names_a_conversation_missing_a_later_turn(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    from storage.verify import format_report, verify_job
+
+    settings = Settings(redis_url=redis_url, output_uri=str(tmp_path / "out"))
+    rows = _turn_rows(3, 3)
+    # c0, c1 complete; c2: turn 1 stored (its answer says no chain end), turn 2 never enqueued nor stored.
+    stored = [r for r in rows if r["prompt_id"] != "chat/c2/t2"]
+    _store(tmp_path, redis_client, settings, stored, stored)
+    answers = answers_key(settings.keys, "mt")
+    for r in stored:
+        redis_client.hset(answers, r["prompt_id"], json.dumps({"role": "assistant", "content": "a"}))
+    report = verify_job(settings, "mt")
+    assert not report.ok and report.missing == [] and report.missing_turns == ["chat/c2/t2"]
+    assert "conversation chat/c2: turn 2" in format_report(report)
+    code = CliRunner().invoke(cli, ["verify", "mt", "--redis-url", redis_url, "--output-uri", str(tmp_path / "out")])
+    assert code.exit_code != 0 and "chat/c2" in code.output
+
+    # The model called a tool at c2's turn 1: its chain ended there, nothing is missing.
+    redis_client.hset(answers, "chat/c2/t1", json.dumps({"role": "assistant", "content": "", "chain_end": "tool_call"}))
+    assert verify_job(settings, "mt").ok
+    # A dead-lettered turn 2 is a permanent failure, not a missing turn.
+    redis_client.hset(answers, "chat/c2/t1", json.dumps({"role": "assistant", "content": "a"}))
+    redis_client.hset(settings.keys.dead("mt"), "chat/c2/t2", json.dumps({"error_class": "context_overflow"}))
+    report = verify_job(settings, "mt")
+    assert report.ok and report.permanent_failures == ["chat/c2/t2"]
+
+    # Every turn stored once: OK.
+    redis_client.delete(settings.keys.dead("mt"))
+    _store(tmp_path, redis_client, settings, [rows[-1]], rows)
+    report = verify_job(settings, "mt")
+    assert report.ok, report.to_dict()
+    assert (report.committed, report.missing_turns) == (9, [])
