@@ -11,8 +11,12 @@ chat template's rendering of the conversation with the model's answers (decoded 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import pytest
 import redis
 
 from producer.render import load_tokenizer, render_ids
@@ -21,12 +25,16 @@ from storage.conversations import ToolMarkers, output_message
 from storage.reader import raw_duplicates, read_committed
 from tests.worker_harness import fast_env, isolated_settings, producer_cli, simulator
 from thinkfleet import failpoints
+from thinkfleet.settings import Settings
 from thinkfleet.state.job import JobRecord
 from thinkfleet.testing.corpus import synthetic_text
 from thinkfleet.testing.datasets import write_jsonl
 from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
 from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from workers.turns import plan_conversation, turn_messages
+
+if TYPE_CHECKING:
+    from tests.conftest import RedisServer
 
 CONVERSATIONS = 8
 TURNS = 3
@@ -43,7 +51,22 @@ def _conversations(path: Path) -> Path:
     return write_jsonl(path, rows)
 
 
-def test_turns_all_chains_every_turn_exactly_once_through_a_sigkill(redis_url: str, tmp_path: Path) -> None:
+@dataclass
+class MultiTurnJob:
+    """A finished ``--turns all`` job (module-scoped: other modules import :func:`multiturn_job` to reuse it)."""
+
+    settings: Settings
+    client: redis.Redis
+    job: str
+    data: Path
+    tok_dir: Path
+    fp_dir: Path
+    killed: WorkerProcess
+
+
+def run_multiturn_job(redis_url: str, tmp_path: Path, job: str = "multi") -> MultiTurnJob:
+    """Submit the 3-turn conversations with ``--turns all`` and run them to the end on two workers, one of
+    them SIGKILLed between a part write and its finalize."""
     (tmp_path / "logs").mkdir()
     fp_dir = tmp_path / "failpoints"
     fp_dir.mkdir()
@@ -51,7 +74,6 @@ def test_turns_all_chains_every_turn_exactly_once_through_a_sigkill(redis_url: s
     client = redis.Redis.from_url(redis_url)
     tok_dir = build_test_tokenizer(default_test_tokenizer_dir())
     data = _conversations(tmp_path / "chat.jsonl")
-    job = "multi"
     total = CONVERSATIONS * TURNS
     with simulator(tmp_path / "logs", "--time-scale", "400") as sim:
         lease = {"lease_s": 3, "reaper_interval_s": 0.5}
@@ -73,6 +95,23 @@ def test_turns_all_chains_every_turn_exactly_once_through_a_sigkill(redis_url: s
         finally:
             for w in (w1, w2):
                 w.terminate()
+    return MultiTurnJob(settings, client, job, data, Path(tok_dir), fp_dir, w1)
+
+
+@pytest.fixture(scope="module")
+def multiturn_job(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiTurnJob]:
+    """One run of :func:`run_multiturn_job` per module (its own key prefix on the session's Redis)."""
+    run = run_multiturn_job(redis_server.url(0), tmp_path_factory.mktemp("multiturn"))
+    yield run
+    run.client.close()
+
+
+def test_turns_all_chains_every_turn_exactly_once_through_a_sigkill(multiturn_job: MultiTurnJob) -> None:
+    run = multiturn_job
+    settings, client, job, data, tok_dir, fp_dir, w1 = (
+        run.settings, run.client, run.job, run.data, run.tok_dir, run.fp_dir, run.killed,
+    )  # fmt: skip
+    total = CONVERSATIONS * TURNS
     # The SIGKILL happened (between a part write and its finalize) and w1 is gone.
     assert (fp_dir / "failpoint-after_part_write-0").exists(), "the failpoint fired"
     assert not w1.alive()
