@@ -71,6 +71,7 @@ from storage.schema import (
     CHAT_TEMPLATE_HASH,
     COMPLETION_TOKENS,
     CONTENT_HASH,
+    CONVERSATION_ID,
     CREATED_AT,
     DATASET,
     FINISH_REASON,
@@ -91,6 +92,7 @@ from storage.schema import (
     TOKEN_IDS,
     TOKENIZER_FINGERPRINT,
     TOOL_CALL_SPANS,
+    TURN_INDEX,
     WEIGHT_VERSION,
 )
 from thinkfleet.settings import Settings
@@ -150,7 +152,7 @@ HF_SCHEMA = pa.schema(
 )
 _HF_PROVENANCE = [f.name for f in HF_SCHEMA][5:]
 _COLUMNS = list(dict.fromkeys([PROMPT_ID, DATASET, INPUT_IDS, OUTPUT_IDS, *SPAN_COLUMNS, FINISH_REASON]))
-_TEXT_COLUMNS = [*_COLUMNS, CONTENT_HASH]
+_TEXT_COLUMNS = [*_COLUMNS, CONTENT_HASH, CONVERSATION_ID, TURN_INDEX]
 _HF_COLUMNS = list(dict.fromkeys([*_COLUMNS, *(c for c in _HF_PROVENANCE if c != "prompt_len")]))
 _REPO_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -517,12 +519,16 @@ def _write_text(
 ) -> None:
     settings = rows.settings
     sources = manifest.read_sources(settings.output_uri, rows.job, rows.datasets, settings.s3_endpoint_url)
-    missing = [  # checked for every dataset before anything is written (two id columns: cheap)
-        pid
-        for table in rows.tables([PROMPT_ID, CONTENT_HASH], filtered=False)
-        for pid, digest in zip(table[PROMPT_ID].to_pylist(), table[CONTENT_HASH].to_pylist(), strict=True)
-        if (pid, digest) not in sources
-    ]
+    convs = _Conversations(settings, rows.job)
+    missing, no_conversation = [], []  # checked for every dataset before anything is written (cheap columns)
+    for table in rows.tables([PROMPT_ID, CONTENT_HASH, CONVERSATION_ID, TURN_INDEX], filtered=False):
+        cols = (table[c].to_pylist() for c in (PROMPT_ID, CONTENT_HASH, CONVERSATION_ID, TURN_INDEX))
+        for pid, digest, conv, turn in zip(*cols, strict=True):
+            if turn:  # a later turn of --turns all: its history is the conversation with the model's answers
+                if convs.get(conv) is None:
+                    no_conversation.append(pid)
+            elif (pid, digest) not in sources:
+                missing.append(pid)
     if missing:
         raise ExportError(
             f"{len(missing)} rows (e.g. {', '.join(missing[:3])}) have no source conversation in the submit "
@@ -530,14 +536,121 @@ def _write_text(
             "kept it, or with other inputs. Re-run the same `producer submit` (it enqueues nothing that is done "
             "and records the conversations), then export again"
         )
+    if no_conversation:
+        raise ExportError(
+            f"{len(no_conversation)} later turns of --turns all conversations (e.g. {', '.join(no_conversation[:3])}) "
+            f"have no conversation record in Redis ({convs.error or 'not in the job'}): their history is "
+            "rendered from it. Export while the job's Redis state is there"
+        )
     markers = conversations.ToolMarkers.of(record)
     key = "messages" if fmt == "messages" else "conversations"
     with _Files(loc, ".jsonl", shard_rows, result) as files:
-        for table in rows.tables(_TEXT_COLUMNS):
+        for table in rows.tables(_TEXT_COLUMNS, filtered=False):
+            everything = table.to_pylist()
+            histories = _histories(everything, convs, tok, markers, exclude_reasoning)
+            kept = rows._filter(table)[PROMPT_ID].to_pylist() if len(table) else []
+            keep = set(kept)
+            orphans = {r[PROMPT_ID] for r in everything if r.get(TURN_INDEX) and r[PROMPT_ID] not in histories}
+            if orphans & keep:  # an earlier turn of theirs is not stored: no history to show them with
+                result.skipped["no_earlier_turn"] = result.skipped.get("no_earlier_turn", 0) + len(orphans & keep)
+                keep -= orphans
             files.write_lines(
-                json.dumps(_text_record(row, sources, tok, markers, key, exclude_reasoning), ensure_ascii=False)
-                for row in table.to_pylist()
+                json.dumps(
+                    _text_record(row, sources, tok, markers, key, exclude_reasoning, histories.get(row[PROMPT_ID])),
+                    ensure_ascii=False,
+                )
+                for row in everything
+                if row[PROMPT_ID] in keep
             )
+
+
+class _Conversations:
+    """--turns all: the job's conversation records (``workers.turns.conversations_key``), read once from Redis
+    when a later turn needs one; ``error`` says why none could be read."""
+
+    def __init__(self, settings: Settings, job: str) -> None:
+        self.settings, self.job = settings, job
+        self._all: dict[str, dict[str, Any]] | None = None
+        self.error: str | None = None
+
+    def get(self, conv: str | None) -> dict[str, Any] | None:
+        if conv is None:
+            return None
+        if self._all is None:
+            self._all = self._load()
+        return self._all.get(conv)
+
+    def _load(self) -> dict[str, dict[str, Any]]:
+        import redis
+
+        key = f"{self.settings.keys.job(self.job)}:conversations"  # workers.turns.conversations_key
+        try:
+            client = redis.Redis.from_url(self.settings.redis_url, socket_timeout=10, socket_connect_timeout=10)
+            with client:
+                return {k.decode(): json.loads(v) for k, v in client.hscan_iter(key, count=1000)}
+        except (redis.RedisError, OSError) as exc:
+            self.error = f"Redis unreachable: {type(exc).__name__}: {exc}"
+            return {}
+
+
+def _answer_of(
+    row: dict[str, Any], tok: conversations.Decoder, markers: conversations.ToolMarkers, reasoning: bool = True
+) -> dict[str, Any]:
+    return conversations.output_message(
+        tok,
+        row[OUTPUT_IDS],
+        (row[REASONING_START], row[REASONING_END]),
+        (row[ANSWER_START], row[ANSWER_END]),
+        [(s["start"], s["end"]) for s in row[TOOL_CALL_SPANS]],
+        markers,
+        include_reasoning=reasoning,
+    )
+
+
+def turn_history(
+    conversation: dict[str, Any], answers: Sequence[dict[str, Any]], exclude_reasoning: bool = False
+) -> list[dict[str, Any]]:
+    """The source messages of turn ``len(answers)`` of a --turns all conversation: the dataset's history with
+    the model's own answers of the earlier turns in place of the dataset's (``workers.turns.turn_messages``,
+    what the worker rendered the turn's prompt from)."""
+    from workers.turns import turn_messages
+
+    if exclude_reasoning:
+        answers = [{k: v for k, v in a.items() if k != "reasoning_content"} for a in answers]
+    return turn_messages(conversation, list(answers))
+
+
+def _histories(
+    rows: list[dict[str, Any]],
+    convs: _Conversations,
+    tok: conversations.Decoder,
+    markers: conversations.ToolMarkers,
+    exclude_reasoning: bool,
+) -> dict[str, tuple[list[dict[str, Any]], Any]]:
+    """prompt id → (source messages, tools), for every later turn (turn_index ≥ 1) among ``rows`` (one dataset: all the
+    turns of a conversation). The earlier answers are decoded from the stored rows of the earlier turns —
+    filtered out or not — as the worker decoded them to render the turn."""
+    by_conv: dict[str, dict[int, dict[str, Any]]] = {}
+    for row in rows:
+        if row.get(CONVERSATION_ID) is not None and row.get(TURN_INDEX) is not None:
+            by_conv.setdefault(row[CONVERSATION_ID], {})[row[TURN_INDEX]] = row
+    out: dict[str, tuple[list[dict[str, Any]], Any]] = {}
+    for conv_id, turns in by_conv.items():
+        later = [t for t in turns if t >= 1]
+        if not later:
+            continue
+        conv = convs.get(conv_id)
+        if conv is None:
+            continue
+        answers: list[dict[str, Any]] = []
+        for t in range(max(later)):
+            if t not in turns:
+                break  # an earlier turn is not stored: the later ones cannot have been rendered from it
+            answers.append(_answer_of(turns[t], tok, markers))
+        for t in later:
+            if t <= len(answers):
+                out[turns[t][PROMPT_ID]] = (turn_history(conv, answers[:t], exclude_reasoning), conv.get("tools"))
+    return out
 
 
 def _text_record(
@@ -547,20 +660,17 @@ def _text_record(
     markers: conversations.ToolMarkers,
     key: str,
     exclude_reasoning: bool,
+    history: tuple[list[dict[str, Any]], Any] | None = None,
 ) -> dict[str, Any]:
-    messages_json, tools_json = sources[(row[PROMPT_ID], row[CONTENT_HASH])]
-    reply = conversations.output_message(
-        tok,
-        row[OUTPUT_IDS],
-        (row[REASONING_START], row[REASONING_END]),
-        (row[ANSWER_START], row[ANSWER_END]),
-        [(s["start"], s["end"]) for s in row[TOOL_CALL_SPANS]],
-        markers,
-        include_reasoning=not exclude_reasoning,
-    )
-    source = json.loads(messages_json or "[]")
+    """One row's record; ``history``: a later turn's source messages (:func:`_histories`), else the manifest's."""
+    reply = _answer_of(row, tok, markers, reasoning=not exclude_reasoning)
+    if history is not None:
+        source, tools = history
+    else:
+        messages_json, tools_json = sources[(row[PROMPT_ID], row[CONTENT_HASH])]
+        source = json.loads(messages_json or "[]")
+        tools = json.loads(tools_json) if tools_json else None
     record: dict[str, Any] = {"id": row[PROMPT_ID], "dataset": row[DATASET], key: [*source, reply]}
-    tools = json.loads(tools_json) if tools_json else None
     if tools:
         record["tools"] = tools
     record.update(
