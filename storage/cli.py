@@ -123,6 +123,12 @@ def verify(settings: Settings, job: str, as_json: bool, live: bool, queue: str |
     help="Token formats: mask the reasoning (through </think>) out of the loss; text formats: drop it.",
 )
 @click.option(
+    "--merge-turns",
+    is_flag=True,
+    help="eagle3/specforge, --turns all jobs: one sample per conversation (its last turn's prompt + output), "
+    "the loss also over every earlier model answer found verbatim in that prompt.",
+)
+@click.option(
     "--max-length",
     type=click.IntRange(min=1),
     default=2048,
@@ -150,6 +156,7 @@ def export(
     drop_truncated: bool,
     min_reasoning_tokens: int,
     exclude_reasoning: bool,
+    merge_turns: bool,
     max_length: int,
     tokenizer: str | None,
     trust_remote_code: bool,
@@ -182,6 +189,7 @@ def export(
             max_length=max_length,
             push_to_hub=push_to_hub,
             hub_private=hub_private,
+            merge_turns=merge_turns,
         )
     except ExportError as exc:
         raise click.ClickException(str(exc)) from exc

@@ -92,6 +92,7 @@ from storage.schema import (
     TOKEN_IDS,
     TOKENIZER_FINGERPRINT,
     TOOL_CALL_SPANS,
+    TURN_COUNT,
     TURN_INDEX,
     WEIGHT_VERSION,
 )
@@ -152,6 +153,7 @@ HF_SCHEMA = pa.schema(
 )
 _HF_PROVENANCE = [f.name for f in HF_SCHEMA][5:]
 _COLUMNS = list(dict.fromkeys([PROMPT_ID, DATASET, INPUT_IDS, OUTPUT_IDS, *SPAN_COLUMNS, FINISH_REASON]))
+_MERGE_COLUMNS = [*_COLUMNS, CONVERSATION_ID, TURN_INDEX, TURN_COUNT]
 _TEXT_COLUMNS = [*_COLUMNS, CONTENT_HASH, CONVERSATION_ID, TURN_INDEX]
 _HF_COLUMNS = list(dict.fromkeys([*_COLUMNS, *(c for c in _HF_PROVENANCE if c != "prompt_len")]))
 _REPO_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -191,6 +193,7 @@ def export_job(
     max_length: int = SPECFORGE_MAX_LENGTH,
     push_to_hub: str | None = None,
     hub_private: bool = False,
+    merge_turns: bool = False,
 ) -> ExportResult:
     """Write the committed rows of ``job`` in ``fmt`` to ``out`` (local path or ``s3://``).
 
@@ -206,6 +209,8 @@ def export_job(
         raise ExportError(f"--min-reasoning-tokens must be 0 or more, got {min_reasoning_tokens}")
     if max_length < 1:
         raise ExportError(f"--max-length must be at least 1, got {max_length}")
+    if merge_turns and fmt not in ("eagle3", "specforge"):
+        raise ExportError(f"--merge-turns is for the eagle3 and specforge formats, not {fmt}")
     hub_token = _check_push(fmt, push_to_hub)
     out = out or _default_out(job, fmt)
     try:
@@ -220,7 +225,7 @@ def export_job(
     elif fmt == "hf":
         _write_hf(result, loc, rows, exclude_reasoning, shard_rows, push_to_hub, hub_token, hub_private)
     else:
-        _write_tokens(result, loc, rows, fmt, exclude_reasoning, shard_rows, max_length)
+        _write_tokens(result, loc, rows, fmt, exclude_reasoning, shard_rows, max_length, merge_turns)
     if result.rows == 0:
         result.warnings.append("no rows were exported (nothing committed, or every row filtered out)")
     return result
@@ -307,6 +312,101 @@ def eagle3_table(table: pa.Table, exclude_reasoning: bool = False) -> pa.Table:
     )
 
 
+#: --merge-turns: a run of an earlier turn's output ids found in the last prompt counts when it is at least this
+#: long (a lone token — a space, a common word — matches user text by chance).
+MERGE_MIN_RUN = 2
+
+
+def merged_table(table: pa.Table, exclude_reasoning: bool = False, skipped: dict[str, int] | None = None) -> pa.Table:
+    """``--merge-turns``: the rows of a ``--turns all`` job → ONE EAGLE-3 record per conversation (``id`` = the
+    conversation id): its last stored turn's prompt + output, the loss over that output (as :func:`eagle3_table`)
+    AND over every earlier model-generated answer inside that prompt. Each earlier turn k's answer is looked
+    for in the part of the last prompt that follows turn k's own prompt (its prefix) up to where turn k+1's
+    prompt ends; the runs of turn k's stored ``output_ids`` that appear there verbatim (at least
+    :data:`MERGE_MIN_RUN` ids, in order) get loss 1. Where the template re-rendered the answer differently —
+    Kimi drops the reasoning of earlier turns, a decode/re-encode may split words otherwise — only the ids that
+    match verbatim are trained on. ``exclude_reasoning`` leaves reasoning ids (through ``</think>``) at 0. Rows
+    of no conversation (a single-turn job) are exported as by :func:`eagle3_table`; ``skipped["merged_turns"]``
+    counts the turn rows folded into another turn's record."""
+    import difflib
+
+    convs: dict[str, dict[int, dict[str, Any]]] = {}
+    single: list[int] = []
+    conv_col = table[CONVERSATION_ID].to_pylist() if CONVERSATION_ID in table.column_names else [None] * len(table)
+    turn_col = table[TURN_INDEX].to_pylist() if TURN_INDEX in table.column_names else [None] * len(table)
+    for i, (conv, turn) in enumerate(zip(conv_col, turn_col, strict=True)):
+        if conv is None or turn is None:
+            single.append(i)
+        else:
+            convs.setdefault(conv, {})[turn] = {"i": i}
+    parts = [eagle3_table(table.take(pa.array(single, pa.int64())), exclude_reasoning)] if single else []
+    if not convs:
+        return pa.concat_tables(parts) if parts else eagle3_table(table.slice(0, 0), exclude_reasoning)
+    needed = [INPUT_IDS, OUTPUT_IDS, REASONING_END, HAS_THINK_END]
+    ids, datasets, finish = [], [], []
+    masks, prompt_lens, names = [], [], []
+    for conv, turns in convs.items():
+        for t in turns.values():
+            t.update({c: table[c][t["i"]].as_py() for c in needed})
+        last = max(turns)
+        prompt, output = turns[last][INPUT_IDS], turns[last][OUTPUT_IDS]
+        mask = np.zeros(len(prompt) + len(output), dtype=np.int8)
+        mask[len(prompt) :] = 1
+        if exclude_reasoning:
+            mask[len(prompt) : len(prompt) + _reasoning_block(turns[last])] = 0
+        cursor = 0
+        for k in sorted(t for t in turns if t < last):
+            out_k = turns[k][OUTPUT_IDS]
+            start = max(cursor, _common_prefix(turns[k][INPUT_IDS], prompt))
+            following = turns.get(k + 1)
+            end = _common_prefix(following[INPUT_IDS], prompt) if following else len(prompt)
+            end = max(end, start)
+            region = prompt[start:end]
+            floor = _reasoning_block(turns[k]) if exclude_reasoning else 0
+            matcher = difflib.SequenceMatcher(None, out_k, region, autojunk=False)
+            for a, b, size in matcher.get_matching_blocks():
+                if size < MERGE_MIN_RUN:
+                    continue
+                lo = max(a, floor)  # ids of out_k[a:a+size] at region[b:b+size]
+                if lo < a + size:
+                    mask[start + b + (lo - a) : start + b + size] = 1
+                cursor = max(cursor, start + b + size)
+        ids.append(np.asarray(prompt + output, dtype=np.int32))
+        masks.append(mask)
+        prompt_lens.append(len(prompt))
+        names.append(conv)
+        datasets.append(str(table[DATASET][turns[last]["i"]].as_py()))
+        finish.append(table[FINISH_REASON][turns[last]["i"]].as_py())
+        if skipped is not None and len(turns) > 1:
+            skipped["merged_turns"] = skipped.get("merged_turns", 0) + len(turns) - 1
+    offsets = np.zeros(len(ids) + 1, dtype=np.int32)
+    np.cumsum([len(x) for x in ids], out=offsets[1:])
+    merged = pa.Table.from_arrays(
+        [
+            pa.array(names, pa.string()),
+            pa.array(datasets, pa.string()),
+            pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(ids)), type=TOKEN_IDS),
+            pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(masks)), type=LOSS_MASK),
+            pa.array(prompt_lens, pa.int32()),
+            pa.array(finish, table.schema.field(FINISH_REASON).type),
+        ],
+        schema=EAGLE3_SCHEMA,
+    )
+    return pa.concat_tables([*parts, merged])
+
+
+def _reasoning_block(row: dict[str, Any]) -> int:
+    """Output ids of the reasoning block: through ``</think>`` when emitted."""
+    return int(row[REASONING_END]) + int(bool(row[HAS_THINK_END]))
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    x, y = np.asarray(a[:n]), np.asarray(b[:n])
+    diff = np.nonzero(x != y)[0]
+    return int(diff[0]) if len(diff) else n
+
+
 def _write_tokens(
     result: ExportResult,
     loc: layout.Location,
@@ -315,13 +415,17 @@ def _write_tokens(
     exclude_reasoning: bool,
     shard_rows: int | None,
     max_length: int,
+    merge_turns: bool = False,
 ) -> None:
     parquet = fmt == "eagle3" and not loc.root.endswith(".jsonl")
     suffix = ".parquet" if parquet else ".jsonl"
     lengths: list[np.ndarray] = []
     with _Files(loc, suffix, shard_rows, result) as files:
-        for table in rows.tables(_COLUMNS):
-            records = eagle3_table(table, exclude_reasoning)
+        for table in rows.tables(_MERGE_COLUMNS if merge_turns else _COLUMNS):
+            if merge_turns:
+                records = merged_table(table, exclude_reasoning, result.skipped)
+            else:
+                records = eagle3_table(table, exclude_reasoning)
             if fmt == "specforge":
                 records = _trainable(records, result.skipped)
             lengths.append(pc.list_value_length(records["input_ids"]).to_numpy(zero_copy_only=False))
