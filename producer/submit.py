@@ -300,7 +300,7 @@ def _run(
     params = _sampling(opts, info, existing.record)
     for inp in inputs:
         _dataset_sampling(opts, inp, params, existing.record)
-    _check_compatible(opts, info, existing.record, params, inputs)
+    _check_compatible(opts, info, existing.record, params, inputs, _previous_turns(settings, opts.job, existing))
     limits = _inherit_context(limits, existing.record)
     collector = _Collector(opts, existing, params, problems, Envelope(settings), limits, pool.tok, inputs)
     feed = _Feed(opts, inputs, problems)
@@ -386,11 +386,15 @@ def _check_compatible(
     record: JobRecord | None,
     params: dict[str, Any],
     inputs: list[_Input],
+    previous_turns: str | None = None,
 ) -> None:
-    """A job has one tokenizer, template and sampling setup: a re-submit must not silently change them."""
+    """A job has one tokenizer, template and sampling setup: a re-submit must not silently change them.
+    ``previous_turns``: the job's ``--turns`` (None: unknown, not checked)."""
     if record is None:
         return
     mismatches = []
+    if previous_turns is not None and previous_turns != opts.turns:
+        mismatches.append(f"--turns {previous_turns} ≠ {opts.turns}")
     if record.model_family != info.model_family:
         mismatches.append(f"model family {record.model_family} ≠ {info.model_family}")
     if record.reasoning_spans != info.reasoning_spans:
@@ -421,6 +425,24 @@ def _check_compatible(
             "; ".join(mismatches)
             + f"\n  → use the same settings as the first submit, or a new --job name (job {opts.job!r} exists)"
         )
+
+
+def _previous_turns(settings: Settings, job: str, existing: Existing) -> str | None:
+    """The ``--turns`` of an existing job: "all" when its job hash has the ``turns`` field of a multi-turn
+    submit (:func:`_write_conversations`), else "last"; None when there is no job or Redis cannot say."""
+    if existing.record is None:
+        return None
+    try:
+        client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        with client:
+            raw = client.hget(settings.keys.job(job), "turns")
+    except (redis.RedisError, OSError):
+        return None
+    try:
+        mode = json.loads(raw).get("mode") if raw is not None else None
+    except (ValueError, AttributeError):
+        mode = None
+    return "all" if mode == "all" else "last"
 
 
 class _Collector:

@@ -134,3 +134,26 @@ def test_verify_passes_every_turn_once_and_names_a_conversation_missing_a_later_
     report = verify_job(settings, "mt")
     assert report.ok, report.to_dict()
     assert (report.committed, report.missing_turns) == (9, [])
+
+
+# -- re-submit with another --turns --------------------------------------------------------------------------
+def test_a_resubmit_with_another_turns_is_refused(redis_url: str, redis_client: redis.Redis, tmp_path: Path) -> None:
+    import pytest
+
+    from producer.submit import SubmitError
+
+    settings = Settings(redis_url=redis_url, output_uri=str(tmp_path / "out"))
+    tok = str(build_test_tokenizer(default_test_tokenizer_dir()))
+    path = write_jsonl(tmp_path / "chat.jsonl", [_conversation(c, 2) for c in range(2)])
+    submit(settings, SubmitOptions(paths=[path], job="all", tokenizer=tok, processes=1, turns="all"))
+    submit(settings, SubmitOptions(paths=[path], job="last", tokenizer=tok, processes=1))
+    queued = redis_client.llen(settings.queue)
+    with pytest.raises(SubmitError, match="--turns all ≠ last"):
+        submit(settings, SubmitOptions(paths=[path], job="all", tokenizer=tok, processes=1, turns="last"))
+    with pytest.raises(SubmitError, match="--turns last ≠ all"):
+        submit(settings, SubmitOptions(paths=[path], job="last", tokenizer=tok, processes=1, turns="all"))
+    assert redis_client.llen(settings.queue) == queued, "a refused submit enqueues nothing"
+    # The same --turns again is fine (nothing new to enqueue).
+    report = submit(settings, SubmitOptions(paths=[path], job="all", tokenizer=tok, processes=1, turns="all"))
+    assert report is not None
+    assert redis_client.llen(settings.queue) == queued
