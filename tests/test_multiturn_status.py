@@ -157,3 +157,68 @@ def test_a_resubmit_with_another_turns_is_refused(redis_url: str, redis_client: 
     report = submit(settings, SubmitOptions(paths=[path], job="all", tokenizer=tok, processes=1, turns="all"))
     assert report is not None
     assert redis_client.llen(settings.queue) == queued
+
+
+# -- producer retry of a dead-lettered later turn --------------------------------------------------------------
+def test_retry_of_a_dead_lettered_turn_requeues_it_and_the_chain_goes_on(redis_url: str, tmp_path: Path) -> None:
+    """Turn 1 overflows the server's context (turn 0 fits): it is dead-lettered with its whole message and the
+    chain stops there. With a longer context, `producer retry` re-queues ``chat/c0/t1``, and the worker that
+    stores it enqueues turn 2: every turn is stored once and verify passes."""
+    from producer.render import load_tokenizer, render_ids
+    from sglang_sim.testing import SimulatorProcess
+    from storage.reader import raw_duplicates, read_committed
+    from storage.verify import verify_job
+    from tests.worker_harness import fast_env, isolated_settings, producer_cli
+    from thinkfleet.state.job import JobRecord
+    from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
+    from workers.turns import plan_conversation
+
+    settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    client = redis.Redis.from_url(redis_url)
+    k, job, budget = settings.keys, "chain", 300
+    tok_dir = build_test_tokenizer(default_test_tokenizer_dir())
+    row = _conversation(0, 3)
+    data = write_jsonl(tmp_path / "chat.jsonl", [row])
+    submitted = producer_cli(
+        settings, "submit", str(data), "--job", job, "--tokenizer", str(tok_dir), "--processes", "1",
+        "--no-progress", "--max-new-tokens", str(budget), "--seed", "3", "--context-length", "131072",
+        "--turns", "all", "--json",
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    record = JobRecord.load(client, k, job)
+    assert record is not None
+    plan = plan_conversation(row["messages"])
+    assert plan is not None
+    first = plan["messages"][: plan["users"][0] + 1]
+    p0 = len(render_ids(load_tokenizer(str(tok_dir)), first, None, record.chat_template_kwargs))
+    # Turn 0 (p0 + budget tokens) fits; turn 1, whose prompt holds turn 0's answer, does not.
+    sim = SimulatorProcess("--time-scale", "400", "--context-length", str(p0 + budget + 1))
+    sim.log_path = str(tmp_path / "sim.log")
+    sim.start()
+    worker = WorkerProcess("w1", fast_env(settings, sim.url), tmp_path).start()
+    try:
+        worker.wait_ready(client, k)
+        wait_until(lambda: "chat/c0/t1" in dead_letters(client, k, job), 120, what="turn 1 dead-lettered")
+        dead = dead_letters(client, k, job)
+        assert set(dead) == {"chat/c0/t1"} and dead["chat/c0/t1"]["error_class"] == "context_overflow"
+        assert client.sismember(k.done(job), "chat/c0/t0") and not client.hexists(k.prompts(job), "chat/c0/t2")
+        status = json.loads(CliRunner().invoke(cli, ["status", job, "--json", "--redis-url", redis_url,
+                                                     "--key-prefix", settings.key_prefix]).output)  # fmt: skip
+        assert status["conversations"]["dead"] == 1 and status["turns"] == {"planned": 3, "enqueued": 2, "done": 1}
+        # When the server comes back with a longer context and the operator retries the turn.
+        sim.kill()
+        sim.args = ["--time-scale", "400"]
+        sim.start()
+        retry = producer_cli(settings, "retry", job, "--json")
+        assert retry.returncode == 0, retry.stderr
+        assert json.loads(retry.stdout)["prompt_ids"] == ["chat/c0/t1"]
+        wait_until(lambda: job_progress(client, k, job)["done"] == 3, 120, what="the chain finished")
+    finally:
+        worker.terminate()
+        sim.kill()
+    assert dead_letters(client, k, job) == {}
+    rows = read_committed(settings.output_uri, job).to_pylist()
+    assert sorted(r["prompt_id"] for r in rows) == ["chat/c0/t0", "chat/c0/t1", "chat/c0/t2"]
+    assert raw_duplicates(settings.output_uri, job).num_rows == 0
+    report = verify_job(settings, job)
+    assert report.ok, report.to_dict()
