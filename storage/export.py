@@ -22,6 +22,10 @@ Formats (``--format``):
 - ``conversations``: the same records with the list under ``conversations`` (SpecForge's raw-data key,
   ``data.train_data_path``).
 
+``--turns all`` jobs: a later turn's source conversation is the conversation record (Redis) with the model's
+own earlier answers, decoded from the stored rows of the earlier turns (:func:`turn_history`); ``merge_turns``
+(``--merge-turns``, eagle3/specforge) writes one record per conversation (:func:`merged_table`).
+
 The ids of the text formats are ``prompt_ids``/``output_ids``, never ``input_ids``: a top-level
 ``input_ids`` makes SpecForge (and TRL) treat a record as pre-tokenized.
 
