@@ -47,6 +47,36 @@ _SENTINEL_TAG = "tf-sentinel-tag-6f1d"
 _SENTINEL_BODY = "tf-sentinel-body-6f1d"
 _capture_lock = threading.Lock()
 
+#: kombu's Redis priority lists: ``queue`` for 0 (the highest), ``queue\x06\x16N`` for N = 1..9 (lower),
+#: as ``workers.app`` configures them (``priority_steps`` 0..9, ``sep``); workers pop them in this order.
+PRIORITY_SEP = "\x06\x16"
+PRIORITY_STEPS = tuple(range(10))
+
+
+def priority_step(priority: int | None) -> int:
+    """A job's priority as a kombu step: 0 (highest, the default) … 9 (lowest); out of range is clamped."""
+    return min(max(int(priority or 0), PRIORITY_STEPS[0]), PRIORITY_STEPS[-1])
+
+
+def priority_list(queue: str, priority: int | None) -> str:
+    """The list a message of ``priority`` is queued on (kombu's ``_q_for_pri``): 0 is ``queue`` itself."""
+    step = priority_step(priority)
+    return f"{queue}{PRIORITY_SEP}{step}" if step else queue
+
+
+def priority_lists(queue: str) -> list[str]:
+    """Every priority list of ``queue``, highest first (``KEYS`` of the priority-aware Lua scripts)."""
+    return [priority_list(queue, step) for step in PRIORITY_STEPS]
+
+
+def job_priority(client: redis.Redis, settings: Settings, job: str) -> int:
+    """The job record's priority as a step (0 when there is no record)."""
+    from thinkfleet.state.job import JobRecord
+
+    record = JobRecord.load(client, settings.keys, job)
+    return priority_step(record.priority if record else 0)
+
+
 # Move a staged list onto the queue in order, atomically. RENAME when the queue is empty is O(1) and
 # wakes blocked BRPOP consumers like a push does; PERSIST drops the staging TTL it carries over.
 _COMMIT = """
@@ -65,8 +95,13 @@ return n
 class Envelope:
     """The kombu Redis-transport JSON of one ``thinkfleet.generate`` message, as a fill-in template."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, priority: int = 0) -> None:
         message = capture_message(settings)
+        #: kombu reads ``properties.priority`` when it restores or re-publishes a message: it names the
+        #: same list the message is queued on. Priority 0 keeps Celery's message as it was captured.
+        self.priority = priority_step(priority)
+        if self.priority:
+            message["properties"]["priority"] = self.priority
         body = msgpack.unpackb(base64.b64decode(message["body"]), raw=False)
         self.kwargs, self.embed = body[1], body[2]
         message["body"] = _SENTINEL_BODY
@@ -88,7 +123,7 @@ class Envelope:
         self._literals = [p.encode() for p in parts[0::2]]
         self._slots = [slots[p] for p in parts[1::2]]
         self._packer = msgpack.Packer(use_bin_type=True)
-        self.queue = settings.queue
+        self.queue = priority_list(settings.queue, self.priority)
 
     def encode(self, task: PromptTask) -> bytes:
         """The JSON to LPUSH onto the queue for ``task``."""
@@ -167,8 +202,7 @@ def prompt_of_task_id(job: str, task_id: str) -> str | None:
 def queue_keys(client: redis.Redis, queue: str) -> list[str]:
     """The queue's list and kombu's priority lists next to it (``queue\\x06\\x163`` …)."""
     keys = [queue]
-    for step in (1, 2, 3, 4, 5, 6, 7, 8, 9):
-        key = f"{queue}\x06\x16{step}"
+    for key in priority_lists(queue)[1:]:
         if client.exists(key):
             keys.append(key)
     return keys
@@ -218,10 +252,11 @@ def running_prompt_ids(client: redis.Redis, settings: Settings, job: str) -> set
 class Stager:
     """Messages pushed to a private list as they are ready, moved onto the queue only by :meth:`commit`."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, job: str, queue: str) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, job: str, queue: str, priority: int = 0) -> None:
         self.client = client
         self.key = keys.staging(job, uuid.uuid4().hex[:12])
-        self.queue = queue
+        #: The job's priority list (``queue`` itself for priority 0); its messages say the same priority.
+        self.queue = priority_list(queue, priority)
         self.count = 0
         self.bytes = 0
         self._pipe = client.pipeline(transaction=False)

@@ -185,7 +185,7 @@ def submit(settings: Settings, opts: SubmitOptions, on_progress: ProgressFn | No
         else:
             with SubmitLock(client, settings, opts.job):
                 existing = load_existing(client, settings, opts.job)
-                stager = Stager(client, settings.keys, opts.job, settings.queue)
+                stager = Stager(client, settings.keys, opts.job, settings.queue, _priority(opts, existing.record))
                 try:
                     collector = _run(
                         opts, settings, pool, info, limits, datasets, existing, problems, stager, on_progress
@@ -302,7 +302,9 @@ def _run(
         _dataset_sampling(opts, inp, params, existing.record)
     _check_compatible(opts, info, existing.record, params, inputs, _previous_turns(settings, opts.job, existing))
     limits = _inherit_context(limits, existing.record)
-    collector = _Collector(opts, existing, params, problems, Envelope(settings), limits, pool.tok, inputs)
+    collector = _Collector(
+        opts, existing, params, problems, Envelope(settings, _priority(opts, existing.record)), limits, pool.tok, inputs
+    )
     feed = _Feed(opts, inputs, problems)
     collector.feed = feed
     for results in pool.render(feed):
@@ -614,6 +616,13 @@ def _job_record(
     record.vocab_size, record.vocab_source = limits.vocab_size, limits.vocab_source
     record.context_length, record.context_source = limits.context_length, limits.context_source
     return record
+
+
+def _priority(opts: SubmitOptions, record: JobRecord | None) -> int:
+    """The priority this submit queues at: the flag/job file's, else the job's, else 0 (kombu: 0 is highest)."""
+    if opts.priority is not None:
+        return opts.priority
+    return int(record.priority) if record is not None else 0
 
 
 def _record_datasets(record: JobRecord, opts: SubmitOptions, collector: _Collector) -> None:

@@ -31,6 +31,12 @@ def broker_transport_options(settings: Settings) -> dict[str, Any]:
     # kombu >= 5.6.3: sweep for expired unacked messages every reaper_interval_s (default ≈100 s).
     options["unacked_restore_interval"] = max(1, int(settings.reaper_interval_s))
     options["unacked_restore_throttle"] = 1
+    # Job priority on Redis (kombu's semantics: 0 is the highest, 9 the lowest): one list per level,
+    # ``queue`` for 0 and ``queue\x06\x16N`` for N (producer.enqueue.priority_list). kombu's own restore
+    # and publish, Flower's queue lengths and our transit pop (workers/transit.py) all read these.
+    options["priority_steps"] = list(range(10))
+    options["sep"] = "\x06\x16"
+    options["queue_order_strategy"] = "priority"
     return options
 
 

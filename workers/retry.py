@@ -101,10 +101,12 @@ def _requeue(client: redis.Redis, settings: Settings, job: str, field: str, task
             pipe.execute()
         _publish(settings, tasks)
         return
-    from producer.enqueue import Envelope, Stager
+    from producer.enqueue import Envelope, Stager, job_priority
 
-    envelope = Envelope(settings)
-    stager = Stager(client, settings.keys, job, settings.queue)
+    # Back onto the job's priority list, the messages saying that priority (as its submit queued them).
+    priority = job_priority(client, settings, job)
+    envelope = Envelope(settings, priority)
+    stager = Stager(client, settings.keys, job, settings.queue, priority)
     try:
         for chunk in _chunks(tasks):
             stager.push(envelope.encode_many(chunk))

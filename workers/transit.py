@@ -6,13 +6,14 @@ that "in between" is long: a busy worker keeps the popped reply unread in its so
 frees (``MultiChannelPoller._pause_brpop``). A worker SIGKILLed then loses that prompt for good
 (reproduced by tests/test_reliability_workers.py).
 
-Here the pop is ``BLMOVE queue → {prefix}:transit:{worker}`` instead: atomic, so the message is always
-in Redis — in the queue, the worker's transit list, or kombu's unacked hash. Once kombu has recorded it
-as unacked, it leaves the transit list. :func:`sweep_transit` (run by every live worker's lease keeper)
-puts back on the queue what a dead worker (no heartbeat) left in its transit list, and what its own
-list kept for two sweeps in a row (a reply lost with its connection, or a popped message waiting for a
-free slot — another worker may serve it now). Both may hand a message out twice; the claims in
-ledger.py make a second delivery cost nothing.
+Here the pop is a move ``queue → {prefix}:transit:{worker}`` instead (``LMOVE`` from kombu's priority
+lists, highest first, else ``BLMOVE`` from the queue; see :class:`Channel`): atomic, so the message is
+always in Redis — in the queue, the worker's transit list, or kombu's unacked hash. Once kombu has
+recorded it as unacked, it leaves the transit list. :func:`sweep_transit` (run by every live worker's
+lease keeper) puts back on the queue — each message onto the list of its own priority — what a dead
+worker (no heartbeat) left in its transit list, and what its own list kept for two sweeps in a row (a
+reply lost with its connection, or a popped message waiting for a free slot — another worker may serve
+it now). Both may hand a message out twice; the claims in ledger.py make a second delivery cost nothing.
 
 Only a worker consuming its one task queue from ``redis://`` or ``rediss://`` (TLS: the channel is
 kombu's own, so it connects through kombu's SSL connection class with the ``broker_use_ssl`` options)
@@ -33,6 +34,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
+from producer.enqueue import priority_lists
 from thinkfleet.keys import Keys
 from thinkfleet.settings import Settings
 
@@ -41,31 +43,82 @@ log = logging.getLogger(__name__)
 #: The transport ``workers.app`` selects for ``redis://`` and ``rediss://`` brokers.
 TRANSPORT = "workers.transit:Transport"
 
-# Move a transit list's messages back to the consuming end of the queue: all of them (no ARGV), or
-# only those named in ARGV that are still there.
-_RECLAIM = """
-local n = 0
+# Lua: the priority step a kombu message names (``"priority": N`` in its properties, at the end of the JSON;
+# a JSON string can hold no unescaped quote, so only a key matches), capped at the last list in KEYS.
+_PRIORITY_OF = """
+local function priority_of(m, top)
+  local p, init = nil, math.max(1, #m - 1024)
+  for _ = 1, 2 do
+    while true do
+      local _, e, d = string.find(m, '"priority": (%d+)', init)
+      if not e then break end
+      p, init = tonumber(d), e + 1
+    end
+    if p then break end
+    init = 1
+  end
+  p = p or 0
+  if p > top then p = top end
+  return p
+end
+"""
+
+# Move a transit list's messages back to the consuming end of the queue list of their own priority: all of
+# them (no ARGV), or only those named in ARGV that are still there. KEYS: transit, then the queue's
+# priority lists from step 0 (the queue itself) up. Only commands the worker's ACL user has (no RPOP).
+_RECLAIM = (
+    _PRIORITY_OF
+    + """
+local top, n = #KEYS - 2, 0
 if #ARGV == 0 then
-  while redis.call('LMOVE', KEYS[1], KEYS[2], 'RIGHT', 'RIGHT') do n = n + 1 end
-  return n
+  while true do
+    local m = redis.call('LRANGE', KEYS[1], -1, -1)[1]
+    if not m then return n end
+    redis.call('LMOVE', KEYS[1], KEYS[2 + priority_of(m, top)], 'RIGHT', 'RIGHT')
+    n = n + 1
+  end
 end
 for i = 1, #ARGV do
   if redis.call('LREM', KEYS[1], 1, ARGV[i]) == 1 then
-    redis.call('RPUSH', KEYS[2], ARGV[i])
+    redis.call('RPUSH', KEYS[2 + priority_of(ARGV[i], top)], ARGV[i])
     n = n + 1
   end
 end
 return n
 """
+)
+
+# The non-blocking half of the transit pop: the first message of the highest-priority list that has one,
+# moved atomically into the transit list. KEYS: the priority lists, highest first, then the transit list.
+_POP = """
+for i = 1, #KEYS - 1 do
+  local m = redis.call('LMOVE', KEYS[i], KEYS[#KEYS], 'RIGHT', 'LEFT')
+  if m then return m end
+end
+return false
+"""
 
 
 class Channel(kombu_redis.Channel):
-    """kombu's Redis channel, popping with BLMOVE into ``transit_key`` when it consumes ``transit_queue``."""
+    """kombu's Redis channel, popping into ``transit_key`` when it consumes ``transit_queue``.
+
+    Priorities: kombu keeps one list per step (``queue`` for 0, the highest; ``queue`` + ``sep`` + N).
+    Redis has no blocking move from several lists, so the pop alternates: an ``EVAL`` of :data:`_POP`
+    moves the first message of the highest-priority non-empty list (non-blocking, atomic); when it finds
+    none (and as a channel's first pop), a ``BLMOVE`` waits on the step-0 list for up to
+    ``brpop_timeout`` (1 s), then the ``EVAL`` again. A busy queue costs one command per message, as
+    before; the price is latency: a message pushed only onto a lower-priority list while the worker waits
+    on the step-0 list is taken up to ``brpop_timeout`` later.
+    """
 
     from_transport_options = (*kombu_redis.Channel.from_transport_options, "transit_key", "transit_queue")
     transit_key: str | None = None
     transit_queue: str | None = None
     _transit_pending: str | None = None
+    _transit_command: str = "EVAL"
+    #: Block on the step-0 list next: at the start (a fresh worker waits on the queue, as it always did)
+    #: and whenever the last EVAL found every list empty.
+    _transit_block: bool = True
 
     def _transit_source(self, queues: list[str]) -> str | None:
         if not self.transit_key or self.global_keyprefix or queues != [self.transit_queue]:
@@ -83,7 +136,13 @@ class Channel(kombu_redis.Channel):
         self._in_poll = self.client.connection
         self._brpop_sent_at = monotonic()
         self._transit_pending = source
-        self.client.connection.send_command("BLMOVE", source, self.transit_key, "RIGHT", "LEFT", timeout or 0)
+        if self._transit_block:
+            self._transit_command = "BLMOVE"
+            self.client.connection.send_command("BLMOVE", source, self.transit_key, "RIGHT", "LEFT", timeout or 0)
+        else:
+            self._transit_command = "EVAL"
+            lists = list(dict.fromkeys(self._q_for_pri(source, pri) for pri in sorted(self.priority_steps)))
+            self.client.connection.send_command("EVAL", _POP, len(lists) + 1, *lists, self.transit_key)
 
     def _brpop_read(self, **options: Any) -> bool:
         source = self._transit_pending
@@ -92,10 +151,14 @@ class Channel(kombu_redis.Channel):
         item = None
         try:
             try:
-                item = self.client.parse_response(self.client.connection, "BLMOVE", **options)
+                item = self.client.parse_response(self.client.connection, self._transit_command, **options)
             except self.connection_errors:
                 self.client.connection.disconnect()
+                self._transit_block = True
                 raise
+            # Found nothing with the EVAL: wait on the step-0 list next; after any message or a BLMOVE
+            # timeout, look at every list again (highest priority first).
+            self._transit_block = not item and self._transit_command == "EVAL"
             if not item:
                 raise Empty()
             self._queue_cycle.rotate(source)
@@ -163,6 +226,8 @@ class TransitSweeper:
         self.worker = worker
         self.queue = queue
         self._reclaim = client.register_script(_RECLAIM)
+        #: Where a reclaimed message goes: the list of its own ``properties.priority``.
+        self._lists = priority_lists(queue)
         self._seen: set[bytes] = set()  # own transit messages at the previous sweep
 
     async def sweep(self) -> int:
@@ -176,7 +241,7 @@ class TransitSweeper:
                 items = set(await self.r.lrange(key, 0, -1))
                 stale, self._seen = items & self._seen, items
                 if stale:
-                    moved += int(await self._reclaim(keys=[key, self.queue], args=sorted(stale)))
+                    moved += int(await self._reclaim(keys=[key, *self._lists], args=sorted(stale)))
             elif not await self.r.exists(self.keys.heartbeat(owner)):
-                moved += int(await self._reclaim(keys=[key, self.queue], args=[]))
+                moved += int(await self._reclaim(keys=[key, *self._lists], args=[]))
         return moved

@@ -9,7 +9,8 @@ The state is one STRING, ``Keys.job_state(job)``: ``paused`` or ``cancelled``; a
   invariant counts as queued. A message a worker pops meanwhile (or a redelivery later) is parked by
   that worker (``lua/park_one.lua``: only while the state still says paused) and acked. In-flight
   generations finish.
-- **resume** clears the state, then moves the parked list back behind the queue (``lua/unpark.lua``).
+- **resume** clears the state, then moves the parked list back behind the queue (``lua/unpark.lua``),
+  onto the list of the job's priority, so a resumed job keeps its priority.
   A worker's park after the state changed is refused atomically, so nothing is stranded.
   ``resume`` of a cancelled job makes it active again (then ``producer retry JOB --error-class
   cancelled`` revives its cancelled prompts).
@@ -32,6 +33,7 @@ import redis
 
 from thinkfleet.message import PromptTask
 from thinkfleet.settings import Settings
+from thinkfleet.state.job import JobRecord
 from thinkfleet.state.scripts import lua
 
 ACTIVE, PAUSED, CANCELLED, FINISHED = "active", "paused", "cancelled", "finished"
@@ -57,6 +59,14 @@ def queue_lists(client: redis.Redis, settings: Settings) -> list[str]:
     return queue_keys(client, settings.queue)
 
 
+def priority_lists(queue: str) -> list[str]:
+    """kombu's priority lists of ``queue``, steps 0 (``queue`` itself, the highest) to 9 (``queue\\x06\\x169``).
+
+    Mirrors ``producer.enqueue.priority_lists`` (kombu's ``sep`` and our ``priority_steps`` 0..9).
+    """
+    return [queue, *(f"{queue}\x06\x16{step}" for step in range(1, 10))]
+
+
 def _require_job(client: redis.Redis, settings: Settings, job: str) -> None:
     if not client.sismember(settings.keys.jobs, job) and not client.exists(settings.keys.job(job)):
         raise LifecycleError(f"no job {job!r} in Redis ({settings.redis_url})")
@@ -77,11 +87,19 @@ def park_queued(client: redis.Redis, settings: Settings, job: str) -> int:
 
 
 def unpark(client: redis.Redis, settings: Settings, job: str, queue: str | None = None) -> int:
-    """Move the parked messages back onto ``queue`` (default: the queue); returns how many moved."""
+    """Move the parked messages back onto ``queue`` (default: the queue); returns how many moved.
+
+    They go onto the list of the job's priority (0 is ``queue`` itself), each saying it in
+    ``properties.priority`` (a copy a worker parked says 0: it is rewritten); without a job record, onto
+    the list of the priority each message says.
+    """
     script = client.register_script(lua("unpark"))
     parked = settings.keys.parked(job)
+    record = JobRecord.load(client, settings.keys, job)
+    priority = str(min(max(int(record.priority), 0), 9)) if record is not None else ""
     before = int(client.llen(parked))
-    while int(script(keys=[parked, queue or settings.queue], args=[CHUNK])) > 0:
+    keys = [parked, parked + ":rewrite", *priority_lists(queue or settings.queue)]
+    while int(script(keys=keys, args=[CHUNK, priority])) > 0:
         pass
     return before
 
