@@ -146,7 +146,10 @@ def cli() -> None:
 @click.option("--progress/--no-progress", default=None, help="Progress bar [on a terminal].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option(
-    "--priority", "priority_flag", type=int, help="Job priority, kept in the job record. [job file: priority]"
+    "--priority",
+    "priority_flag",
+    type=int,
+    help="Job priority 0 (highest, default) … 9: workers take lower numbers first. [job file: priority]",
 )
 @click.option(
     "--break-lock",
