@@ -173,7 +173,8 @@ def render(rows: list[dict[str, Any]], runs: dict[str, Any]) -> str:
         "# Reliability",
         "",
         "Written by `bench/reliability_report.py` from the results the fault-injection suite "
-        "(`tests/test_reliability_*.py`) records as it runs; do not edit by hand. Regenerate:",
+        "(`tests/test_reliability_*.py`, `tests/test_worker_fidelity.py`, `tests/test_security_*.py`) records "
+        "as it runs; do not edit by hand. Regenerate:",
         "",
         "```bash",
         ".venv/bin/python -m bench.reliability_report --run          # CI subset",
