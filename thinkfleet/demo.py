@@ -83,6 +83,8 @@ def _simulator(workdir: Path, time_scale: float) -> Iterator[str]:
         [
             *(sys.executable, "-m", "sglang_sim.cli", "--port", str(port), "--time-scale", str(time_scale)),
             *("--context-length", str(CONTEXT_LENGTH)),
+            # The demo submits with --seed: a server that ignores seeds would (rightly) be warned about.
+            "--enable-deterministic-inference",
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
