@@ -191,15 +191,9 @@ class GroupCommitter:
             return await self.ledger.finalize(job, dataset, finals, self.alarm_min_rows, self.alarm_share)
         from workers.turns import answers_key
 
-        return await self.ledger.finalize_next(
-            job,
-            dataset,
-            finals,
-            self.alarm_min_rows,
-            self.alarm_share,
-            nexts,
-            self.turns.queue,
-            answers_key(self.ledger.keys, job),
+        queue, answers = self.turns.queue, answers_key(self.ledger.keys, job)
+        return await self.ledger.finalize(
+            job, dataset, finals, self.alarm_min_rows, self.alarm_share, nexts, queue, answers
         )
 
     async def finalize_orphan(self, job: str, dataset: str, part: str, final: FinalRow) -> None:

@@ -6,7 +6,7 @@ field says the job is multi-turn). When a worker commits turn i, it decodes the 
 stored ids by their span columns (:func:`storage.conversations.output_message`: reasoning_content, content,
 tool_calls), puts it in place of the dataset's assistant turn, renders turn i+1 with the job's own tokenizer
 and chat template (its fingerprint checked against the job record first) and hands the message to
-``Ledger.finalize_next``, which marks turn i done, records the answer (:func:`answers_key`) and enqueues turn
+``Ledger.finalize``, which marks turn i done, records the answer (:func:`answers_key`) and enqueues turn
 i+1 in ONE Lua call. Everything the next message holds is computed from stored data only (the conversation,
 the answers of turns < i recorded by earlier finalizes, turn i's row in its part), so the recovery of a worker
 that died between the part write and the finalize (orphan part → finalize) enqueues the same turn i+1.
@@ -109,7 +109,7 @@ class TurnError(Exception):
 
 @dataclass(frozen=True)
 class NextTurn:
-    """What ``Ledger.finalize_next`` records for one finalized turn."""
+    """What ``Ledger.finalize`` records for one finalized turn."""
 
     prompt_id: str  # turn i
     answer: str  # JSON of turn i's answer (with chain_end when no turn follows)

@@ -132,68 +132,42 @@ class Ledger:
         await self.r.hset(self.keys.claims(job), mapping=dict.fromkeys(prompt_ids, value))
 
     async def finalize(
-        self, job: str, dataset: str, rows: list[FinalRow], alarm_min_rows: int, alarm_share: float
-    ) -> tuple[int, bool, int, int]:
-        """Mark rows done; returns (new rows, alarm condition, alarm window rows, of them missing)."""
-        k = self.keys
-        args: list[Any] = [self.worker, f"{time.time():.6f}", alarm_min_rows, alarm_share]
-        for row in rows:
-            args += [row.prompt_id, row.completion_tokens, int(row.has_think_end), int(row.truncated)]
-        new, fire, seen, miss = await self._finalize(
-            keys=[
-                k.done(job),
-                k.claims(job),
-                k.counters(job),
-                k.dataset_counters(job, dataset),
-                k.worker_counters(job),
-                k.timeline(job),
-                k.deliveries(job),
-            ],
-            args=args,
-        )
-        return int(new), bool(fire), int(seen), int(miss)
-
-    async def finalize_next(
         self,
         job: str,
         dataset: str,
         rows: list[FinalRow],
         alarm_min_rows: int,
         alarm_share: float,
-        turns: list[Any],
-        queue: str,
-        answers: str,
+        turns: list[Any] | None = None,
+        queue: str = "",
+        answers: str = "",
     ) -> tuple[int, bool, int, int]:
-        """:meth:`finalize` for a multi-turn job (``workers/turns.py``): in the same Lua call, each row that
-        becomes done records its answer and enqueues its conversation's next turn (``turns[i]``: a
-        ``NextTurn`` or None) into ``queue``, its answer into the ``answers`` hash; the next turn joins the
-        job's submitted prompts (``prompts``, ``prompt_dataset``) then too."""
+        """Mark rows done; returns (new rows, alarm condition, alarm window rows, of them missing).
+
+        A multi-turn job (``workers/turns.py``) passes ``turns`` (per row a ``NextTurn`` or None): in the
+        same Lua call each row that becomes done records its answer into ``answers`` and enqueues its
+        conversation's next turn into ``queue``; the next turn joins the job's submitted prompts
+        (``prompts``, ``prompt_dataset``) then too."""
         k = self.keys
-        if not hasattr(self, "_finalize_next"):
-            self._finalize_next = self.r.register_script(lua("finalize_next"))
         args: list[Any] = [self.worker, f"{time.time():.6f}", alarm_min_rows, alarm_share, dataset]
-        for row, turn in zip(rows, turns, strict=True):
+        for row, turn in zip(rows, turns or [None] * len(rows), strict=True):
             args += [row.prompt_id, row.completion_tokens, int(row.has_think_end), int(row.truncated)]
             if turn is None:
                 args += ["", "", "", ""]
             else:
                 args += [turn.answer, turn.next_prompt_id, turn.next_hash, turn.next_message]
-        new, fire, seen, miss = await self._finalize_next(
-            keys=[
-                k.done(job),
-                k.claims(job),
-                k.counters(job),
-                k.dataset_counters(job, dataset),
-                k.worker_counters(job),
-                k.timeline(job),
-                k.deliveries(job),
-                queue,
-                k.prompts(job),
-                k.prompt_dataset(job),
-                answers,
-            ],
-            args=args,
-        )
+        keys = [
+            k.done(job),
+            k.claims(job),
+            k.counters(job),
+            k.dataset_counters(job, dataset),
+            k.worker_counters(job),
+            k.timeline(job),
+            k.deliveries(job),
+        ]
+        if any(t is not None for t in turns or []):
+            keys += [queue, k.prompts(job), k.prompt_dataset(job), answers]
+        new, fire, seen, miss = await self._finalize(keys=keys, args=args)
         return int(new), bool(fire), int(seen), int(miss)
 
     async def dead_letter(self, task: PromptTask, error_class: str, message: str, attempts: int) -> bool:

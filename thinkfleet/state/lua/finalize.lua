@@ -1,9 +1,14 @@
--- Mark committed rows done (the part holding them is durable).
--- KEYS: done, claims, counters, dataset_counters, worker_counters, timeline, deliveries
--- ARGV: worker, now, alarm_min_rows, alarm_missing_share, then per row: prompt_id, tokens, think_end, truncated
+-- Mark committed rows done (the part holding them is durable); for a multi-turn job (workers/turns.py),
+-- each newly done row also records the model's answer and enqueues its conversation's next turn in the
+-- same atomic step (exactly once: only the call that moves the row into done does it, so a recovery
+-- that finalizes an orphan part enqueues it if nobody did).
+-- KEYS: done, claims, counters, dataset_counters, worker_counters, timeline, deliveries,
+--       and only when a row carries an answer or a next turn: queue, prompts, prompt_dataset, answers
+-- ARGV: worker, now, alarm_min_rows, alarm_missing_share, dataset, then per row: prompt_id, tokens, think_end,
+--       truncated, answer ('' = none), next_prompt_id ('' = none), next_content_hash, next_message
 local new_rows, tokens, think, trunc = 0, 0, 0, 0
 local flags = {}
-for i = 5, #ARGV, 4 do
+for i = 6, #ARGV, 8 do
   local pid = ARGV[i]
   redis.call('HDEL', KEYS[2], pid)
   redis.call('HDEL', KEYS[7], pid)
@@ -13,6 +18,13 @@ for i = 5, #ARGV, 4 do
     think = think + tonumber(ARGV[i + 2])
     trunc = trunc + tonumber(ARGV[i + 3])
     flags[#flags + 1] = ARGV[i + 2]
+    if ARGV[i + 4] ~= '' then redis.call('HSET', KEYS[11], pid, ARGV[i + 4]) end
+    if ARGV[i + 5] ~= '' then
+      redis.call('HSET', KEYS[9], ARGV[i + 5], ARGV[i + 6])
+      redis.call('HSET', KEYS[10], ARGV[i + 5], ARGV[5])
+      redis.call('RPUSH', KEYS[8], ARGV[i + 7])
+      redis.call('HINCRBY', KEYS[3], 'turns_enqueued', 1)
+    end
   end
 end
 if new_rows == 0 then return {0, 0, 0, 0} end
