@@ -228,7 +228,6 @@ def _runtime(client: ScriptedGenerate, **settings: Any) -> WorkerRuntime:
     rt.metrics = WorkerMetrics("t", 4)
     rt.client = client  # type: ignore[assignment]
     rt.semaphore = asyncio.Semaphore(4)
-    rt._requests = set()
     rt._cancelled_jobs = set()
     rt._inflight = {}
     rt.committer = SimpleNamespace(flush_soon=lambda: None)  # type: ignore[assignment]
