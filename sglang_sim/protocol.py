@@ -1,7 +1,7 @@
 """SGLang's native ``/generate`` wire format as the simulator speaks it.
 
 Request parsing and validation, response and error bodies, SSE framing — with SGLang's own wording
-(reference §1; checked against ``entrypoints/http_server.py``, ``managers/tokenizer_manager.py``,
+(checked against the 0.5.9 and 0.5.23 wheels: ``entrypoints/http_server.py``, ``managers/tokenizer_manager.py``,
 ``managers/io_struct.py`` and ``sampling/sampling_params.py``).
 
 Error paths, as in SGLang (which of them applies depends on the release, :mod:`sglang_sim.versions`):

@@ -2,7 +2,7 @@
 continues, and the claims still make exactly one row (and one generation) of it.
 
 Kombu's restore sweep in *any* worker uses *that* worker's visibility timeout ("the shortest value
-wins", reference §1.2). Here a worker with a 1 s lease sweeps next to one with a 60 s lease, whose
+wins": kombu reads ``visibility_timeout`` from the sweeping channel's own transport options). Here a worker with a 1 s lease sweeps next to one with a 60 s lease, whose
 renewals (every 15 s) therefore come far too late: its slow generations are redelivered mid-run.
 """
 

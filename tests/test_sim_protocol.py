@@ -1,4 +1,4 @@
-"""The simulator speaks SGLang's native protocol (reference/sglang-kimi-protocol.md §1–2), over real HTTP.
+"""The simulator speaks SGLang's native protocol (``/generate``, ``/health``, ``/get_server_info``…), over real HTTP.
 
 These tests run the newest imitated release (0.5.23: ``num_retractions``, ``reasoning_tokens``, duplicate
 rids refused); what the deployed 0.5.9 does differently is in test_sim_versions.py.

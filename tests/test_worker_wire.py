@@ -22,7 +22,7 @@ from workers.sglang import (
     parse_version,
 )
 
-#: meta_info as each deployed profile writes it (../shared/reference/sglang-versions.md).
+#: meta_info as each deployed profile writes it (docs/sglang-versions.md).
 META_0_5_9 = {"total_retractions": 2}  # no reasoning_tokens before 0.5.10; total_retractions up to 0.5.11
 META_0_5_23 = {"num_retractions": 1, "reasoning_tokens": 3}
 

@@ -1,4 +1,4 @@
-"""Kimi-K2 / K2.5 special-token ids (reference §4.1).
+"""Kimi-K2 / K2.5 special-token ids, as their ``tokenizer_config.json`` declares them.
 
 The real tokenizer is tiktoken-based and needs ``trust_remote_code``; these ids are what its
 ``tokenizer_config.json`` declares. The producer reads every marker id from the loaded tokenizer through

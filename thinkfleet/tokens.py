@@ -54,5 +54,5 @@ KIMI_TOKENS = SpanTokens(
     tool_call_end_id=kimi.TOOL_CALL_END,
     stop_token_ids=kimi.DEFAULT_STOP_TOKEN_IDS,
 )
-"""Kimi-K2/K2.5's marker ids (reference §4.1): what a job record written before model profiles existed
+"""Kimi-K2/K2.5's marker ids (their ``tokenizer_config.json``): what a job record written before model profiles existed
 means (those were Kimi jobs), and the default of helpers that work on Kimi-shaped test data."""

@@ -5,7 +5,7 @@ Preflight runs at start and after every recovery: ``/health_generate`` (a real 1
 reasoning parser, version, deterministic inference, …). Transitions call ``on_down``/``on_up``, which
 stop and resume consuming the queue.
 
-Probes fit the real server (../shared/reference/sglang-versions.md, ``/health``):
+Probes fit the real server (docs/sglang-versions.md, ``/health``):
 
 - A probe waits up to ``health_probe_timeout_s`` (70 s: above compose's ``SGLANG_HEALTH_CHECK_TIMEOUT``
   of 60 s, so the server's own verdict decides). A real probe takes ≥ 1 s, more under load.
