@@ -7,38 +7,17 @@ document for scripts.
 
 from __future__ import annotations
 
-import functools
 import json
-from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
 import click
 
+from thinkfleet.cli import STATE, settings_options
 from thinkfleet.settings import Settings
 
-
-def common_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """``--redis-url --output-uri --key-prefix --s3-endpoint-url``, folded into a ``settings`` arg."""
-
-    @click.option("--redis-url", default=None, help="Redis with the job state [THINKFLEET_REDIS_URL].")
-    @click.option("--output-uri", default=None, help="Local path or s3://bucket/prefix [THINKFLEET_OUTPUT_URI].")
-    @click.option("--key-prefix", default=None, help="Prefix of thinkfleet keys in Redis [THINKFLEET_KEY_PREFIX].")
-    @click.option("--s3-endpoint-url", default=None, help="S3-compatible endpoint [THINKFLEET_S3_ENDPOINT_URL].")
-    @functools.wraps(func)
-    def wrapper(
-        redis_url: str | None,
-        output_uri: str | None,
-        key_prefix: str | None,
-        s3_endpoint_url: str | None,
-        **kwargs: Any,
-    ) -> Any:
-        settings = Settings().with_overrides(
-            redis_url=redis_url, output_uri=output_uri, key_prefix=key_prefix, s3_endpoint_url=s3_endpoint_url
-        )
-        return func(settings=settings, **kwargs)
-
-    return wrapper
+#: ``--redis-url --output-uri --key-prefix --queue --s3-endpoint-url``, folded into a ``settings`` arg.
+common_options = settings_options(STATE)
 
 
 def _print_json(payload: Any) -> None:
@@ -55,8 +34,7 @@ def _print_json(payload: Any) -> None:
     help="While the job runs: check that every submitted prompt is done, dead-lettered, queued or running "
     "(Redis only, storage is not read); exit 1 naming the unaccounted ones.",
 )
-@click.option("--queue", default=None, help="Celery queue, for --live [THINKFLEET_QUEUE].")
-def verify(settings: Settings, job: str, as_json: bool, live: bool, queue: str | None) -> None:
+def verify(settings: Settings, job: str, as_json: bool, live: bool) -> None:
     """Check that every submitted prompt of JOB is stored exactly once, with sound spans.
 
     Exits 1 on any missing, duplicated, malformed or stale row, on a row whose input_ids do not hash to
@@ -68,7 +46,7 @@ def verify(settings: Settings, job: str, as_json: bool, live: bool, queue: str |
     if live:
         from storage.verify import format_live_report, verify_live
 
-        live_report = verify_live(settings.with_overrides(queue=queue), job)
+        live_report = verify_live(settings, job)
         if as_json:
             _print_json(live_report.to_dict())
         else:
