@@ -19,11 +19,12 @@ How an output is built:
 5. ``model_family`` (``--model-family``) picks the marker ids, from the real tokenizers' tables in
    :mod:`thinkfleet.profiles` (the simulator has no tokenizer). ``kimi`` (the default) is exactly the
    output above. ``qwen3``: ``[<think> 151667, reasoning…, </think> 151668, answer…, <|im_end|> 151645]``
-   (no ``<think>`` when the prompt already ends with it); a tool call is ``…</think>, preamble?, (<tool_call>
-   151657, JSON ids, </tool_call> 151658)+, <|im_end|>``. ``harmony`` (gpt-oss): ``[<|channel|> 200005,
-   analysis 35644, <|message|> 200008, reasoning…, <|end|> 200007, <|start|> 200006, assistant 173781,
-   <|channel|>, final 17196, <|message|>, answer…, <|return|> 200002]``; a tool call replaces the final
-   message with ``<|start|> assistant <|channel|> commentary( 12606 815) to=functions(316 28 44580) NAME…
+   (no ``<think>`` when the prompt already ends with it, or with it and a newline); a tool call is
+   ``…</think>, preamble?, (<tool_call> 151657, JSON ids, </tool_call> 151658)+, <|im_end|>``.
+   ``harmony`` (gpt-oss): ``[<|channel|> 200005, analysis 35644, <|message|> 200008, reasoning…,
+   <|end|> 200007, <|start|> 200006, assistant 173781, <|channel|>, final 17196, <|message|>, answer…,
+   <|return|> 200002]``; a tool call replaces the final message with
+   ``<|start|> assistant <|channel|> commentary( 12606 815) to=functions(316 28 44580) NAME…
    ␠<|constrain|> json<|message|> ARGS… <|call|> 200012``. ``think_end=False`` never closes the reasoning
    (no ``</think>``; harmony: the analysis message runs to ``<|return|>``). Filler ids come from
    [0, the family's first special id).
@@ -169,6 +170,25 @@ class _Plan:
     end_token: int = kimi.IM_END
 
 
+#: How far from the prompt's end a ``<think>`` still opens reasoning (``<think>`` then at most two ordinary ids).
+PROMPT_OPEN_WINDOW = 3
+
+
+def prompt_opens_reasoning(input_ids: Sequence[int], config: ContentConfig) -> bool:
+    """The prompt leaves the model inside reasoning: it ends with ``<think>`` and at most two ordinary ids after it
+    (Qwen3-Thinking-2507's ``<think>\\n``). The simulator has no tokenizer to know which ids are whitespace, so
+    any ordinary id counts; storage reads the job's own whitespace ids (``storage.spans.prompt_opens_reasoning``)."""
+    start = config.vocabulary.think_start
+    if start is None:
+        return False
+    for token in reversed([int(t) for t in input_ids[-PROMPT_OPEN_WINDOW:]]):
+        if token == start:
+            return True
+        if token >= config.vocabulary.first_special_id:
+            return False
+    return False
+
+
 def seed_bytes(input_ids: Sequence[int], sampling_seed: int | None) -> bytes:
     """32 bytes that fix an output: blake2b over the uint32-LE ids and the seed."""
     digest = hashlib.blake2b(digest_size=32)
@@ -200,8 +220,7 @@ def expected_generation(
     if config.model_family == "kimi":
         plan = _plan(rng, config)
     elif config.model_family == "qwen3":
-        opened = bool(len(input_ids)) and int(input_ids[-1]) == config.vocabulary.think_start
-        plan = _plan_qwen3(rng, config, opened)
+        plan = _plan_qwen3(rng, config, prompt_opens_reasoning(input_ids, config))
     else:
         plan = _plan_harmony(rng, config)
     if limit <= 0:

@@ -29,7 +29,7 @@ from storage.schema import (
     TOKEN_COLUMNS,
     TOOL_CALL_SPANS,
 )
-from storage.spans import SpanTokens, compute_spans_batch, ids_at
+from storage.spans import SpanTokens, compute_spans_batch, ids_at, prompts_open_reasoning
 
 #: Columns :func:`row_problems` needs.
 CHECK_COLUMNS = [PROMPT_ID, *TOKEN_COLUMNS, *SPAN_COLUMNS, STOP_TOKEN, COMPLETION_TOKENS, FINISH_REASON]
@@ -40,7 +40,7 @@ FINISH_TYPES = ("stop", "length", "abort")
 class ThinkingStats:
     """For the seed's bug: prompts that opened reasoning, and how many outputs closed it."""
 
-    thinking_rows: int = 0  # prompt ends with <think>
+    thinking_rows: int = 0  # the prompt opens reasoning (ends with <think>, maybe + a newline)
     think_end_rows: int = 0  # … and the output has </think>
 
     def add(self, other: ThinkingStats) -> None:
@@ -102,7 +102,7 @@ def row_problems(table: pa.Table, tokens: SpanTokens) -> tuple[dict[str, list[st
     flag(~stop_valid & is_stop, "stop_token is null but the last id is a stop token")
 
     # The spans must be what the ids say (recomputed with the job's marker ids).
-    pets = ids_at(in_values, in_offsets, np.diff(in_offsets) - 1) == tokens.think_start_id
+    pets = prompts_open_reasoning(in_values, in_offsets, tokens)
     again = compute_spans_batch(values, offsets, pets, tokens)
     for name, stored, fresh in (
         (REASONING_START, rs, again.reasoning_start),

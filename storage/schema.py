@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from storage.spans import KIMI_TOKENS, SpanTokens, compute_spans_batch, ids_at
+from storage.spans import KIMI_TOKENS, SpanTokens, compute_spans_batch, prompts_open_reasoning
 
 #: 2: + ``deterministic``; ``reasoning_tokens``/``num_retractions``/``cached_tokens`` are null when the server
 #: did not report them (parts of version 1 read back with ``deterministic`` null).
@@ -207,8 +207,8 @@ def rows_to_table(
 
     - ``input_ids``/``output_ids`` may be lists of ints or numpy integer arrays.
     - Span columns given in every row are taken as given (the worker knows its tokenizer's ids);
-      otherwise they are computed here for the whole batch with ``tokens``, treating a prompt whose
-      last id is ``tokens.think_start_id`` as ending with ``<think>``. ``tool_call_spans`` entries
+      otherwise they are computed here for the whole batch with ``tokens``, a prompt that opens reasoning
+      (:func:`storage.spans.prompt_opens_reasoning`) starting it at 0. ``tool_call_spans`` entries
       may be ``(start, end)`` tuples or ``{"start", "end"}`` dicts.
     - ``finish_reason`` may be SGLang's dict (``{"type": …, "matched": …}``) or its type string.
     - ``sampling_params`` may be a dict (JSON-encoded, sorted keys) or a JSON string.
@@ -317,9 +317,9 @@ def _span_columns(
 ) -> dict[str, pa.Array]:
     if rows and all(all(c in r for c in SPAN_COLUMNS) for r in rows):
         return _given_spans(rows)
-    # A prompt rendered in thinking mode ends with <think>: the output starts inside reasoning.
-    last_in = ids_at(in_values, in_offsets, np.diff(in_offsets) - 1)
-    s = compute_spans_batch(out_values, out_offsets, last_in == tokens.think_start_id, tokens)
+    # A prompt rendered in thinking mode ends with <think> (or <think>\n): the output starts inside reasoning.
+    opens = prompts_open_reasoning(in_values, in_offsets, tokens)
+    s = compute_spans_batch(out_values, out_offsets, opens, tokens)
     stop = pa.array(s.stop_token.astype(np.int32), mask=s.stop_token < 0)
     return {
         REASONING_START: pa.array(s.reasoning_start),

@@ -6,11 +6,12 @@ or harmony channels), is the job's model profile (:class:`SpanTokens`, from ``Jo
 :mod:`thinkfleet.profiles`). The rules below are written with Kimi's names; Qwen3, DeepSeek and GLM-4.5
 follow them with their own markers. Conventions, all half-open ``[start, end)``:
 
-- ``reasoning``: the reasoning tokens, markers excluded. When the prompt ends with ``<think>`` the
-  model starts inside reasoning, so it starts at 0; otherwise it starts after the first ``<think>``
-  the model emits, and is empty (0:0) if it emits none. It ends at the first ``</think>`` or at
-  ``<|tool_calls_section_begin|>`` (Kimi may go straight from thinking to tool calls, which ends
-  reasoning without ``</think>``), else at the end of the output minus a trailing stop token
+- ``reasoning``: the reasoning tokens, markers excluded. When the prompt opens reasoning — it ends with
+  ``<think>``, or with ``<think>`` and a newline as Qwen3-Thinking-2507 and DeepSeek-R1-0528 render it
+  (:func:`prompt_opens_reasoning`) — the model starts inside reasoning, so it starts at 0; otherwise it
+  starts after the first ``<think>`` the model emits, and is empty (0:0) if it emits none. It ends at the
+  first ``</think>`` or at ``<|tool_calls_section_begin|>`` (Kimi may go straight from thinking to tool
+  calls, which ends reasoning without ``</think>``), else at the end of the output minus a trailing stop token
   (truncated: ``finish_reason == "length"``). ``has_think_end`` is true only if ``</think>`` itself
   closed the reasoning: then ``output_ids[reasoning_end] == think_end_id``. It is false when the
   reasoning ended otherwise, and when reasoning was never opened (a stray ``</think>`` in an
@@ -42,8 +43,11 @@ Harmony (gpt-oss, ``SpanTokens.scheme == "harmony"``): the output is a series of
   token, excluded); empty at the end of the body when there is none (a tool call, a truncation).
 - ``tool_call_spans``: every message ended by ``<|call|>`` (a message addressed ``to=`` a tool), from its
   ``<|channel|>`` to its ``<|call|>`` included — the channel header with the recipient, the arguments and
-  the markers. A call cut off before its ``<|call|>`` cannot be told from a commentary preamble without
-  reading the header's text, so it gets no span.
+  the markers. A call cut off before its ``<|call|>`` (the output ends inside the message: in its header
+  or its arguments, on a channel that is neither ``analysis`` nor ``final``) runs to the end of the output
+  (minus a stop token), as a cut-off think-scheme call does: complete iff ``output_ids[end - 1]`` is
+  ``<|call|>``. (A commentary *preamble* cut off the same way cannot be told from a call by ids alone; it
+  is spanned as a cut-off call too.)
 
 The batch function works on a whole group commit at once (flat ids + offsets): the ids are scanned
 with a handful of vectorized comparisons and only the few marker positions are looked at further,
@@ -69,7 +73,52 @@ __all__ = [
     "compute_spans_batch",
     "harmony_spans",
     "ids_at",
+    "prompt_opens_reasoning",
+    "prompts_open_reasoning",
 ]
+
+#: Whitespace ids (``SpanTokens.prompt_trailing_ids``) that may follow ``<think>`` at the end of a prompt that
+#: opens reasoning, at most: templates write one ``\n`` (two tokens leave room for ``\n`` ``\n``).
+MAX_PROMPT_TRAILING = 2
+
+
+def prompt_opens_reasoning(input_ids: Sequence[int] | np.ndarray, tokens: SpanTokens) -> bool:
+    """True when the prompt leaves the model inside reasoning: its last ids are ``think_start`` followed by at
+    most :data:`MAX_PROMPT_TRAILING` whitespace ids (``tokens.prompt_trailing_ids``). Kimi-K2.5 ends the
+    generation prompt with ``<think>``; Qwen3-Thinking-2507 and DeepSeek-R1-0528 with ``<think>\\n``. Then the
+    output holds no ``<think>`` of its own and ``reasoning_start`` is 0. The one rule every reader applies
+    (worker rows, the schema, row checks, the reasoning alarm); :func:`prompts_open_reasoning` is its batch twin.
+    """
+    start = tokens.think_start_id
+    if start is None:
+        return False
+    n = len(input_ids)
+    for k in range(1, min(n, MAX_PROMPT_TRAILING + 1) + 1):
+        token = int(input_ids[n - k])
+        if token == start:
+            return True
+        if token not in tokens.prompt_trailing_ids:
+            return False
+    return False
+
+
+def prompts_open_reasoning(values: np.ndarray, offsets: np.ndarray, tokens: SpanTokens) -> np.ndarray:
+    """:func:`prompt_opens_reasoning` of every prompt stored flat (row ``i`` = ``values[offsets[i]:offsets[i+1]]``)."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    lengths = np.diff(offsets)
+    opens = np.zeros(len(lengths), dtype=bool)
+    if tokens.think_start_id is None:
+        return opens
+    trailing = np.asarray(tokens.prompt_trailing_ids, dtype=np.int64)
+    undecided = np.ones(len(lengths), dtype=bool)
+    for k in range(1, MAX_PROMPT_TRAILING + 2):
+        at = ids_at(values, offsets, lengths - k)  # -1 before the prompt's start
+        hit = undecided & (at == tokens.think_start_id)
+        opens |= hit
+        undecided &= ~hit & np.isin(at, trailing)
+        if not undecided.any():
+            break
+    return opens
 
 
 @dataclass(frozen=True)
@@ -133,12 +182,15 @@ def compute_spans(
     return_id: int | None = None,
     analysis_channel: Sequence[int] = (),
     final_channel: Sequence[int] = (),
+    prompt_trailing_ids: Sequence[int] = (),
 ) -> Spans:
     """Spans of one output: one vectorized scan for markers, then plain logic over the few found.
 
     This is the readable statement of the rules; :func:`compute_spans_batch` is its vectorized twin
     and the property tests hold the two equal. The keywords are :class:`SpanTokens`' fields
     (``compute_spans(ids, **asdict(tokens))``); ``scheme="harmony"`` applies gpt-oss's channel rules.
+    ``prompt_ends_with_think_start`` is :func:`prompt_opens_reasoning` of the prompt (``prompt_trailing_ids``
+    is only what that helper reads).
     """
     # An explicit dtype skips numpy's type inference over a Python list (a third of the cost).
     ids = output_ids if isinstance(output_ids, np.ndarray) else np.array(output_ids, dtype=np.int64)
@@ -407,6 +459,7 @@ def harmony_spans(output_ids: Sequence[int] | np.ndarray, tokens: SpanTokens) ->
         elif v in enders and at_message is not None:
             messages.append((at_channel, at_message, p, v))
             at_channel = at_message = None
+    tail = (at_channel, at_message)  # the message the output ends inside (cut off), if any
     if at_message is not None:
         messages.append((at_channel, at_message, n, None))
 
@@ -414,6 +467,14 @@ def harmony_spans(output_ids: Sequence[int] | np.ndarray, tokens: SpanTokens) ->
         if ch is None or not name or msg - ch - 1 < len(name):
             return False
         return tuple(ids[ch + 1 : ch + 1 + len(name)].tolist()) == name
+
+    def cut_call(ch: int | None, msg: int | None) -> bool:
+        """The output ends inside this message, whose channel is known to be neither analysis nor final."""
+        if ch is None or ch >= body_end:
+            return False
+        header = tuple(ids[ch + 1 : body_end if msg is None else msg].tolist())
+        named = (t.analysis_channel, t.final_channel)
+        return bool(header) and not any(header[: len(name)] == name[: len(header)] for name in named if name)
 
     reasoning_start = reasoning_end = 0
     has_think_end = False
@@ -430,6 +491,8 @@ def harmony_spans(output_ids: Sequence[int] | np.ndarray, tokens: SpanTokens) ->
             answer_end = min(content_end, body_end)
             break
     calls = tuple((ch, content_end + 1) for ch, _, content_end, term in messages if ch is not None and term == call)
+    if cut_call(*tail):
+        calls += ((tail[0], body_end),)
     return Spans(
         reasoning_start=reasoning_start,
         reasoning_end=reasoning_end,

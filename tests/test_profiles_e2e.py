@@ -169,8 +169,10 @@ def test_a_harmony_job_runs_end_to_end_with_channel_spans(tmp_path: Path, redis_
         elif out[header + 1] == FINAL:  # the final message is the answer, <|return|> excluded
             assert out[header + 2] == MESSAGE
             assert _calls(row) == [] and (row["answer_start"], row["answer_end"]) == (header + 3, body_end)
-        else:  # a call cut off before its <|call|>: no span (its recipient is text)
-            assert _calls(row) == [] and row["answer_start"] == row["answer_end"] == body_end
+        else:  # a call cut off before its <|call|>: spanned to the end, like a cut-off Kimi/Qwen3 call
+            assert row["finish_reason"] == "length" and out[-1] != CALL_H
+            assert _calls(row) == ([(header, body_end)] if header + 1 < body_end else [])
+            assert row["answer_start"] == row["answer_end"] == body_end
     assert 0 < tool_rows < ROWS
     assert not got["client"].exists(got["settings"].keys.alarm("gptoss"))
     assert got["report"]["model_family"] == "harmony"

@@ -77,6 +77,11 @@ MARKER_ROLES: tuple[str, ...] = (
 )
 #: Roles of the tool-call markers (optional: a tokenizer without them is warned about, not refused).
 TOOL_ROLES: tuple[str, ...] = MARKER_ROLES[2:]
+#: Whitespace a chat template may write after ``think_start`` at the end of the generation prompt
+#: (Qwen3-Thinking-2507 and DeepSeek-R1-0528 end it with ``<think>\n``). :func:`resolve` records the id of each
+#: that encodes to one token next to the markers, so spans know such a prompt opens reasoning
+#: (``SpanTokens.prompt_trailing_ids``, :func:`storage.spans.prompt_opens_reasoning`).
+PROMPT_TRAILING_TEXTS: tuple[str, ...] = ("\n", "\n\n")
 
 
 class ProfileError(Exception):
@@ -124,7 +129,8 @@ class ModelProfile:
     #: End-of-turn / stop token strings (added to the tokenizer's and generation_config's EOS ids).
     stop_tokens: tuple[str, ...]
     #: The chat template's generation prompt ends with ``think_start`` in thinking mode (Kimi-K2.5,
-    #: DeepSeek-V3.1); otherwise the model opens reasoning itself (Qwen3, GLM-4.5).
+    #: DeepSeek-V3.1; ``<think>\n`` in DeepSeek-R1-0528 and Qwen3-Thinking-2507); otherwise the model opens
+    #: reasoning itself (Qwen3, GLM-4.5). Documentation: rows decide per prompt from its ids.
     prompt_opens_reasoning: bool = False
     harmony: HarmonyMarkers | None = None
     #: What the real tokenizer holds (documentation, simulator, test tokenizers; never the pipeline).
@@ -494,6 +500,11 @@ def resolve(
                 raise ProfileError(f"{source} cannot encode the harmony channel name {name!r}")
             channel_ids[name] = ids
     stop_ids = [found[t] for t in profile.stop_tokens if t in found]
+    if marker_ids["think_start_id"] is not None:
+        for text in PROMPT_TRAILING_TEXTS:
+            ids = _encode(tok, text)
+            if ids is not None and len(ids) == 1:
+                found[text] = ids[0]
     return Resolution(
         profile=profile,
         detected=detected,
@@ -530,6 +541,7 @@ def span_tokens(
     harmony = profile is not None and profile.scheme == "harmony"
     if harmony and not reasoning_spans:
         roles = dict.fromkeys(MARKER_ROLES)
+    found = token_ids or {}
     base = SpanTokens(
         think_start_id=roles["think_start_id"],
         think_end_id=roles["think_end_id"],
@@ -539,12 +551,12 @@ def span_tokens(
         tool_call_end_id=roles["tool_call_end_id"],
         stop_token_ids=tuple(int(t) for t in stop_token_ids),
         reasoning_spans=reasoning_spans,
+        prompt_trailing_ids=tuple(int(found[t]) for t in PROMPT_TRAILING_TEXTS if t in found),
     )
     if not (harmony and reasoning_spans):
         return base
     assert profile is not None and profile.harmony is not None
     h = profile.harmony
-    found = token_ids or {}
     channels = channel_ids or {}
     return replace(
         base,

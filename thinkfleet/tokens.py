@@ -37,6 +37,10 @@ class SpanTokens:
     scheme: str = "think"
     #: False: the job runs with ``--no-reasoning-spans`` (think markers None, the reasoning alarm off).
     reasoning_spans: bool = True
+    #: Whitespace ids (``\n``, ``\n\n``) a chat template may put after ``think_start`` at the end of a
+    #: prompt (Qwen3-Thinking-2507, DeepSeek-R1-0528: ``<think>\n``); see
+    #: :func:`storage.spans.prompt_opens_reasoning`. Empty: only a prompt ending exactly with it opens.
+    prompt_trailing_ids: tuple[int, ...] = ()
     # -- harmony only --------------------------------------------------------------------------------
     message_start_id: int | None = None  # <|start|>
     message_id: int | None = None  # <|message|>

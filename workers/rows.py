@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from storage.spans import compute_spans
+from storage.spans import compute_spans, prompt_opens_reasoning
 from thinkfleet.message import PromptTask
 from thinkfleet.state.ledger import FinalRow
 from workers.jobs import JobSpec
@@ -41,7 +41,7 @@ def build_row(
     (null), and ``deterministic`` says whether the server honoured ``sampling_seed`` (None: unknown)."""
     spans = compute_spans(
         gen.output_ids,
-        prompt_ends_with_think_start=bool(input_ids) and input_ids[-1] == job.tokens.think_start_id,
+        prompt_ends_with_think_start=prompt_opens_reasoning(input_ids, job.tokens),
         **asdict(job.tokens),
     )
     seed = sampling_params.get("sampling_seed")

@@ -23,6 +23,9 @@ Real reasoning-model tokenizers need a download (Kimi's also ``trust_remote_code
   ``<tool_response>`` blocks, reasoning kept only after the last user query, and a generation prompt
   ``<|im_start|>assistant\n`` (the model opens ``<think>`` itself) or, with ``enable_thinking=False``,
   ``…<think>\n\n</think>\n\n``;
+- ``qwen3-thinking``: the ``qwen3`` tokenizer with the template of Qwen3-Thinking-2507, whose generation
+  prompt already opens reasoning: ``<|im_start|>assistant\n<think>\n`` (the model's output starts inside
+  reasoning, with no ``<think>`` of its own; DeepSeek-R1-0528 ends its prompt the same way);
 - ``harmony`` (gpt-oss): a base vocabulary over 199,998 ids where the words ``analysis`` (35644),
   ``final`` (17196) and ``assistant`` (173781) are single tokens at their o200k ids, and the
   ``o200k_harmony`` special block 199998–201087 (``<|return|>`` 200002, ``<|constrain|>`` 200003,
@@ -47,7 +50,7 @@ import os
 import random
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from thinkfleet import kimi
@@ -241,6 +244,15 @@ QWEN3_CHAT_TEMPLATE = _keep_newlines(
     "{%- endif -%}"
 )
 
+#: Qwen3-Thinking-2507: always thinking, and the generation prompt opens the reasoning itself.
+QWEN3_THINKING_CHAT_TEMPLATE = QWEN3_CHAT_TEMPLATE.replace(
+    "{%- if add_generation_prompt -%}<|im_start|>assistant{{ '\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "<think>{{ '\\n' }}{{ '\\n' }}</think>{{ '\\n' }}{{ '\\n' }}{%- endif -%}",
+    "{%- if add_generation_prompt -%}<|im_start|>assistant{{ '\\n' }}<think>{{ '\\n' }}",
+)
+assert QWEN3_THINKING_CHAT_TEMPLATE != QWEN3_CHAT_TEMPLATE
+
 # -- plain ChatML (no reasoning tokens) ----------------------------------------------------------------------
 PLAIN_SPECIALS: dict[str, int] = {t: i for t, i in QWEN3_SPECIALS.items() if i <= 151664}
 PLAIN_CHAT_TEMPLATE = _keep_newlines(
@@ -389,6 +401,8 @@ def layout(family: str = "kimi") -> Layout:
             frozenset(QWEN3_NOT_SPECIAL), QWEN3_CHAT_TEMPLATE, eos="<|im_end|>", pad="<|endoftext|>",
             generation_eos=(151645, 151643), generation_bos=151643, model_max_length=131_072,
         )  # fmt: skip
+    if family == "qwen3-thinking":
+        return replace(layout("qwen3"), family=family, template=QWEN3_THINKING_CHAT_TEMPLATE)
     if family == "plain":
         return Layout(
             "plain", QWEN3_FIRST_SPECIAL_ID, {i: t for t, i in PLAIN_SPECIALS.items()},
@@ -408,7 +422,7 @@ def layout(family: str = "kimi") -> Layout:
 
 
 #: Families :func:`build_test_tokenizer` can build (``plain``: ChatML without reasoning tokens).
-FAMILIES: tuple[str, ...] = ("kimi", "qwen3", "harmony", "plain")
+FAMILIES: tuple[str, ...] = ("kimi", "qwen3", "qwen3-thinking", "harmony", "plain")
 
 
 def content_hash(family: str = "kimi") -> str:
