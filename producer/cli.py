@@ -1,5 +1,5 @@
-"""The ``producer`` command: ``submit``, ``status``, ``wait`` (+ storage's verify/export/report/compact and
-the workers' ``retry`` when those packages provide them)."""
+"""The ``producer`` command: ``submit``, ``status``, ``wait``, ``retry``, the lifecycle commands (+ storage's
+verify/export/report/compact when that package provides them)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ from producer.jobfile import (
 from producer.jobfile import load as load_job_file
 from producer.jobfile import resolved as resolved_job_file
 from producer.lifecycle import make_commands as make_lifecycle_commands
+from producer.retry import retry
 from producer.status import DEFAULT_WINDOW_S, StatusReader, confirm_stored, format_duration
 from producer.submit import SubmitError, SubmitOptions, submit
 from producer.view import status_view, submit_report
@@ -456,14 +457,10 @@ def _register_optional_commands() -> None:
         command = getattr(storage_cli, name, None)
         if isinstance(command, click.Command):
             cli.add_command(command, name)
-    try:
-        from workers.retry import retry
-    except ImportError:
-        return
-    cli.add_command(retry, "retry")
 
 
 _register_optional_commands()
+cli.add_command(retry, "retry")
 for _command in make_lifecycle_commands(common_options, _settings):
     cli.add_command(_command)
 

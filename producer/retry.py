@@ -5,7 +5,7 @@ A truncated re-run reads the prompt ids back from storage and sends them as the 
 with a ``max_new_tokens`` override; the committed view keeps the highest revision, so the new row
 replaces the old one.
 
-A retry is atomic, like ``producer submit`` (``producer.enqueue``): the messages are staged on a
+A retry is atomic, like ``producer submit`` (producer/enqueue.py): the messages are staged on a
 private list, then ONE ``MULTI`` takes the prompts out of ``dead`` (or ``done``), corrects the counters,
 clears their crash-delivery counts and moves the staged list onto the queue. A worker therefore never
 sees a retried message while its prompt still looks dead (it would skip and acknowledge it, and the
@@ -19,43 +19,25 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import click
 import msgpack
 import pyarrow.compute as pc
 import redis
 
-from thinkfleet.message import TASK_NAME, PromptTask, pack_ids
+from producer.enqueue import Stager, job_priority
+from producer.state import StateError, SubmitLock
+from thinkfleet.broker.celery_app import send_tasks
+from thinkfleet.broker.envelope import Envelope
+from thinkfleet.message import PromptTask, pack_ids
 from thinkfleet.settings import Settings, load_settings
 from thinkfleet.state.scripts import lua
-
-if TYPE_CHECKING:
-    from producer.state import SubmitLock
 
 #: Prompts per Lua call (and messages per encode batch) inside the one MULTI.
 CHUNK = 5000
 
 #: Take prompts out of ``dead`` or ``done`` for a re-queue (thinkfleet/state/lua/requeue.lua).
 _TAKE_OUT = lua("requeue")
-
-
-def _publish(settings: Settings, tasks: list[PromptTask]) -> None:
-    """``send_task`` each task (any broker; not atomic: tests and the non-Redis-broker fallback use it)."""
-    from workers.app import make_app
-
-    app = make_app(settings, register=False)
-    with app.producer_or_acquire() as producer:
-        for task in tasks:
-            app.send_task(
-                TASK_NAME,
-                args=task.to_args(),
-                task_id=task.task_id,
-                argsrepr=task.argsrepr,
-                kwargsrepr="{}",
-                queue=settings.queue,
-                producer=producer,
-            )
 
 
 def _chunks(tasks: list[PromptTask]) -> Iterator[list[PromptTask]]:
@@ -99,10 +81,8 @@ def _requeue(client: redis.Redis, settings: Settings, job: str, field: str, task
         with client.pipeline(transaction=True) as pipe:
             _take_out(pipe, settings, job, field, tasks)
             pipe.execute()
-        _publish(settings, tasks)
+        send_tasks(settings, tasks)
         return
-    from producer.enqueue import Envelope, Stager, job_priority
-
     # Back onto the job's priority list, the messages saying that priority (as its submit queued them).
     priority = job_priority(client, settings, job)
     envelope = Envelope(settings, priority)
@@ -121,8 +101,6 @@ def _requeue(client: redis.Redis, settings: Settings, job: str, field: str, task
 
 def _lock(client: redis.Redis, settings: Settings, job: str) -> SubmitLock:
     """The job's submit lock (``producer.state``): raises ``StateError`` while a submit or retry holds it."""
-    from producer.state import SubmitLock
-
     return SubmitLock(client, settings, job)
 
 
@@ -209,8 +187,6 @@ def retry(
     **overrides: str | None,
 ) -> None:
     """Re-queue JOB's dead-lettered prompts (or, with --truncated, its length-stopped rows)."""
-    from producer.state import StateError
-
     settings = load_settings(**overrides)
     try:
         if truncated:

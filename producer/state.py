@@ -16,9 +16,9 @@ from typing import Any
 
 import redis
 
-from producer.enqueue import Stager, queued_prompt_ids, running_prompt_ids
+from producer.enqueue import Stager
 from thinkfleet.settings import Settings
-from thinkfleet.state.invariant import transit_prompt_ids
+from thinkfleet.state.invariant import queued_prompt_ids, transit_prompt_ids, unacked_prompt_ids
 from thinkfleet.state.job import JobRecord
 
 #: The submit lock expires after this long if a submit dies holding it.
@@ -60,9 +60,9 @@ def load_existing(client: redis.Redis, settings: Settings, job: str, redis_requi
         # reaper moves unacked → queue. Reading unacked before and after the queue, and done/dead last,
         # sees every message in at least one place.
         # Transit lists (popped by a worker, not yet in unacked) count as running too.
-        running = running_prompt_ids(client, settings, job) | transit_prompt_ids(client, settings, job)
+        running = unacked_prompt_ids(client, settings, job) | transit_prompt_ids(client, settings, job)
         queued = queued_prompt_ids(client, settings, job)
-        again = running_prompt_ids(client, settings, job) | transit_prompt_ids(client, settings, job)
+        again = unacked_prompt_ids(client, settings, job) | transit_prompt_ids(client, settings, job)
         existing.queued = running | queued | again
         existing.done = {m.decode() for m in client.smembers(keys.done(job))}
         existing.dead = {k.decode() for k in client.hkeys(keys.dead(job))}

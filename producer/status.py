@@ -21,8 +21,8 @@ from typing import Any
 
 import redis
 
-from producer.enqueue import queue_keys
 from producer.job import JobRecord
+from thinkfleet.broker.queues import queue_length
 from thinkfleet.settings import Settings
 from thinkfleet.state.invariant import NotObservable, account, live_claims
 
@@ -116,7 +116,7 @@ class StatusReader:
             "mean_output_tokens": None if mean_out is None else round(mean_out, 1),
             "eta_s": None if eta is None else round(eta, 1),
             "alarm": _json_or_text(alarm_raw),
-            "queue_length": sum(r.llen(k) for k in queue_keys(r, self.settings.queue)),
+            "queue_length": queue_length(r, self.settings.queue),
             "output_tokens": counters.get("output_tokens", 0),
             "truncated": counters.get("truncated", 0),
             "missing_think_end": counters.get("missing_think_end", 0),
@@ -130,7 +130,7 @@ class StatusReader:
         """--turns all: ``conversations`` {total, complete, in_progress, cut_at_tool, chain_ended, dead} and
         ``turns`` {enqueued, done}, from the job hash's ``turns`` field, the ``turns_enqueued`` counter (later
         turns the workers enqueued), the done set, the dead letters and the answers hash. {} for other jobs."""
-        from workers.turns import answers_key, conversations_key, split_turn_id, turn_id
+        from thinkfleet.turns import answers_key, conversations_key, split_turn_id, turn_id
 
         keys, job, r = self.settings.keys, self.job, self.client
         meta = _json_or_text(r.hget(keys.job(job), "turns"))

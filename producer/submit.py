@@ -29,7 +29,7 @@ from typing import Any
 import redis
 
 from producer import render
-from producer.enqueue import Envelope, Stager
+from producer.enqueue import Stager
 from producer.inputs import Columns, Dataset, InputError, Problem, Prompt, iter_prompts, open_dataset
 from producer.report import (
     DatasetReport,
@@ -42,6 +42,7 @@ from producer.report import (
 )
 from producer.state import Existing, StateError, SubmitLock, commit, load_existing, write_manifest
 from thinkfleet import profiles
+from thinkfleet.broker.envelope import Envelope
 from thinkfleet.failpoints import failpoint
 from thinkfleet.message import PromptTask, is_plain_name, unpack_ids
 from thinkfleet.settings import Settings
@@ -251,7 +252,7 @@ class _Feed:
         self.opts, self.inputs, self.problems = opts, inputs, problems
         self.pending: collections.deque[tuple[str, Prompt]] = collections.deque()
         self.error: Exception | None = None
-        #: --turns all: conversation id → its turns (workers.turns.plan_conversation) and source
+        #: --turns all: conversation id → its turns (thinkfleet.turns.plan_conversation) and source
         self.conversations: dict[str, dict[str, Any]] = {}
         self.cut_at_tool = 0
 
@@ -268,7 +269,7 @@ class _Feed:
 
     def _first_turn(self, dataset: str, prompt: Prompt) -> Prompt:
         """--turns all: the conversation's turn 0 (history up to its first user message), ``{id}/t0``."""
-        from workers.turns import plan_conversation, turn_id
+        from thinkfleet.turns import plan_conversation, turn_id
 
         plan = plan_conversation(prompt.messages)
         if plan is None:  # no user turn: rendered as it is (one turn), as --turns last would
@@ -542,7 +543,7 @@ class _Collector:
 def _write_conversations(client: redis.Redis, settings: Settings, opts: SubmitOptions, collector: _Collector) -> None:
     """--turns all: every conversation of the job (workers render its later turns from it) and the job hash's
     ``turns`` field (the mode, the conversations, their turns, how many a tool call cut short)."""
-    from workers.turns import conversations_key, split_turn_id
+    from thinkfleet.turns import conversations_key, split_turn_id
 
     feed = collector.feed
     assert feed is not None

@@ -673,7 +673,7 @@ def _write_text(
 
 
 class _Conversations:
-    """--turns all: the job's conversation records (``workers.turns.conversations_key``), read once from Redis
+    """--turns all: the job's conversation records (``Keys.conversations``), read once from Redis
     when a later turn needs one; ``error`` says why none could be read."""
 
     def __init__(self, settings: Settings, job: str) -> None:
@@ -691,7 +691,7 @@ class _Conversations:
     def _load(self) -> dict[str, dict[str, Any]]:
         import redis
 
-        key = f"{self.settings.keys.job(self.job)}:conversations"  # workers.turns.conversations_key
+        key = self.settings.keys.conversations(self.job)
         try:
             client = redis.Redis.from_url(self.settings.redis_url, socket_timeout=10, socket_connect_timeout=10)
             with client:
@@ -719,9 +719,9 @@ def turn_history(
     conversation: dict[str, Any], answers: Sequence[dict[str, Any]], exclude_reasoning: bool = False
 ) -> list[dict[str, Any]]:
     """The source messages of turn ``len(answers)`` of a --turns all conversation: the dataset's history with
-    the model's own answers of the earlier turns in place of the dataset's (``workers.turns.turn_messages``,
+    the model's own answers of the earlier turns in place of the dataset's (``thinkfleet.turns.turn_messages``,
     what the worker rendered the turn's prompt from)."""
-    from workers.turns import turn_messages
+    from thinkfleet.turns import turn_messages
 
     if exclude_reasoning:
         answers = [{k: v for k, v in a.items() if k != "reasoning_content"} for a in answers]

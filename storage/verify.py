@@ -173,13 +173,13 @@ def missing_turns(winners: pa.Table, stored: set[str], dead: set[str], chain_end
 
 
 def _chain_ends(settings: Settings, job: str) -> set[str] | None:
-    """Turn prompt ids whose answer record (``workers.turns.answers_key``) says ``chain_end``; None: Redis
+    """Turn prompt ids whose answer record (``Keys.turn_answers``) says ``chain_end``; None: Redis
     could not be read."""
     import json
 
     import redis
 
-    key = f"{settings.keys.job(job)}:turn_answers"
+    key = settings.keys.turn_answers(job)
     try:
         client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
         with client:

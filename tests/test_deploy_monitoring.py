@@ -25,7 +25,8 @@ import yaml
 
 from tests.conftest import free_port, wait_for_port
 from tests.test_deploy_compose import REPO, command_args, dotenv, flag, load_compose
-from thinkfleet.keys import Keys, kombu_transport_options
+from thinkfleet.broker.keys import kombu_transport_options
+from thinkfleet.keys import Keys
 from workers.metrics import WorkerMetrics
 
 PROMETHEUS_DIR = REPO / "deploy" / "prometheus"

@@ -31,7 +31,7 @@ from thinkfleet.testing.corpus import synthetic_text
 from thinkfleet.testing.datasets import write_jsonl
 from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
 from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
-from workers.turns import plan_conversation, turn_messages
+from thinkfleet.turns import plan_conversation, turn_messages
 
 if TYPE_CHECKING:
     from tests.conftest import RedisServer

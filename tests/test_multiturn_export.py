@@ -18,7 +18,7 @@ from storage.reader import read_committed
 from tests import test_multiturn
 from tests.test_multiturn import CONVERSATIONS, TURNS, MultiTurnJob
 from thinkfleet.state.job import JobRecord
-from workers.turns import plan_conversation, turn_messages
+from thinkfleet.turns import plan_conversation, turn_messages
 
 multiturn_job = test_multiturn.multiturn_job  # the fixture: one run of the e2e job for this module
 

@@ -13,7 +13,7 @@ from producer.submit import SubmitOptions, submit
 from thinkfleet.settings import Settings
 from thinkfleet.testing.datasets import write_jsonl
 from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
-from workers.turns import answers_key
+from thinkfleet.turns import answers_key
 
 
 def _conversation(c: int, turns: int, tool_after: int | None = None) -> dict:
@@ -171,7 +171,7 @@ def test_retry_of_a_dead_lettered_turn_requeues_it_and_the_chain_goes_on(redis_u
     from tests.worker_harness import fast_env, isolated_settings, producer_cli
     from thinkfleet.state.job import JobRecord
     from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
-    from workers.turns import plan_conversation
+    from thinkfleet.turns import plan_conversation
 
     settings = isolated_settings(redis_url, str(tmp_path / "out"))
     client = redis.Redis.from_url(redis_url)

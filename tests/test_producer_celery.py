@@ -14,7 +14,7 @@ import pytest
 
 from producer import render
 from producer.submit import SubmitOptions, submit
-from thinkfleet.keys import kombu_transport_options
+from thinkfleet.broker.keys import kombu_transport_options
 from thinkfleet.message import TASK_NAME, PromptTask, pack_ids
 from thinkfleet.settings import Settings
 from thinkfleet.testing.datasets import chat_rows, write_jsonl
@@ -31,7 +31,7 @@ import msgpack
 from celery import Celery
 from kombu import Exchange, Queue
 
-from thinkfleet.keys import kombu_transport_options
+from thinkfleet.broker.keys import kombu_transport_options
 from thinkfleet.settings import load_settings
 
 settings = load_settings()

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from producer.cli import EXIT_INCONSISTENT, EXIT_TIMEOUT, cli
 from producer.submit import SubmitOptions, submit
-from thinkfleet.keys import kombu_transport_options
+from thinkfleet.broker.keys import kombu_transport_options
 from thinkfleet.settings import Settings
 from thinkfleet.testing.datasets import chat_rows, write_jsonl
 from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir

@@ -14,7 +14,7 @@ from producer import render
 from producer.job import JobRecord
 from producer.submit import SubmitError, SubmitOptions, submit
 from thinkfleet import kimi
-from thinkfleet.keys import kombu_transport_options
+from thinkfleet.broker.keys import kombu_transport_options
 from thinkfleet.message import PromptTask
 from thinkfleet.settings import Settings
 from thinkfleet.testing.datasets import chat_rows, write_jsonl

@@ -26,8 +26,8 @@ from sglang_sim.testing import SimulatorProcess
 from tests.invariant import InvariantWatch
 from tests.worker_harness import check_job, fast_env, isolated_settings, make_prompts, record_result, submit_ids
 from thinkfleet import failpoints
+from thinkfleet.broker.keys import kombu_transport_options
 from thinkfleet.failpoints import ACTIONS, WORKER_POINTS
-from thinkfleet.keys import kombu_transport_options
 from thinkfleet.settings import Settings
 from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
 

@@ -25,9 +25,9 @@ from tests.worker_harness import (
     sim_stats,
     submit_ids,
 )
+from thinkfleet.broker.celery_app import send_tasks as _publish
 from thinkfleet.message import PromptTask
 from thinkfleet.testing.fleet import WorkerProcess, dead_letters, free_port, job_progress, wait_until
-from workers.retry import _publish
 from workers.tasks import START_FAILED_EXIT
 
 

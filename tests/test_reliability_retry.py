@@ -17,7 +17,8 @@ import msgpack
 import pytest
 import redis
 
-from producer.enqueue import Stager, queued_prompt_ids, running_prompt_ids
+from producer.enqueue import Stager
+from producer.retry import retry_dead, retry_truncated
 from sglang_sim.testing import SimulatorProcess
 from tests.worker_harness import (
     check_job,
@@ -32,8 +33,9 @@ from tests.worker_harness import (
 )
 from thinkfleet.keys import Keys
 from thinkfleet.settings import Settings
+from thinkfleet.state.invariant import queued_prompt_ids
+from thinkfleet.state.invariant import unacked_prompt_ids as running_prompt_ids
 from thinkfleet.testing.fleet import WorkerProcess, dead_letters, in_flight, job_progress, wait_until
-from workers.retry import retry_dead, retry_truncated
 
 #: Dead letters per scenario: enough that idle workers grab some before a non-atomic retry finishes.
 N_DEAD = 40

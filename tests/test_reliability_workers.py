@@ -18,7 +18,6 @@ from types import SimpleNamespace
 import redis
 import redis.asyncio as aioredis
 
-from producer.enqueue import Envelope, queued_prompt_ids
 from tests.invariant import InvariantWatch
 from tests.worker_harness import (
     check_job,
@@ -31,8 +30,10 @@ from tests.worker_harness import (
     submit_ids,
     transit_prompt_ids,
 )
-from thinkfleet.keys import kombu_transport_options
+from thinkfleet.broker.envelope import Envelope
+from thinkfleet.broker.keys import kombu_transport_options
 from thinkfleet.settings import Settings
+from thinkfleet.state.invariant import queued_prompt_ids
 from thinkfleet.state.ledger import Ledger
 from thinkfleet.testing.fleet import RecoveryWatch, WorkerProcess, in_flight, job_progress, wait_until
 from workers.runtime import WorkerRuntime

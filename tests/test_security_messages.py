@@ -40,6 +40,8 @@ from tests.worker_harness import (
     register_ids,
     simulator,
 )
+from thinkfleet.broker.celery_app import send_tasks as _publish
+from thinkfleet.broker.guard import CompressionRefused, refuse_compression
 from thinkfleet.keys import Keys
 from thinkfleet.message import (
     TASK_NAME,
@@ -55,8 +57,6 @@ from thinkfleet.state.job import JobRecord
 from thinkfleet.state.ledger import Ledger
 from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
 from workers.app import make_app
-from workers.retry import _publish
-from workers.tasks import CompressionRefused, refuse_compression
 
 #: 64 MiB of zeros: a 2 KB zstd frame, a 64 KB zlib stream.
 BOMB_BYTES = 64 << 20

@@ -502,8 +502,8 @@ TLS = needs_service(_tls_build(), "redis-server has no TLS support (Debian's red
 
 @TLS
 def test_transit_transport_serves_rediss_with_the_url_ca(tmp_path: Path) -> None:
+    from thinkfleet.broker.transit import TRANSPORT, Transport, enable_transit
     from workers.app import make_app
-    from workers.transit import TRANSPORT, Transport, enable_transit
 
     ca = tmp_path / "ca.crt"
     settings = Settings(redis_url=f"rediss://worker:{'x' * 24}@127.0.0.1:6380/0?ssl_ca_certs={ca}")
@@ -544,8 +544,8 @@ def test_worker_over_tls_keeps_the_transit_pop_and_a_sigkill_loses_nothing(tmp_p
     wrong_ca = server.url("worker").replace(str(server.ca), str(other_ca / "redis_tls_ca.crt"))
     with pytest.raises(redis.exceptions.ConnectionError, match=r"(?i)certificate"):
         redis.Redis.from_url(wrong_ca).ping()
+    from thinkfleet.broker.transit import enable_transit
     from workers.app import make_app
-    from workers.transit import enable_transit
 
     wrong = Settings(redis_url=wrong_ca, key_prefix=server.prefix, queue=server.queue)
     kombu_app = make_app(wrong, register=False)

@@ -10,8 +10,8 @@ import redis
 from click.testing import CliRunner
 
 from producer.cli import cli
-from producer.enqueue import Envelope
-from thinkfleet.keys import kombu_transport_options
+from thinkfleet.broker.envelope import Envelope
+from thinkfleet.broker.keys import kombu_transport_options
 from thinkfleet.message import PromptTask, pack_ids
 from thinkfleet.settings import Settings
 from thinkfleet.state import invariant

@@ -42,12 +42,12 @@ from tests.worker_harness import (
     submit_ids,
 )
 from thinkfleet import kimi
+from thinkfleet.broker.celery_app import send_tasks as publish
 from thinkfleet.settings import Settings
 from thinkfleet.testing.fleet import WorkerProcess, dead_letters, free_port, job_progress, wait_until
 from workers.client import Probe
 from workers.health import HealthGate
 from workers.metrics import WorkerMetrics
-from workers.retry import _publish as publish
 from workers.runtime import WorkerRuntime
 from workers.sglang import Generation, NanStop, PermanentError, QueueFull, Unanswered
 

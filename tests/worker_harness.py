@@ -20,12 +20,12 @@ import redis
 
 from tests.conftest import free_port, wait_for_port
 from thinkfleet import kimi
+from thinkfleet.broker.celery_app import send_tasks as _publish
 from thinkfleet.keys import Keys
 from thinkfleet.message import PromptTask, pack_ids
 from thinkfleet.settings import Settings
 from thinkfleet.testing.datasets import kimi_id_prompt
 from thinkfleet.testing.fleet import register_id_job, worker_env
-from workers.retry import _publish
 
 
 @contextmanager
@@ -583,7 +583,7 @@ def republish(job: IdJob, prompt_ids: list[str], dataset: str = "synthetic") -> 
 
 def transit_prompt_ids(client: redis.Redis, settings: Settings, job: str) -> set[str]:
     """Prompt ids of ``job`` in any worker's transit list (popped, not yet recorded as unacked)."""
-    from producer.enqueue import prompt_of_task_id
+    from thinkfleet.state.invariant import prompt_of_task_id
 
     found: set[str] = set()
     for key in client.scan_iter(match=settings.keys.transit("") + "*"):

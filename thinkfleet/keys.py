@@ -1,9 +1,9 @@
 """The Redis key layout, in one place.
 
 Everything thinkfleet keeps in Redis lives under ``{prefix}:`` (default ``tf``). Kombu's own keys (the
-queue list named after the queue, ``unacked``, ``unacked_index``, ``unacked_mutex``) are Celery's and
-are named by its transport options; :func:`kombu_transport_options` sets them from the same settings so
-one Redis can serve several isolated deployments.
+queue list named after the queue and its priority lists, ``unacked``, ``unacked_index``, ``unacked_mutex``)
+are Celery's: :mod:`thinkfleet.broker.keys` names them, from the same prefix, so one Redis can serve several
+isolated deployments.
 """
 
 from __future__ import annotations
@@ -92,6 +92,15 @@ class Keys:
         back); the invariant counts them as queued."""
         return f"{self.prefix}:job:{job}:parked"
 
+    def conversations(self, job: str) -> str:
+        """HASH conversation id → JSON {dataset, row_index, messages, tools, users, turn_count, cut_at_tool}
+        of a ``--turns all`` job (:mod:`thinkfleet.turns`)."""
+        return f"{self.prefix}:job:{job}:conversations"
+
+    def turn_answers(self, job: str) -> str:
+        """HASH turn prompt id → JSON of the model's answer as an assistant message (+ ``chain_end`` when last)."""
+        return f"{self.prefix}:job:{job}:turn_answers"
+
     def job_glob(self, job: str) -> str:
         """Glob of every per-job key but the record itself (``producer purge``)."""
         return f"{self.prefix}:job:{job}:*"
@@ -119,18 +128,3 @@ class Keys:
         """LIST of messages this worker popped off the queue and kombu has not yet recorded as unacked."""
         return f"{self.prefix}:transit:{worker}"
 
-
-def kombu_transport_options(prefix: str, visibility_timeout_s: float) -> dict[str, object]:
-    """Redis transport options that keep kombu's ack-emulation keys under our prefix.
-
-    The visibility timeout must be identical everywhere Celery reads it (broker transport options,
-    result backend options and ``visibility_timeout``); callers pass this dict to all of them.
-    """
-    return {
-        "visibility_timeout": int(visibility_timeout_s),
-        "unacked_key": f"{prefix}:kombu:unacked",
-        "unacked_index_key": f"{prefix}:kombu:unacked_index",
-        "unacked_mutex_key": f"{prefix}:kombu:unacked_mutex",
-        # A lost worker's messages are restored by our reaper, so the mutex only guards the sweep.
-        "unacked_mutex_expire": 300,
-    }

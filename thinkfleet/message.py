@@ -44,7 +44,7 @@ PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 DEFAULT_MAX_PROMPT_TOKENS = 1 << 20
 #: The sampling keys one message may set for itself; everything else comes from the job record.
 #: ``sampling_seed``: per-sample seeds (``thinkfleet.state.job.sample_overrides``); ``max_new_tokens``:
-#: ``producer retry --truncated --max-new-tokens`` (workers/retry.py).
+#: ``producer retry --truncated --max-new-tokens`` (producer/retry.py).
 OVERRIDE_KEYS = frozenset({"sampling_seed", "max_new_tokens"})
 _INT64 = 1 << 63
 _MAX_NEW_TOKENS = (1 << 31) - 1

@@ -1,29 +1,20 @@
 """``worker``: start a Celery worker for this host's SGLang server with the right pool and bound.
 
-Flags override ``THINKFLEET_*`` settings; the result is exactly ``celery -A workers.app worker`` with
-the thread pool sized to the in-flight bound, so both start the same worker.
+Flags override ``THINKFLEET_*`` settings; the Settings object they make is handed to the app itself
+(``workers.app.use_settings``), and the result is exactly ``celery -A workers.app worker`` with the thread pool
+sized to the in-flight bound, so both start the same worker.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 import click
 
-_FLAG_TO_ENV = {
-    "redis_url": "THINKFLEET_REDIS_URL",
-    "broker_url": "THINKFLEET_BROKER_URL",
-    "sglang_url": "THINKFLEET_SGLANG_URL",
-    "output_uri": "THINKFLEET_OUTPUT_URI",
-    "max_inflight": "THINKFLEET_MAX_INFLIGHT",
-    "name": "THINKFLEET_WORKER_NAME",
-    "queue": "THINKFLEET_QUEUE",
-    "key_prefix": "THINKFLEET_KEY_PREFIX",
-    "lease_s": "THINKFLEET_LEASE_S",
-    "metrics_port": "THINKFLEET_METRICS_PORT",
-    "s3_endpoint_url": "THINKFLEET_S3_ENDPOINT_URL",
-}
+from thinkfleet.settings import load_settings
+
+#: Flags whose Settings field has another name.
+_FLAG_TO_FIELD = {"name": "worker_name"}
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
@@ -42,13 +33,11 @@ _FLAG_TO_ENV = {
 @click.pass_context
 def main(ctx: click.Context, loglevel: str, **flags: object) -> None:
     """Run a thinkfleet worker (extra arguments are passed to `celery worker`)."""
-    for flag, value in flags.items():
-        if value is not None:
-            os.environ[_FLAG_TO_ENV[flag]] = str(value)
-    # Imported after the environment is set: workers.app builds its settings at import.
-    from workers.app import app
+    overrides = {_FLAG_TO_FIELD.get(flag, flag): value for flag, value in flags.items() if value is not None}
+    settings = load_settings(**overrides)
+    from workers.app import use_settings  # the worker runtime's imports, only once the flags parsed
 
-    settings = app.thinkfleet_settings
+    app = use_settings(settings)
     argv = [
         "worker",
         "--pool",

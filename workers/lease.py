@@ -3,13 +3,14 @@
 Kombu's Redis transport scores each unacknowledged message with its delivery time and redelivers it
 once ``visibility_timeout`` (= ``lease_s``) has passed — it never renews that score, so a long
 generation would be redelivered while it still runs. Every ``lease_s / 4`` a live worker re-scores
-the delivery tags it holds (``ZADD XX``: a tag acked meanwhile is not re-added) and refreshes its
-heartbeat key. A SIGKILLed worker stops doing both, so within ``lease_s`` + the restore sweep
-(``reaper_interval_s``, run by every live worker's kombu) its prompts are back on the queue, and its
-claims are recognised as stale because the heartbeat key has expired.
+the delivery tags it holds (:func:`thinkfleet.broker.visibility.renew`) and refreshes its heartbeat key.
+A SIGKILLed worker stops doing both, so within ``lease_s`` + the restore sweep (``reaper_interval_s``, run
+by every live worker's kombu) its prompts are back on the queue, and its claims are recognised as stale
+because the heartbeat key has expired.
 
 Trade-off: a worker frozen for longer than ``lease_s`` (e.g. a stopped container) is treated as dead;
-its prompts re-run elsewhere and the claim/part protocol in ledger.py keeps the output exactly-once.
+its prompts re-run elsewhere and the claim/part protocol in thinkfleet/state/ledger.py keeps the output
+exactly-once.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from thinkfleet.broker import visibility
+from thinkfleet.broker.transit import TransitSweeper
 from thinkfleet.keys import Keys
-from workers.transit import TransitSweeper
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +85,7 @@ class LeaseKeeper:
         async with self.r.pipeline(transaction=False) as p:
             p.set(self.keys.heartbeat(self.worker), json.dumps({"at": now}), px=int(self.lease_s * 1000))
             p.hset(self.keys.workers, self.worker, json.dumps({**self.info, "seen_at": now}))
-            if tags:
-                p.zadd(self.unacked_index_key, dict.fromkeys(tags, now), xx=True)
+            visibility.renew(p, self.unacked_index_key, tags, now)
             await p.execute()
 
     async def _run(self) -> None:

@@ -39,8 +39,9 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from storage.writer import PartWriter, StorageNotWritable
+from thinkfleet.broker.transit import TransitSweeper
+from thinkfleet.broker.visibility import unacked_index_key
 from thinkfleet.failpoints import failpoint
-from thinkfleet.keys import kombu_transport_options
 from thinkfleet.message import MessageLimits, MessageRefused, PromptTask
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import DEFAULT_MAX_NEW_TOKENS, JobRecord
@@ -64,7 +65,6 @@ from workers.sglang import (
     ServerInfo,
     check_request,
 )
-from workers.transit import TransitSweeper
 from workers.turns import TurnChainer
 
 log = logging.getLogger("thinkfleet.worker")
@@ -119,7 +119,7 @@ class WorkerRuntime:
         self._unreleased: set[tuple[str, str]] = set()  # claims a Redis failure kept us from dropping
         self._inflight: dict[asyncio.Future[Any], tuple[str, str]] = {}  # request → (job, rid)
         self._cancelled_jobs: set[str] = set()  # jobs seen cancelled (producer cancel)
-        self._envelope: Any = None  # producer.enqueue.Envelope, built when a paused job's message is parked
+        self._envelope: Any = None  # thinkfleet.broker.envelope.Envelope, built when a paused job's message is parked
         self._park_one: Any = None
         self.loop = EventLoopThread(f"thinkfleet-{identity}").start()
         try:
@@ -194,7 +194,7 @@ class WorkerRuntime:
             "metrics_port": port,
             "started_at": time.time(),
         }
-        unacked_index = str(kombu_transport_options(s.key_prefix, s.lease_s)["unacked_index_key"])
+        unacked_index = unacked_index_key(s.key_prefix)
         sweeper = TransitSweeper(self.redis, s.keys, self.identity, s.queue)
         self.lease = LeaseKeeper(self.redis, s.keys, self.identity, s.lease_s, unacked_index, self.held, info, sweeper)
         await self.lease.beat()
@@ -446,7 +446,7 @@ class WorkerRuntime:
             return None
         if state == PAUSED.encode():
             if self._envelope is None:
-                from producer.enqueue import Envelope
+                from thinkfleet.broker.envelope import Envelope
 
                 self._envelope = await asyncio.to_thread(Envelope, self.settings)
             if self._park_one is None:

@@ -4,9 +4,9 @@ Message-level refusals happen here, before kombu or Celery decode anything a sen
 
 - **compression**: kombu decompresses a body whose ``compression`` header names a codec while it
   builds the ``Message`` — before any content check, with no output limit (a 2 KB zlib frame
-  is 64 MiB). A worker's consumer (:class:`GuardedConsumer`) installs :func:`refuse_compression`
-  first: every codec raises :class:`CompressionRefused` instead of inflating, kombu hands the message
-  to ``on_decode_error``, which records it in the malformed list (``compressed_message``), counts it
+  is 64 MiB). A worker's consumer (:class:`GuardedConsumer`) installs ``refuse_compression``
+  (thinkfleet/broker/guard.py) first: every codec raises ``CompressionRefused`` instead of inflating, kombu
+  hands the message to ``on_decode_error``, which records it in the malformed list (``compressed_message``), counts it
   and acks (drops) it. thinkfleet never sends compressed messages (ids are zstd-packed inside).
 - **size**: a message body over ``Settings.message_byte_limit`` is recorded as ``oversize`` in the
   malformed list, counted and acked by the task's strategy (:func:`guarded_strategy`) before Celery
@@ -27,51 +27,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import kombu.compression
-import kombu.message
 from celery import Celery, signals
 from celery.exceptions import Reject
 from celery.worker.consumer import Consumer
 
+from thinkfleet.broker.guard import CompressionRefused, refuse_compression
+from thinkfleet.broker.transit import enable_transit
 from thinkfleet.message import TASK_NAME
 from thinkfleet.settings import Settings
 from workers.runtime import HandBack, RuntimeStartError, current_runtime, get_runtime
-from workers.transit import enable_transit
 
 log = logging.getLogger("thinkfleet.worker")
 
 #: Exit status of a worker whose runtime could not be built (sysexits' EX_CONFIG).
 START_FAILED_EXIT = 78
-
-
-# -- message-level refusals ------------------------------------------------------------------------------
-class CompressionRefused(ValueError):
-    """A message with a ``compression`` header: never inflated (a decompression bomb costs nothing)."""
-
-    def __init__(self, codec: str, size: int) -> None:
-        super().__init__(
-            f"message body of {size:,} bytes declares compression {codec[:64]!r}: refused before decompressing "
-            "(thinkfleet never compresses messages)"
-        )
-
-
-def _refuse(body: Any, content_type: str = "?") -> bytes:
-    raise CompressionRefused(str(content_type), len(body) if hasattr(body, "__len__") else -1)
-
-
-def refuse_compression() -> None:
-    """Make every kombu codec refuse instead of decompressing, in this process (a worker's consumer).
-
-    Both the module-level ``decompress`` that ``kombu.message.Message`` calls and each registered decoder
-    are replaced; a self-check builds a compressed message and fails loudly if kombu still inflates it.
-    """
-    kombu.message.decompress = _refuse  # type: ignore[assignment]
-    decoders: dict[str, Callable[..., Any]] = kombu.compression._decoders  # type: ignore[attr-defined]
-    for codec in list(decoders):
-        decoders[codec] = lambda body, _codec=codec: _refuse(body, _codec)
-    probe = kombu.message.Message(body=b"x\x9c\x03\x00", headers={"compression": "application/x-gzip"})
-    if not (probe.errors and isinstance(probe.errors[0][1], CompressionRefused)):
-        raise RuntimeError("kombu still decompresses message bodies: cannot refuse compressed messages")
 
 
 def _message_summary(message: Any) -> dict[str, Any]:

@@ -1,15 +1,16 @@
 """Multi-turn regeneration (``producer submit --turns all``): turn i+1 is rendered from turn i's stored row.
 
-The producer enqueues turn 0 of each conversation (prompt id ``{conversation}/t0``: the history up to the
-first user message) and keeps every conversation in Redis (:func:`conversations_key`; the job hash's ``turns``
-field says the job is multi-turn). When a worker commits turn i, it decodes the model's answer from the
-stored ids by their span columns (:func:`storage.conversations.output_message`: reasoning_content, content,
-tool_calls), puts it in place of the dataset's assistant turn, renders turn i+1 with the job's own tokenizer
-and chat template (its fingerprint checked against the job record first) and hands the message to
-``Ledger.finalize``, which marks turn i done, records the answer (:func:`answers_key`) and enqueues turn
-i+1 in ONE Lua call. Everything the next message holds is computed from stored data only (the conversation,
-the answers of turns < i recorded by earlier finalizes, turn i's row in its part), so the recovery of a worker
-that died between the part write and the finalize (orphan part → finalize) enqueues the same turn i+1.
+The producer enqueues turn 0 of each conversation (prompt id ``{conversation}/t0``: the history up to the first
+user message) and keeps every conversation in Redis (``Keys.conversations``; the job hash's ``turns`` field says
+the job is multi-turn; turn ids, plans and histories are in :mod:`thinkfleet.turns`). When a worker commits turn
+i, it decodes the model's answer from the stored ids by their span columns
+(:func:`storage.conversations.output_message`: reasoning_content, content, tool_calls), puts it in place of the
+dataset's assistant turn, renders turn i+1 with the job's own tokenizer and chat template (its fingerprint
+checked against the job record first) and hands the message to ``Ledger.finalize``, which marks turn i done,
+records the answer (``answers_key``) and enqueues turn i+1 in ONE Lua call. Everything the next message holds is
+computed from stored data only (the conversation, the answers of turns < i recorded by earlier finalizes, turn
+i's row in its part), so the recovery of a worker that died between the part write and the finalize (orphan part
+→ finalize) enqueues the same turn i+1.
 
 The template decides what of the history it keeps: the answer always carries ``reasoning_content`` (Kimi's
 K2-Thinking template drops it for turns before the last plain assistant turn).
@@ -24,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,11 +35,11 @@ import redis.asyncio as aioredis
 from thinkfleet.keys import Keys
 from thinkfleet.message import PromptTask, content_hash, pack_ids
 from thinkfleet.state.job import JobRecord
+from thinkfleet.template import TokenizerError, fingerprint, load_tokenizer, render_ids
+from thinkfleet.turns import answers_key, conversations_key, split_turn_id, turn_id, turn_messages
 
 log = logging.getLogger(__name__)
 
-#: ``{conversation}/t{i}``
-TURN_ID = re.compile(r"^(?P<conv>.+)/t(?P<turn>\d+)$")
 #: The row columns a multi-turn job fills (null for single-turn jobs).
 CONVERSATION_ID, TURN_INDEX, TURN_COUNT = "conversation_id", "turn_index", "turn_count"
 ROW_COLUMNS = (
@@ -52,54 +52,6 @@ ROW_COLUMNS = (
     "answer_end",
     "tool_call_spans",
 )
-
-
-def conversations_key(keys: Keys, job: str) -> str:
-    """HASH conversation id → JSON {dataset, row_index, messages, tools, users, turn_count, cut_at_tool}."""
-    return f"{keys.job(job)}:conversations"
-
-
-def answers_key(keys: Keys, job: str) -> str:
-    """HASH turn prompt id → JSON of the model's answer as an assistant message (+ ``chain_end`` when last)."""
-    return f"{keys.job(job)}:turn_answers"
-
-
-def turn_id(conversation: str, turn: int) -> str:
-    return f"{conversation}/t{turn}"
-
-
-def split_turn_id(prompt_id: str) -> tuple[str, int] | None:
-    m = TURN_ID.match(prompt_id)
-    return (m.group("conv"), int(m.group("turn"))) if m else None
-
-
-# -- the producer's side ------------------------------------------------------------------------------------
-def plan_conversation(messages: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The turns of one source conversation (cut after its last user turn): the messages up to the first
-    tool call, the index of each user message, and whether a tool call cut it. None: no user message."""
-    cut_at_tool = False
-    kept: list[dict[str, Any]] = []
-    for m in messages:
-        if m.get("role") == "tool" or (m.get("role") == "assistant" and m.get("tool_calls")):
-            cut_at_tool = True
-            break
-        kept.append(m)
-    users = [i for i, m in enumerate(kept) if m.get("role") == "user"]
-    if not users:
-        return None
-    kept = kept[: users[-1] + 1]
-    return {"messages": kept, "users": users, "turn_count": len(users), "cut_at_tool": cut_at_tool}
-
-
-def turn_messages(conversation: dict[str, Any], answers: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Turn ``len(answers)``'s prompt messages: the source history with the dataset's assistant messages of
-    turns 0..len(answers)-1 replaced by the model's ``answers``."""
-    msgs, users = conversation["messages"], conversation["users"]
-    out = list(msgs[: users[0] + 1])
-    for k, answer in enumerate(answers):
-        out.append(answer)
-        out.extend(m for m in msgs[users[k] + 1 : users[k + 1] + 1] if m.get("role") != "assistant")
-    return out
 
 
 # -- the worker's side --------------------------------------------------------------------------------------
@@ -242,13 +194,11 @@ class TurnChainer:
         return NextTurn(row["prompt_id"], json.dumps(answer, ensure_ascii=False), next_id, digest, message)
 
     def _render(self, jt: _JobTurns, messages: list[dict[str, Any]], tools: Any) -> list[int]:
-        from producer.render import render_ids
-
         return render_ids(jt.tok, messages, tools, dict(jt.record.chat_template_kwargs))
 
     def _encode(self, task: PromptTask) -> bytes:
         if self._envelope is None:
-            from producer.enqueue import Envelope
+            from thinkfleet.broker.envelope import Envelope  # loads Celery: only for a multi-turn job
 
             self._envelope = Envelope(self.settings)
         return self._envelope.encode(task)
@@ -270,8 +220,6 @@ def _answer(jt: _JobTurns, row: dict[str, Any]) -> dict[str, Any]:
 
 def _load_checked(record: JobRecord, trust_remote_code: bool) -> Any:
     """The job's tokenizer from its path on this node, refused unless its fingerprint is the job's."""
-    from producer.render import TokenizerError, fingerprint, load_tokenizer
-
     try:
         tok = load_tokenizer(record.tokenizer, trust_remote_code)
     except TokenizerError as exc:

@@ -1,13 +1,14 @@
-"""The Celery app, configured from :class:`thinkfleet.settings.Settings`.
+"""The one Celery configuration, from a :class:`thinkfleet.settings.Settings` object.
 
-``celery -A workers.app worker`` and the ``worker`` console script load the same module-level
-``app``. Choices, each answering a trap in ../shared/reference/celery-redis-flower.md:
+The producer publishes through a publisher-only app (:func:`make_app`, :func:`send_tasks`); the worker's
+app (``workers/app.py``, what ``celery -A workers.app worker``, the ``worker`` script and Flower load) is
+this one with the task registered. Choices, each answering a trap in ../shared/reference/celery-redis-flower.md:
 
 - msgpack (ids travel as bytes) and json only: a pickle message is refused, never executed.
 - Late acks + prefetch multiplier 1 + a thread pool sized to the in-flight bound: a host holds only
   messages it is working on, and a prompt is acknowledged only after its row is committed.
-- The visibility timeout equals ``lease_s`` everywhere Celery reads it; live workers renew the
-  visibility of what they hold (workers/lease.py), and kombu's own sweep — run every
+- The visibility timeout equals ``lease_s`` everywhere Celery reads it; live workers renew the visibility
+  of what they hold (workers/lease.py → visibility.py), and kombu's own sweep — run every
   ``reaper_interval_s`` instead of the 100 s default — restores a dead worker's messages.
 - No result backend: results go to Parquet.
 """
@@ -21,8 +22,8 @@ from urllib.parse import parse_qs, urlsplit
 from celery import Celery
 from kombu import Exchange, Queue
 
-from thinkfleet.keys import kombu_transport_options
-from thinkfleet.message import TASK_NAME
+from thinkfleet.broker.keys import PRIORITY_SEP, PRIORITY_STEPS, kombu_transport_options
+from thinkfleet.message import TASK_NAME, PromptTask
 from thinkfleet.settings import Settings, load_settings
 
 
@@ -32,10 +33,10 @@ def broker_transport_options(settings: Settings) -> dict[str, Any]:
     options["unacked_restore_interval"] = max(1, int(settings.reaper_interval_s))
     options["unacked_restore_throttle"] = 1
     # Job priority on Redis (kombu's semantics: 0 is the highest, 9 the lowest): one list per level,
-    # ``queue`` for 0 and ``queue\x06\x16N`` for N (producer.enqueue.priority_list). kombu's own restore
-    # and publish, Flower's queue lengths and our transit pop (workers/transit.py) all read these.
-    options["priority_steps"] = list(range(10))
-    options["sep"] = "\x06\x16"
+    # ``queue`` for 0 and ``queue`` + sep + N for N (keys.priority_list). kombu's own restore and publish,
+    # Flower's queue lengths and our transit pop (transit.py) all read these.
+    options["priority_steps"] = list(PRIORITY_STEPS)
+    options["sep"] = PRIORITY_SEP
     options["queue_order_strategy"] = "priority"
     return options
 
@@ -114,18 +115,28 @@ def configure(app: Celery, settings: Settings) -> Celery:
     return app
 
 
-def make_app(settings: Settings | None = None, register: bool = True) -> Celery:
-    """A configured Celery app; ``register=False`` gives a publisher-only app (the producer)."""
+def make_app(settings: Settings | None = None) -> Celery:
+    """A configured Celery app with no task registered: the producer's publisher; ``workers.app.make_app``
+    registers the worker's task on it. ``settings`` default to ``THINKFLEET_*`` from the environment."""
     settings = settings or load_settings()
     app = Celery("thinkfleet", set_as_current=False)
     configure(app, settings)
     app.thinkfleet_settings = settings  # type: ignore[attr-defined]
-    if register:
-        from workers.tasks import register_tasks
-
-        register_tasks(app, settings)
     return app
 
 
-#: What ``celery -A workers.app worker`` and the ``worker`` script run.
-app = make_app()
+def send_tasks(settings: Settings, tasks: list[PromptTask]) -> None:
+    """``send_task`` each task (any broker; not atomic: tests and the non-Redis-broker fallback of
+    ``producer retry`` use it; ``producer submit`` stages :mod:`thinkfleet.broker.envelope` messages)."""
+    app = make_app(settings)
+    with app.producer_or_acquire() as producer:
+        for task in tasks:
+            app.send_task(
+                TASK_NAME,
+                args=task.to_args(),
+                task_id=task.task_id,
+                argsrepr=task.argsrepr,
+                kwargsrepr="{}",
+                queue=settings.queue,
+                producer=producer,
+            )

@@ -13,7 +13,8 @@ recorded it as unacked, it leaves the transit list. :func:`sweep_transit` (run b
 lease keeper) puts back on the queue — each message onto the list of its own priority — what a dead
 worker (no heartbeat) left in its transit list, and what its own list kept for two sweeps in a row (a
 reply lost with its connection, or a popped message waiting for a free slot — another worker may serve
-it now). Both may hand a message out twice; the claims in ledger.py make a second delivery cost nothing.
+it now). Both may hand a message out twice; the claims in thinkfleet/state/ledger.py make a second delivery
+cost nothing.
 
 Only a worker consuming its one task queue from ``redis://`` or ``rediss://`` (TLS: the channel is
 kombu's own, so it connects through kombu's SSL connection class with the ``broker_use_ssl`` options)
@@ -34,14 +35,14 @@ from kombu.transport import redis as kombu_redis
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
-from producer.enqueue import priority_lists
+from thinkfleet.broker.keys import priority_lists
 from thinkfleet.keys import Keys
 from thinkfleet.settings import Settings
 
 log = logging.getLogger(__name__)
 
-#: The transport ``workers.app`` selects for ``redis://`` and ``rediss://`` brokers.
-TRANSPORT = "workers.transit:Transport"
+#: The transport a worker process selects for ``redis://`` and ``rediss://`` brokers (:func:`enable_transit`).
+TRANSPORT = "thinkfleet.broker.transit:Transport"
 
 # Lua: the priority step a kombu message names (``"priority": N`` in its properties, at the end of the JSON;
 # a JSON string can hold no unescaped quote, so only a key matches), capped at the last list in KEYS.
@@ -197,7 +198,7 @@ class Transport(kombu_redis.Transport):
 
 
 #: Broker URL schemes the transit transport serves (kombu picks the SSL connection class from
-#: ``broker_use_ssl``, which ``workers.app.broker_ssl`` sets for rediss://).
+#: ``broker_use_ssl``, which ``celery_app.broker_ssl`` sets for rediss://).
 TRANSIT_SCHEMES = ("redis://", "rediss://")
 
 

@@ -7,7 +7,7 @@
 - **queued**: a message of the prompt is on the queue list (or one of kombu's priority lists), or in
   the job's parked list (a paused job, ``thinkfleet/state/lifecycle.py``);
 - **running**: a message of the prompt is delivered — in kombu's ``unacked`` hash, or in a worker's
-  transit list (popped with ``BLMOVE``, ``workers/transit.py``) — or a worker whose heartbeat still
+  transit list (popped with ``BLMOVE``, ``thinkfleet/broker/transit.py``) — or a worker whose heartbeat still
   exists holds a claim on it.
 
 A prompt that is in none of these places is **unaccounted**: nothing will ever store it, and until this
@@ -32,44 +32,21 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
-from thinkfleet.keys import kombu_transport_options
+from thinkfleet.broker.queues import list_task_ids, queue_keys, task_ids_of, unacked_task_ids
 from thinkfleet.settings import Settings
 
-#: Messages per Lua call when scanning the queue (each call blocks Redis while it runs: keep it short).
-QUEUE_CHUNK = 200
 #: Pause before the re-check pass of prompts found unaccounted by the first one.
 RECHECK_DELAY_S = 0.05
 #: Brokers whose queue lives in a Redis we can read.
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 _REVISION = re.compile(r"/r\d+$")
-# The task id of a kombu message: ``headers.id``, the only key named exactly "id" in the envelope (the body
-# is base64, and a quote inside any JSON string is escaped, so ``"id": "`` cannot match string content).
-# Ids with escapes (quotes, backslashes, non-ASCII) fall back to a full JSON parse.
-_ID = re.compile(rb'"id"\s*:\s*"([^"\\]*)"')
-
-# LRANGE a slice of a queue list and return, per message, "i" + its task id, or "m" + the whole message
-# when the id cannot be cut out plainly (then Python parses the JSON). The first element is the list's
-# length, so the scan knows when to stop without another round trip. Only the ids cross the network.
-_QUEUE_IDS = """
-local items = redis.call('LRANGE', KEYS[1], ARGV[1], ARGV[2])
-local out = {tostring(redis.call('LLEN', KEYS[1]))}
-for i, m in ipairs(items) do
-  -- The headers follow the (large, base64) body: look near the end first, then everywhere.
-  local _, e = string.find(m, '"id": "', math.max(1, #m - 4096), true)
-  if not e then _, e = string.find(m, '"id"%s*:%s*"') end
-  local id = e and string.match(m, '^([^"\\\\]*)"', e + 1)
-  if id then out[i + 1] = 'i' .. id else out[i + 1] = 'm' .. m end
-end
-return out
-"""
-
-
 class NotObservable(Exception):
     """The broker is not a Redis we can read (RabbitMQ): queued and running messages are invisible."""
 
@@ -215,70 +192,28 @@ def prompt_of_task_id(job: str, task_id: str) -> str | None:
     return task_id[len(job) + 1 : m.start()] if m else None
 
 
-def task_id_of(raw: bytes) -> str | None:
-    """The task id of a raw kombu message, or of an unacked entry ``[message, exchange, routing_key]``."""
-    m = _ID.search(raw)
-    if m:
-        return m.group(1).decode("ascii", errors="replace")
-    try:
-        obj = json.loads(raw)
-        if isinstance(obj, list):
-            obj = obj[0]
-        tid = obj["headers"]["id"]
-    except (ValueError, KeyError, TypeError, IndexError):
-        return None
-    return tid if isinstance(tid, str) else None
-
-
-def _prompts_of(job: str, raws: Any) -> set[str]:
+def _prompts_of(job: str, task_ids: Iterable[str]) -> set[str]:
     found = set()
-    for raw in raws:
-        tid = task_id_of(raw)
-        pid = prompt_of_task_id(job, tid) if tid else None
+    prefix = job + "/"
+    for tid in task_ids:
+        pid = prompt_of_task_id(job, tid) if tid.startswith(prefix) else None
         if pid is not None:
             found.add(pid)
     return found
 
 
-def queue_keys(client: redis.Redis, queue: str) -> list[str]:
-    """The queue's list and kombu's priority lists next to it (``queue\\x06\\x163`` …)."""
-    names = [queue, *(f"{queue}\x06\x16{step}" for step in range(1, 10))]
-    with client.pipeline(transaction=False) as p:
-        for name in names[1:]:
-            p.exists(name)
-        present = p.execute()
-    return [queue, *(n for n, there in zip(names[1:], present, strict=True) if there)]
-
-
 def queued_prompt_ids(client: redis.Redis, settings: Settings, job: str) -> set[str]:
-    """Prompt ids of ``job`` with a message on the queue. Reads head to tail, a chunk per Lua call, while
-    workers pop the tail and pushes shift the head: a message is read at least once unless it left."""
-    script = client.register_script(_QUEUE_IDS)
-    found: set[str] = set()
-    prefix = job + "/"
+    """Prompt ids of ``job`` with a message on the queue (any priority list) or in its parked list."""
     # A paused job's messages wait in its parked list (thinkfleet/state/lifecycle.py): queued too.
+    found: set[str] = set()
     for key in [*queue_keys(client, settings.queue), settings.keys.parked(job)]:
-        start, length = 0, 1
-        while start < length:
-            reply = script(keys=[key], args=[start, start + QUEUE_CHUNK - 1])
-            length = int(reply[0])
-            for item in reply[1:]:
-                if item[:1] == b"i":
-                    tid: str | None = item[1:].decode("ascii", errors="replace")
-                else:
-                    tid = task_id_of(item[1:])
-                if tid and tid.startswith(prefix):
-                    pid = prompt_of_task_id(job, tid)
-                    if pid is not None:
-                        found.add(pid)
-            start += QUEUE_CHUNK
+        found |= _prompts_of(job, list_task_ids(client, key))
     return found
 
 
 def unacked_prompt_ids(client: redis.Redis, settings: Settings, job: str) -> set[str]:
     """Prompt ids of ``job`` delivered and not yet acknowledged (kombu's unacked hash)."""
-    unacked = str(kombu_transport_options(settings.key_prefix, settings.visibility_timeout_s)["unacked_key"])
-    return _prompts_of(job, (raw for _tag, raw in client.hscan_iter(unacked, count=1000)))
+    return _prompts_of(job, unacked_task_ids(client, settings.key_prefix))
 
 
 def transit_prompt_ids(client: redis.Redis, settings: Settings, job: str) -> set[str]:
@@ -286,7 +221,7 @@ def transit_prompt_ids(client: redis.Redis, settings: Settings, job: str) -> set
     worker's list counts too: its messages are in Redis, and live workers' sweeps return them."""
     found: set[str] = set()
     for key in client.scan_iter(match=_glob_escape(settings.keys.transit("")) + "*", count=1000):
-        found |= _prompts_of(job, client.lrange(key, 0, -1))
+        found |= _prompts_of(job, task_ids_of(client.lrange(key, 0, -1)))
     return found
 
 

@@ -31,6 +31,8 @@ from typing import Any
 import msgpack
 import redis
 
+from thinkfleet.broker.keys import priority_lists, priority_step
+from thinkfleet.broker.queues import decode_message, queue_keys
 from thinkfleet.message import PromptTask
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import JobRecord
@@ -54,17 +56,7 @@ def get_state(client: redis.Redis, settings: Settings, job: str) -> str:
 
 
 def queue_lists(client: redis.Redis, settings: Settings) -> list[str]:
-    from thinkfleet.state.invariant import queue_keys
-
     return queue_keys(client, settings.queue)
-
-
-def priority_lists(queue: str) -> list[str]:
-    """kombu's priority lists of ``queue``, steps 0 (``queue`` itself, the highest) to 9 (``queue\\x06\\x169``).
-
-    Mirrors ``producer.enqueue.priority_lists`` (kombu's ``sep`` and our ``priority_steps`` 0..9).
-    """
-    return [queue, *(f"{queue}\x06\x16{step}" for step in range(1, 10))]
 
 
 def _require_job(client: redis.Redis, settings: Settings, job: str) -> None:
@@ -96,7 +88,7 @@ def unpark(client: redis.Redis, settings: Settings, job: str, queue: str | None 
     script = client.register_script(lua("unpark"))
     parked = settings.keys.parked(job)
     record = JobRecord.load(client, settings.keys, job)
-    priority = str(min(max(int(record.priority), 0), 9)) if record is not None else ""
+    priority = str(priority_step(record.priority)) if record is not None else ""
     before = int(client.llen(parked))
     keys = [parked, parked + ":rewrite", *priority_lists(queue or settings.queue)]
     while int(script(keys=keys, args=[CHUNK, priority])) > 0:
@@ -119,13 +111,6 @@ def resume(client: redis.Redis, settings: Settings, job: str) -> int:
     _require_job(client, settings, job)
     client.delete(settings.keys.job_state(job))
     return unpark(client, settings, job)
-
-
-def decode_message(raw: bytes) -> PromptTask:
-    """The prompt task of a raw kombu message (ValueError/KeyError/TypeError when it is none)."""
-    envelope = json.loads(raw)
-    body = msgpack.unpackb(base64.b64decode(envelope["body"]), raw=False)
-    return PromptTask.from_args(body[0])
 
 
 def dead_record(task: PromptTask, error_class: str, message: str, worker: str) -> str:

@@ -1,0 +1,131 @@
+"""The house's floors, read from the source: who may import whom, and where the broker's knowledge lives.
+
+- producer/ and workers/ are peers: neither imports the other, not even inside a function; they meet in the
+  foundation package thinkfleet/.
+- thinkfleet/ imports none of the packages built on it (producer, workers, storage, sglang_sim).
+- kombu is imported only by thinkfleet/broker/ (Celery itself also by the worker's workers/app.py and
+  workers/tasks.py, and by benchmarks), and only there is kombu's key separator (``"\\x06\\x16"``) spelled.
+
+Each failure names the file and line of the offending import or literal.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("producer", "workers", "storage", "sglang_sim", "thinkfleet", "bench")
+BROKER = "thinkfleet/broker/"
+#: kombu's separator between a queue and its priority step (thinkfleet/broker/keys.py: PRIORITY_SEP).
+KOMBU_SEP = "\x06\x16"
+
+
+@dataclass(frozen=True)
+class Import:
+    path: str  # relative to the repository root, with forward slashes
+    line: int
+    module: str  # the absolute module imported (``from . import x`` resolved)
+
+    @property
+    def top(self) -> str:
+        return self.module.split(".")[0]
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: imports {self.module}"
+
+
+def _sources() -> Iterator[tuple[str, ast.Module]]:
+    for package in PACKAGES:
+        for file in sorted((ROOT / package).rglob("*.py")):
+            rel = file.relative_to(ROOT).as_posix()
+            yield rel, ast.parse(file.read_text(encoding="utf-8"), filename=rel)
+
+
+def _package_of(path: str) -> str:
+    return path.rsplit("/", 1)[0].replace("/", ".")
+
+
+def _imports() -> list[Import]:
+    """Every import statement, at any depth (function bodies, ``if TYPE_CHECKING:``, try blocks)."""
+    found = []
+    for path, tree in _sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found += [Import(path, node.lineno, alias.name) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = _package_of(path).split(".")
+                    parts = parts[: len(parts) - (node.level - 1)]
+                    base = ".".join([*parts, base] if base else parts)
+                # ``from thinkfleet import broker`` imports thinkfleet.broker: name the submodules too.
+                found += [Import(path, node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return found
+
+
+IMPORTS = _imports()
+
+
+def _offending(rule: str, bad: list[Import]) -> str:
+    return f"{rule}:\n  " + "\n  ".join(map(str, bad))
+
+
+def test_producer_never_imports_workers() -> None:
+    bad = [i for i in IMPORTS if i.path.startswith("producer/") and i.top == "workers"]
+    assert not bad, _offending("producer/ imports workers (they meet in thinkfleet/)", bad)
+
+
+def test_workers_never_import_producer() -> None:
+    bad = [i for i in IMPORTS if i.path.startswith("workers/") and i.top == "producer"]
+    assert not bad, _offending("workers/ imports producer (they meet in thinkfleet/)", bad)
+
+
+def test_foundation_imports_nothing_built_on_it() -> None:
+    above = {"producer", "workers", "storage", "sglang_sim", "bench"}
+    bad = [i for i in IMPORTS if i.path.startswith("thinkfleet/") and i.top in above]
+    assert not bad, _offending("thinkfleet/ imports a package built on it", bad)
+
+
+def test_kombu_is_imported_only_by_the_broker() -> None:
+    bad = [i for i in IMPORTS if i.top == "kombu" and not i.path.startswith(BROKER)]
+    assert not bad, _offending(f"kombu imported outside {BROKER}", bad)
+
+
+def test_celery_is_imported_only_by_the_broker_and_the_worker() -> None:
+    # The worker registers its task and signal hooks on the broker's app (workers/app.py, workers/tasks.py);
+    # benchmarks may time Celery's own publish against ours (bench/).
+    allowed = ("workers/app.py", "workers/tasks.py")
+    bad = [
+        i for i in IMPORTS if i.top == "celery" and not i.path.startswith((BROKER, "bench/")) and i.path not in allowed
+    ]
+    assert not bad, _offending(f"celery imported outside {BROKER} and {allowed}", bad)
+
+
+def test_kombu_key_separator_is_spelled_only_by_the_broker() -> None:
+    bad = []
+    for path, tree in _sources():
+        if path.startswith(BROKER):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str | bytes):
+                value = node.value.encode() if isinstance(node.value, str) else node.value
+                if KOMBU_SEP.encode() in value:
+                    bad.append(f"{path}:{node.lineno}: spells kombu's key separator")
+    assert not bad, f"kombu key layout outside {BROKER}:\n  " + "\n  ".join(bad)
+
+
+def test_importing_the_broker_loads_no_worker_runtime() -> None:
+    code = (
+        "import sys\n"
+        "import thinkfleet.broker.celery_app, thinkfleet.broker.envelope, thinkfleet.broker.queues\n"
+        "import thinkfleet.broker.transit, thinkfleet.broker.visibility, thinkfleet.broker.guard\n"
+        "roots = {'aiohttp', 'producer', 'workers', 'storage', 'sglang_sim'}\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in roots))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"importing thinkfleet.broker loaded: {out.stdout.strip()}"
