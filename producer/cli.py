@@ -97,7 +97,7 @@ def cli() -> None:
 @click.option(
     "--no-reasoning-spans",
     is_flag=True,
-    help="Run although the tokenizer lacks the family's reasoning markers: empty reasoning spans, no alarm.",
+    help="Run although the tokenizer lacks the family's reasoning markers: null reasoning spans, no alarm.",
 )
 @click.option(
     "--turns",

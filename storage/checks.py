@@ -23,6 +23,7 @@ from storage.schema import (
     OUTPUT_IDS,
     PROMPT_ID,
     REASONING_END,
+    REASONING_SPAN_COLUMNS,
     REASONING_START,
     SPAN_COLUMNS,
     STOP_TOKEN,
@@ -62,22 +63,30 @@ def row_problems(table: pa.Table, tokens: SpanTokens) -> tuple[dict[str, list[st
     values, offsets = flat_ids(table[OUTPUT_IDS])
     in_values, in_offsets = flat_ids(table[INPUT_IDS])
     n = np.diff(offsets)
-    col = {c: table[c].to_numpy() for c in (REASONING_START, REASONING_END, ANSWER_START, ANSWER_END)}
+    # Null reasoning/answer spans are "not recorded" (--no-reasoning-spans): right in such a job, wrong in
+    # one that records them. A job without reasoning spans checks none (its older rows hold 0:0).
+    recorded = np.ones(len(n), dtype=bool)
+    for c in REASONING_SPAN_COLUMNS:
+        recorded &= table[c].is_valid().to_numpy(zero_copy_only=False)
+    checked = recorded if tokens.reasoning_spans else np.zeros(len(n), dtype=bool)
+    col = {c: table[c].fill_null(0).to_numpy() for c in (REASONING_START, REASONING_END, ANSWER_START, ANSWER_END)}
     rs, re, as_, ae = col[REASONING_START], col[REASONING_END], col[ANSWER_START], col[ANSWER_END]
-    hte = table[HAS_THINK_END].to_numpy()
+    hte = table[HAS_THINK_END].fill_null(False).to_numpy()
     found: dict[int, list[str]] = defaultdict(list)
 
     def flag(mask: np.ndarray, problem: str) -> None:
         for i in np.flatnonzero(mask).tolist():
             found[i].append(problem)
 
-    flag(re < rs, "reasoning_end < reasoning_start")
-    flag((rs < 0) | (re > n), "reasoning span out of range")
-    flag((as_ < 0) | (ae > n) | (ae < as_), "answer span out of range")
-    flag(as_ < re, "answer starts inside reasoning")
+    if tokens.reasoning_spans:
+        flag(~recorded, "reasoning/answer spans are null (not recorded) but the job records them")
+    flag(checked & (re < rs), "reasoning_end < reasoning_start")
+    flag(checked & ((rs < 0) | (re > n)), "reasoning span out of range")
+    flag(checked & ((as_ < 0) | (ae > n) | (ae < as_)), "answer span out of range")
+    flag(checked & (as_ < re), "answer starts inside reasoning")
     flag(table[COMPLETION_TOKENS].to_numpy() != n, "completion_tokens != len(output_ids)")
     at_end = ids_at(values, offsets, re)
-    flag(hte & (at_end != tokens.think_end_id), "has_think_end but output_ids[reasoning_end] is not </think>")
+    flag(checked & hte & (at_end != tokens.think_end_id), "has_think_end but output_ids[reasoning_end] is not </think>")
     finish = np.array(table[FINISH_REASON].to_pylist(), dtype=object)
     flag(~np.isin(finish, FINISH_TYPES), f"finish_reason not one of {'|'.join(FINISH_TYPES)}")
 
@@ -111,7 +120,7 @@ def row_problems(table: pa.Table, tokens: SpanTokens) -> tuple[dict[str, list[st
         (ANSWER_START, as_, again.answer_start),
         (ANSWER_END, ae, again.answer_end),
     ):
-        flag(stored != fresh, f"{name} differs from the ids (recomputed {name})")
+        flag(checked & (stored != fresh), f"{name} differs from the ids (recomputed {name})")
     # Tool calls: rows with the same number of calls align entry by entry in both flat lists.
     again_counts = np.diff(again.tool_call_offsets)
     same_count = counts == again_counts

@@ -34,6 +34,11 @@ Filters: ``drop_truncated`` drops rows that did not end on a stop (``finish_reas
 over the reasoning block (through ``</think>``) in the token formats and drops ``reasoning_content`` in
 the text ones.
 
+A job run with ``--no-reasoning-spans`` stores null reasoning/answer spans (not recorded): its token formats
+train on the whole output as always, ``hf`` keeps the nulls, the text formats put the whole output (up to
+the tool calls, stop token excluded) in ``content`` with no ``reasoning_content``, and ``exclude_reasoning``
+and ``min_reasoning_tokens`` — which need to know where reasoning ends — are refused (:class:`ExportError`).
+
 Output (``--out``): a local path or ``s3://bucket/key`` (resolved by :func:`storage.layout.locate`, with
 ``THINKFLEET_S3_ENDPOINT_URL``). With ``shard_rows`` the export is split into files of at most that
 many rows: ``--out X.jsonl`` → ``X-00000.jsonl``, ``X-00001.jsonl``…; an ``--out`` without the format's
@@ -158,13 +163,23 @@ HF_SCHEMA = pa.schema(
 _HF_PROVENANCE = [f.name for f in HF_SCHEMA][5:]
 _COLUMNS = list(dict.fromkeys([PROMPT_ID, DATASET, INPUT_IDS, OUTPUT_IDS, *SPAN_COLUMNS, FINISH_REASON]))
 _MERGE_COLUMNS = [*_COLUMNS, CONVERSATION_ID, TURN_INDEX, TURN_COUNT]
-_TEXT_COLUMNS = [*_COLUMNS, CONTENT_HASH, CONVERSATION_ID, TURN_INDEX]
+_TEXT_COLUMNS = [*_COLUMNS, STOP_TOKEN, CONTENT_HASH, CONVERSATION_ID, TURN_INDEX]
 _HF_COLUMNS = list(dict.fromkeys([*_COLUMNS, *(c for c in _HF_PROVENANCE if c != "prompt_len")]))
 _REPO_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 class ExportError(Exception):
     """The export cannot run as asked (no tokenizer, no source conversations, a bad option…)."""
+
+
+def _need_reasoning_spans(table: pa.Table, option: str) -> None:
+    """``option`` reads where reasoning ends: refuse rows whose spans are null (``--no-reasoning-spans``)."""
+    if table.num_rows and table[REASONING_END].null_count:
+        raise ExportError(
+            f"{option} needs reasoning spans, but {table[REASONING_END].null_count} rows have none recorded "
+            "(null: the job ran with --no-reasoning-spans, so where reasoning ends is unknown) → export without "
+            f"{option}"
+        )
 
 
 @dataclass
@@ -273,6 +288,7 @@ class _Rows:
             self.skipped["truncated"] += int(truncated.sum())
             keep &= ~truncated
         if self.min_reasoning_tokens:
+            _need_reasoning_spans(table, "--min-reasoning-tokens")
             reasoning = table[REASONING_END].to_numpy() - table[REASONING_START].to_numpy()
             short = keep & (reasoning < self.min_reasoning_tokens)
             self.skipped["short_reasoning"] += int(short.sum())
@@ -299,6 +315,7 @@ def eagle3_table(table: pa.Table, exclude_reasoning: bool = False) -> pa.Table:
     ids[dest_out] = out_v
     mask[dest_out] = 1
     if exclude_reasoning:
+        _need_reasoning_spans(table, "--exclude-reasoning")
         # The reasoning block runs from the output's start through </think> when emitted.
         block_end = table[REASONING_END].to_numpy() + table[HAS_THINK_END].to_numpy()
         mask[dest_out[pos_out < block_end[row_out]]] = 0
@@ -347,6 +364,8 @@ def merged_table(table: pa.Table, exclude_reasoning: bool = False, skipped: dict
     if not convs:
         return pa.concat_tables(parts) if parts else eagle3_table(table.slice(0, 0), exclude_reasoning)
     needed = [INPUT_IDS, OUTPUT_IDS, REASONING_END, HAS_THINK_END]
+    if exclude_reasoning:
+        _need_reasoning_spans(table, "--exclude-reasoning")
     ids, datasets, finish = [], [], []
     masks, prompt_lens, names = [], [], []
     for conv, turns in convs.items():
@@ -654,6 +673,8 @@ def _write_text(
     key = "messages" if fmt == "messages" else "conversations"
     with _Files(loc, ".jsonl", shard_rows, result) as files:
         for table in rows.tables(_TEXT_COLUMNS, filtered=False):
+            if exclude_reasoning:
+                _need_reasoning_spans(table, "--exclude-reasoning")
             everything = table.to_pylist()
             histories = _histories(everything, convs, tok, markers, exclude_reasoning)
             kept = rows._filter(table)[PROMPT_ID].to_pylist() if len(table) else []
@@ -704,12 +725,17 @@ class _Conversations:
 def _answer_of(
     row: dict[str, Any], tok: conversations.Decoder, markers: conversations.ToolMarkers, reasoning: bool = True
 ) -> dict[str, Any]:
+    calls = [(s["start"], s["end"]) for s in row[TOOL_CALL_SPANS]]
+    if row[REASONING_END] is None or row[ANSWER_START] is None:
+        # Spans not recorded (--no-reasoning-spans): the whole output up to the tool calls is the content.
+        end = calls[0][0] if calls else len(row[OUTPUT_IDS]) - (row.get(STOP_TOKEN) is not None)
+        return conversations.output_message(tok, row[OUTPUT_IDS], (0, 0), (0, end), calls, markers, False)
     return conversations.output_message(
         tok,
         row[OUTPUT_IDS],
         (row[REASONING_START], row[REASONING_END]),
         (row[ANSWER_START], row[ANSWER_END]),
-        [(s["start"], s["end"]) for s in row[TOOL_CALL_SPANS]],
+        calls,
         markers,
         include_reasoning=reasoning,
     )

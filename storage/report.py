@@ -7,7 +7,8 @@ printed with rich, and drawn into ``report.png`` plus a small ``report.html``.
 
 The job record (Redis, when it answers) says which model profile made the rows: ``model_family``, and
 whether the rows carry reasoning spans at all — a job run with ``--no-reasoning-spans`` reports no
-reasoning share and no ``</think>`` rate (``None``) instead of a misleading 0.
+reasoning share and no ``</think>`` rate (``None``) instead of a misleading 0. Without the record, null span
+columns (not recorded) say the same. A ``--turns all`` job also counts its conversations and turn rows.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pyarrow.compute as pc
 from storage import reader
 from storage.schema import (
     COMPLETION_TOKENS,
+    CONVERSATION_ID,
     CREATED_AT,
     DATASET,
     FINISH_REASON,
@@ -35,6 +37,8 @@ from storage.schema import (
     REASONING_END,
     REASONING_START,
     TOOL_CALL_SPANS,
+    TURN_COUNT,
+    TURN_INDEX,
     WORKER,
 )
 from thinkfleet.settings import Settings
@@ -53,6 +57,9 @@ _COLUMNS = [
     LATENCY_S,
     WORKER,
     CREATED_AT,
+    CONVERSATION_ID,
+    TURN_INDEX,
+    TURN_COUNT,
 ]
 _PERCENTILES = (50, 90, 99)
 #: Most points on the tokens/s timeline; buckets widen to stay under it.
@@ -84,10 +91,15 @@ def report_job(settings: Settings, job: str, out_dir: str | None = None) -> tupl
 def summarize(job: str, table: pa.Table, record: JobRecord | None = None) -> dict[str, Any]:
     """The numbers of the report; ``record`` (the job record, None when unknown) names the model profile."""
     rows = table.num_rows
-    spans_on = record is None or record.reasoning_spans
+    # Null spans are "not recorded" (--no-reasoning-spans); statistics cover the rows that have them.
+    recorded = table[REASONING_END].is_valid().to_numpy(zero_copy_only=False)
+    spans_on = record.reasoning_spans if record is not None else bool(rows == 0 or recorded.any())
     out_len = table[COMPLETION_TOKENS].to_numpy().astype(np.int64)
-    reasoning = (table[REASONING_END].to_numpy() - table[REASONING_START].to_numpy()).astype(np.int64)
-    share = np.divide(reasoning, out_len, out=np.zeros(rows), where=out_len > 0)
+    reasoning = (table[REASONING_END].fill_null(0).to_numpy() - table[REASONING_START].fill_null(0).to_numpy()).astype(
+        np.int64
+    )
+    share = np.divide(reasoning, out_len, out=np.zeros(rows), where=out_len > 0)[recorded]
+    closed = table[HAS_THINK_END].fill_null(False).to_numpy()[recorded]
     finish = _counts(table[FINISH_REASON])
     tokens = int(out_len.sum())
     summary: dict[str, Any] = {
@@ -101,7 +113,7 @@ def summarize(job: str, table: pa.Table, record: JobRecord | None = None) -> dic
         "datasets": _counts(table[DATASET]),
         "finish_reasons": finish,
         "truncation_rate": finish.get("length", 0) / rows if rows else 0.0,
-        "think_end_rate": (float(table[HAS_THINK_END].to_numpy().mean()) if rows else 0.0) if spans_on else None,
+        "think_end_rate": (float(closed.mean()) if len(closed) else 0.0) if spans_on else None,
         "tool_call_rows": int((pc.list_value_length(table[TOOL_CALL_SPANS]).to_numpy() > 0).sum()),
         "output_length": _distribution(out_len),
         "over_2000": int((out_len > 2000).sum()),
@@ -109,8 +121,25 @@ def summarize(job: str, table: pa.Table, record: JobRecord | None = None) -> dic
         "reasoning_share": _distribution(share) if spans_on else {},
         "latency_s": _distribution(table[LATENCY_S].drop_null().to_numpy()),
     }
+    summary.update(_turns(table))
     summary.update(_throughput(table, out_len))
     return summary
+
+
+def _turns(table: pa.Table) -> dict[str, Any]:
+    """``--turns all``: conversations, turn rows, and conversations with every turn stored (``turn_count`` of
+    them); None for a single-turn job (no row has a conversation)."""
+    if CONVERSATION_ID not in table.column_names or table[CONVERSATION_ID].null_count == table.num_rows:
+        return {"conversations": None, "turns": None, "complete_conversations": None}
+    turns = table.filter(pc.is_valid(table[CONVERSATION_ID])).select([CONVERSATION_ID, TURN_INDEX, TURN_COUNT])
+    per_conv = turns.group_by(CONVERSATION_ID).aggregate([(TURN_INDEX, "count_distinct"), (TURN_COUNT, "max")])
+    stored = per_conv[f"{TURN_INDEX}_count_distinct"].to_numpy()
+    wanted = per_conv[f"{TURN_COUNT}_max"].fill_null(0).to_numpy()
+    return {
+        "conversations": per_conv.num_rows,
+        "turns": turns.num_rows,
+        "complete_conversations": int((stored >= wanted).sum()),
+    }
 
 
 def _counts(column: pa.ChunkedArray) -> dict[str, int]:
@@ -175,10 +204,12 @@ def plot_png(summary: dict[str, Any], table: pa.Table) -> bytes:
     ax.hist(out_len, bins=50, color="#4c72b0")
     ax.set(title="output length (tokens)", xlabel="tokens", ylabel="rows")
     ax = axes[0][1]
-    reasoning = table[REASONING_END].to_numpy() - table[REASONING_START].to_numpy()
+    recorded = table[REASONING_END].is_valid().to_numpy(zero_copy_only=False)  # null: not recorded
+    reasoning = table[REASONING_END].fill_null(0).to_numpy() - table[REASONING_START].fill_null(0).to_numpy()
     share = np.divide(reasoning, out_len, out=np.zeros(len(out_len)), where=out_len > 0)
-    ax.hist(share, bins=40, range=(0, 1), color="#55a868")
-    ax.set(title="reasoning share of output", xlabel="reasoning / output tokens", ylabel="rows")
+    ax.hist(share[recorded], bins=40, range=(0, 1), color="#55a868")
+    title = "reasoning share of output" if recorded.any() or not len(recorded) else "reasoning spans not recorded"
+    ax.set(title=title, xlabel="reasoning / output tokens", ylabel="rows")
     ax = axes[1][0]
     timeline = summary.get("timeline") or []
     ax.plot([p["t_s"] / 60 for p in timeline], [p["tokens_per_s"] for p in timeline], color="#c44e52")
@@ -202,7 +233,8 @@ def to_html(summary: dict[str, Any], png: bytes) -> str:
         body = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{_fmt(v)}</td></tr>" for k, v in rows.items())
         return f"<h2>{html.escape(title)}</h2><table>{body}</table>"
 
-    keys = ("model_family", "rows", "output_tokens", "reasoning_tokens", "truncation_rate", "think_end_rate")
+    keys = ("model_family", "rows", "conversations", "turns", "output_tokens", "reasoning_tokens")
+    keys += ("truncation_rate", "think_end_rate")
     headline = {k: summary[k] for k in (*keys, "tokens_per_s") if summary.get(k) is not None}
     if not summary.get("reasoning_spans", True):
         headline["reasoning spans"] = "off (--no-reasoning-spans)"
@@ -247,6 +279,9 @@ def print_summary(summary: dict[str, Any]) -> None:
         head.add_row("reasoning spans", "off (--no-reasoning-spans): no reasoning share, no </think> rate")
     for key in (
         "rows",
+        "conversations",
+        "turns",
+        "complete_conversations",
         "output_tokens",
         "prompt_tokens",
         "reasoning_tokens",

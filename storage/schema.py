@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from storage.spans import KIMI_TOKENS, SpanTokens, compute_spans_batch, prompts_open_reasoning
+from storage.spans import KIMI_TOKENS, Spans, SpanTokens, compute_spans_batch, prompts_open_reasoning
 
 #: 2: + ``deterministic``; ``reasoning_tokens``/``num_retractions``/``cached_tokens`` are null when the server
 #: did not report them (parts of version 1 read back with ``deterministic`` null).
@@ -30,7 +30,9 @@ from storage.spans import KIMI_TOKENS, SpanTokens, compute_spans_batch, prompts_
 #: and jobs without logprobs read back null).
 #: 4: + ``conversation_id``, ``turn_index``, ``turn_count`` (``--turns all``; null for single-turn jobs and parts
 #: of versions 1–3).
-SCHEMA_VERSION = "4"
+#: 5: the reasoning and answer span columns are nullable: null = not recorded (a job run with
+#: ``--no-reasoning-spans``), never 0:0; parts of versions 1–4 hold values in every row and read back as they are.
+SCHEMA_VERSION = "5"
 
 # -- column names (import these instead of spelling strings) ------------------------------------------
 JOB = "job"
@@ -111,11 +113,12 @@ SCHEMA = pa.schema(
         pa.field(INPUT_IDS, TOKEN_IDS, nullable=False),  # prompt ids sent to /generate (ends with <think>)
         pa.field(OUTPUT_IDS, TOKEN_IDS, nullable=False),  # every generated id, stop token included
         # -- spans: offsets into output_ids, half-open [start, end) (storage/spans.py) --------------
-        pa.field(REASONING_START, pa.int32(), nullable=False),  # 0 when the prompt ends with <think>
-        pa.field(REASONING_END, pa.int32(), nullable=False),  # at </think> / tool section / end
-        pa.field(HAS_THINK_END, pa.bool_(), nullable=False),  # </think> emitted (output_ids[reasoning_end])
-        pa.field(ANSWER_START, pa.int32(), nullable=False),  # after </think>
-        pa.field(ANSWER_END, pa.int32(), nullable=False),  # at the tool section or the stop token
+        # The reasoning and answer spans are null when not recorded (--no-reasoning-spans).
+        pa.field(REASONING_START, pa.int32()),  # 0 when the prompt opens reasoning (ends with <think>)
+        pa.field(REASONING_END, pa.int32()),  # at </think> / tool section / end
+        pa.field(HAS_THINK_END, pa.bool_()),  # </think> emitted (output_ids[reasoning_end])
+        pa.field(ANSWER_START, pa.int32()),  # after </think>
+        pa.field(ANSWER_END, pa.int32()),  # at the tool section or the stop token
         pa.field(TOOL_CALL_SPANS, SPAN_LIST, nullable=False),  # <|tool_call_begin|> … <|tool_call_end|> incl.
         pa.field(STOP_TOKEN, pa.int32()),  # the trailing stop id (163586 <|im_end|>), null when none
         # -- how it finished (SGLang meta_info.finish_reason) ---------------------------------------
@@ -166,6 +169,9 @@ MANIFEST_SCHEMA = pa.schema(
 
 TOKEN_COLUMNS = (INPUT_IDS, OUTPUT_IDS)
 SPAN_COLUMNS = (REASONING_START, REASONING_END, HAS_THINK_END, ANSWER_START, ANSWER_END, TOOL_CALL_SPANS)
+#: Where reasoning ends and the answer starts: null in every row of a job run with ``--no-reasoning-spans``
+#: (the job's markers cannot tell), so "not recorded" never reads as "no reasoning" (0:0).
+REASONING_SPAN_COLUMNS = SPAN_COLUMNS[:5]
 
 #: Parquet writer options for SCHEMA: zstd; dictionaries only for the repetitive strings (token ids
 #: are PLAIN: a vocabulary of 163k ids makes dictionary pages churn); statistics only where they help
@@ -193,6 +199,25 @@ WRITE_OPTIONS: dict[str, Any] = {
 #: Opt-in ``column_encoding`` for WRITE_OPTIONS (measured in bench/bench_storage.py).
 BSS_TOKEN_ENCODING: dict[str, str] = {f"{c}.list.element": "BYTE_STREAM_SPLIT" for c in TOKEN_COLUMNS}
 
+
+def span_values(spans: Spans, tokens: SpanTokens) -> dict[str, Any]:
+    """One row's span columns from its :class:`Spans` (what a worker puts in its row dict): the reasoning and
+    answer spans are None (null: not recorded) when the job runs without reasoning spans."""
+    recorded = tokens.reasoning_spans
+    values: dict[str, Any] = {
+        REASONING_START: spans.reasoning_start,
+        REASONING_END: spans.reasoning_end,
+        HAS_THINK_END: spans.has_think_end,
+        ANSWER_START: spans.answer_start,
+        ANSWER_END: spans.answer_end,
+    }
+    if not recorded:
+        values = dict.fromkeys(values)
+    values[TOOL_CALL_SPANS] = [{"start": s, "end": e} for s, e in spans.tool_call_spans]
+    values[STOP_TOKEN] = spans.stop_token
+    return values
+
+
 # Values used when a row dict leaves a column out. Required columns have none and must be given.
 _DEFAULTS: dict[str, Any] = {SAMPLE_INDEX: 0, REVISION: 0, ATTEMPT: 1}
 
@@ -209,7 +234,8 @@ def rows_to_table(
     - Span columns given in every row are taken as given (the worker knows its tokenizer's ids);
       otherwise they are computed here for the whole batch with ``tokens``, a prompt that opens reasoning
       (:func:`storage.spans.prompt_opens_reasoning`) starting it at 0. ``tool_call_spans`` entries
-      may be ``(start, end)`` tuples or ``{"start", "end"}`` dicts.
+      may be ``(start, end)`` tuples or ``{"start", "end"}`` dicts. With ``tokens.reasoning_spans`` off
+      (``--no-reasoning-spans``) the reasoning and answer spans are null, whatever the rows say.
     - ``finish_reason`` may be SGLang's dict (``{"type": …, "matched": …}``) or its type string.
     - ``sampling_params`` may be a dict (JSON-encoded, sorted keys) or a JSON string.
     - ``created_at`` may be a datetime (naive = UTC), epoch seconds, or absent (= now).
@@ -224,6 +250,9 @@ def rows_to_table(
     columns[INPUT_IDS] = pa.ListArray.from_arrays(in_offsets, in_values, type=TOKEN_IDS)
     columns[OUTPUT_IDS] = pa.ListArray.from_arrays(out_offsets, out_values, type=TOKEN_IDS)
     columns.update(_span_columns(rows, in_values, in_offsets, out_values, out_offsets, tokens))
+    if not tokens.reasoning_spans:
+        for name in REASONING_SPAN_COLUMNS:
+            columns[name] = pa.nulls(n, columns[name].type)
 
     finish = [r.get(FINISH_REASON, fill.get(FINISH_REASON)) for r in rows]
     if any(isinstance(f, Mapping) for f in finish):

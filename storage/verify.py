@@ -60,9 +60,11 @@ class VerifyReport:
     hash_mismatch: list[str] = field(default_factory=list)  # stored input_ids do not hash to content_hash
     permanent_failures: list[str] = field(default_factory=list)  # dead-lettered, no row
     not_submitted: list[str] = field(default_factory=list)
-    thinking_rows: int = 0
+    thinking_rows: int = 0  # rows whose prompt opens reasoning (storage.spans.prompt_opens_reasoning)
     think_end_rows: int = 0
     reasoning_alarm: bool = False
+    #: False: the job runs with --no-reasoning-spans — spans null (not recorded), no reasoning alarm.
+    reasoning_spans: bool = True
     per_dataset: dict[str, dict[str, int]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -145,7 +147,14 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
     report.missing_turns = missing_turns(winners, stored, dead, tool_rows if ends is None else ends)
     report.missing_turns = [pid for pid in report.missing_turns if pid not in set(report.missing)]
     report.thinking_rows, report.think_end_rows = thinking.thinking_rows, thinking.think_end_rows
-    _reasoning_alarm(report, settings)
+    report.reasoning_spans = tokens.reasoning_spans
+    if tokens.reasoning_spans:
+        _reasoning_alarm(report, settings)
+    else:
+        report.notes.append(
+            "the job runs without reasoning spans (--no-reasoning-spans): its rows' reasoning/answer spans are null "
+            "(not recorded) and the reasoning alarm is off"
+        )
     report.per_dataset = _per_dataset(report, sub_dataset, winners)
     return report
 
@@ -250,7 +259,9 @@ def format_report(report: VerifyReport, limit: int = 20) -> str:
         f"job {report.job}: {'OK' if report.ok else 'FAILED'}",
         f"  submitted {report.submitted} (from {report.submitted_source}), committed {report.committed}, "
         f"stored rows {report.stored_rows}",
-        f"  thinking-mode rows {report.thinking_rows}, with </think> {report.think_end_rows}",
+        f"  thinking-mode rows {report.thinking_rows}, with </think> {report.think_end_rows}"
+        if report.reasoning_spans
+        else "  reasoning spans not recorded (--no-reasoning-spans): no reasoning alarm",
     ]
     for name, ds_counts in report.per_dataset.items():
         lines.append(f"  dataset {name}: " + ", ".join(f"{k} {v}" for k, v in ds_counts.items()))

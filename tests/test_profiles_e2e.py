@@ -138,6 +138,28 @@ def test_a_qwen3_job_runs_end_to_end_with_its_own_markers(tmp_path: Path, redis_
 
 
 @pytest.mark.timeout(400)
+def test_a_qwen3_thinking_2507_job_whose_prompt_opens_reasoning_spans_it_from_the_first_output_id(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """The template ends the prompt with ``<think>\\n``: the model (the simulator) starts inside reasoning and
+    emits no ``<think>``; the row's reasoning is output_ids[0:</think>], and the alarm counts these rows."""
+    got = _run(tmp_path, redis_url, "qwen3-thinking", "qwen3", "qwenthink")
+    record = got["record"]
+    assert record.model_family == "qwen3" and record.reasoning_spans
+    newline = record.markers["\n"]  # submit read the whitespace id from the tokenizer
+    assert record.span_tokens().prompt_trailing_ids == (newline,)
+    for row in got["rows"]:
+        prompt, out = row["input_ids"], row["output_ids"]
+        assert prompt[-2:] == [THINK, newline] and THINK not in out
+        body_end = len(out) - (out[-1] == IM_END)
+        closed = END_THINK in out
+        end = out.index(END_THINK) if closed else body_end
+        assert (row["reasoning_start"], row["reasoning_end"], row["has_think_end"]) == (0, end, closed)
+    assert not got["client"].exists(got["settings"].keys.alarm("qwenthink"))
+    assert got["report"]["think_end_rate"] > 0.8
+
+
+@pytest.mark.timeout(400)
 def test_a_harmony_job_runs_end_to_end_with_channel_spans(tmp_path: Path, redis_url: str) -> None:
     got = _run(tmp_path, redis_url, "harmony", "harmony", "gptoss")
     record = got["record"]
@@ -196,8 +218,9 @@ def test_a_tokenizer_without_reasoning_markers_is_refused_then_runs_without_reas
     assert record.model_family == "qwen3" and record.reasoning_spans is False
     assert record.think_start_id is None and record.think_end_id is None
     assert any("reasoning spans are off" in w for w in got["submit"]["warnings"])
-    for row in got["rows"]:
-        assert (row["reasoning_start"], row["reasoning_end"], row["has_think_end"]) == (0, 0, False)
+    for row in got["rows"]:  # null: not recorded (0:0 would say "no reasoning")
+        assert (row["reasoning_start"], row["reasoning_end"], row["has_think_end"]) == (None, None, None)
+        assert (row["answer_start"], row["answer_end"]) == (None, None)
         out = row["output_ids"]
         begins = [i for i, t in enumerate(out) if t == CALL]
         assert [s for s, _ in _calls(row)] == begins  # tool calls are still spanned

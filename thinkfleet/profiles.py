@@ -52,7 +52,7 @@ ids are read from the tokenizer); GLM-4.5 — GLM-4's special block 151329–151
 Profiles are chosen with ``producer submit --model-family`` (job file ``model_family``) or detected from
 the tokenizer (:func:`detect`: the first profile whose ``detect_tokens`` are all in the vocabulary). A
 tokenizer that lacks the profile's *required* (reasoning) markers is refused at submit, naming the
-missing strings, unless the job runs with ``--no-reasoning-spans`` (empty reasoning spans, no alarm).
+missing strings, unless the job runs with ``--no-reasoning-spans`` (null reasoning spans: not recorded; no alarm).
 """
 
 from __future__ import annotations
@@ -447,7 +447,7 @@ def resolve(
                 raise ProfileError(
                     f"cannot tell the model family of {source}: it has none of the families' tokens ({wanted})\n"
                     f"  → pass --model-family ({', '.join(FAMILIES)}), or --no-reasoning-spans to run without "
-                    "reasoning spans (empty reasoning spans, no reasoning alarm)"
+                    "reasoning spans (null reasoning spans, no reasoning alarm)"
                 )
     else:
         profile = get_profile(family)
@@ -465,7 +465,7 @@ def resolve(
             f"{'s' if len(missing) > 1 else ''}, which the {profile.family} profile ({profile.title}; {how}) "
             f"needs to find reasoning{detail}\n"
             "  → use the served model's own tokenizer, pick another --model-family, or pass "
-            "--no-reasoning-spans to run without reasoning spans (empty reasoning spans, reasoning alarm off)"
+            "--no-reasoning-spans to run without reasoning spans (null reasoning spans, reasoning alarm off)"
         )
 
     marker_ids: dict[str, int | None] = {}
@@ -485,7 +485,7 @@ def resolve(
             marker_ids = dict.fromkeys(MARKER_ROLES)
         warnings.append(
             f"reasoning spans are off ({'--no-reasoning-spans' if profile.scheme != 'none' else 'no profile'}): "
-            "rows get an empty reasoning span and has_think_end false, and the reasoning alarm is disabled "
+            "rows get null (not recorded) reasoning and answer spans, and the reasoning alarm is disabled "
             "for this job"
         )
     elif missing_tools:

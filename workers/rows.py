@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from storage.schema import span_values
 from storage.spans import compute_spans, prompt_opens_reasoning
 from thinkfleet.message import PromptTask
 from thinkfleet.state.ledger import FinalRow
@@ -59,13 +60,7 @@ def build_row(
         "output_logprobs": gen.output_logprobs,
         "top_logprob_ids": gen.top_logprob_ids,
         "top_logprobs": gen.top_logprobs,
-        "reasoning_start": spans.reasoning_start,
-        "reasoning_end": spans.reasoning_end,
-        "has_think_end": spans.has_think_end,
-        "answer_start": spans.answer_start,
-        "answer_end": spans.answer_end,
-        "tool_call_spans": [{"start": s, "end": e} for s, e in spans.tool_call_spans],
-        "stop_token": spans.stop_token,
+        **span_values(spans, job.tokens),  # null reasoning/answer spans under --no-reasoning-spans
         "finish_reason": gen.finish_type,
         "finish_matched": gen.finish_matched,
         "prompt_tokens": gen.prompt_tokens or len(input_ids),

@@ -25,7 +25,7 @@ field                            absent →            what
                                                      tokenizer or ``--model-family``
 ``reasoning_spans``              true                false: ``--no-reasoning-spans`` (the tokenizer lacks the
                                                      profile's reasoning markers, or the user said so): rows
-                                                     carry empty reasoning spans and the alarm is off
+                                                     carry null reasoning spans and the alarm is off
 ``think_start_id``               Kimi's 163606 (*)   ``<think>`` id; null when the tokenizer has none
 ``think_end_id``                 Kimi's 163607 (*)   ``</think>`` id (harmony: ``<|end|>``, which closes the
                                                      analysis message); null when the tokenizer has none
