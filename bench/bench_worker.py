@@ -20,7 +20,6 @@ import json
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -53,11 +52,12 @@ from bench.harness import (
     start_sims,
     start_workers,
     stop_sims,
+    tool_path,
     wait_for,
     worker_metrics_ports,
     write_json,
 )
-from bench.report import table, update_section
+from bench.report import code_stamp, table, update_section
 from thinkfleet.settings import Settings
 
 JOB = "bench-worker"
@@ -221,7 +221,10 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         k: round(v["calls"] / args.prompts, 3) for k, v in commandstats_delta(stats0, stats1).items()
     }
     out["timeseries"] = _timeseries(samples, t0)
-    _plot(out, sides, starts_at, args)
+    try:
+        _plot(out, sides, starts_at, args)
+    except ImportError as exc:
+        print(f"bench_worker: plot skipped ({exc.name} is not installed: pip install -e '.[bench]')")
     return out
 
 
@@ -256,7 +259,7 @@ def profile_worker(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         staged = stage(settings, JOB, prompts)
         pid = workers[0].proc.pid
         spy = subprocess.Popen(
-            [str(Path(sys.executable).with_name("py-spy")), "record", "--gil", "--nonblocking", "-r", "100",
+            [str(tool_path("py-spy")), "record", "--gil", "--nonblocking", "-r", "100",
              "-f", "raw", "-o", str(folded), "-p", str(pid)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
@@ -379,9 +382,8 @@ def markdown(r: dict[str, Any]) -> str:
 `.venv/bin/python -m bench.bench_worker` — {c["prompts"]} prompts (seed's length distribution, `max_new_tokens`
 {c["max_new_tokens"]}), one simulated host each (860 tok/s, ≤ 40 tok/s per request, `--max-running-requests`
 {c["bound"]}), bound {c["bound"]}, time scale {c["time_scale"]:g}× — all three clients started at the same instant
-against identical simulators. Worker settings: {c["worker_settings"]}. Code at `{
-        r.get("code", {}).get("commit", "?")
-    }`. Raw figures: `bench/results/worker.json`.
+against identical simulators. Worker settings: {c["worker_settings"]}. {code_stamp(r.get("code"))} Raw figures:
+`bench/results/worker.json`.
 
 {
         table(
@@ -444,7 +446,9 @@ def main() -> None:
         workdir = Path(tempfile.mkdtemp(prefix="bench-worker-"))
         try:
             result = run(args, workdir)
-            if args.profile_prompts:
+            if args.profile_prompts and tool_path("py-spy") is None:
+                print("bench_worker: profile skipped (py-spy is not installed: pip install -e '.[bench]')")
+            elif args.profile_prompts:
                 result["profile"] = profile_worker(args, workdir)
         finally:
             if not args.keep:

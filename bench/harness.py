@@ -7,6 +7,8 @@ in-process pool client (``python -m bench.pool``).
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -24,9 +26,10 @@ from typing import Any
 import numpy as np
 import redis
 
-from producer.enqueue import Envelope, Stager
+from producer.enqueue import Stager
 from sglang_sim.testing import SimulatorProcess, free_port, wait_for_port
 from thinkfleet import kimi
+from thinkfleet.broker.envelope import Envelope
 from thinkfleet.keys import Keys
 from thinkfleet.message import PromptTask, pack_ids
 from thinkfleet.settings import Settings
@@ -53,6 +56,34 @@ def proc_cpu_s(pid: int) -> float:
     except OSError:
         return float("nan")
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def proc_runqueue_wait_s(pid: int) -> float:
+    """Seconds the threads of a live process spent runnable but waiting for a CPU (/proc/PID/task/*/schedstat).
+
+    Summed over the threads alive now; divided by wall time it is how many of them were, on average, starved.
+    """
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return float("nan")
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / 1e9
+
+
+def cpu_pressure_s() -> float:
+    """Seconds (since boot) in which some runnable task on this machine waited for a CPU (/proc/pressure/cpu)."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            return int(f.readline().rsplit("total=", 1)[1]) / 1e6
+    except (OSError, IndexError, ValueError):
+        return float("nan")
 
 
 def machine_cpu() -> tuple[float, float]:
@@ -451,14 +482,42 @@ class PoolProcess:
         return json.loads(self.out_path.read_text())
 
 
-def code_version() -> dict[str, Any]:
-    """The commit the benchmark ran at, and whether the code it exercises had local changes."""
+def tool_path(name: str) -> Path | None:
+    """An optional console tool of the ``bench`` extra (py-spy): beside this interpreter, else on PATH."""
+    beside = Path(sys.executable).with_name(name)
+    if beside.exists():
+        return beside
+    found = shutil.which(name)
+    return Path(found) if found else None
 
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
 
-    dirty = git("status", "--porcelain", "--", "workers", "storage", "sglang_sim", "thinkfleet", "producer")
-    return {"commit": git("rev-parse", "--short", "HEAD"), "local_changes": dirty.splitlines()}
+#: The benchmarks' own outputs: writing them must not make the next run's stamp dirty.
+STAMP_EXCLUDES = ("bench/results", "BENCHMARKS.md")
+
+
+def code_version(root: Path = ROOT) -> dict[str, Any]:
+    """The whole tree a benchmark ran on: ``git rev-parse HEAD``, whether anything differs from it, and if so
+    a hash of the difference (tracked changes and untracked files, ``bench/`` included; only the benchmarks'
+    own outputs, :data:`STAMP_EXCLUDES`, are left out), so two runs on the same uncommitted tree compare equal.
+    """
+
+    def git(*args: str, text: bool = True) -> Any:
+        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=text, check=False)
+        return out.stdout.rstrip("\n") if text else out.stdout
+
+    spec = ["--", ".", *(f":(exclude){p}" for p in STAMP_EXCLUDES)]
+    commit = git("rev-parse", "HEAD") or "unknown"
+    changed = git("status", "--porcelain", "--untracked-files=all", *spec).splitlines()
+    stamp: dict[str, Any] = {"commit": commit, "dirty": bool(changed)}
+    if changed:
+        digest = hashlib.sha256(git("diff", "HEAD", "--binary", *spec, text=False))
+        for path in sorted(git("ls-files", "--others", "--exclude-standard", *spec).splitlines()):
+            digest.update(path.encode() + b"\0")
+            with contextlib.suppress(OSError):
+                digest.update((root / path).read_bytes())
+        stamp["diff_sha256"] = digest.hexdigest()[:16]
+        stamp["changed_paths"] = sorted(line[3:] for line in changed)
+    return stamp
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
