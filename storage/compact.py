@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import pyarrow.compute as pc
 
 from storage import layout, reader
-from storage.schema import PROMPT_ID, ROW_INDEX, SAMPLE_INDEX, SCHEMA
+from storage.schema import PROMPT_ID, ROW_INDEX, SAMPLE_INDEX, SCHEMA, TURN_INDEX
 from storage.writer import PartWriter
 from thinkfleet.settings import Settings
 
@@ -87,10 +87,9 @@ def _compact_dataset(
         return report
 
     committed = table.take(reader.winner_indices(table)).select(SCHEMA.names)
-    # Source order (row index, then sample) reads naturally; prompt_id makes it total.
-    committed = committed.take(
-        pc.sort_indices(committed, [(ROW_INDEX, "ascending"), (SAMPLE_INDEX, "ascending"), (PROMPT_ID, "ascending")])
-    )
+    # Source order (row index, then sample, then a conversation's turns) reads naturally; prompt_id makes it total.
+    order = [(c, "ascending") for c in (ROW_INDEX, SAMPLE_INDEX, TURN_INDEX, PROMPT_ID)]
+    committed = committed.take(pc.sort_indices(committed, order))
     report.rows_after = committed.num_rows
     chunks = [committed.slice(i, max_rows) for i in range(0, committed.num_rows, max_rows)]
     replaced = json.dumps(sorted(posixpath.basename(p) for p in paths)).encode()

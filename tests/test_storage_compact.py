@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
@@ -120,3 +121,39 @@ def test_compact_cli_reports_each_dataset(tmp_path: Path) -> None:
     result = CliRunner().invoke(compact, [JOB, "--output-uri", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert "a: 9 parts, 9 rows -> 4 rows" in result.output
+
+
+def _conversations(root: Path, turns: int = 12) -> dict[str, tuple[str, int, int]]:
+    """Two ``--turns all`` conversations, one part per turn row, one turn delivered twice, and a single-turn row."""
+    want: dict[str, tuple[str, int, int]] = {}
+    writer = PartWriter(str(root), "w1")
+    for c, conv in enumerate(("alpha-0", "alpha-1")):
+        for t in range(turns):
+            pid = f"{conv}/t{t}"
+            row = make_row(pid, dataset="a", seed=t, row_index=c, conversation_id=conv, turn_index=t, turn_count=turns)
+            writer.write(JOB, "a", [row])
+            want[pid] = (conv, t, turns)
+    again = make_row("alpha-1/t3", dataset="a", seed=3, row_index=1, conversation_id="alpha-1", turn_index=3)
+    PartWriter(str(root), "w2").write(JOB, "a", [{**again, "turn_count": turns}])  # a redelivered turn
+    writer.write(JOB, "a", [make_row("alpha-9", dataset="a", row_index=9)])  # a single-turn row: no conversation
+    return want
+
+
+def test_compaction_keeps_every_turn_row_once_with_its_conversation_columns(tmp_path: Path) -> None:
+    want = _conversations(tmp_path)
+    before = _view(tmp_path)
+    assert reader.raw_duplicates(str(tmp_path), JOB).num_rows == 2
+
+    compact_job(_settings(tmp_path), JOB)
+
+    after = _view(tmp_path)
+    assert after.equals(before) and len(_parts(tmp_path, "a")) == 1
+    assert reader.raw_duplicates(str(tmp_path), JOB).num_rows == 0
+    rows = pq.read_table(tmp_path / JOB / "dataset=a" / _parts(tmp_path, "a")[0]).to_pylist()
+    turns = {r["prompt_id"]: (r["conversation_id"], r["turn_index"], r["turn_count"]) for r in rows}
+    assert len(rows) == len(turns) == len(want) + 1
+    assert {k: v for k, v in turns.items() if k != "alpha-9"} == want
+    assert turns["alpha-9"] == (None, None, None)
+    # The file lists each conversation's turns in order (t2 before t10), conversations in source order.
+    listed = [r["prompt_id"] for r in rows if r["conversation_id"] == "alpha-1"]
+    assert listed == [f"alpha-1/t{t}" for t in range(12)]

@@ -54,3 +54,35 @@ def test_report_cli_prints_tables_and_json(tmp_path: Path) -> None:
     assert "w0" in result.output and "truncation_rate" in result.output
     result = CliRunner().invoke(report, [JOB, "--output-uri", str(tmp_path), "--json"])
     assert json.loads(result.output)["rows"] == 20
+
+
+def test_report_counts_conversations_and_turns_of_a_multi_turn_job(tmp_path: Path) -> None:
+    """``--turns all``: three 3-turn conversations, one with its last turn not stored yet, a turn delivered twice."""
+    rng = np.random.default_rng(9)
+    writer = PartWriter(str(tmp_path), "w0")
+    for c in range(3):
+        stored = 3 if c < 2 else 2
+        rows = [
+            make_row(
+                f"conv-{c}/t{t}",
+                output_ids=kimi_output(rng, 20, 10),
+                conversation_id=f"conv-{c}",
+                turn_index=t,
+                turn_count=3,
+                created_at=T0 + timedelta(minutes=t),
+            )
+            for t in range(stored)
+        ]
+        writer.write(JOB, "ds", rows)
+    writer.write(JOB, "ds", [rows[0]])  # a redelivery: the committed view has it once
+    summary, _ = report_job(Settings(output_uri=str(tmp_path)), JOB)
+    assert summary["rows"] == summary["turns"] == 8
+    assert summary["conversations"] == 3 and summary["complete_conversations"] == 2
+    result = CliRunner().invoke(report, [JOB, "--output-uri", str(tmp_path)])
+    assert result.exit_code == 0 and "conversations" in result.output, result.output
+
+
+def test_report_of_a_single_turn_job_has_no_conversation_counts(tmp_path: Path) -> None:
+    _job(tmp_path)
+    summary, _ = report_job(Settings(output_uri=str(tmp_path)), JOB)
+    assert summary["conversations"] is None and summary["turns"] is None
