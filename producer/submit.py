@@ -95,7 +95,7 @@ class SubmitOptions:
     #: rows get empty reasoning spans and the reasoning alarm is off.
     reasoning_spans: bool = True
     #: ``--turns``: "last" regenerates the final assistant turn; "all" every turn, chained by the workers
-    #: (turn 0 of each conversation is enqueued here as ``{prompt_id}/t0``; :mod:`workers.turns`).
+    #: (turn 0 of each conversation is enqueued here as ``{prompt_id}/t0``; :mod:`thinkfleet.turns`).
     turns: str = "last"
     think_start_id: int | None = None
     think_end_id: int | None = None

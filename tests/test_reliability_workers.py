@@ -177,7 +177,7 @@ def test_message_popped_by_a_worker_killed_before_kombu_records_it_is_not_lost(r
         [watch.stop()],
         time.monotonic() - started,
         workers=2,
-        notes="lost with kombu's stock BRPOP; workers/transit.py keeps it in Redis",
+        notes="lost with kombu's stock BRPOP; thinkfleet/broker/transit.py keeps it in Redis",
     )
     outcome.assert_clean()
 
