@@ -127,4 +127,3 @@ class Keys:
     def transit(self, worker: str) -> str:
         """LIST of messages this worker popped off the queue and kombu has not yet recorded as unacked."""
         return f"{self.prefix}:transit:{worker}"
-

@@ -47,6 +47,8 @@ RECHECK_DELAY_S = 0.05
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 _REVISION = re.compile(r"/r\d+$")
+
+
 class NotObservable(Exception):
     """The broker is not a Redis we can read (RabbitMQ): queued and running messages are invisible."""
 
