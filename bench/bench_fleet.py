@@ -26,8 +26,10 @@ import numpy as np
 
 from bench import limits, model
 from bench.fleet import FleetConfig, run_fleet
-from bench.harness import RESULTS, code_version, loadavg, make_prompts, sampling_params, write_json
-from bench.report import table, update_section
+from bench.harness import RESULTS, code_version, loadavg, make_prompts, write_json
+from bench.report import code_stamp, table, update_section
+from sglang_sim.engine import EngineConfig
+from storage.testing import PROMPT_MEDIAN, PROMPT_SIGMA
 
 JOB = "bench-fleet"
 #: The seed's single-server figures (MISSION.md).
@@ -35,6 +37,8 @@ SEED_HOURS = 57.0
 SEED_PROMPTS = 88_088
 SEED_MEAN_TOKENS = 1_416
 PROJECT_HOSTS = (1, 4, 8, 16, 32)
+#: The simulator's prefill speed (uncached prompt tokens per simulated second; decode pauses while it runs).
+PREFILL_TOK_S = EngineConfig().prefill_tok_s
 
 
 # -- 1. scaling -----------------------------------------------------------------------------------------------
@@ -151,12 +155,14 @@ def model_check(
     out = []
     for r in runs:
         n = r["hosts"]
-        m = model.simulate(lengths, n, bound, prompt_tokens=plen, prefill_tok_s=20_000.0)
+        m = model.simulate(lengths, n, bound, prompt_tokens=plen, prefill_tok_s=PREFILL_TOK_S)
         spread = []
         for _ in range(10):
             perm = rng.permutation(len(lengths))
             spread.append(
-                model.simulate(lengths[perm], n, bound, prompt_tokens=plen[perm], prefill_tok_s=20_000.0).makespan_s
+                model.simulate(
+                    lengths[perm], n, bound, prompt_tokens=plen[perm], prefill_tok_s=PREFILL_TOK_S
+                ).makespan_s
             )
         out.append(
             {
@@ -186,22 +192,31 @@ def seed_mean_lengths(n: int, seed: int = 11) -> np.ndarray:
     return np.clip(np.round(base * scale), model.MIN_LENGTH_TOKENS, model.MAX_NEW_TOKENS).astype(np.int64)
 
 
+def seed_prompt_lengths(n: int, seed: int = 12) -> np.ndarray:
+    """Prompt lengths of the seed run (storage.testing: lognormal, median 300, sigma 0.8)."""
+    rng = np.random.default_rng(seed)
+    return (rng.lognormal(np.log(PROMPT_MEDIAN), PROMPT_SIGMA, n).astype(np.int64) + 1).clip(1, None)
+
+
 def projection(checked: list[dict[str, Any]], bound: int, ceilings: dict[str, Any]) -> dict[str, Any]:
     # One conservative factor for every N: the worst measured × model, never below 1 (a run that beat the model
     # was dispatch luck, not negative overhead — see the 10-order spread).
     worst = max(checked, key=lambda c: c["system_vs_model"])
     factor, factor_hosts = max(1.0, worst["system_vs_model"]), worst["hosts"]
-    lengths = seed_mean_lengths(SEED_PROMPTS)
+    lengths, prompt_lengths = seed_mean_lengths(SEED_PROMPTS), seed_prompt_lengths(SEED_PROMPTS)
+    prefill = {"prompt_tokens": prompt_lengths, "prefill_tok_s": PREFILL_TOK_S}
     rows = []
     for n in PROJECT_HOSTS:
-        m = model.simulate(lengths, n, bound)
-
+        decode_only = model.simulate(lengths, n, bound)
+        m = model.simulate(lengths, n, bound, **prefill)
         projected_h = m.makespan_s * factor / 3600
         goal_h = 1.05 * SEED_HOURS / n
         rows.append(
             {
                 "hosts": n,
                 "decode_bound_h": round(lengths.sum() / (model.DECODE_TOK_S * n) / 3600, 2),
+                "prefill_h": round(prompt_lengths.sum() / (PREFILL_TOK_S * n) / 3600, 3),
+                "model_decode_only_h": round(decode_only.makespan_s / 3600, 2),
                 "model_h": round(m.makespan_s / 3600, 2),
                 "tail_share": round(m.tail_share(), 4),
                 "system_factor": factor,
@@ -214,7 +229,11 @@ def projection(checked: list[dict[str, Any]], bound: int, ceilings: dict[str, An
     for row in rows:
         row["scaling_efficiency"] = round(rows[0]["projected_h"] / (row["hosts"] * row["projected_h"]), 3)
     # The seed's own client pattern for contrast: send 150, wait for all, repeat (one host).
-    batch_s = sum(model.simulate(lengths[i : i + bound], 1, bound).makespan_s for i in range(0, len(lengths), bound))
+    batch_s = sum(
+        model.simulate(lengths[i : i + bound], 1, bound, prompt_tokens=prompt_lengths[i : i + bound],
+                       prefill_tok_s=PREFILL_TOK_S).makespan_s
+        for i in range(0, len(lengths), bound)
+    )  # fmt: skip
     per_host_prompts_s = model.DECODE_TOK_S / float(lengths.mean())
     redis_cap = ceilings["redis"]["prompts_per_s_at_one_core_from_cpu"]
     return {
@@ -226,6 +245,12 @@ def projection(checked: list[dict[str, Any]], bound: int, ceilings: dict[str, An
             "over_5000": round(float((lengths > 5000).mean()), 3),
             "max": int(lengths.max()),
         },
+        "prompt_lengths": {
+            "mean": round(float(prompt_lengths.mean()), 1),
+            "median": float(np.median(prompt_lengths)),
+            "total": int(prompt_lengths.sum()),
+        },
+        "prefill_tok_s": PREFILL_TOK_S,
         "rows": rows,
         "batch_and_wait_one_host_h": round(batch_s / 3600, 1),
         "batch_and_wait_completions_per_min": round(SEED_PROMPTS / (batch_s / 60), 1),
@@ -244,7 +269,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     runs = result["runs"]
     hosts = [r["hosts"] for r in runs]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.4))
     ax = axes[0]
     for side, colour, label in (("system", "tab:blue", "thinkfleet"), ("pool", "tab:orange", "in-process pool")):
         ax.plot(hosts, [r[side]["makespan_sim_s"] / 60 for r in runs], "o-", color=colour, label=label)
@@ -291,9 +316,59 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("wall time (h)")
     ax.set_title("88,088 prompts at 860 tok/s per host")
     ax.legend(fontsize=8)
+    ax = axes[3]
+    largest = runs[-1]
+    series = largest.get("inflight_series")
+    if series:
+        t = series["t_sim_s"]
+        for side, colour in (("system", "tab:blue"), ("pool", "tab:orange")):
+            name = "thinkfleet" if side == "system" else "pool"
+            ax.plot(t, series[f"{side}_client_inflight"], "--", color=colour, label=f"{name}: in flight, client's view")
+            ax.plot(t, series[f"{side}_sim_running"], "-", color=colour, label=f"{name}: running in the simulators")
+        window = largest["steady_window"]
+        ax.axvspan(window["from_sim_s"], window["to_sim_s"], color="grey", alpha=0.15, label="steady window")
+        ax.set_xlabel("simulated s from the common start")
+        ax.set_ylabel(f"requests (all {largest['hosts']} hosts)")
+        ax.set_title(f"In flight at N={largest['hosts']}: client vs simulators")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _num(x: float | None, fmt: str = ".0f") -> str:
+    """A figure for a table cell; "–" where the run had none (e.g. no sample fell in a short window)."""
+    return "–" if x is None or x != x else format(x, fmt)
+
+
+def _inflight(side: dict[str, Any]) -> str:
+    return f"{_num(side['steady_client_inflight_per_host'])} / {_num(side['steady_sim_running_per_host'])}"
+
+
+def _pool_reading(run: dict[str, Any], bound: int) -> str:
+    """What the figures say about the pool client's lowest steady efficiency (claims only what they show)."""
+    p, wait = run["pool"], run["starvation"]["steady_window"]
+    client, sim = p["steady_client_inflight_per_host"], p["steady_sim_running_per_host"]
+    gap = (client - sim) if client is not None and sim is not None else 0.0
+    head = f"the lowest pool steady efficiency, {p['scaling_efficiency_steady']:.3f} at N={run['hosts']}"
+    figures = (
+        f"the pool client waited for a CPU {wait.get('pool_client', float('nan')):.0%} of the window, some task on "
+        f"the machine {wait.get('cpu_pressure_s', float('nan')):.0%} of it; it counted {_num(client)} requests in "
+        f"flight per host, its simulators ran {_num(sim)}"
+    )
+    if run["steady_window"]["samples"] < 4:
+        return f"Reading it: at {head}, the steady window held too few samples to say why ({figures})."
+    if wait.get("pool_client", 0.0) < 0.2 or gap < 0.1 * bound:
+        return f"Reading it: at {head}, {figures} — no sign of a starved client, so the shortfall is not the client's."
+    return f"""Reading it: {head}, is the reference client starved of CPU, not a limit of the ideal: {figures}.
+The pool client is one single-threaded event loop that must write and read {bound}·N requests; on this 2-core
+machine, shared by {run["hosts"]} workers, {2 * run["hosts"]} simulators and other engineers' tests, it was runnable
+but not running most of that window, so its requests reached the simulators late and its answers were read late.
+The gap between what it counted and what its simulators ran is those requests; during its ramp its simulators held
+fewer than 22, where a simulated GPU decodes at only 40 tok/s per request (in-flight panel of the plot). The
+workers spread the same intake over N processes, so their simulators ran what the workers counted. The simulators'
+clocks run free (`--max-tick-lag-ms` 1e12: a busy simulator process answers late but its GPU never pauses), so
+their decoded-token counters measure what each side fed them, not how fast the simulator processes ran."""
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -320,6 +395,24 @@ def markdown(res: dict[str, Any]) -> str:
          "host finish sim s", "last-5 % tail / makespan (system / pool)", "exactly once"],
         rows,
     )  # fmt: skip
+    window = table(
+        ["N", "steady window sim s", "system: in flight per host, client / simulator", "system steady efficiency",
+         "pool: in flight per host, client / simulator", "pool steady efficiency",
+         "pool client waiting for a CPU", "worker threads waiting", "simulator threads waiting (system / pool)",
+         "some task waiting (CPU PSI)"],
+        [[r["hosts"], f"{r['steady_window']['from_sim_s']:.0f}–{r['steady_window']['to_sim_s']:.0f} "
+                      f"({r['steady_window']['samples']} samples)",
+          _inflight(r["system"]),
+          f"{r['system']['scaling_efficiency_steady']:.3f}",
+          _inflight(r["pool"]),
+          f"{r['pool']['scaling_efficiency_steady']:.3f}",
+          f"{r['starvation']['steady_window'].get('pool_client', float('nan')):.0%}",
+          f"{r['starvation']['steady_window'].get('workers', float('nan')):.2f}",
+          f"{r['starvation']['steady_window'].get('system_sims', float('nan')):.2f} / "
+          f"{r['starvation']['steady_window'].get('pool_sims', float('nan')):.2f}",
+          f"{r['starvation']['steady_window'].get('cpu_pressure_s', float('nan')):.0%}"] for r in runs],
+    )  # fmt: skip
+    worst_pool = min(runs, key=lambda r: r["pool"]["scaling_efficiency_steady"])
     cpu = table(
         ["N", "workers", "busiest worker", "sims (system)", "sims (pool)", "pool client", "redis", "machine busy",
          "load avg at start", "worker ms/request"],
@@ -357,9 +450,10 @@ def markdown(res: dict[str, Any]) -> str:
     seed_model = next(m for m in mt if m["prompts"] == SEED_PROMPTS)
     slow_32 = seed_model["hedging_one_host_at_half_speed"]["without_s"] / seed_model["hedging_homogeneous"]["without_s"]
     projection_table = table(
-        ["N", "decode bound h", "model h", "tail share", "× measured factor", "projected h", "goal 1.05×57/N h",
-         "projected ÷ (57/N)", "scaling efficiency"],
-        [[p["hosts"], p["decode_bound_h"], p["model_h"], f"{p['tail_share']:.3f}",
+        ["N", "decode bound h", "prefill h", "model h, decode only", "model h", "tail share", "× measured factor",
+         "projected h", "goal 1.05×57/N h", "projected ÷ (57/N)", "scaling efficiency"],
+        [[p["hosts"], p["decode_bound_h"], p["prefill_h"], p["model_decode_only_h"], p["model_h"],
+          f"{p['tail_share']:.3f}",
           f"{p['system_factor']:.3f} (N={p['system_factor_measured_at_hosts']})", f"**{p['projected_h']}**",
           p["goal_h"], f"{p['projected_vs_57_over_n']:.3f}", f"{p['scaling_efficiency']:.3f}"] for p in proj["rows"]],
     )  # fmt: skip
@@ -367,40 +461,57 @@ def markdown(res: dict[str, Any]) -> str:
     red, enq, lengths = res["ceilings"]["redis"], res["ceilings"]["enqueue"], proj["lengths"]
     rates = ", ".join(f"{name.upper()} {v / 1000:.0f}k" for name, v in red["redis_benchmark_requests_per_s"].items())
     top = ", ".join(f"{name} {v:g}" for name, v in list(runs[-1]["redis_commands_per_prompt"].items())[:12])
-    code = res.get("code", {})
     return f"""
 `.venv/bin/python -m bench.bench_fleet` — one job of {c["prompts"]} prompts (the seed's length distribution,
 `max_new_tokens` 10240) on N = {", ".join(str(r["hosts"]) for r in runs)} simulated hosts (860 tok/s, ≤ 40 tok/s per
-request, `--max-running-requests` {bound}), bound {bound} per host, time scale {k:g}× (simulator tick
-{c["tick_ms"]:g} ms). Each run has the in-process pool client side by side on N more identical simulators, same
-prompts, same order, same bound per server. Code at `{code.get("commit", "?")}`. Raw figures:
-`bench/results/fleet.json`.
+request, prefill {PREFILL_TOK_S:,.0f} tok/s, `--max-running-requests` {bound}), bound {bound} per host, time scale
+{k:g}× (simulator tick {c["tick_ms"]:g} ms). Each run has the in-process pool client side by side on N more
+identical simulators, same prompts, same order, same bound per server, both told to start at the same instant.
+Run {res.get("date", "?")}, {res.get("wall_s", 0) / 60:.0f} min; {code_stamp(res.get("code"))} Raw figures:
+`bench/results/fleet.json`; `--from-json bench/results/fleet.json` re-renders this section and the plot.
 
-![scaling, per-host finish, projection](bench/results/fleet.png)
+![scaling, per-host finish, projection, in flight at N={n_max}](bench/results/fleet.png)
 
 ### Scaling
+
+Both sides are measured over the same instants: makespan from the common start instant to the last generation
+back at its client (the system's last group commit follows within
+{max(r["system"]["commit_lag_after_last_generation_s"] for r in runs):.1f} sim s); the steady window is one window
+for both — from the moment every host of *both* sides had reached its bound (if one never did: after the first
+10 % of the queue phase) until the *first* side's queue drained.
 
 {scaling}
 
 - **× model** is the coordination overhead: thinkfleet's makespan over the exact zero-overhead model of the
   same job (bench/model.py: same lengths, same order, a freed slot refilled at once from a global queue,
-  prefill charged). The model reproduces the measured pool client to {pool_check} (pool ÷ model): exactly at
-  N ≤ 2, while at N ≥ 4 the pool client — one Python process opening 150·N connections on this 2-core
-  machine — falls behind the ideal itself, so *× pool* flatters the system there; *× model* does not.
-- **Steady efficiency** = simulators' decoded tok/s(N) ÷ (N × tok/s(1)), measured from the moment every host
-  reached its bound (or, if one never did, after the first 10 % of the queue phase) until the queue drained.
-  **Makespan efficiency** = makespan(1) ÷ (N × makespan(N)): for a job this small it is set by the tail (at
-  N={n_max} each host gets {c["prompts"] // n_max} prompts, barely more than its first wave of {bound}), for the
-  ideal as much as for the system — the 10-order spread of the model shows how much of the makespan is the
-  luck of where the longest requests land.
+  prefill charged at {PREFILL_TOK_S:,.0f} tok/s as the simulator does). The model reproduces the measured pool
+  client to {pool_check} (pool ÷ model). Where the pool client falls behind the model it is the client, not the
+  ideal, that is slow (see *Same window* below), so *× pool* flatters the system there; *× model* does not.
+- **Steady efficiency** = the simulators' own decoded-token counters over the steady window, tok/s(N) ÷ (N ×
+  tok/s(1)). **Makespan efficiency** = makespan(1) ÷ (N × makespan(N)): for a job this small it is set by the
+  tail (at N={n_max} each host gets {c["prompts"] // n_max} prompts, barely more than its first wave of {bound}),
+  for the ideal as much as for the system — the 10-order spread of the model shows how much of the makespan is
+  the luck of where the longest requests land.
 - **Min host occupancy** is the lowest host's time-weighted in-flight ÷ bound from the moment it reached its
-  bound until its own last prompt started. At N=8 the hosts' shares ran out before they had taken in all 150:
-  each worker's Celery consumer takes messages one by one (~25/s per worker on this loaded machine), so a
-  ramp of a few wall seconds is tens of simulated seconds at {k:g}×. The simulated GPU is already at full
-  throughput with ≥ 22 requests, so the ramp costs no makespan — see *steady tok/s*.
+  bound until its own last prompt started ("–": some host's share ran out before it reached {bound}: each
+  worker's Celery consumer takes messages one by one, and a ramp of a few wall seconds is tens of simulated
+  seconds at {k:g}×). The simulated GPU is at full throughput from 22 requests on, so the ramp costs little —
+  see *steady efficiency*.
+
+### Same window: in flight as the client counts it and as the simulator runs it
+
+In the steady window, per host: requests in flight by the client's own timestamps vs. requests the simulators
+reported running (sampled every {c.get("sample_interval_s", 0.5):g} s wall); run-queue wait of each process group
+(`/proc/PID/task/*/schedstat`: threads runnable but waiting for a CPU, averaged over the window) and the share of
+the window in which some task on the machine waited for a CPU (`/proc/pressure/cpu`).
+
+{window}
+
+{_pool_reading(worst_pool, bound)}
 
 CPU (cores used while the job ran; this machine has 2, shared with other engineers' tests — the
-*machine busy* column includes them). No process of ours was near a core:
+*machine busy* column includes them), averaged over the run — the bursts, when they starve a process, are in the
+run-queue columns above:
 
 {cpu}
 
@@ -437,8 +548,12 @@ writes a part; and an abort of the losing request to free its slot.
 
 Lengths: the simulator's lognormal shape scaled to the seed's mean — mean {lengths["mean"]:.0f}, median
 {lengths["median"]:.0f}, {lengths["over_2000"]:.1%} over 2,000, {lengths["over_5000"]:.1%} over 5,000, capped at
-{lengths["max"]:,}. *Model* is the exact fleet model (global queue, bound {bound} per host, tail included, zero
-overhead). *Projected* = model × the worst *× model* factor measured at any N (floored at 1), for every N.
+{lengths["max"]:,}. Prompts: the seed run's (storage.testing: lognormal, median {PROMPT_MEDIAN}) — mean
+{proj["prompt_lengths"]["mean"]:.0f} tokens, {proj["prompt_lengths"]["total"] / 1e6:.1f} M in all — prefilled at
+{proj["prefill_tok_s"]:,.0f} tok/s per host (the simulator's `prefill_tok_s`, `sglang_sim.engine.EngineConfig`; decode
+pauses while a prefill runs, as SGLang's default scheduler does). *Model* is the exact fleet model (global queue,
+bound {bound} per host, prefill charged, tail included, zero overhead); *decode only* is the same without prefill.
+*Projected* = model × the worst *× model* factor measured at any N (floored at 1), for every N.
 
 {projection_table}
 
@@ -458,8 +573,10 @@ Ceilings, measured:
 
 Assumptions of the projection:
 - Each host is the seed's server as the simulator models it: 860 output tok/s whenever ≥ 22 requests run, ≤ 40
-  tok/s per request; output lengths independent of submission order; prefill not charged. Hosts are identical and
-  none fails — one host at half speed would add {slow_32 - 1:.1%} at N=32 (see *Hedged re-dispatch*).
+  tok/s per request, {proj["prefill_tok_s"]:,.0f} prefill tok/s (an assumed rate: the simulator's default, not a
+  measurement of Kimi on the seed's GPUs — at a tenth of it prefill would cost ten times the *prefill h* column);
+  output lengths independent of submission order. Hosts are identical and none fails — one host at half speed
+  would add {slow_32 - 1:.1%} at N=32 (see *Hedged re-dispatch*).
 - The measured factor comes from runs at {k:g}× time scale: every wall-clock overhead of the worker (group commit,
   Redis round trips, Celery's intake) weighs {k:g}× more against a simulated request than against a real one.
 - One Redis without persistence; AOF (`appendfsync everysec`) costs Redis CPU not measured here.
@@ -467,6 +584,16 @@ Assumptions of the projection:
   host; the seed's send-150-wait-for-all pattern needs {proj["batch_and_wait_one_host_h"]} h in the same model
   ({proj["batch_and_wait_completions_per_min"]} completions/min) — most likely where the 57 h came from.
 """
+
+
+def render(result: dict[str, Any], png: Path, section: bool) -> None:
+    """The plot (if matplotlib is installed) and the BENCHMARKS.md section, from a result as saved."""
+    try:
+        plot(result, png)
+    except ImportError as exc:
+        print(f"bench_fleet: plot skipped ({exc.name} is not installed: pip install -e '.[bench]')")
+    if section:
+        update_section("bench_fleet", "Fleet scaling, tail and projection", markdown(result))
 
 
 def main() -> None:
@@ -480,39 +607,40 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS / "fleet.json", help="JSON (and .png beside it)")
     parser.add_argument("--no-markdown", action="store_true")
-    parser.add_argument("--from-json", type=Path, help="recompute model figures and the report from a saved run")
+    parser.add_argument("--from-json", type=Path, help="only re-render the plot and the section from a saved run")
+    parser.add_argument(
+        "--remodel", type=Path, help="recompute the model figures and projection from a saved run's measurements"
+    )
     args = parser.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.from_json:
+        result = json.loads(args.from_json.read_text())
+        render(result, args.from_json.with_suffix(".png"), not args.no_markdown)
+        return
     started = time.time()
     prompts = make_prompts(args.prompts, seed=args.seed)
     print(
         f"bench_fleet: {args.prompts} prompts, hosts {args.hosts}, time scale {args.time_scale:g}, load {loadavg()}",
         flush=True,
     )
-    if args.from_json:
-        # Re-derive the model figures, ceilings, plots and section from a saved run (no live runs).
-        saved = json.loads(args.from_json.read_text())
-        runs, tail, tokens = saved["runs"], saved["tail"], saved.get("pool_tokens")
-        if tokens is None:  # older files: the simulator's deterministic lengths, for the model check only
-            from sglang_sim.content import expected_generation
-
-            params = sampling_params()
-            tokens = {p: len(expected_generation(ids, params).output_ids) for p, ids in prompts.items()}
+    if args.remodel:
+        saved = json.loads(args.remodel.read_text())
+        runs, tail, tokens, ceilings = saved["runs"], saved["tail"], saved["pool_tokens"], saved["ceilings"]
     else:
         runs = sweep(args, prompts)
         baseline = next(r for r in runs if r["hosts"] == args.tail_hosts)
         print("  tail: longest prompt first …", flush=True)
         tail = tail_with_ordering(args, prompts, baseline)
         tokens = dict(zip(*_tokens_by_prompt(runs[0]), strict=True))
+        largest = runs[-1]
+        ceilings = {
+            "redis": limits.redis_ceiling(largest["cpu"]["redis_ms_per_request"], largest["redis_commands_per_prompt"]),
+            "enqueue": limits.enqueue_rate(SEED_PROMPTS),
+        }
     checked = model_check(runs, args.bound, prompts, tokens)
     lengths_job = np.array([tokens[p] for p in prompts])
     model_tails = [model_tail(lengths_job, h, args.bound) for h in (1, max(args.hosts))]
     model_tails.append(model_tail(seed_mean_lengths(SEED_PROMPTS), 32, args.bound))
-    largest = runs[-1]
-    ceilings = {
-        "redis": limits.redis_ceiling(largest["cpu"]["redis_ms_per_request"], largest["redis_commands_per_prompt"]),
-        "enqueue": limits.enqueue_rate(SEED_PROMPTS),
-    }
     result: dict[str, Any] = {
         "config": {
             "prompts": args.prompts,
@@ -521,8 +649,10 @@ def main() -> None:
             "time_scale": args.time_scale,
             "tick_ms": args.tick_ms,
             "seed": args.seed,
+            "sample_interval_s": FleetConfig(1, 1, 1.0).sample_interval_s,
         },
-        "code": saved["code"] if args.from_json and "code" in saved else code_version(),
+        "date": saved.get("date", "?") if args.remodel else time.strftime("%Y-%m-%d"),
+        "code": saved.get("code") if args.remodel else code_version(),
         "runs": runs,
         "tail": tail,
         "model_check": checked,
@@ -531,13 +661,11 @@ def main() -> None:
         "pool_tokens": tokens,
     }
     result["projection"] = projection(checked, args.bound, ceilings)
-    result["wall_s"] = saved["wall_s"] if args.from_json else round(time.time() - started, 1)
+    result["wall_s"] = saved["wall_s"] if args.remodel else round(time.time() - started, 1)
     for r in runs:
         r.pop("_raw", None)
-    plot(result, args.out.with_suffix(".png"))
     write_json(args.out, result)
-    if not args.no_markdown:
-        update_section("bench_fleet", "Fleet scaling, tail and projection", markdown(result))
+    render(result, args.out.with_suffix(".png"), not args.no_markdown)
     worst = min(runs, key=lambda r: r["system"]["scaling_efficiency_steady"])
     print(
         "bench_fleet: × pool "
