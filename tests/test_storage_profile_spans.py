@@ -162,3 +162,39 @@ def test_a_harmony_call_cut_before_its_call_token_is_spanned_to_the_end(
         tokens=HARMONY,
     )
     assert row_problems(table, HARMONY)[0] == {}
+
+
+# -- DeepSeek-R1-0528: its test tokenizer, detected, with the real marker ids --------------------------------------
+def test_a_deepseek_tokenizer_is_detected_with_its_real_ids_and_its_think_newline_prompt_opens_reasoning() -> None:
+    from transformers import AutoTokenizer
+
+    from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
+
+    path = build_test_tokenizer(default_test_tokenizer_dir(family="deepseek"), family="deepseek")
+    tok = AutoTokenizer.from_pretrained(str(path))
+    res = profiles.resolve(tok)
+    assert res.family == "deepseek" and res.detected and res.missing_tool_tokens == ()
+    ds = profiles.DEEPSEEK
+    want = {role: ds.reference_ids[text] for role, text in ds.markers.items() if text is not None}
+    assert {role: res.marker_ids[role] for role in want} == want
+    assert res.stop_ids == [ds.reference_ids["<｜end▁of▁sentence｜>"]] == [tok.eos_token_id]
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi there"}], tokenize=False, add_generation_prompt=True, **ds.thinking_kwargs
+    )
+    prompt = tok(text, add_special_tokens=False)["input_ids"]
+    tokens = profiles.span_tokens("deepseek", res.marker_ids, res.stop_ids, token_ids=res.token_ids)
+    think, end_think = want["think_start_id"], want["think_end_id"]
+    assert prompt[0] == 0 and prompt[-3:] == [ds.reference_ids["<｜Assistant｜>"], think, res.token_ids["\n"]]
+    assert prompt_opens_reasoning(prompt, tokens)
+    # reasoning, </think>, answer, one tool call in its section, <｜end▁of▁sentence｜>
+    sec, sec_end, call, sep, call_end = (
+        want["tool_section_begin_id"],
+        want["tool_section_end_id"],
+        want["tool_call_begin_id"],
+        want["tool_call_argument_begin_id"],
+        want["tool_call_end_id"],
+    )
+    out = [5, 6, end_think, 7, sec, call, 8, sep, 9, call_end, sec_end, 1]
+    s = compute_spans(out, prompt_ends_with_think_start=True, **asdict(tokens))
+    assert (s.reasoning_start, s.reasoning_end, s.has_think_end, s.answer_start, s.answer_end) == (0, 2, True, 3, 4)
+    assert s.tool_call_spans == ((5, 10),) and s.stop_token == 1

@@ -36,6 +36,15 @@ Real reasoning-model tokenizers need a download (Kimi's also ``trust_remote_code
   the ``final`` channel, tool calls as ``<|start|>assistant to=functions.NAME<|channel|>commentary json
   <|message|>ARGS<|call|>``, tool results from ``functions.NAME to=assistant``, and a generation prompt
   ``<|start|>assistant``;
+- ``deepseek`` (DeepSeek-R1-0528 / V3 layout): a base vocabulary over 128,000 ids whose ids 0–2 are the
+  special ``<｜begin▁of▁sentence｜>``, ``<｜end▁of▁sentence｜>`` (EOS) and ``<｜▁pad▁｜>``, as in DeepSeek's
+  tokenizer, and the added block 128000–128814 with DeepSeek's markers at their real ids (``<think>`` 128798,
+  ``</think>`` 128799, ``<｜User｜>`` 128803, ``<｜Assistant｜>`` 128804, ``<｜tool▁calls▁begin｜>``/end
+  128806/128807, ``<｜tool▁call▁begin｜>``/end 128808/128809, tool outputs 128810–128813, ``<｜tool▁sep｜>``
+  128814; ``<｜place▁holder▁no▁N｜>`` elsewhere); a template of R1-0528's shape: BOS, the system prompt,
+  ``<｜User｜>…``, earlier answers as ``<｜Assistant｜>content<｜end▁of▁sentence｜>`` (reasoning dropped), tool
+  calls as ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>``, and a
+  generation prompt ``<｜Assistant｜><think>\n`` (``…</think>`` with ``thinking=False``);
 - ``plain``: a ChatML tokenizer *without* reasoning tokens (Qwen2.5-shaped: 151643–151664, no
   ``<think>``): what a submit of a non-reasoning model looks like.
 
@@ -253,6 +262,60 @@ QWEN3_THINKING_CHAT_TEMPLATE = QWEN3_CHAT_TEMPLATE.replace(
 )
 assert QWEN3_THINKING_CHAT_TEMPLATE != QWEN3_CHAT_TEMPLATE
 
+# -- DeepSeek-R1-0528 / V3 ------------------------------------------------------------------------------------
+#: DeepSeek's special tokens inside the base range (tokenizer.json ``added_tokens`` 0–2).
+DEEPSEEK_LOW: dict[str, int] = {"<｜begin▁of▁sentence｜>": 0, "<｜end▁of▁sentence｜>": 1, "<｜▁pad▁｜>": 2}
+#: id → token of DeepSeek-V3/R1's named added tokens (thinkfleet.profiles.DEEPSEEK; tool outputs 128810–128813).
+DEEPSEEK_ADDED: dict[int, str] = {
+    128798: "<think>",
+    128799: "</think>",
+    128803: "<｜User｜>",
+    128804: "<｜Assistant｜>",
+    128805: "<|EOT|>",
+    128806: "<｜tool▁calls▁begin｜>",
+    128807: "<｜tool▁calls▁end｜>",
+    128808: "<｜tool▁call▁begin｜>",
+    128809: "<｜tool▁call▁end｜>",
+    128810: "<｜tool▁outputs▁begin｜>",
+    128811: "<｜tool▁outputs▁end｜>",
+    128812: "<｜tool▁output▁begin｜>",
+    128813: "<｜tool▁output▁end｜>",
+    128814: "<｜tool▁sep｜>",
+}
+#: Kept visible by ``skip_special_tokens`` (the reasoning and tool-call markers), as for Kimi.
+DEEPSEEK_NOT_SPECIAL = {"<think>", "</think>", *(t for i, t in DEEPSEEK_ADDED.items() if 128806 <= i <= 128814)}
+
+# Written for this project after the structure of DeepSeek-R1-0528's chat template (not a copy of it).
+DEEPSEEK_CHAT_TEMPLATE = _keep_newlines(
+    "{%- macro text(c) -%}"
+    "{%- if c is string -%}{{ c }}"
+    "{%- elif c is not none -%}{%- for part in c -%}"
+    "{%- if part.get('type', 'text') == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "<｜begin▁of▁sentence｜>"
+    "{%- if messages and messages[0]['role'] == 'system' -%}{{ text(messages[0].get('content')) }}{%- endif -%}"
+    "{%- if tools -%}\n\n## Tools\n{%- for tool in tools -%}\n{{ tool | tojson }}{%- endfor -%}{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'user' -%}<｜User｜>{{ text(m.get('content')) }}"
+    "{%- elif m['role'] == 'assistant' -%}<｜Assistant｜>{{ text(m.get('content')) }}"
+    "{%- if m.get('tool_calls') -%}<｜tool▁calls▁begin｜>"
+    "{%- for call in m['tool_calls'] -%}{%- set f = call['function'] if call.get('function') else call -%}"
+    "{%- set args = f['arguments'] -%}"
+    "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{{ f['name'] }}\n```json\n"
+    "{{ args if args is string else (args | tojson) }}\n```<｜tool▁call▁end｜>"
+    "{%- endfor -%}<｜tool▁calls▁end｜>{%- endif -%}"
+    "<｜end▁of▁sentence｜>"
+    "{%- elif m['role'] == 'tool' -%}"
+    "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>{{ text(m.get('content')) }}"
+    "<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<｜Assistant｜>"
+    "{%- if thinking is defined and thinking is false -%}</think>{%- else -%}<think>\n{%- endif -%}"
+    "{%- endif -%}"
+)
+
 # -- plain ChatML (no reasoning tokens) ----------------------------------------------------------------------
 PLAIN_SPECIALS: dict[str, int] = {t: i for t, i in QWEN3_SPECIALS.items() if i <= 151664}
 PLAIN_CHAT_TEMPLATE = _keep_newlines(
@@ -371,6 +434,8 @@ class Layout:
     generation_bos: int | None = None
     #: words in the base range that are one token at a fixed id (added, not special).
     pinned: dict[str, int] = field(default_factory=dict)
+    #: pinned tokens that are special (DeepSeek's BOS/EOS/pad at ids 0–2), not words.
+    pinned_special: frozenset[str] = frozenset()
     model_max_length: int = 262_144
 
     @property
@@ -403,6 +468,14 @@ def layout(family: str = "kimi") -> Layout:
         )  # fmt: skip
     if family == "qwen3-thinking":
         return replace(layout("qwen3"), family=family, template=QWEN3_THINKING_CHAT_TEMPLATE)
+    if family == "deepseek":
+        specials = {i: DEEPSEEK_ADDED.get(i, f"<｜place▁holder▁no▁{i - 128000}｜>") for i in range(128000, 128815)}
+        return Layout(
+            "deepseek", 128_000, specials, frozenset(DEEPSEEK_NOT_SPECIAL), DEEPSEEK_CHAT_TEMPLATE,
+            eos="<｜end▁of▁sentence｜>", bos="<｜begin▁of▁sentence｜>",
+            pad="<｜▁pad▁｜>", generation_eos=(1,), generation_bos=0, pinned=dict(DEEPSEEK_LOW),
+            pinned_special=frozenset(DEEPSEEK_LOW), model_max_length=131_072,
+        )  # fmt: skip
     if family == "plain":
         return Layout(
             "plain", QWEN3_FIRST_SPECIAL_ID, {i: t for t, i in PLAIN_SPECIALS.items()},
@@ -422,7 +495,7 @@ def layout(family: str = "kimi") -> Layout:
 
 
 #: Families :func:`build_test_tokenizer` can build (``plain``: ChatML without reasoning tokens).
-FAMILIES: tuple[str, ...] = ("kimi", "qwen3", "qwen3-thinking", "harmony", "plain")
+FAMILIES: tuple[str, ...] = ("kimi", "qwen3", "qwen3-thinking", "deepseek", "harmony", "plain")
 
 
 def content_hash(family: str = "kimi") -> str:
@@ -450,6 +523,7 @@ def content_hash(family: str = "kimi") -> str:
             vocab=lay.vocab_size,
             tokens=[lay.eos, lay.bos, lay.unk, lay.pad, list(lay.generation_eos), lay.generation_bos],
             pinned=lay.pinned,
+            **({"pinned_special": sorted(lay.pinned_special)} if lay.pinned_special else {}),
             max_length=lay.model_max_length,
         )
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
@@ -541,7 +615,10 @@ def _write(directory: Path, lay: Layout | None = None) -> None:
 
     # 3. Pinned words always encode to their one id (as o200k's "analysis" does after <|channel|>).
     for word, token_id in lay.pinned.items():
-        tok.add_tokens([AddedToken(word, special=False, normalized=False, single_word=True)])
+        if word in lay.pinned_special:
+            tok.add_special_tokens([AddedToken(word, special=True, normalized=False)])
+        else:
+            tok.add_tokens([AddedToken(word, special=False, normalized=False, single_word=True)])
         if tok.token_to_id(word) != token_id:
             raise RuntimeError(f"test tokenizer: {word} is {tok.token_to_id(word)}, not {token_id}")
 
