@@ -2,16 +2,20 @@
 
 1. **Scaling** — for N in ``--hosts``: N simulated hosts (a simulator and a real worker each) run the
    same job, side by side with the in-process pool client over N more simulators with the same bound
-   per server (the ideal: a global queue, a freed slot refilled at once). Makespan, throughput,
-   per-host finish times, CPU of every process.
+   per server (the ideal: a global queue, a freed slot refilled at once). Both sides over the same instants
+   (one start, the last generation back at the client, one steady window); makespan, throughput from the
+   simulators' own counters, per-host finish times, in flight as client and simulator see it, CPU and
+   run-queue wait (CPU starvation) of every process group.
 2. **Tail** — time from 95 % to 100 % done ÷ makespan, with and without longest-*prompt*-first
    ordering (the producer knows prompt lengths, not output lengths); exactly-once verified on every
    run. bench/model.py adds what ordering by a length predictor of a given quality, or hedging, buys.
 3. **Projection** — the exact fleet model (bench/model.py, validated here against the measured pool
-   client) for 88,088 prompts at 860 tok/s per host, times the measured system/pool makespan ratio;
-   plus the Redis and producer ceilings, measured.
+   client) for 88,088 prompts at 860 tok/s per host, prefill charged at the simulator's rate, times the
+   worst measured system/model makespan ratio; plus the Redis and producer ceilings, measured.
 
-    .venv/bin/python -m bench.bench_fleet          # ≈ 10 min on 2 cores; bench/results/fleet.json
+    .venv/bin/python -m bench.bench_fleet          # ≈ 12 min on 2 cores; bench/results/fleet.json (+ .png)
+    .venv/bin/python -m bench.bench_fleet --from-json bench/results/fleet.json  # plot + section only
+    .venv/bin/python -m bench.bench_fleet --remodel bench/results/fleet.json    # model figures again, no live runs
 """
 
 from __future__ import annotations
@@ -617,7 +621,7 @@ def main() -> None:
         result = json.loads(args.from_json.read_text())
         render(result, args.from_json.with_suffix(".png"), not args.no_markdown)
         return
-    started = time.time()
+    started, code = time.time(), code_version()  # the tree as the run starts (others may edit it meanwhile)
     prompts = make_prompts(args.prompts, seed=args.seed)
     print(
         f"bench_fleet: {args.prompts} prompts, hosts {args.hosts}, time scale {args.time_scale:g}, load {loadavg()}",
@@ -652,7 +656,7 @@ def main() -> None:
             "sample_interval_s": FleetConfig(1, 1, 1.0).sample_interval_s,
         },
         "date": saved.get("date", "?") if args.remodel else time.strftime("%Y-%m-%d"),
-        "code": saved.get("code") if args.remodel else code_version(),
+        "code": saved.get("code") if args.remodel else code,
         "runs": runs,
         "tail": tail,
         "model_check": checked,

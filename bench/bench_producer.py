@@ -228,7 +228,8 @@ def main() -> None:
     if args.from_json:
         figures = json.loads(args.from_json.read_text())
     else:
-        figures = measure(args) | {"date": time.strftime("%Y-%m-%d"), "code": code_version()}
+        code = code_version()  # the tree as the run starts
+        figures = measure(args) | {"date": time.strftime("%Y-%m-%d"), "code": code}
         write_json(args.out, figures)
         print(json.dumps({k: v for k, v in figures.items() if k != "code"}, indent=2))
     if not args.no_markdown:

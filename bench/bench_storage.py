@@ -241,8 +241,9 @@ def main() -> None:
     if args.from_json:
         res = json.loads(args.from_json.read_text())
     else:
+        code = code_version()  # the tree as the run starts
         res = measure_logprobs(args.rows, args.batch_rows) if args.logprobs else measure_write(args)
-        res |= {"date": time.strftime("%Y-%m-%d"), "code": code_version()}
+        res |= {"date": time.strftime("%Y-%m-%d"), "code": code}
         write_json(out, res)
         print(f"BENCH_{name.upper()} " + json.dumps(_summary(res), sort_keys=True))
     if not args.no_markdown:
