@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
 from dataclasses import asdict, dataclass
@@ -12,10 +13,17 @@ from storage.schema import span_values
 from storage.spans import compute_spans, prompt_opens_reasoning
 from thinkfleet.message import PromptTask
 from thinkfleet.state.ledger import FinalRow
+from thinkfleet.tokens import SpanTokens
 from workers.jobs import JobSpec
 from workers.sglang import Generation
 
 _HOST = socket.gethostname()
+
+
+@functools.cache
+def _span_keywords(tokens: SpanTokens) -> dict[str, Any]:
+    """``compute_spans``' keywords for a job's tokens (``asdict`` deep-copies: once per job, not per row)."""
+    return asdict(tokens)
 
 
 @dataclass(frozen=True)
@@ -43,7 +51,7 @@ def build_row(
     spans = compute_spans(
         gen.output_ids,
         prompt_ends_with_think_start=prompt_opens_reasoning(input_ids, job.tokens),
-        **asdict(job.tokens),
+        **_span_keywords(job.tokens),
     )
     seed = sampling_params.get("sampling_seed")
     row = {
