@@ -2,8 +2,9 @@
 continues, and the claims still make exactly one row (and one generation) of it.
 
 Kombu's restore sweep in *any* worker uses *that* worker's visibility timeout ("the shortest value
-wins": kombu reads ``visibility_timeout`` from the sweeping channel's own transport options). Here a worker with a 1 s lease sweeps next to one with a 60 s lease, whose
-renewals (every 15 s) therefore come far too late: its slow generations are redelivered mid-run.
+wins": kombu reads ``visibility_timeout`` from the sweeping channel's own transport options). Here a
+worker with a 1 s lease sweeps next to one with a 60 s lease, whose renewals (every 15 s) therefore come far
+too late: its slow generations are redelivered mid-run.
 """
 
 from __future__ import annotations
