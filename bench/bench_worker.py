@@ -59,10 +59,13 @@ from bench.harness import (
 )
 from bench.report import code_stamp, table, update_section
 from thinkfleet.settings import Settings
+from workers.runtime import early_flush_rows
 
 JOB = "bench-worker"
 #: Prompts per second one real host completes: 860 output tok/s ÷ the seed's mean of 1,416 tokens.
 REAL_PROMPTS_PER_S = round(860 / 1416, 3)
+#: Worker CPU per completed request the worker should stay under here (issue: a lighter worker).
+GOAL_MS = 3.0
 
 
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -259,7 +262,7 @@ def profile_worker(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         staged = stage(settings, JOB, prompts)
         pid = workers[0].proc.pid
         spy = subprocess.Popen(
-            [str(tool_path("py-spy")), "record", "--gil", "--nonblocking", "-r", "100",
+            [str(tool_path("py-spy")), "record", "--gil", "--nonblocking", "-r", "200",
              "-f", "raw", "-o", str(folded), "-p", str(pid)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
@@ -292,12 +295,26 @@ def summarise_profile(folded: Path) -> dict[str, Any]:
     return {"samples": total, "shares": {k: round(v / total, 3) for k, v in buckets.items()} if total else {}}
 
 
+def before_figures(r: dict[str, Any]) -> dict[str, Any]:
+    """What a before/after comparison keeps of an earlier run: its CPU per request and its profile."""
+    if r.get("before"):  # a run that was itself an "after" passes its own "before" on
+        return r["before"]
+    cpu = r["cpu"]
+    keep = ("worker_ms_per_request", "pool_client_ms_per_request", "sim_ms_per_request", "redis_ms_per_request")
+    return {
+        "code": r.get("code", {}),
+        "cpu": {k: cpu[k] for k in keep},
+        "redis_commands_per_prompt": r.get("redis_commands_per_prompt", {}),
+        "profile": r.get("profile"),
+    }
+
+
 def worker_defaults(settings: Settings) -> str:
     """The worker settings that shape occupancy, as this run had them (all defaults)."""
     s = settings
     return (
         f"defaults — group commit every flush_interval_s={s.flush_interval_s:g} or at "
-        f"{max(1, s.commit_headroom // 2)} waiting rows, pool threads = bound + {s.commit_headroom}, "
+        f"{early_flush_rows(s)} waiting rows, pool threads = bound + {s.commit_headroom}, "
         f"lease_s={s.lease_s:g}"
     )
 
@@ -347,6 +364,40 @@ def _plot(out: dict[str, Any], sides: dict[str, Any], starts_at: dict[str, float
     fig.tight_layout()
     fig.savefig(args.out.with_suffix(".png"), dpi=110)
     plt.close(fig)
+
+
+def before_after(r: dict[str, Any]) -> str:
+    """The CPU figures and profile of the ``--before`` run next to this run's (empty without one)."""
+    before = r.get("before")
+    if not before:
+        return ""
+    b, a = before["cpu"], r["cpu"]
+    out = (
+        f"- **Before / after** (the before run: {code_stamp(before.get('code')).rstrip('.')}): worker "
+        f"{b['worker_ms_per_request']:.2f} → {a['worker_ms_per_request']:.2f} ms/request, with the bare pool client "
+        f"at {b['pool_client_ms_per_request']:.2f} and {a['pool_client_ms_per_request']:.2f} ms/request in the same "
+        f"runs (the pool client's figure shows how busy the machine was)."
+    )
+    pb, pa = before.get("profile"), r.get("profile")
+    if not (pb and pa):
+        return out
+    rows = []
+    for name in [n for n, _ in PROFILE_BUCKETS] + ["other"]:
+        x, y = pb["shares"].get(name, 0.0), pa["shares"].get(name, 0.0)
+        rows.append(
+            [
+                name,
+                f"{x:.0%}",
+                f"{x * pb['worker_ms_per_request']:.2f}",
+                f"{y:.0%}",
+                f"{y * pa['worker_ms_per_request']:.2f}",
+            ]
+        )
+    rows.append(
+        ["total (profiled run)", "", f"{pb['worker_ms_per_request']:.2f}", "", f"{pa['worker_ms_per_request']:.2f}"]
+    )
+    heads = ["where (py-spy, GIL holder)", "before share", "before ms/req", "after share", "after ms/req"]
+    return out + "\n\n" + table(heads, rows) + "\n"
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -405,12 +456,11 @@ against identical simulators. Worker settings: {c["worker_settings"]}. {code_sta
   {s["occupancy_steady_worker_metric"]:.4f} over the same window. It reached the bound
   {s["reached_bound_after_s"] * c["time_scale"]:.0f} sim s ({s["reached_bound_after_s"]:.2f} wall s) after the enqueue.
 - **Worker CPU per completed request** (the whole `worker` process: Celery, Redis claim/finalize, HTTP,
-  spans, Parquet; from `/proc`): **{cpu["worker_ms_per_request"]:.2f} ms** (goal ≤ 0.5 ms). The bare pool
+  spans, Parquet; from `/proc`): **{cpu["worker_ms_per_request"]:.2f} ms** (goal ≤ {GOAL_MS:g} ms). The bare pool
   client spends {cpu["pool_client_ms_per_request"]:.2f} ms, the simulator {cpu["sim_ms_per_request"]:.2f} ms and
   Redis {cpu["redis_ms_per_request"]:.2f} ms per request; an idle worker uses {
         cpu["worker_idle_core_share"]:.1%} of a core.
-  The goal is out of reach for any Python client on this machine — the bare aiohttp client alone costs more —
-  and it does not matter at real speed: a real host completes ≈ {REAL_PROMPTS_PER_S} prompts/s (860 tok/s ÷ 1,416
+  At real speed it hardly matters: a real host completes ≈ {REAL_PROMPTS_PER_S} prompts/s (860 tok/s ÷ 1,416
   tokens), which costs the worker {real_share:.2%} of one core (the benchmark's {c["time_scale"]:g}× time scale is what
   made it {cpu["worker_utilisation_while_running"]:.0%} here). Occupancy did not suffer from it.
 - Exactly once: {r["exactly_once"]["committed_rows"]} committed rows, {r["exactly_once"]["raw_duplicate_rows"]} raw
@@ -421,6 +471,7 @@ against identical simulators. Worker settings: {c["worker_settings"]}. {code_sta
   {cpu["machine_busy_share"]:.0%} busy overall (other engineers' tests included; load average
   {r["load_average_before_after"][0]} → {r["load_average_before_after"][1]}).
 {breakdown}
+{before_after(r)}
 
 ![in flight and done over time](bench/results/worker.png)
 """
@@ -438,6 +489,9 @@ def main() -> None:
     parser.add_argument("--profile-prompts", type=int, default=800, help="then profile the worker alone (0: skip)")
     parser.add_argument("--from-json", type=Path, help="only rewrite the BENCHMARKS.md section from a saved run")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, Parquet)")
+    parser.add_argument(
+        "--before", type=Path, help="a saved run (worker.json) to report as 'before' next to this one's CPU figures"
+    )
     args = parser.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.from_json:
@@ -453,6 +507,8 @@ def main() -> None:
         finally:
             if not args.keep:
                 shutil.rmtree(workdir, ignore_errors=True)
+        if args.before:
+            result["before"] = before_figures(json.loads(args.before.read_text()))
         write_json(args.out, result)
     if not args.no_markdown:
         update_section("bench_worker", "Worker occupancy & overhead", markdown(result))
@@ -460,7 +516,8 @@ def main() -> None:
     print(
         f"bench_worker: occupancy {s['occupancy_steady']:.4f} (goal ≥ 0.99), makespan {s['makespan_vs_pool']:.3f}× "
         f"pool (goal ≤ 1.05), batch-and-wait {result['batch']['makespan_vs_pool']:.3f}× pool, "
-        f"worker CPU {cpu['worker_ms_per_request']:.2f} ms/request (goal ≤ 0.5), "
+        f"worker CPU {cpu['worker_ms_per_request']:.2f} ms/request (goal ≤ {GOAL_MS:g}; pool client "
+        f"{cpu['pool_client_ms_per_request']:.2f}), "
         f"exactly-once {'ok' if result['exactly_once']['ok'] else 'FAILED'} → {args.out}"
     )
 

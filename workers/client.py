@@ -94,7 +94,9 @@ class SGLangClient:
         if self._session is None or self._session.closed:
             connector = aiohttp.TCPConnector(limit=self._connections, limit_per_host=self._connections)
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+            # No cookie jar: SGLang sets no cookies, and filtering a jar is work on every request.
+            jar = aiohttp.DummyCookieJar()
+            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, cookie_jar=jar)
         return self._session
 
     async def close(self) -> None:

@@ -5,7 +5,7 @@ written as one part per (job, dataset), committed atomically, marked done in Red
 their tasks released to acknowledge their messages.
 
 A waiting row holds a pool thread (not a request slot), so a flush also starts early once
-``max_pending`` rows wait — half the thread headroom beyond the in-flight bound — and at ``flush_rows``.
+``max_pending`` rows wait — three quarters of the thread headroom beyond the in-flight bound — and at ``flush_rows``.
 Slow real servers (a row every few seconds) thus get few, large parts; a fast simulator never
 starves the pool.
 
