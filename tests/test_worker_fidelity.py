@@ -45,10 +45,10 @@ from thinkfleet import kimi
 from thinkfleet.broker.celery_app import send_tasks as publish
 from thinkfleet.settings import Settings
 from thinkfleet.testing.fleet import WorkerProcess, dead_letters, free_port, job_progress, wait_until
+from workers.attempts import RequestAttempts
 from workers.client import Probe
 from workers.health import HealthGate
 from workers.metrics import WorkerMetrics
-from workers.runtime import WorkerRuntime
 from workers.sglang import Generation, NanStop, PermanentError, QueueFull, Unanswered
 
 FAST = ("--time-scale", "400")
@@ -221,30 +221,23 @@ class ScriptedGenerate:
         return item
 
 
-def _runtime(client: ScriptedGenerate, **settings: Any) -> WorkerRuntime:
-    rt = WorkerRuntime.__new__(WorkerRuntime)
-    rt.settings = Settings(retry_base_s=0.001, retry_max_backoff_s=0.001, **settings)
-    rt.draining = False
-    rt.metrics = WorkerMetrics("t", 4)
-    rt.client = client  # type: ignore[assignment]
-    rt.semaphore = asyncio.Semaphore(4)
-    rt._cancelled_jobs = set()
-    rt._inflight = {}
-    rt.committer = SimpleNamespace(flush_soon=lambda: None)  # type: ignore[assignment]
-    return rt
+def _runtime(client: ScriptedGenerate, **settings: Any) -> RequestAttempts:
+    """The request attempts of a worker that is not draining; the gate is set by the test, once running."""
+    s = Settings(retry_base_s=0.001, retry_max_backoff_s=0.001, max_inflight=4, **settings)
+    return RequestAttempts(s, client, None, WorkerMetrics("t", 4), draining=lambda: False)  # type: ignore[arg-type]
 
 
 GEN = Generation([1, 163586], "stop", "163586", 3, 2, 0, None, 0, "default", None, "r")
 TASK = SimpleNamespace(task_id="job/p1", prompt_id="p1", job="job")
 
 
-def _run_generate(rt: WorkerRuntime) -> Any:
+def _run_generate(rt: RequestAttempts) -> Any:
     async def go() -> Any:
         rt.gate, _ = _gate(ScriptedServer(("ready", 0.0)))
         await rt.gate.check()
         rt.gate.start()  # a failed attempt waits for its next verdict (ready: the retry counts)
         try:
-            return await rt._generate(TASK, [1, 2, 163606], {"max_new_tokens": 8})  # type: ignore[arg-type]
+            return await rt.run(TASK, [1, 2, 163606], {"max_new_tokens": 8})  # type: ignore[arg-type]
         finally:
             await rt.gate.stop()
 
@@ -289,7 +282,7 @@ def test_an_unanswered_request_waits_for_the_gates_verdict_before_its_retry() ->
         await rt.gate.check()
         rt.gate.start()
         try:
-            await rt._generate(TASK, [1, 163606], {"max_new_tokens": 8})  # type: ignore[arg-type]
+            await rt.run(TASK, [1, 163606], {"max_new_tokens": 8})  # type: ignore[arg-type]
         except HandBack:
             return client.calls, rt.gate.state
         finally:

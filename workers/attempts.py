@@ -1,0 +1,148 @@
+"""One prompt's /generate attempts against the local SGLang server: the in-flight bound and the retries.
+
+:class:`RequestAttempts` owns what every request of the process shares — the ``max_inflight`` semaphore
+(around the HTTP call only, so a finished request frees its slot at once while its row waits for the
+group commit), the record of requests in flight (request → job, rid) that a drain or a job's cancel
+aborts — and the retry policy: a server fault is retried with jittered backoff up to
+``retry_max_attempts``, after waiting for the health gate's news when nothing completed while the
+attempt ran (the fault may be the whole server's). It raises :class:`~workers.sglang.PermanentError`
+(dead-letter) or :class:`HandBack` (draining, server down); everything else is the caller's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from thinkfleet.failpoints import failpoint
+from thinkfleet.message import PromptTask
+from thinkfleet.settings import Settings
+from thinkfleet.state.job import DEFAULT_MAX_NEW_TOKENS
+from thinkfleet.state.lifecycle import CANCELLED_CLASS
+from workers.client import SGLangClient
+from workers.health import HealthGate
+from workers.metrics import WorkerMetrics
+from workers.sglang import Generation, NanStop, PermanentError, ServerFault
+
+log = logging.getLogger("thinkfleet.worker")
+
+
+class HandBack(Exception):
+    """Give the message back to the queue (server down, draining, storage failure, a crash)."""
+
+
+class RequestAttempts:
+    def __init__(
+        self,
+        settings: Settings,
+        client: SGLangClient,
+        gate: HealthGate,
+        metrics: WorkerMetrics,
+        draining: Callable[[], bool],
+        on_idle: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.settings = settings
+        self.client = client
+        self.gate = gate
+        self.metrics = metrics
+        self._draining = draining
+        self._on_idle = on_idle  # nothing in flight any more (the queue ran dry): commit the last rows now
+        self.semaphore = asyncio.Semaphore(settings.max_inflight)
+        #: Requests in flight: request → (job, rid); a drain or a job's cancel cancels them.
+        self.inflight: dict[asyncio.Future[Any], tuple[str, str]] = {}
+        #: Jobs seen cancelled (producer cancel): no further attempt is sent for them.
+        self.cancelled_jobs: set[str] = set()
+
+    def _closed(self) -> bool:
+        return self._draining() or not self.gate.healthy
+
+    def cancel_all(self) -> None:
+        """Drain past its grace: every request in flight is cancelled (its prompt is handed back)."""
+        for request in list(self.inflight):
+            request.cancel()
+
+    async def run(
+        self, task: PromptTask, input_ids: list[int], sampling: dict[str, Any]
+    ) -> tuple[Generation, int, float]:
+        """The generation, the attempts it took and the last attempt's latency (s)."""
+        s = self.settings
+        deadline = s.request_deadline_s(int(sampling.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS))
+        attempt = 0
+        while True:
+            if task.job in self.cancelled_jobs:
+                raise PermanentError(CANCELLED_CLASS, "job cancelled (producer cancel) before this attempt")
+            if self._closed():
+                raise HandBack()
+            async with self.semaphore:
+                if self._closed():
+                    raise HandBack()
+                attempt += 1
+                gen, error, started, sent_at = await self._attempt(task, input_ids, sampling, attempt, deadline)
+            if error is None:
+                self.gate.note_completion()
+                return gen, attempt, time.perf_counter() - started  # type: ignore[return-value]
+            await self._before_retry(task, error, attempt, sent_at)
+
+    async def _attempt(
+        self, task: PromptTask, input_ids: list[int], sampling: dict[str, Any], attempt: int, deadline: float
+    ) -> tuple[Generation | None, ServerFault | None, float, float]:
+        """One /generate call inside a request slot: (generation, None) or (None, the server's fault)."""
+        rid = f"{task.task_id}/a{attempt}-{uuid.uuid4().hex[:8]}"
+        started = time.perf_counter()
+        sent_at = time.monotonic()
+        self.metrics.request_started()
+        request = asyncio.ensure_future(self.client.generate(input_ids, sampling, rid, deadline))
+        self.inflight[request] = (task.job, rid)
+        try:
+            failpoint("during_generate", task.prompt_id)
+            return await request, None, started, sent_at
+        except asyncio.CancelledError:
+            if self._draining():
+                await self.client.abort(rid)
+                raise HandBack() from None
+            if task.job in self.cancelled_jobs and request.cancelled():
+                await self.client.abort(rid)  # the job was cancelled (the runtime's cancel watch)
+                raise PermanentError(CANCELLED_CLASS, "job cancelled while generating") from None
+            raise
+        except NanStop as exc:
+            self.gate.note_completion()  # a bad sample, but the server answers
+            return None, exc, started, sent_at
+        except ServerFault as exc:
+            return None, exc, started, sent_at
+        except BaseException:
+            request.cancel()  # our own failure: don't leave the request running unowned
+            raise
+        finally:
+            self.inflight.pop(request, None)
+            self.metrics.request_finished(time.perf_counter() - started)
+            if not self.inflight:
+                self._on_idle()
+
+    async def _before_retry(self, task: PromptTask, error: ServerFault, attempt: int, sent_at: float) -> None:
+        """Count the fault, give up past ``retry_max_attempts``, else wait out the backoff (and the gate)."""
+        s = self.settings
+        self.metrics.retried.labels(error.error_class).inc()
+        if not isinstance(error, NanStop):
+            self.gate.report_failure()
+        if attempt >= s.retry_max_attempts:
+            error_class = error.exhausted_class or f"retries_exhausted:{error.error_class}"
+            exhausted = PermanentError(error_class, str(error))
+            exhausted.attempts = attempt  # type: ignore[attr-defined]
+            raise exhausted
+        if isinstance(error, NanStop):
+            log.warning("NaN stop for %s (attempt %d), retrying: %s", task.prompt_id, attempt, error)
+        if not isinstance(error, NanStop) and not self.gate.alive_since(sent_at):
+            # No generation completed while this attempt ran: the fault may be the whole server's (an
+            # outage, a stall), not this prompt's. Wait for the next completion or probe verdict
+            # instead of spending retries on it; if the gate closes, the prompt is handed back.
+            await self.gate.wait_news(s.health_probe_timeout_s + s.health_interval_s)
+            if self._closed():
+                raise HandBack()
+        backoff = random.uniform(0, min(s.retry_max_backoff_s, s.retry_base_s * 2 ** (attempt - 1)))
+        log.info("retrying %s (attempt %d) in %.2fs: %s", task.prompt_id, attempt, backoff, error)
+        await asyncio.sleep(backoff)
