@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,34 +42,17 @@ from producer.retry import retry
 from producer.status import DEFAULT_WINDOW_S, StatusReader, confirm_stored, format_duration
 from producer.submit import SubmitError, SubmitOptions, submit
 from producer.view import status_view, submit_report
+from thinkfleet.cli import STATE, settings_options
 from thinkfleet.profiles import FAMILIES
-from thinkfleet.settings import Settings, load_settings
+from thinkfleet.settings import Settings
 
 #: ``producer wait`` exit codes.
 EXIT_TIMEOUT = 124
 EXIT_INCONSISTENT = 3
 
 
-def common_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Flags that override Settings (and THINKFLEET_* environment variables)."""
-    for flag, env in reversed(
-        (
-            ("--redis-url", "THINKFLEET_REDIS_URL"),
-            ("--output-uri", "THINKFLEET_OUTPUT_URI"),
-            ("--key-prefix", "THINKFLEET_KEY_PREFIX"),
-            ("--queue", "THINKFLEET_QUEUE"),
-            ("--s3-endpoint-url", "THINKFLEET_S3_ENDPOINT_URL"),
-        )
-    ):
-        fn = click.option(flag, default=None, help=f"Overrides {env}.")(fn)
-    return fn
-
-
-def _settings(overrides: dict[str, Any]) -> Settings:
-    names = ("redis_url", "output_uri", "key_prefix", "queue", "s3_endpoint_url")
-    settings = load_settings(**{k: overrides.pop(k, None) for k in names})
-    settings.require_safe_redis_password(click.ClickException)  # a placeholder or short password for a remote Redis
-    return settings
+#: The flags that override where a job's state and rows are (thinkfleet.cli).
+common_options = settings_options(STATE)
 
 
 @click.group()
@@ -164,13 +146,13 @@ def submit_cmd(
     progress: bool | None,
     priority_flag: int | None,
     break_lock: bool,
+    settings: Settings,
     **flags: Any,
 ) -> None:
     """Tokenize PATH… with the model's chat template and enqueue the prompts of job JOB.
 
     One JOB.yaml argument is a job file (docs/examples/job.yaml): every dataset with its own columns,
     samples and sampling; flags given next to it override its top-level values."""
-    settings = _settings(flags)
     err = Console(stderr=True)
     if is_job_file(paths):
         opts = _job_file_options(paths[0], flags, err)
@@ -351,9 +333,8 @@ def _with_progress(console: Console, settings: Settings, opts: SubmitOptions) ->
 @click.option("--interval", default=2.0, show_default=True, help="Seconds between refreshes with --watch.")
 @click.option("--window", default=DEFAULT_WINDOW_S, show_default=True, help="Seconds of the current rates.")
 @common_options
-def status_cmd(job: str, as_json: bool, watch: bool, interval: float, window: float, **flags: Any) -> None:
+def status_cmd(job: str, as_json: bool, watch: bool, interval: float, window: float, settings: Settings) -> None:
     """Queued / running / done / dead counts per dataset, rates, ETA and the reasoning alarm of JOB."""
-    settings = _settings(flags)
     reader = StatusReader(redis.Redis.from_url(settings.redis_url), settings, job, window)
     if as_json and not watch:
         click.echo(json.dumps(reader.read()))
@@ -390,11 +371,10 @@ def status_cmd(job: str, as_json: bool, watch: bool, interval: float, window: fl
 )
 @common_options
 def wait_cmd(
-    job: str, timeout_s: float | None, interval: float, as_json: bool, lost_after_s: float, **flags: Any
+    job: str, timeout_s: float | None, interval: float, as_json: bool, lost_after_s: float, settings: Settings
 ) -> None:
     """Block until every prompt of JOB is stored or dead-lettered (exit 0); 124 on timeout; 3 when
     prompts are lost (unaccounted for --lost-after seconds) or done in Redis but missing from storage."""
-    settings = _settings(flags)
     client = redis.Redis.from_url(settings.redis_url)
     reader = StatusReader(client, settings, job)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -461,7 +441,7 @@ def _register_optional_commands() -> None:
 
 _register_optional_commands()
 cli.add_command(retry, "retry")
-for _command in make_lifecycle_commands(common_options, _settings):
+for _command in make_lifecycle_commands(common_options):
     cli.add_command(_command)
 
 

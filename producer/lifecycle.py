@@ -42,15 +42,14 @@ def _fail(message: str) -> None:
     sys.exit(1)
 
 
-def make_commands(common_options: Callable[..., Any], settings_of: Callable[[dict[str, Any]], Settings]) -> list:
+def make_commands(common_options: Callable[..., Any]) -> list:
     """The lifecycle commands, decorated with ``producer.cli``'s common options."""
 
     @click.command("jobs")
     @click.option("--json", "as_json", is_flag=True, help="Print the jobs as JSON.")
     @common_options
-    def jobs_cmd(as_json: bool, **flags: Any) -> None:
+    def jobs_cmd(as_json: bool, settings: Settings) -> None:
         """Every job in Redis: state (active/paused/cancelled/finished), progress, age and priority."""
-        settings = settings_of(flags)
         jobs = lc.list_jobs(_client(settings), settings)
         if as_json:
             click.echo(json.dumps([j.to_dict() for j in jobs]))
@@ -66,9 +65,8 @@ def make_commands(common_options: Callable[..., Any], settings_of: Callable[[dic
     @click.command("pause")
     @click.argument("job")
     @common_options
-    def pause_cmd(job: str, **flags: Any) -> None:
+    def pause_cmd(job: str, settings: Settings) -> None:
         """Workers stop taking JOB's prompts (in-flight ones finish); its queued messages are parked."""
-        settings = settings_of(flags)
         try:
             n = lc.pause(_client(settings), settings, job)
         except lc.LifecycleError as e:
@@ -78,9 +76,8 @@ def make_commands(common_options: Callable[..., Any], settings_of: Callable[[dic
     @click.command("resume")
     @click.argument("job")
     @common_options
-    def resume_cmd(job: str, **flags: Any) -> None:
+    def resume_cmd(job: str, settings: Settings) -> None:
         """Make a paused (or cancelled) JOB active again: its parked prompts go back on the queue."""
-        settings = settings_of(flags)
         client = _client(settings)
         try:
             was = lc.get_state(client, settings, job)
@@ -94,9 +91,8 @@ def make_commands(common_options: Callable[..., Any], settings_of: Callable[[dic
     @click.command("cancel")
     @click.argument("job")
     @common_options
-    def cancel_cmd(job: str, **flags: Any) -> None:
+    def cancel_cmd(job: str, settings: Settings) -> None:
         """Cancel JOB: queued prompts dead-lettered `cancelled`, in-flight ones aborted; stored rows kept."""
-        settings = settings_of(flags)
         try:
             n = lc.cancel(_client(settings), settings, job)
         except lc.LifecycleError as e:
@@ -111,10 +107,9 @@ def make_commands(common_options: Callable[..., Any], settings_of: Callable[[dic
     @click.argument("job")
     @click.option("--force", is_flag=True, help="Cancel the job first, then purge once nothing runs.")
     @common_options
-    def purge_cmd(job: str, force: bool, **flags: Any) -> None:
+    def purge_cmd(job: str, force: bool, settings: Settings) -> None:
         """Delete every Redis key of JOB (export it first); storage is untouched. Refuses while anything of
         JOB is queued or running, unless --force."""
-        settings = settings_of(flags)
         client = _client(settings)
         if not lc.job_keys(client, settings, job) and not client.sismember(settings.keys.jobs, job):
             _fail(f"no job {job!r} in Redis ({settings.redis_url})")

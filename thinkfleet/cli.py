@@ -33,12 +33,16 @@ def _click_type(field: str) -> Any:
 
 
 def settings_options(
-    fields: Sequence[str] = STATE, *, aliases: dict[str, Sequence[str]] | None = None
+    fields: Sequence[str] = STATE,
+    *,
+    aliases: dict[str, Sequence[str]] | None = None,
+    check_redis_password: bool = True,
 ) -> Callable[[F], F]:
     """Add ``--field-name`` for each Settings ``fields`` entry and hand the command ``settings=``.
 
     ``aliases`` gives a field other flag spellings (``{"worker_name": ["--name"]}``); a flag left out means
-    "not given", so the environment's value stands.
+    "not given", so the environment's value stands. ``check_redis_password=False`` leaves the password check
+    to the command (the worker makes it at start, where a refusal exits 78 and is logged like any failed start).
     """
     unknown = [f for f in fields if f not in Settings.model_fields]
     if unknown:
@@ -50,7 +54,8 @@ def settings_options(
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             overrides = {f: kwargs.pop(f) for f in fields}
             settings = load_settings(**overrides)
-            settings.require_safe_redis_password(click.UsageError)
+            if check_redis_password:
+                settings.require_safe_redis_password(click.UsageError)
             return func(*args, settings=settings, **kwargs)
 
         for field in reversed(fields):
