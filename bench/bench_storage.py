@@ -55,9 +55,9 @@ from storage.schema import (
     rows_to_table,
 )
 from storage.spans import compute_spans, compute_spans_batch
-from storage.testing import synthetic_rows
 from storage.writer import PartWriter, encode_parquet
 from thinkfleet import kimi
+from thinkfleet.testing.rows import synthetic_rows
 
 
 def naive_spans(ids: list[int]) -> dict[str, Any]:

@@ -195,7 +195,7 @@ def render(rows: list[dict[str, Any]], runs: dict[str, Any]) -> str:
         "the simulator's deterministic output byte for byte (`sglang_sim.content.expected_generation`), "
         "that the real `producer verify JOB` exits 0, and that `producer status JOB --json` counts "
         "(total/done/dead/queued/running/unaccounted) equal storage's. Some scenarios also sample the live "
-        "invariant `total = done + dead + queued + running` while the faults happen (`tests/invariant.py`).",
+        "invariant `total = done + dead + queued + running` while the faults happen (`thinkfleet/testing/invariant_watch.py`).",
         "",
         "- **result**: pass, **FAIL** (a check failed, or the scenario did not finish: its counts are what "
         "Redis and storage held when it failed, `?` where unknown) or SKIP (not run).",
@@ -251,7 +251,7 @@ _BODY = """\
 - **A SIGKILLed worker lost the message it had just popped.** Kombu's Redis transport takes a message
   with `BRPOP` and records it in its `unacked` hash only afterwards; a busy worker keeps that popped
   reply unread until a pool slot frees, so a SIGKILL at almost any moment lost one prompt for good
-  (the job never finished). `workers/transit.py` pops with `BLMOVE` into a per-worker transit list
+  (the job never finished). `thinkfleet/broker/transit.py` pops with `BLMOVE` into a per-worker transit list
   instead, so a message is always in Redis; live workers return a dead worker's transit messages (and
   their own, stranded ones) to the queue. Test:
   `test_message_popped_by_a_worker_killed_before_kombu_records_it_is_not_lost`.
@@ -274,7 +274,7 @@ _BODY = """\
   SIGKILL ×3 run).
 - **One non-JSON item on the queue stopped a worker** ("Unrecoverable error: JSONDecodeError", exit 0).
   The transit transport drops and logs it. Test: `test_hostile_and_malformed_messages_…`.
-- **`rediss://` brokers did not verify the server certificate** (kombu's default). `workers/app.py`
+- **`rediss://` brokers did not verify the server certificate** (kombu's default). `thinkfleet/broker/celery_app.py`
   now requires verification unless the URL says `?ssl_cert_reqs=none|optional`.
 
 ## Redis or RabbitMQ as the broker

@@ -1,51 +1,30 @@
-"""Shared fixtures: a private redis-server per test session, and helpers to find free ports.
+"""Shared fixtures: a private redis-server per test session. Helpers live in the one test-support package,
+:mod:`thinkfleet.testing` (services, fleet processes, the worker harness, tokenizers, rows, datasets).
 
 Tests never touch the shared Redis at 127.0.0.1:6379: each session starts its own redis-server on a
 free port (so parallel runs and a developer's data stay apart) and each test gets a fresh DB.
 
 A service a test needs (redis-server, RabbitMQ) that is missing skips the test on a developer's
 machine but **fails** it under CI (``CI`` set, as CI runners do): CI must never pass by skipping.
-Use :func:`service_missing` inside a test or fixture, or mark a module with :func:`needs_service`.
+Use ``thinkfleet.testing.services.service_missing`` inside a test or fixture, or mark a module with
+``needs_service``.
 
 With ``THINKFLEET_RELIABILITY_RESULTS`` set, a failed or skipped reliability test leaves an honest
-result row (``tests/worker_harness.py`` ``record_failure``/``record_skip``), even when it failed
+result row (``thinkfleet/testing/harness.py`` ``record_failure``/``record_skip``), even when it failed
 before it could record one.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
 
-from thinkfleet.testing.fleet import free_port, wait_for_port
+from thinkfleet.testing.services import RedisServer, service_missing
 
-__all__ = ["RedisServer", "free_port", "in_ci", "needs_service", "service_missing", "wait_for_port"]
-
-REDIS_SERVER = shutil.which("redis-server")
 RESULTS_ENV = "THINKFLEET_RELIABILITY_RESULTS"
-
-
-def in_ci() -> bool:
-    """``CI`` is set (GitHub Actions, GitLab and most runners set ``CI=true``; ``.ci/run`` does too)."""
-    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
-
-
-def service_missing(reason: str) -> None:
-    """Skip the test for a missing service — or, under CI, fail it."""
-    if in_ci():
-        pytest.fail(f"{reason} (CI is set: a missing service fails the run instead of skipping it)", pytrace=False)
-    pytest.skip(reason)
-
-
-def needs_service(available: bool, reason: str) -> pytest.MarkDecorator:
-    """A mark: the test needs a service; when ``available`` is false it is skipped, or failed under CI."""
-    return pytest.mark.thinkfleet_service(available=available, reason=reason)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -72,7 +51,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
         return
     if not (report.failed or (report.skipped and not hasattr(report, "wasxfail"))):
         return
-    from tests import worker_harness
+    from thinkfleet.testing import harness as worker_harness
 
     ci = item.get_closest_marker("slow") is None
     if report.failed:
@@ -84,54 +63,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
         longrepr = report.longrepr
         reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
         worker_harness.record_skip(item.nodeid, str(reason), ci=ci)
-
-
-class RedisServer:
-    """A redis-server subprocess we own (so we may flush it, restart it, or kill it)."""
-
-    def __init__(self, workdir: Path, port: int | None = None, appendonly: bool = False) -> None:
-        self.workdir = workdir
-        self.port = port or free_port()
-        self.appendonly = appendonly
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> RedisServer:
-        if REDIS_SERVER is None:
-            service_missing("redis-server is not installed")
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        args = [
-            REDIS_SERVER,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--dir",
-            str(self.workdir),
-            "--databases",
-            "64",
-            "--logfile",
-            str(self.workdir / "redis.log"),
-        ]
-        if self.appendonly:
-            args += ["--appendonly", "yes", "--appendfsync", "always"]
-        else:
-            args += ["--appendonly", "no"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for_port(self.port)
-        return self
-
-    def stop(self, kill: bool = False) -> None:
-        if self.proc and self.proc.poll() is None:
-            if kill:
-                self.proc.kill()
-            else:
-                self.proc.terminate()
-            self.proc.wait(timeout=10)
-
-    def url(self, db: int = 0) -> str:
-        return f"redis://127.0.0.1:{self.port}/{db}"
 
 
 @pytest.fixture(scope="session")

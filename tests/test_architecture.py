@@ -2,7 +2,9 @@
 
 - producer/ and workers/ are peers: neither imports the other, not even inside a function; they meet in the
   foundation package thinkfleet/.
-- thinkfleet/ imports none of the packages built on it (producer, workers, storage, sglang_sim).
+- thinkfleet/ imports none of the packages built on it (producer, workers, storage, sglang_sim), except its
+  test-support package thinkfleet/testing/, which drives them all; no product code imports that package (but the
+  demo, which runs the product on test tokenizers).
 - kombu is imported only by thinkfleet/broker/ (Celery itself also by the worker's workers/app.py and
   workers/tasks.py, and by benchmarks), and only there is kombu's key separator (``"\\x06\\x16"``) spelled.
 
@@ -85,10 +87,24 @@ def test_workers_never_import_producer() -> None:
     assert not bad, _offending("workers/ imports producer (they meet in thinkfleet/)", bad)
 
 
+TESTING = "thinkfleet/testing/"
+
+
 def test_foundation_imports_nothing_built_on_it() -> None:
     above = {"producer", "workers", "storage", "sglang_sim", "bench"}
-    bad = [i for i in IMPORTS if i.path.startswith("thinkfleet/") and i.top in above]
+    bad = [i for i in IMPORTS if i.path.startswith("thinkfleet/") and not i.path.startswith(TESTING) and i.top in above]
     assert not bad, _offending("thinkfleet/ imports a package built on it", bad)
+
+
+def test_product_code_never_imports_test_support() -> None:
+    product = ("producer/", "workers/", "storage/", "sglang_sim/", "thinkfleet/")
+    exempt = (TESTING, "thinkfleet/demo.py")
+    bad = [
+        i
+        for i in IMPORTS
+        if i.path.startswith(product) and not i.path.startswith(exempt) and i.module.startswith("thinkfleet.testing")
+    ]
+    assert not bad, _offending("product code imports the test-support package", bad)
 
 
 def test_kombu_is_imported_only_by_the_broker() -> None:

@@ -31,7 +31,6 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.conftest import REDIS_SERVER, free_port, wait_for_port
 from tests.test_deploy_compose import (
     REPO,
     command_args,
@@ -39,6 +38,7 @@ from tests.test_deploy_compose import (
     duration_s,
     load_compose,
 )
+from thinkfleet.testing.services import REDIS_SERVER, free_port, wait_for_port
 
 MISSING = [m for m in ("sglang_sim.cli", "producer.cli", "storage.writer") if importlib.util.find_spec(m) is None]
 pytestmark = [

@@ -36,11 +36,11 @@ from storage.cli import export, report
 from storage.export import SPECFORGE_MAX_LENGTH, ExportError, export_job
 from storage.manifest import read_sources
 from storage.reader import read_committed
-from storage.testing import make_row
 from storage.writer import PartWriter
 from thinkfleet import kimi
 from thinkfleet.settings import Settings
 from thinkfleet.testing.datasets import write_jsonl
+from thinkfleet.testing.rows import make_row
 from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 
 JOB = "kx"

@@ -11,8 +11,10 @@ from pathlib import Path
 import redis
 
 from sglang_sim.testing import SimulatorProcess
-from tests.invariant import InvariantWatch
-from tests.worker_harness import (
+from thinkfleet.settings import Settings
+from thinkfleet.state import lifecycle as lc
+from thinkfleet.testing.fleet import WorkerProcess, dead_letters, in_flight, job_progress, wait_until
+from thinkfleet.testing.harness import (
     check_job,
     fast_env,
     isolated_settings,
@@ -22,9 +24,7 @@ from tests.worker_harness import (
     sim_stats,
     submit_ids,
 )
-from thinkfleet.settings import Settings
-from thinkfleet.state import lifecycle as lc
-from thinkfleet.testing.fleet import WorkerProcess, dead_letters, in_flight, job_progress, wait_until
+from thinkfleet.testing.invariant_watch import InvariantWatch
 
 #: Simulated seconds per wall second: slow enough that a job of N_PROMPTS runs for tens of seconds.
 TIME_SCALE = "2"

@@ -125,8 +125,8 @@ def test_wait_times_out_while_prompts_remain(job: Settings) -> None:
 
 
 def test_wait_returns_once_every_prompt_is_stored_or_dead(job: Settings, redis_client: redis.Redis) -> None:
-    from storage.testing import make_row
     from storage.writer import PartWriter
+    from thinkfleet.testing.rows import make_row
 
     redis_client.sadd(job.keys.done("j"), "alpha/r2", "alpha/r3")
     redis_client.hset(job.keys.dead("j"), "beta/r1", "{}")

@@ -118,8 +118,8 @@ def test_a_second_identical_submit_enqueues_nothing(settings, redis_client, tok_
 
 def store_rows(settings: Settings, job: str, dataset: str, prompt_ids: set[str]) -> None:
     """Commit rows to real storage, as a worker's group commit would."""
-    from storage.testing import make_row
     from storage.writer import PartWriter
+    from thinkfleet.testing.rows import make_row
 
     rows = [make_row(pid, dataset=dataset, job=job) for pid in sorted(prompt_ids)]
     PartWriter(settings.output_uri, "w1").write(job, dataset, rows)

@@ -23,13 +23,13 @@ import pytest
 import redis
 
 from sglang_sim.testing import SimulatorProcess
-from tests.invariant import InvariantWatch
-from tests.worker_harness import check_job, fast_env, isolated_settings, make_prompts, record_result, submit_ids
 from thinkfleet import failpoints
 from thinkfleet.broker.keys import kombu_transport_options
 from thinkfleet.failpoints import ACTIONS, WORKER_POINTS
 from thinkfleet.settings import Settings
 from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
+from thinkfleet.testing.harness import check_job, fast_env, isolated_settings, make_prompts, record_result, submit_ids
+from thinkfleet.testing.invariant_watch import InvariantWatch
 
 PROMPTS = 16
 #: Kill cases whose replacement worker runs under another name (the dead one's claims then go stale

@@ -14,8 +14,10 @@ import pytest
 import redis
 
 from sglang_sim.testing import SimulatorProcess
-from tests.invariant import InvariantWatch
-from tests.worker_harness import (
+from thinkfleet.broker.celery_app import send_tasks as _publish
+from thinkfleet.message import PromptTask
+from thinkfleet.testing.fleet import WorkerProcess, dead_letters, free_port, job_progress, wait_until
+from thinkfleet.testing.harness import (
     check_job,
     fast_env,
     isolated_settings,
@@ -25,9 +27,7 @@ from tests.worker_harness import (
     sim_stats,
     submit_ids,
 )
-from thinkfleet.broker.celery_app import send_tasks as _publish
-from thinkfleet.message import PromptTask
-from thinkfleet.testing.fleet import WorkerProcess, dead_letters, free_port, job_progress, wait_until
+from thinkfleet.testing.invariant_watch import InvariantWatch
 from workers.tasks import START_FAILED_EXIT
 
 

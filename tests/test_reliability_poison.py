@@ -12,7 +12,8 @@ from pathlib import Path
 import redis
 
 from sglang_sim.testing import SimulatorProcess
-from tests.worker_harness import (
+from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
+from thinkfleet.testing.harness import (
     check_job,
     fast_env,
     isolated_settings,
@@ -21,7 +22,6 @@ from tests.worker_harness import (
     record_result,
     submit_ids,
 )
-from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
 
 
 def _resolved(client: redis.Redis, keys, job: str) -> int:

@@ -16,8 +16,9 @@ import pytest
 import redis
 from kombu import Connection
 
-from tests.conftest import needs_service
-from tests.worker_harness import (
+from thinkfleet.settings import Settings
+from thinkfleet.testing.fleet import RecoveryWatch, WorkerProcess, in_flight, job_progress, wait_until
+from thinkfleet.testing.harness import (
     check_job,
     fast_env,
     isolated_settings,
@@ -26,8 +27,7 @@ from tests.worker_harness import (
     simulator,
     submit_ids,
 )
-from thinkfleet.settings import Settings
-from thinkfleet.testing.fleet import RecoveryWatch, WorkerProcess, in_flight, job_progress, wait_until
+from thinkfleet.testing.services import needs_service
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
 

@@ -16,8 +16,9 @@ import redis
 from producer import render
 from producer.job import JobRecord
 from storage.reader import stored_prompt_ids
-from tests.conftest import RedisServer
-from tests.worker_harness import (
+from thinkfleet.testing.datasets import chat_rows, write_jsonl
+from thinkfleet.testing.fleet import RecoveryWatch, WorkerProcess, in_flight, job_progress, wait_until
+from thinkfleet.testing.harness import (
     check_job,
     fast_env,
     isolated_settings,
@@ -28,8 +29,7 @@ from tests.worker_harness import (
     simulator,
     submit_ids,
 )
-from thinkfleet.testing.datasets import chat_rows, write_jsonl
-from thinkfleet.testing.fleet import RecoveryWatch, WorkerProcess, in_flight, job_progress, wait_until
+from thinkfleet.testing.services import RedisServer
 from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 
 

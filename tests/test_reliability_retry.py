@@ -20,7 +20,12 @@ import redis
 from producer.enqueue import Stager
 from producer.retry import retry_dead, retry_truncated
 from sglang_sim.testing import SimulatorProcess
-from tests.worker_harness import (
+from thinkfleet.keys import Keys
+from thinkfleet.settings import Settings
+from thinkfleet.state.invariant import queued_prompt_ids
+from thinkfleet.state.invariant import unacked_prompt_ids as running_prompt_ids
+from thinkfleet.testing.fleet import WorkerProcess, dead_letters, in_flight, job_progress, wait_until
+from thinkfleet.testing.harness import (
     check_job,
     fast_env,
     isolated_settings,
@@ -31,11 +36,6 @@ from tests.worker_harness import (
     submit_ids,
     transit_prompt_ids,
 )
-from thinkfleet.keys import Keys
-from thinkfleet.settings import Settings
-from thinkfleet.state.invariant import queued_prompt_ids
-from thinkfleet.state.invariant import unacked_prompt_ids as running_prompt_ids
-from thinkfleet.testing.fleet import WorkerProcess, dead_letters, in_flight, job_progress, wait_until
 
 #: Dead letters per scenario: enough that idle workers grab some before a non-atomic retry finishes.
 N_DEAD = 40

@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.conftest import REDIS_SERVER, free_port, service_missing, wait_for_port
-from tests.worker_harness import (
+from thinkfleet.message import TASK_NAME
+from thinkfleet.settings import Settings
+from thinkfleet.testing.fleet import WorkerProcess, job_progress, wait_until
+from thinkfleet.testing.harness import (
     check_job,
     fast_env,
     isolated_settings,
@@ -26,9 +28,7 @@ from tests.worker_harness import (
     simulator,
     submit_ids,
 )
-from thinkfleet.message import TASK_NAME
-from thinkfleet.settings import Settings
-from thinkfleet.testing.fleet import WorkerProcess, job_progress, wait_until
+from thinkfleet.testing.services import REDIS_SERVER, free_port, service_missing, wait_for_port
 from workers.app import make_app
 
 

@@ -15,9 +15,16 @@ import pytest
 import redis
 
 from sglang_sim.testing import SimulatorProcess
-from tests.conftest import RedisServer
 from tests.test_reliability_servers import FAULT_MIX, run_fault_mix
-from tests.worker_harness import (
+from thinkfleet.testing.fleet import (
+    RecoveryWatch,
+    WorkerProcess,
+    dead_letters,
+    in_flight,
+    job_progress,
+    wait_until,
+)
+from thinkfleet.testing.harness import (
     check_job,
     fast_env,
     isolated_settings,
@@ -27,14 +34,7 @@ from tests.worker_harness import (
     republish,
     submit_ids,
 )
-from thinkfleet.testing.fleet import (
-    RecoveryWatch,
-    WorkerProcess,
-    dead_letters,
-    in_flight,
-    job_progress,
-    wait_until,
-)
+from thinkfleet.testing.services import RedisServer
 from workers.runtime import REDIS_RETRIES
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import redis
 
-from tests.worker_harness import (
+from thinkfleet.testing.fleet import WorkerProcess, job_progress, wait_until
+from thinkfleet.testing.harness import (
     check_job,
     fast_env,
     isolated_settings,
@@ -25,7 +26,6 @@ from tests.worker_harness import (
     simulator,
     submit_ids,
 )
-from thinkfleet.testing.fleet import WorkerProcess, job_progress, wait_until
 
 
 def _generations_per_prompt(sim: str, job: str) -> dict[str, int]:

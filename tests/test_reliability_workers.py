@@ -18,8 +18,13 @@ from types import SimpleNamespace
 import redis
 import redis.asyncio as aioredis
 
-from tests.invariant import InvariantWatch
-from tests.worker_harness import (
+from thinkfleet.broker.envelope import Envelope
+from thinkfleet.broker.keys import kombu_transport_options
+from thinkfleet.settings import Settings
+from thinkfleet.state.invariant import queued_prompt_ids
+from thinkfleet.state.ledger import Ledger
+from thinkfleet.testing.fleet import RecoveryWatch, WorkerProcess, in_flight, job_progress, wait_until
+from thinkfleet.testing.harness import (
     check_job,
     fast_env,
     isolated_settings,
@@ -30,12 +35,7 @@ from tests.worker_harness import (
     submit_ids,
     transit_prompt_ids,
 )
-from thinkfleet.broker.envelope import Envelope
-from thinkfleet.broker.keys import kombu_transport_options
-from thinkfleet.settings import Settings
-from thinkfleet.state.invariant import queued_prompt_ids
-from thinkfleet.state.ledger import Ledger
-from thinkfleet.testing.fleet import RecoveryWatch, WorkerProcess, in_flight, job_progress, wait_until
+from thinkfleet.testing.invariant_watch import InvariantWatch
 from workers.runtime import WorkerRuntime
 
 

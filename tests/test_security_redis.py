@@ -38,8 +38,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.conftest import REDIS_SERVER, free_port, needs_service, wait_for_port
-from tests.worker_harness import (
+from thinkfleet.settings import Settings
+from thinkfleet.testing.fleet import WorkerProcess, in_flight, job_progress, wait_until
+from thinkfleet.testing.harness import (
     IdJob,
     check_job,
     fast_env,
@@ -48,8 +49,7 @@ from tests.worker_harness import (
     simulator,
     submit_ids,
 )
-from thinkfleet.settings import Settings
-from thinkfleet.testing.fleet import WorkerProcess, in_flight, job_progress, wait_until
+from thinkfleet.testing.services import REDIS_SERVER, free_port, needs_service, wait_for_port
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRYPOINT = REPO / "deploy" / "head" / "redis" / "entrypoint.sh"

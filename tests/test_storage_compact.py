@@ -14,9 +14,9 @@ from storage import compact as compact_mod
 from storage import reader
 from storage.cli import compact
 from storage.compact import compact_job
-from storage.testing import make_row
 from storage.writer import PartWriter
 from thinkfleet.settings import Settings
+from thinkfleet.testing.rows import make_row
 
 JOB = "job"
 T0 = datetime(2025, 1, 1, tzinfo=UTC)

@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from storage.manifest import write_submitted
-from storage.testing import kimi_output, kimi_prompt, make_row
 from storage.writer import PartWriter
+from thinkfleet.testing.rows import kimi_output, kimi_prompt, make_row
 
 
 @pytest.fixture

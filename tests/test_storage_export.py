@@ -15,10 +15,10 @@ from click.testing import CliRunner
 from storage.cli import export
 from storage.export import ExportError, export_job
 from storage.manifest import write_submitted
-from storage.testing import make_row
 from storage.writer import PartWriter
 from thinkfleet import kimi
 from thinkfleet.settings import Settings
+from thinkfleet.testing.rows import make_row
 
 JOB = "job"
 WORDS = 1000  # the test tokenizer knows t0…t999, three role names and Kimi's special tokens

@@ -19,10 +19,10 @@ from storage.export import ExportError, export_job, load_tokenizer
 from storage.report import summarize
 from storage.schema import REASONING_SPAN_COLUMNS, SCHEMA, rows_to_table
 from storage.spans import KIMI_TOKENS, compute_spans
-from storage.testing import make_row
 from storage.writer import PartWriter
 from tests.test_storage_export import JOB, _manifest, _output, _prompt, _settings, _source, tokenizer_dir
 from thinkfleet import kimi, profiles
+from thinkfleet.testing.rows import make_row
 
 __all__ = ["tokenizer_dir"]  # the module-scoped fixture, shared with test_storage_export
 

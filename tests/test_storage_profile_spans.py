@@ -11,8 +11,8 @@ import pytest
 from storage.checks import flat_ids, row_problems
 from storage.schema import rows_to_table
 from storage.spans import SpanTokens, compute_spans, compute_spans_batch, prompt_opens_reasoning, prompts_open_reasoning
-from storage.testing import make_row
 from thinkfleet import profiles
+from thinkfleet.testing.rows import make_row
 
 Q = profiles.QWEN3.reference_ids
 THINK, END_THINK, CALL, END_CALL, IM_END = (

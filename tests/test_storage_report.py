@@ -11,9 +11,9 @@ from click.testing import CliRunner
 
 from storage.cli import report
 from storage.report import report_job
-from storage.testing import kimi_output, make_row
 from storage.writer import PartWriter
 from thinkfleet.settings import Settings
+from thinkfleet.testing.rows import kimi_output, make_row
 
 JOB = "job"
 T0 = datetime(2025, 1, 1, tzinfo=UTC)

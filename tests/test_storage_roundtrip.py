@@ -13,9 +13,9 @@ import pytest
 from storage import layout, reader
 from storage.manifest import read_submitted, write_submitted
 from storage.schema import SCHEMA, rows_to_table
-from storage.testing import kimi_output, kimi_prompt, make_row
 from storage.writer import PartWriter
 from thinkfleet import kimi
+from thinkfleet.testing.rows import kimi_output, kimi_prompt, make_row
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 

@@ -7,15 +7,15 @@ from collections.abc import Iterator
 
 import boto3
 import pytest
-from conftest import free_port
 from moto.server import ThreadedMotoServer
 
 from storage import reader
 from storage.compact import compact_job
 from storage.manifest import read_submitted, write_submitted
-from storage.testing import make_row
 from storage.writer import PartWriter
 from thinkfleet.settings import Settings
+from thinkfleet.testing.fleet import free_port
+from thinkfleet.testing.rows import make_row
 
 BUCKET = "thinkfleet-test"
 

@@ -12,11 +12,11 @@ from click.testing import CliRunner
 
 from storage.cli import verify
 from storage.manifest import write_submitted
-from storage.testing import kimi_output, make_row
 from storage.verify import verify_job
 from storage.writer import PartWriter
 from thinkfleet.keys import Keys
 from thinkfleet.settings import Settings
+from thinkfleet.testing.rows import kimi_output, make_row
 
 JOB = "job"
 KEYS = Keys("tft")

@@ -11,8 +11,16 @@ import redis
 
 from sglang_sim.content import expected_generation
 from storage.reader import raw_duplicates, read_committed
-from tests.worker_harness import fast_env, isolated_settings, make_prompts, post_json, sim_stats, simulator, submit_ids
 from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
+from thinkfleet.testing.harness import (
+    fast_env,
+    isolated_settings,
+    make_prompts,
+    post_json,
+    sim_stats,
+    simulator,
+    submit_ids,
+)
 
 FAST = ("--time-scale", "400")
 #: The SGLang releases the simulator imitates: the deployed one (compose pin) and the current one.

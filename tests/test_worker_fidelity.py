@@ -26,9 +26,12 @@ import redis
 
 from storage.reader import read_committed
 from storage.schema import DETERMINISTIC, REASONING_TOKENS
-from storage.testing import make_row
 from storage.writer import PartWriter
-from tests.worker_harness import (
+from thinkfleet import kimi
+from thinkfleet.broker.celery_app import send_tasks as publish
+from thinkfleet.settings import Settings
+from thinkfleet.testing.fleet import WorkerProcess, dead_letters, free_port, job_progress, wait_until
+from thinkfleet.testing.harness import (
     check_job,
     fast_env,
     isolated_settings,
@@ -41,10 +44,7 @@ from tests.worker_harness import (
     simulator,
     submit_ids,
 )
-from thinkfleet import kimi
-from thinkfleet.broker.celery_app import send_tasks as publish
-from thinkfleet.settings import Settings
-from thinkfleet.testing.fleet import WorkerProcess, dead_letters, free_port, job_progress, wait_until
+from thinkfleet.testing.rows import make_row
 from workers.attempts import RequestAttempts
 from workers.client import Probe
 from workers.health import HealthGate
