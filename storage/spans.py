@@ -1,7 +1,7 @@
 """Where reasoning, answer and tool calls are inside ``output_ids`` — derived from token ids only.
 
 Text is never parsed: a model family's markers are single special tokens, so a span is a pair of offsets
-into ``output_ids`` found by comparing ids (reference §4.2). Which ids, and which rules (``think`` markers
+into ``output_ids`` found by comparing ids. Which ids, and which rules (``think`` markers
 or harmony channels), is the job's model profile (:class:`SpanTokens`, from ``JobRecord.span_tokens``;
 :mod:`thinkfleet.profiles`). The rules below are written with Kimi's names; Qwen3, DeepSeek and GLM-4.5
 follow them with their own markers. Conventions, all half-open ``[start, end)``:

@@ -19,7 +19,7 @@ simulator's vocabulary (it has no tokenizer) and the test tokenizers' layouts, n
 ============== ===================================== ================================================================
 profile        markers                                ids in the real tokenizer
 ============== ===================================== ================================================================
-``kimi``       ``<think>`` ``</think>``               163606 163607 (K2/K2.5 tokenizer_config; reference §4.1)
+``kimi``       ``<think>`` ``</think>``               163606 163607 (K2/K2.5 tokenizer_config.json)
 (Kimi K2/K2.5) ``<|tool_calls_section_begin|>``/end   163595 / 163596
                ``<|tool_call_begin|>``/argument/end   163597 / 163598 / 163599
                ``<|im_end|>`` (stop), ``[EOS]``       163586, 163585; vocab 163,840

@@ -1,6 +1,7 @@
 """SGLang's native ``/generate`` wire format, client side — the one module that knows it.
 
-See ../shared/reference/sglang-kimi-protocol.md §1 and docs/sglang-versions.md. We send ``input_ids``
+Checked against the 0.5.9 wheel's ``io_struct.py`` / ``http_server.py``; what changes up to 0.5.23:
+docs/sglang-versions.md. We send ``input_ids``
 (never text), one request per HTTP call (a batch fails as a whole), non-streaming, with a unique ``rid``
 per attempt, and read ``output_ids`` + ``meta_info`` defensively: every shape from 0.5.9 (the deployed
 release) to 0.5.23 parses, and a count the server did not report stays None (a null column).
@@ -256,7 +257,7 @@ def parse_logprobs(
 def parse_response(data: Any, rid: str, max_new_tokens: int | None, logprobs: int | None = None) -> Generation:
     """Validate a non-streaming single-request response; inconsistencies are server faults, not data.
 
-    Reads every ``meta_info`` shape from SGLang 0.5.9 to 0.5.23 (../shared/reference/sglang-versions.md):
+    Reads every ``meta_info`` shape from SGLang 0.5.9 to 0.5.23 (docs/sglang-versions.md):
     the retraction count is ``total_retractions`` (≤ 0.5.11) or ``num_retractions`` (≥ 0.5.12);
     ``reasoning_tokens`` exists from 0.5.10 — absent, it stays None (stored as null). ``logprobs`` (the
     job's K, None when not asked): the answer must carry aligned logprobs (:func:`parse_logprobs`); when

@@ -2,7 +2,7 @@
 
 The producer publishes through a publisher-only app (:func:`make_app`, :func:`send_tasks`); the worker's
 app (``workers/app.py``, what ``celery -A workers.app worker``, the ``worker`` script and Flower load) is
-this one with the task registered. Choices, each answering a trap in ../shared/reference/celery-redis-flower.md:
+this one with the task registered. Choices, each answering a known Celery-on-Redis trap:
 
 - msgpack (ids travel as bytes) and json only: a pickle message is refused, never executed.
 - Late acks + prefetch multiplier 1 + a thread pool sized to the in-flight bound: a host holds only

@@ -9,7 +9,7 @@ Real reasoning-model tokenizers need a download (Kimi's also ``trust_remote_code
   whole base range (seeded) and the rest is filled with decodable filler words, so token ids span 18 bits
   like Kimi's and compression figures measured with it are not flattered by small ids; Kimi's special
   tokens at their real ids 163584–163607 and ``<|reserved_token_N|>`` up to 163839 (vocab 163,840),
-  ``eos_token`` ``<|im_end|>``; a chat template of K2.5's shape (reference §4.2): role headers + name +
+  ``eos_token`` ``<|im_end|>``; a chat template of K2.5's shape (its released template): role headers + name +
   ``<|im_middle|>``, content, ``<|im_end|>``, no newlines between turns, a default system turn, a
   ``tool_declare`` turn (JSON here; the real K2.5 renders TypeScript-style declarations), tool results as
   ``## Return of {id}``, history reasoning dropped, and a generation prompt ending in ``<think>`` (or
@@ -88,7 +88,7 @@ NOT_SPECIAL = {
     "</think>",
 }
 
-# Written for this project from the structure described in reference §4.2 (not a copy of Moonshot's
+# Written for this project from the structure of K2.5's released template (not a copy of Moonshot's
 # file). ``ns.hist`` is the 1-based index of the last assistant turn without tool calls: it and every
 # turn before it are history, whose reasoning the K2 family drops.
 CHAT_TEMPLATE = (
