@@ -194,6 +194,16 @@ def _keep_newlines(template: str) -> str:
     return template.replace("\n", "{{ '\\n' }}")
 
 
+#: ``text(c)``: a message's content, a string or the text parts of a list (other parts dropped).
+_TEXT_MACRO = (
+    "{%- macro text(c) -%}"
+    "{%- if c is string -%}{{ c }}"
+    "{%- elif c is not none -%}{%- for part in c -%}"
+    "{%- if part.get('type', 'text') == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+)
+
 # Written for this project after the structure of Qwen3's chat template (not a copy of it).
 _CHATML_BODY = (
     "{%- macro text(c) -%}"
@@ -287,13 +297,7 @@ DEEPSEEK_NOT_SPECIAL = {"<think>", "</think>", *(t for i, t in DEEPSEEK_ADDED.it
 
 # Written for this project after the structure of DeepSeek-R1-0528's chat template (not a copy of it).
 DEEPSEEK_CHAT_TEMPLATE = _keep_newlines(
-    "{%- macro text(c) -%}"
-    "{%- if c is string -%}{{ c }}"
-    "{%- elif c is not none -%}{%- for part in c -%}"
-    "{%- if part.get('type', 'text') == 'text' -%}{{ part['text'] }}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}"
-    "{%- endmacro -%}"
-    "<｜begin▁of▁sentence｜>"
+    _TEXT_MACRO + "<｜begin▁of▁sentence｜>"
     "{%- if messages and messages[0]['role'] == 'system' -%}{{ text(messages[0].get('content')) }}{%- endif -%}"
     "{%- if tools -%}\n\n## Tools\n{%- for tool in tools -%}\n{{ tool | tojson }}{%- endfor -%}{%- endif -%}"
     "{%- for m in messages -%}"
@@ -362,13 +366,7 @@ HARMONY_WORDS: dict[str, int] = {"analysis": 35644, "final": 17196, "assistant":
 
 # Written for this project after the structure of gpt-oss's chat template (not a copy of it).
 HARMONY_CHAT_TEMPLATE = _keep_newlines(
-    "{%- macro text(c) -%}"
-    "{%- if c is string -%}{{ c }}"
-    "{%- elif c is not none -%}{%- for part in c -%}"
-    "{%- if part.get('type', 'text') == 'text' -%}{{ part['text'] }}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}"
-    "{%- endmacro -%}"
-    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+    _TEXT_MACRO + "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
     "Knowledge cutoff: 2024-06\n\nReasoning: "
     "{{ reasoning_effort if (reasoning_effort is defined and reasoning_effort) else 'medium' }}"
     "\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message."
