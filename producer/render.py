@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from storage.spans import prompt_opens_reasoning
 from thinkfleet import profiles
 from thinkfleet.message import content_hash as message_content_hash
 from thinkfleet.message import pack_ids
@@ -34,6 +35,7 @@ from thinkfleet.template import _LOADED as _LOADED
 from thinkfleet.template import TokenizerError as TokenizerError
 from thinkfleet.template import fingerprint, load_tokenizer
 from thinkfleet.template import render_ids as render_ids
+from thinkfleet.tokens import SpanTokens
 
 #: Conversations per task sent to a pool process (big enough to amortize IPC, small for a smooth bar).
 DEFAULT_BATCH = 64
@@ -65,6 +67,14 @@ class TokenizerInfo:
     @property
     def reasoning_spans(self) -> bool:
         return self.profile.reasoning_spans if self.profile is not None else self.think_end_id is not None
+
+    @property
+    def opening(self) -> SpanTokens:
+        """What says a prompt opens reasoning (:func:`storage.spans.prompt_opens_reasoning`): the think-start id
+        and the whitespace ids a template may put after it (``<think>\\n``)."""
+        found = self.profile.token_ids if self.profile is not None else {}
+        trailing = tuple(int(found[t]) for t in profiles.PROMPT_TRAILING_TEXTS if t in found)
+        return SpanTokens(think_start_id=self.think_start_id, prompt_trailing_ids=trailing)
 
 
 def describe_tokenizer(
@@ -277,10 +287,10 @@ def _token_name(tok: Any, token_id: int) -> str | None:
 
 
 # -- rendering -------------------------------------------------------------------------------------------
-#: Per-process state: (tokenizer, chat-template kwargs, think-start id). Set before forking.
-_STATE: tuple[Any, dict[str, Any], int | None] | None = None
+#: Per-process state: (tokenizer, chat-template kwargs, what opens reasoning). Set before forking.
+_STATE: tuple[Any, dict[str, Any], SpanTokens] | None = None
 
-#: One result: (packed ids, token count, content hash, ends with think-start, largest id or -1) or an error.
+#: One result: (packed ids, token count, content hash, opens reasoning, largest id or -1) or an error.
 Result = tuple[bytes, int, str, bool, int] | str
 
 
@@ -292,7 +302,7 @@ def content_hash(ids: np.ndarray) -> str:
 
 def _render_batch(batch: Sequence[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]]) -> list[Result]:
     assert _STATE is not None, "render process started without a tokenizer"
-    tok, kwargs, think_start = _STATE
+    tok, kwargs, opening = _STATE
     texts: list[str | None] = []
     errors: dict[int, str] = {}
     for i, (messages, tools) in enumerate(batch):
@@ -311,7 +321,7 @@ def _render_batch(batch: Sequence[tuple[list[dict[str, Any]], list[dict[str, Any
             out.append(errors[i])
             continue
         ids = np.asarray(next(encoded), dtype="<u4")
-        ends = bool(len(ids)) and think_start is not None and int(ids[-1]) == think_start
+        ends = prompt_opens_reasoning(ids, opening)  # <think>, or <think>\n (Qwen3-Thinking-2507, R1-0528)
         max_id = int(ids.max()) if len(ids) else -1
         out.append((pack_ids(ids), len(ids), content_hash(ids), ends, max_id))
     return out
@@ -326,10 +336,10 @@ def _encode(tok: Any, texts: list[str]) -> list[list[int]]:
     return tok(texts, add_special_tokens=False)["input_ids"]
 
 
-def _init_spawned(source: str, trust_remote_code: bool, kwargs: dict[str, Any], think_start: int | None) -> None:
+def _init_spawned(source: str, trust_remote_code: bool, kwargs: dict[str, Any], opening: SpanTokens) -> None:
     global _STATE
     if _STATE is None:  # forked children already have it
-        _STATE = (load_tokenizer(source, trust_remote_code), kwargs, think_start)
+        _STATE = (load_tokenizer(source, trust_remote_code), kwargs, opening)
 
 
 class RenderPool:
@@ -340,12 +350,15 @@ class RenderPool:
         tok: Any,
         source: str,
         chat_template_kwargs: dict[str, Any],
-        think_start_id: int | None,
+        opening: SpanTokens | int | None,
         processes: int | None = None,
         trust_remote_code: bool = False,
     ) -> None:
+        """``opening``: what opens reasoning (:attr:`TokenizerInfo.opening`; a bare think-start id: that id last)."""
         global _STATE
-        _STATE = (tok, dict(chat_template_kwargs), think_start_id)
+        if not isinstance(opening, SpanTokens):
+            opening = SpanTokens(think_start_id=opening)
+        _STATE = (tok, dict(chat_template_kwargs), opening)
         self.tok = tok
         self.processes = max(1, processes or os.cpu_count() or 1)
         self._pool = None
@@ -355,7 +368,7 @@ class RenderPool:
             self._pool = mp.get_context(method).Pool(
                 self.processes,
                 initializer=_init_spawned,
-                initargs=(source, trust_remote_code, dict(chat_template_kwargs), think_start_id),
+                initargs=(source, trust_remote_code, dict(chat_template_kwargs), opening),
             )
 
     def render(

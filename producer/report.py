@@ -98,7 +98,8 @@ def think_warnings(thinking: bool, think_start_id: int | None, not_ending: int, 
         ]
     if not_ending:
         return [
-            f"thinking is on but {not_ending} prompt(s) do not end with <think> (id {think_start_id}), "
+            f"thinking is on but {not_ending} prompt(s) do not end with <think> (id {think_start_id}, optionally "
+            f"followed by a newline), "
             f"e.g. {example}: this chat template does not open the reasoning block (K2-Thinking style?) — "
             "outputs will start with <think> and reasoning_start will not be 0; check the tokenizer and "
             "--chat-template-kwargs"

@@ -12,6 +12,12 @@ sees a retried message while its prompt still looks dead (it would skip and ackn
 prompt would be lost), and a retry that dies before the ``MULTI`` changes nothing (its staging list
 expires). The job's submit lock is held throughout, so a retry never interleaves with another retry
 or a submit of the same job.
+
+A ``--turns all`` job re-runs, per conversation, only its earliest truncated turn: the worker that stores the
+re-run re-derives every turn after it (workers/turns.py), so a later truncated turn is re-run that way. Only
+*settled* conversations are re-run — every turn in the job's submitted set is done or dead — and a chain still
+running is skipped (named on stderr and in ``RetryResult.skipped``): its later turns would race the re-run. Turn
+rows past their conversation's chain end are superseded (``thinkfleet.turns.beyond_chain_ends``), never re-run.
 """
 
 from __future__ import annotations
@@ -38,6 +44,18 @@ CHUNK = 5000
 
 #: Take prompts out of ``dead`` or ``done`` for a re-queue (thinkfleet/state/lua/requeue.lua).
 _TAKE_OUT = lua("requeue")
+
+
+class RetryResult(list[str]):
+    """The re-queued prompt ids; ``skipped``: prompt id → why it was not re-queued (a chain still running)."""
+
+    def __init__(self, ids: list[str], skipped: dict[str, str] | None = None) -> None:
+        super().__init__(ids)
+        self.skipped = skipped or {}
+
+
+#: Why a truncated turn of a conversation whose chain is still running is not re-run.
+CHAIN_RUNNING = "chain still running; retry after it finishes"
 
 
 def _chunks(tasks: list[PromptTask]) -> Iterator[list[PromptTask]]:
@@ -122,8 +140,53 @@ def retry_dead(settings: Settings, job: str, error_classes: tuple[str, ...] = ()
         client.close()
 
 
+def _multi_turn(client: redis.Redis, settings: Settings, job: str) -> bool:
+    raw = client.hget(settings.keys.job(job), "turns")
+    try:
+        meta = json.loads(raw) if raw is not None else {}
+    except ValueError:
+        return False
+    return isinstance(meta, dict) and meta.get("mode") == "all"
+
+
+def _chain_heads(
+    client: redis.Redis, settings: Settings, job: str, rows: list[dict]
+) -> tuple[list[dict], dict[str, str]]:
+    """--turns all: of the truncated turn rows, the earliest of each settled conversation (the rest are
+    re-derived from it); the earliest of each unsettled one → why it is skipped. Superseded rows are dropped."""
+    from thinkfleet.turns import answers_key, beyond_chain_ends, split_turn_id, turn_id
+
+    keys = settings.keys
+    ends = [
+        pid.decode()
+        for pid, raw in client.hscan_iter(answers_key(keys, job), count=1000)
+        if b"chain_end" in raw and "chain_end" in json.loads(raw)
+    ]
+    superseded = beyond_chain_ends([r["prompt_id"] for r in rows], ends)
+    heads: dict[str, tuple[int, dict]] = {}
+    for row in rows:
+        parts = split_turn_id(row["prompt_id"])
+        if parts is None or row["prompt_id"] in superseded:
+            continue
+        if parts[0] not in heads or parts[1] < heads[parts[0]][0]:
+            heads[parts[0]] = (parts[1], row)
+    done = {m.decode() for m in client.smembers(keys.done(job))}
+    dead = {m.decode() for m in client.hkeys(keys.dead(job))}
+    chosen, skipped = [], {}
+    for conv, (_, row) in sorted(heads.items()):
+        count = int(json.loads(client.hget(keys.conversations(job), conv) or "{}").get("turn_count") or 0)
+        turns = [turn_id(conv, t) for t in range(count)]
+        submitted = [pid for pid, h in zip(turns, client.hmget(keys.prompts(job), turns), strict=True) if h]
+        if all(pid in done or pid in dead for pid in submitted):
+            chosen.append(row)
+        else:
+            skipped[row["prompt_id"]] = CHAIN_RUNNING
+    return chosen, skipped
+
+
 def retry_truncated(settings: Settings, job: str, max_new_tokens: int) -> list[str]:
-    """Re-run every row of the committed view that stopped on length, as the next revision."""
+    """Re-run every row of the committed view that stopped on length, as the next revision (a ``--turns all``
+    job: the earliest truncated turn of each settled conversation, see the module doc; a :class:`RetryResult`)."""
     from storage.reader import read_committed
 
     client = redis.Redis.from_url(settings.redis_url)
@@ -145,6 +208,9 @@ def retry_truncated(settings: Settings, job: str, max_new_tokens: int) -> list[s
                 s3_endpoint_url=settings.s3_endpoint_url,
             )
             table = table.filter(pc.equal(table["finish_reason"], "length"))
+            rows, skipped = table.to_pylist(), {}
+            if _multi_turn(client, settings, job):
+                rows, skipped = _chain_heads(client, settings, job, rows)
             tasks = [
                 PromptTask(
                     job=job,
@@ -157,12 +223,14 @@ def retry_truncated(settings: Settings, job: str, max_new_tokens: int) -> list[s
                     revision=row["revision"] + 1,
                     overrides={"max_new_tokens": max_new_tokens},
                 )
-                for row in table.to_pylist()
+                for row in rows
             ]
             # Not "done" until the new revision is stored (workers skip prompts in the done set); the
             # counters follow so that status and verify agree while the re-runs are in flight.
             _requeue(client, settings, job, "done", tasks)
-            return [t.prompt_id for t in tasks]
+            for pid, why in skipped.items():
+                click.echo(f"skipped {pid}: {why}", err=True)
+            return RetryResult([t.prompt_id for t in tasks], skipped)
     finally:
         client.close()
 

@@ -175,7 +175,7 @@ def submit(settings: Settings, opts: SubmitOptions, on_progress: ProgressFn | No
     limits = render.model_limits(tok, opts.tokenizer, opts.context_length)
     client = redis.Redis.from_url(settings.redis_url)
     pool = render.RenderPool(
-        tok, opts.tokenizer, opts.chat_template_kwargs, info.think_start_id, opts.processes, opts.trust_remote_code
+        tok, opts.tokenizer, opts.chat_template_kwargs, info.opening, opts.processes, opts.trust_remote_code
     )
     try:
         problems: list[Problem] = []

@@ -107,6 +107,7 @@ from storage.schema import (
 )
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import JobRecord
+from thinkfleet.turns import beyond_chain_ends
 
 Format = Literal["eagle3", "specforge", "hf", "messages", "conversations"]
 FORMATS: tuple[str, ...] = ("eagle3", "specforge", "hf", "messages", "conversations")
@@ -269,6 +270,27 @@ class _Rows:
             skipped["truncated"] = 0
         if min_reasoning_tokens:
             skipped["short_reasoning"] = 0
+        self._superseded: set[str] | None = None
+
+    def superseded(self) -> set[str]:
+        """--turns all: the turn rows past their conversation's chain end — a stored turn whose output calls a
+        tool ends it (a re-run of an earlier turn may end it before turns stored earlier): not current, skipped
+        (``thinkfleet.turns.beyond_chain_ends``; ``producer verify`` lists them)."""
+        if self._superseded is None:
+            uri, endpoint = self.settings.output_uri, self.settings.s3_endpoint_url
+            pids: list[str] = []
+            ends: list[str] = []
+            for name in self.names():
+                table = reader.read_committed(
+                    uri, self.job, [PROMPT_ID, CONVERSATION_ID, TOOL_CALL_SPANS], [name], endpoint
+                )
+                if table.num_rows == 0 or table[CONVERSATION_ID].null_count == table.num_rows:
+                    continue
+                ids = table[PROMPT_ID].to_pylist()
+                pids += ids
+                ends += [pid for pid, calls in zip(ids, table[TOOL_CALL_SPANS].to_pylist(), strict=True) if calls]
+            self._superseded = beyond_chain_ends(pids, ends)
+        return self._superseded
 
     def names(self) -> list[str]:
         if self.datasets:
@@ -283,6 +305,11 @@ class _Rows:
 
     def _filter(self, table: pa.Table) -> pa.Table:
         keep = np.ones(table.num_rows, dtype=bool)
+        superseded = self.superseded() if PROMPT_ID in table.column_names else set()
+        if superseded:
+            gone = pc.is_in(table[PROMPT_ID], pa.array(sorted(superseded))).to_numpy(zero_copy_only=False)
+            self.skipped["superseded"] = self.skipped.get("superseded", 0) + int(gone.sum())
+            keep &= ~gone
         if self.drop_truncated:
             truncated = ~pc.equal(table[FINISH_REASON], "stop").to_numpy(zero_copy_only=False)
             self.skipped["truncated"] += int(truncated.sum())

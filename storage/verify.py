@@ -11,7 +11,10 @@ outputs almost never close reasoning (reasoning alarm); or no submitted set to c
 Multi-turn jobs (``--turns all``): a later turn joins the submitted set only when a worker enqueues it, so a
 chain that stopped without its turn being enqueued is checked from the stored rows: a conversation whose turn
 i is stored, whose answer record (Redis ``turn_answers``; without Redis, the row itself) has no ``chain_end``
-and whose turn i+1 < ``turn_count`` is neither stored nor dead-lettered fails (``missing_turns``).
+and whose turn i+1 < ``turn_count`` is neither stored nor dead-lettered fails (``missing_turns``). A turn past
+its conversation's earliest chain end (a re-run of an earlier turn now calls a tool: ``producer retry
+--truncated``) is *superseded* (``thinkfleet.turns.beyond_chain_ends``): listed, neither missing nor an error,
+and ``export`` skips its row.
 
 Reported without failing: dead-lettered prompts with no row ("permanent failures", retried with
 ``producer retry``) and rows whose prompt_id was never submitted.
@@ -41,6 +44,7 @@ from storage.schema import (
 )
 from thinkfleet.message import hash_id_bytes, is_content_hash
 from thinkfleet.settings import Settings
+from thinkfleet.turns import beyond_chain_ends
 
 
 @dataclass
@@ -53,6 +57,8 @@ class VerifyReport:
     missing: list[str] = field(default_factory=list)
     #: --turns all: later turns never enqueued (turn i stored, no chain end, turn i+1 nowhere): prompt ids
     missing_turns: list[str] = field(default_factory=list)
+    #: --turns all: turns past their conversation's chain end (a re-run ended it earlier): not current, no error
+    superseded: list[str] = field(default_factory=list)
     duplicated: list[str] = field(default_factory=list)
     duplicate_rows: int = 0  # rows beyond the first of each duplicated prompt
     malformed: dict[str, list[str]] = field(default_factory=dict)  # prompt_id → problems
@@ -144,8 +150,12 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
         tool_rows.update(pid for pid, c in zip(table[PROMPT_ID].to_pylist(), calls, strict=True) if c)
     report.hash_mismatch.sort()
     ends = _chain_ends(settings, job) if state.redis_ok else None
-    report.missing_turns = missing_turns(winners, stored, dead, tool_rows if ends is None else ends)
-    report.missing_turns = [pid for pid in report.missing_turns if pid not in set(report.missing)]
+    chain_ends = tool_rows if ends is None else ends
+    superseded = beyond_chain_ends(stored | set(submitted), chain_ends)
+    report.superseded = sorted(superseded)
+    report.missing = [pid for pid in report.missing if pid not in superseded]
+    report.missing_turns = missing_turns(winners, stored - superseded, dead, chain_ends)
+    report.missing_turns = [pid for pid in report.missing_turns if pid not in set(report.missing) | superseded]
     report.thinking_rows, report.think_end_rows = thinking.thinking_rows, thinking.think_end_rows
     report.reasoning_spans = tokens.reasoning_spans
     if tokens.reasoning_spans:
@@ -297,6 +307,7 @@ def format_report(report: VerifyReport, limit: int = 20) -> str:
             f"REASONING ALARM: {report.thinking_rows - report.think_end_rows} of {report.thinking_rows} "
             "thinking-mode outputs have no </think>"
         )
+    section("superseded turns (past their conversation's chain end: not current, not exported)", report.superseded)
     section("permanent failures (dead-lettered)", report.permanent_failures)
     section("rows not submitted", report.not_submitted)
     lines.extend(f"note: {n}" for n in report.notes)
@@ -344,7 +355,12 @@ def verify_live(settings: Settings, job: str) -> LiveReport:
     finally:
         client.close()
     report.counts = acc.counts()
-    report.unaccounted = sorted(acc.unaccounted)
+    # Turns a re-run no longer derives (past their chain end) left done for good: superseded, not unaccounted.
+    gone = beyond_chain_ends(acc.unaccounted, _chain_ends(settings, job) or set())
+    report.unaccounted = sorted(set(acc.unaccounted) - gone)
+    if gone:
+        report.counts["unaccounted"] -= len(gone)
+        report.counts["superseded"] = len(gone)
     report.duplicated = len(acc.duplicated)
     return report
 
@@ -356,7 +372,9 @@ def format_live_report(report: LiveReport, limit: int = 20) -> str:
     lines = [
         f"job {report.job} (live): {'OK' if report.ok else 'FAILED'}",
         f"  total {c['total']} = done {c['done']} + dead {c['dead']} + queued {c['queued']} + running "
-        f"{c['running']}" + (f" + UNACCOUNTED {c['unaccounted']}" if c["unaccounted"] else ""),
+        f"{c['running']}"
+        + (f" + superseded {c['superseded']}" if c.get("superseded") else "")
+        + (f" + UNACCOUNTED {c['unaccounted']}" if c["unaccounted"] else ""),
     ]
     if report.duplicated:
         lines.append(f"  {report.duplicated} finished prompt(s) still have a message queued or delivered (redelivery)")

@@ -275,6 +275,25 @@ def test_a_template_that_does_not_open_think_is_warned_about(settings, redis_cli
     assert JobRecord.load(redis_client, settings.keys, "j").prompt_ends_with_think_start is False
 
 
+@pytest.mark.parametrize("family", ["qwen3-thinking", "deepseek"])
+def test_a_template_that_opens_think_with_a_newline_is_not_warned_about(
+    settings, redis_client, tmp_path, family
+) -> None:
+    # Given Qwen3-Thinking-2507's / DeepSeek-R1-0528's template, whose prompts end with <think> and a newline.
+    fam_dir = build_test_tokenizer(tmp_path / family, family=family)
+    path = write_jsonl(tmp_path / "alpha.jsonl", chat_rows(3, words=10))
+    # When the job is submitted.
+    report = submit(settings, opts([path], fam_dir))
+    # Then the prompts open reasoning (storage.spans.prompt_opens_reasoning): no warning, and the record says so.
+    assert not [w for w in report.warnings if "<think>" in w], report.warnings
+    tok = render.load_tokenizer(str(fam_dir))
+    first = queued_tasks(redis_client, settings)[0]
+    from thinkfleet.message import unpack_ids
+
+    assert tok.decode(unpack_ids(first.ids_blob, None)[-2:]) == "<think>\n", "the template ends with <think>\\n"
+    assert JobRecord.load(redis_client, settings.keys, "j").prompt_ends_with_think_start is True
+
+
 def test_a_second_submit_with_other_sampling_params_is_refused(settings, tok_dir, tmp_path) -> None:
     path = write_jsonl(tmp_path / "alpha.jsonl", chat_rows(2, words=10))
     submit(settings, opts([path], tok_dir, sampling={"max_new_tokens": 100}))

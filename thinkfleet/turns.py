@@ -9,6 +9,7 @@ having stored turn i, builds turn i+1's history (:func:`turn_messages`) from the
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
 
 from thinkfleet.keys import Keys
@@ -51,6 +52,39 @@ def plan_conversation(messages: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     kept = kept[: users[-1] + 1]
     return {"messages": kept, "users": users, "turn_count": len(users), "cut_at_tool": cut_at_tool}
+
+
+#: Fields of an answer record (``answers_key``) that are no part of the assistant message: ``chain_end`` (no
+#: turn follows: ``tool_call`` or ``error: …``) and ``revision`` (the revision of the row it was decoded from;
+#: missing = 0; a re-derived next turn is enqueued one revision above its own recorded answer).
+ANSWER_META = ("chain_end", "revision")
+
+
+def answer_message(record: dict[str, Any]) -> dict[str, Any]:
+    """The assistant message of an answer record (its :data:`ANSWER_META` fields dropped)."""
+    return {k: v for k, v in record.items() if k not in ANSWER_META}
+
+
+def answer_revision(record: dict[str, Any] | None) -> int:
+    """The revision an answer record was decoded from (0 when it says none)."""
+    return int((record or {}).get("revision") or 0)
+
+
+def beyond_chain_ends(prompt_ids: Iterable[str], chain_ends: Iterable[str]) -> set[str]:
+    """The turn prompt ids that follow their conversation's earliest chain end (``chain_ends``: turn prompt
+    ids whose answer ends the chain). Such a turn's row is *superseded*: a re-run of an earlier turn ended
+    the chain before it, so it was derived from an answer that is no longer the conversation's."""
+    end: dict[str, int] = {}
+    for pid in chain_ends:
+        parts = split_turn_id(pid)
+        if parts is not None:
+            end[parts[0]] = min(end.get(parts[0], parts[1]), parts[1])
+    out = set()
+    for pid in prompt_ids:
+        parts = split_turn_id(pid)
+        if parts is not None and parts[0] in end and parts[1] > end[parts[0]]:
+            out.add(pid)
+    return out
 
 
 def turn_messages(conversation: dict[str, Any], answers: list[dict[str, Any]]) -> list[dict[str, Any]]:

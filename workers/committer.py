@@ -191,7 +191,7 @@ class GroupCommitter:
             return await self.ledger.finalize(job, dataset, finals, self.alarm_min_rows, self.alarm_share)
         from workers.turns import answers_key
 
-        queue, answers = self.turns.queue, answers_key(self.ledger.keys, job)
+        queue, answers = await self.turns.queue_for(job), answers_key(self.ledger.keys, job)
         return await self.ledger.finalize(
             job, dataset, finals, self.alarm_min_rows, self.alarm_share, nexts, queue, answers
         )

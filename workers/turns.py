@@ -18,6 +18,15 @@ K2-Thinking template drops it for turns before the last plain assistant turn).
 A chain ends early when the model's answer of turn i calls a tool (the next user turn would follow a call with
 no result): the answer record says ``"chain_end": "tool_call"``. Conversations whose dataset history has tool
 calls were cut at the submit (turns up to the first tool call: the conversation record's ``cut_at_tool``).
+
+A re-run of turn i (``producer retry --truncated``: revision r > 0) re-derives the turns after it. The answer
+record keeps the revision it was decoded from (``"revision"``), and turn i+1 is enqueued one revision above its
+own recorded answer (0 when it has none), so its new row wins the committed view; ``finalize`` takes it out of
+``done``/``dead`` as it enqueues it, and its own finalize re-derives turn i+2 the same way. The re-run's
+``max_new_tokens`` (its override, read back from the row's ``sampling_params``) goes with the re-derived turns.
+When the re-run ends the chain early (a tool call, an error), the later turns leave ``done``/``dead``
+(``NextTurn.drop``); their stored rows are superseded (``thinkfleet.turns.beyond_chain_ends``).
+Later turns are queued at the job's priority (:meth:`TurnChainer.queue_for`), their messages saying it.
 """
 
 from __future__ import annotations
@@ -36,7 +45,15 @@ from thinkfleet.keys import Keys
 from thinkfleet.message import PromptTask, content_hash, pack_ids
 from thinkfleet.state.job import JobRecord
 from thinkfleet.template import TokenizerError, fingerprint, load_tokenizer, render_ids
-from thinkfleet.turns import answers_key, conversations_key, split_turn_id, turn_id, turn_messages
+from thinkfleet.turns import (
+    answer_message,
+    answer_revision,
+    answers_key,
+    conversations_key,
+    split_turn_id,
+    turn_id,
+    turn_messages,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +61,8 @@ log = logging.getLogger(__name__)
 CONVERSATION_ID, TURN_INDEX, TURN_COUNT = "conversation_id", "turn_index", "turn_count"
 ROW_COLUMNS = (
     "prompt_id",
+    "revision",
+    "sampling_params",
     "input_ids",
     "output_ids",
     "reasoning_start",
@@ -68,6 +87,8 @@ class NextTurn:
     next_prompt_id: str = ""  # "" when the conversation ends here
     next_hash: str = ""
     next_message: bytes = b""
+    #: Later turns a chain that ends here no longer derives: out of done/dead (their rows are superseded).
+    drop: tuple[str, ...] = ()
 
 
 class _JobTurns:
@@ -86,7 +107,8 @@ class TurnChainer:
         self._mode: dict[str, bool] = {}
         self._trust: dict[str, bool] = {}
         self._jobs: dict[str, _JobTurns] = {}
-        self._envelope: Any = None
+        self._envelopes: dict[int, Any] = {}
+        self._priority: dict[str, int] = {}
 
     async def multi_turn(self, job: str) -> bool:
         if job not in self._mode:
@@ -113,6 +135,21 @@ class TurnChainer:
             tok = await asyncio.to_thread(_load_checked, record, self._trust.get(job, False))
             self._jobs[job] = _JobTurns(record, tok)
         return self._jobs[job]
+
+    async def priority(self, job: str) -> int:
+        """The job record's priority as a kombu step (0 without a record): later turns queue at it."""
+        if job not in self._priority:
+            from thinkfleet.broker.keys import priority_step
+
+            record = self._jobs[job].record if job in self._jobs else await JobRecord.aload(self.r, self.keys, job)
+            self._priority[job] = priority_step(record.priority if record is not None else 0)
+        return self._priority[job]
+
+    async def queue_for(self, job: str) -> str:
+        """The list ``finalize`` pushes the job's next turns onto: its priority list (as its submit queued)."""
+        from thinkfleet.broker.keys import priority_list
+
+        return priority_list(self.queue, await self.priority(job))
 
     async def annotate(self, job: str, rows: list[dict[str, Any]]) -> None:
         """Fill the turn columns of a multi-turn job's rows (before they are written)."""
@@ -173,35 +210,64 @@ class TurnChainer:
         conv = await self.conversation(job, conv_id)
         jt = await self._job(job)
         answer = _answer(jt, row)
+        revision = int(row.get("revision") or 0)
+        recorded = {**answer, "revision": revision} if revision else answer
         count = int(conv["turn_count"])
         if turn + 1 >= count:
-            return NextTurn(row["prompt_id"], json.dumps(answer, ensure_ascii=False))
+            return NextTurn(row["prompt_id"], json.dumps(recorded, ensure_ascii=False))
         if answer.get("tool_calls"):
-            # The next user turn would follow a call with no result: the chain ends here, and says so.
-            ended = {**answer, "chain_end": "tool_call"}
-            return NextTurn(row["prompt_id"], json.dumps(ended, ensure_ascii=False))
+            # The next user turn would follow a call with no result: the chain ends here, and says so (a
+            # re-run that now ends here takes the turns it no longer derives out of done).
+            ended = {**recorded, "chain_end": "tool_call"}
+            later = tuple(turn_id(conv_id, k) for k in range(turn + 1, count))
+            return NextTurn(row["prompt_id"], json.dumps(ended, ensure_ascii=False), drop=later)
+        next_id = turn_id(conv_id, turn + 1)
         earlier = [turn_id(conv_id, k) for k in range(turn)]
-        raw = await self.r.hmget(answers_key(self.keys, job), earlier) if earlier else []
+        *raw, following = await self.r.hmget(answers_key(self.keys, job), [*earlier, next_id])
         if any(r is None for r in raw):
             raise TurnError(f"{row['prompt_id']}: an earlier turn's answer is not recorded")
-        answers = [{k: v for k, v in json.loads(r).items() if k != "chain_end"} for r in raw] + [answer]
+        answers = [answer_message(json.loads(r)) for r in raw] + [answer]
         messages = turn_messages(conv, answers)
         ids = await asyncio.to_thread(self._render, jt, messages, conv.get("tools"))
-        next_id = turn_id(conv_id, turn + 1)
         digest = content_hash(ids)
-        task = PromptTask(job, dataset, next_id, int(conv["row_index"]), digest, pack_ids(ids))
-        message = self._encode(task)
-        return NextTurn(row["prompt_id"], json.dumps(answer, ensure_ascii=False), next_id, digest, message)
+        # A re-derivation (turn i+1 has an answer: a row of it is stored) goes one revision above that row.
+        # Only finalize writes answers, and turn i+1's is not written before turn i's finalize enqueues it:
+        # the orphan recovery computes the same revision.
+        next_revision = answer_revision(json.loads(following)) + 1 if following is not None else 0
+        task = PromptTask(
+            job,
+            dataset,
+            next_id,
+            int(conv["row_index"]),
+            digest,
+            pack_ids(ids),
+            revision=next_revision,
+            overrides=_carried(jt.record, dataset, row),
+        )
+        message = self._encode(task, await self.priority(job))
+        return NextTurn(row["prompt_id"], json.dumps(recorded, ensure_ascii=False), next_id, digest, message)
 
     def _render(self, jt: _JobTurns, messages: list[dict[str, Any]], tools: Any) -> list[int]:
         return render_ids(jt.tok, messages, tools, dict(jt.record.chat_template_kwargs))
 
-    def _encode(self, task: PromptTask) -> bytes:
-        if self._envelope is None:
+    def _encode(self, task: PromptTask, priority: int) -> bytes:
+        if priority not in self._envelopes:
             from thinkfleet.broker.envelope import Envelope  # loads Celery: only for a multi-turn job
 
-            self._envelope = Envelope(self.settings)
-        return self._envelope.encode(task)
+            self._envelopes[priority] = Envelope(self.settings, priority)
+        return self._envelopes[priority].encode(task)
+
+
+def _carried(record: JobRecord, dataset: str, row: dict[str, Any]) -> dict[str, Any]:
+    """The overrides turn i+1 inherits from turn i's row: its ``max_new_tokens`` where it is not the job's (a
+    ``producer retry --truncated --max-new-tokens`` re-run's budget goes with the turns it re-derives)."""
+    try:
+        sent = json.loads(row.get("sampling_params") or "{}")
+    except (TypeError, ValueError):
+        return {}
+    budget = sent.get("max_new_tokens") if isinstance(sent, dict) else None
+    base = {**record.sampling_params, **(record.dataset_sampling.get(dataset) or {})}
+    return {"max_new_tokens": int(budget)} if budget is not None and budget != base.get("max_new_tokens") else {}
 
 
 def _answer(jt: _JobTurns, row: dict[str, Any]) -> dict[str, Any]:

@@ -39,8 +39,10 @@ field                            absent →            what
                                                      ``<|start|>``, ``<|message|>``, ``<|return|>`` are read
                                                      from here)
 ``channel_ids``                  {}                  harmony: channel name → its ids (``analysis``, …)
-``prompt_ends_with_think_start`` false               every prompt's last id is ``think_start_id`` (so
-                                                     ``reasoning_start`` = 0)
+``prompt_ends_with_think_start`` false               every prompt opens reasoning: it ends with
+                                                     ``think_start_id``, or with it and a newline
+                                                     (``<think>\\n``: storage.spans.prompt_opens_reasoning),
+                                                     so ``reasoning_start`` = 0
 ``expected_model``               null                ``--expect-model``: workers refuse a server serving
                                                      another model path
 ``created_at`` / ``updated_at``  0 (unknown)         unix seconds (a new ``JobRecord(...)`` gets now)

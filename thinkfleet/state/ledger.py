@@ -147,15 +147,18 @@ class Ledger:
         A multi-turn job (``workers/turns.py``) passes ``turns`` (per row a ``NextTurn`` or None): in the
         same Lua call each row that becomes done records its answer into ``answers`` and enqueues its
         conversation's next turn into ``queue``; the next turn joins the job's submitted prompts
-        (``prompts``, ``prompt_dataset``) then too."""
+        (``prompts``, ``prompt_dataset``) then too. A next turn already done or dead (a re-derivation after a
+        re-run of its turn) leaves ``done``/``dead`` as it is enqueued, and so do the later turns a chain that
+        ends here no longer derives (``NextTurn.drop``), the counters following (as ``producer retry``)."""
         k = self.keys
         args: list[Any] = [self.worker, f"{time.time():.6f}", alarm_min_rows, alarm_share, dataset]
         for row, turn in zip(rows, turns or [None] * len(rows), strict=True):
             args += [row.prompt_id, row.completion_tokens, int(row.has_think_end), int(row.truncated)]
             if turn is None:
-                args += ["", "", "", ""]
+                args += ["", "", "", "", ""]
             else:
-                args += [turn.answer, turn.next_prompt_id, turn.next_hash, turn.next_message]
+                drop = json.dumps(list(turn.drop)) if turn.drop else ""
+                args += [turn.answer, turn.next_prompt_id, turn.next_hash, turn.next_message, drop]
         keys = [
             k.done(job),
             k.claims(job),
@@ -166,7 +169,7 @@ class Ledger:
             k.deliveries(job),
         ]
         if any(t is not None for t in turns or []):
-            keys += [queue, k.prompts(job), k.prompt_dataset(job), answers]
+            keys += [queue, k.prompts(job), k.prompt_dataset(job), answers, k.dead(job)]
         new, fire, seen, miss = await self._finalize(keys=keys, args=args)
         return int(new), bool(fire), int(seen), int(miss)
 

@@ -2,13 +2,23 @@
 -- each newly done row also records the model's answer and enqueues its conversation's next turn in the
 -- same atomic step (exactly once: only the call that moves the row into done does it, so a recovery
 -- that finalizes an orphan part enqueues it if nobody did).
+-- A next turn already done or dead (a re-run of turn i re-derives it) leaves done/dead before its message lands,
+-- or the claim would skip it; so do the later turns a chain that now ends here no longer derives (drop). The
+-- counters follow as requeue.lua corrects them (the next turn is of the same dataset).
 -- KEYS: done, claims, counters, dataset_counters, worker_counters, timeline, deliveries,
---       and only when a row carries an answer or a next turn: queue, prompts, prompt_dataset, answers
+--       and only when a row carries an answer or a next turn: queue, prompts, prompt_dataset, answers, dead
 -- ARGV: worker, now, alarm_min_rows, alarm_missing_share, dataset, then per row: prompt_id, tokens, think_end,
---       truncated, answer ('' = none), next_prompt_id ('' = none), next_content_hash, next_message
+--       truncated, answer ('' = none), next_prompt_id ('' = none), next_content_hash, next_message,
+--       drop (JSON list of turn prompt ids, '' = none)
 local new_rows, tokens, think, trunc = 0, 0, 0, 0
+local undone, undead = 0, 0
+local function take_out(id)
+  undone = undone + redis.call('SREM', KEYS[1], id)
+  undead = undead + redis.call('HDEL', KEYS[12], id)
+  redis.call('HDEL', KEYS[7], id)
+end
 local flags = {}
-for i = 6, #ARGV, 8 do
+for i = 6, #ARGV, 9 do
   local pid = ARGV[i]
   redis.call('HDEL', KEYS[2], pid)
   redis.call('HDEL', KEYS[7], pid)
@@ -20,20 +30,28 @@ for i = 6, #ARGV, 8 do
     flags[#flags + 1] = ARGV[i + 2]
     if ARGV[i + 4] ~= '' then redis.call('HSET', KEYS[11], pid, ARGV[i + 4]) end
     if ARGV[i + 5] ~= '' then
+      take_out(ARGV[i + 5])
       redis.call('HSET', KEYS[9], ARGV[i + 5], ARGV[i + 6])
       redis.call('HSET', KEYS[10], ARGV[i + 5], ARGV[5])
       redis.call('RPUSH', KEYS[8], ARGV[i + 7])
       redis.call('HINCRBY', KEYS[3], 'turns_enqueued', 1)
     end
+    if ARGV[i + 8] ~= '' then
+      for _, id in ipairs(cjson.decode(ARGV[i + 8])) do take_out(id) end
+    end
   end
 end
 if new_rows == 0 then return {0, 0, 0, 0} end
-redis.call('HINCRBY', KEYS[3], 'done', new_rows)
+if undead > 0 then
+  redis.call('HINCRBY', KEYS[3], 'dead', -undead)
+  redis.call('HINCRBY', KEYS[4], 'dead', -undead)
+end
+redis.call('HINCRBY', KEYS[3], 'done', new_rows - undone)
 redis.call('HINCRBY', KEYS[3], 'output_tokens', tokens)
 redis.call('HINCRBY', KEYS[3], 'think_end', think)
 redis.call('HINCRBY', KEYS[3], 'missing_think_end', new_rows - think)
 redis.call('HINCRBY', KEYS[3], 'truncated', trunc)
-redis.call('HINCRBY', KEYS[4], 'done', new_rows)
+redis.call('HINCRBY', KEYS[4], 'done', new_rows - undone)
 redis.call('HINCRBY', KEYS[4], 'output_tokens', tokens)
 redis.call('HINCRBY', KEYS[5], ARGV[1], tokens)
 redis.call('ZADD', KEYS[6], ARGV[2], ARGV[2] .. ':' .. new_rows .. ':' .. tokens)
