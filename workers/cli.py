@@ -1,12 +1,14 @@
 """``worker``: start a Celery worker for this host's SGLang server with the right pool and bound.
 
 Flags override ``THINKFLEET_*`` settings; the Settings object they make is handed to the app itself
-(``workers.app.use_settings``), and the result is exactly ``celery -A workers.app worker`` with the thread pool
-sized to the in-flight bound, so both start the same worker.
+(``workers.app.use_settings``), and the result is ``celery -A workers.app worker`` sized to the in-flight bound,
+with one difference: the pool is ``workers.pool.LoopPool`` (prompts on the event loop, no thread per message)
+where plain ``celery worker`` runs Celery's thread pool; both handle every message the same way.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -35,13 +37,15 @@ def main(ctx: click.Context, loglevel: str, **flags: object) -> None:
     """Run a thinkfleet worker (extra arguments are passed to `celery worker`)."""
     overrides = {_FLAG_TO_FIELD.get(flag, flag): value for flag, value in flags.items() if value is not None}
     settings = load_settings(**overrides)
+    # Celery's `--pool custom` names its class in the environment, read when celery.concurrency is imported.
+    os.environ["CELERY_CUSTOM_WORKER_POOL"] = "workers.pool:LoopPool"
     from workers.app import use_settings  # the worker runtime's imports, only once the flags parsed
 
     app = use_settings(settings)
     argv = [
         "worker",
         "--pool",
-        "threads",
+        "custom",  # workers.pool:LoopPool (CELERY_CUSTOM_WORKER_POOL)
         "--concurrency",
         str(app.conf.worker_concurrency),
         "--queues",

@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 import traceback
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -109,6 +110,7 @@ class WorkerRuntime:
         self._unreleased: set[tuple[str, str]] = set()  # claims a Redis failure kept us from dropping
         self._envelope: Any = None  # thinkfleet.broker.envelope.Envelope, built when a paused job's message is parked
         self._park_one: Any = None
+        self._outcomes: dict[str, Future[str]] = {}  # task id → outcome, for Celery's trace (workers/pool.py)
         self.loop = EventLoopThread(f"thinkfleet-{identity}").start()
         try:
             self.loop.run(self._astart())
@@ -317,14 +319,18 @@ class WorkerRuntime:
     def handle(self, args: Any, message_id: str | None = None) -> str:
         """Called from a pool thread with a message's args: returns an outcome (the message is acked)
         or raises :class:`HandBack` (requeued). Nothing else escapes."""
+        return self.loop.run(self.ahandle(args, message_id))
+
+    async def ahandle(self, args: Any, message_id: str | None = None) -> str:
+        """:meth:`handle` on the loop (workers/pool.py starts it there straight from Celery's consumer)."""
         task: PromptTask | None = None
         try:
             failpoint("after_pop", _prompt_of(args))
             try:
                 task = PromptTask.from_args(args)
             except Exception as exc:
-                return self._malformed(args, message_id, exc)
-            outcome = self.loop.run(self._process(task))
+                return await self._malformed(args, message_id, exc)
+            outcome = await self._process(task)
             failpoint("before_ack", task.prompt_id)
             return outcome
         except HandBack:
@@ -334,7 +340,7 @@ class WorkerRuntime:
             log.exception("unexpected error handling message %s: handing it back", message_id)
             if task is not None:
                 try:
-                    return self.loop.run(self._crashed(task, exc, claimed=False), timeout_s=30)
+                    return await asyncio.wait_for(self._crashed(task, exc, claimed=False), 30)
                 except HandBack:
                     raise
                 except Exception as inner:
@@ -346,7 +352,14 @@ class WorkerRuntime:
         """One decoded task (tests and benchmarks): an outcome, or raises HandBack."""
         return self.loop.run(self._process(task))
 
-    def _malformed(self, args: Any, message_id: str | None, exc: Exception) -> str:
+    def keep_outcome(self, task_id: str, outcome: Future[str]) -> None:
+        """A prompt's outcome computed before Celery's trace runs its task function (workers/pool.py)."""
+        self._outcomes[task_id] = outcome
+
+    def take_outcome(self, task_id: str) -> Future[str] | None:
+        return self._outcomes.pop(task_id, None)
+
+    async def _malformed(self, args: Any, message_id: str | None, exc: Exception) -> str:
         """A message that is not a prompt task at all: no job to dead-letter it in, so it goes to the
         fleet-wide malformed list (reason and body kept), is counted, and is acked."""
         log.error("malformed message %s dead-lettered to %s: %s", message_id, self.settings.keys.malformed, exc)
@@ -357,7 +370,7 @@ class WorkerRuntime:
         except Exception:
             record["args"] = "<unrepresentable>"
         try:
-            self.loop.run(self._push_malformed(json.dumps(record)), timeout_s=60)
+            await asyncio.wait_for(self._push_malformed(json.dumps(record)), 60)
         except Exception as err:
             log.error("could not record malformed message %s, handing it back: %s", message_id, err)
             raise HandBack() from err

@@ -194,6 +194,9 @@ def register_tasks(app: Celery, settings: Settings) -> None:
             if rt is None:  # worker_init builds it before consuming; never acked without one
                 log.error("message %s arrived before the worker runtime exists: handing it back", self.request.id)
                 raise HandBack()
+            ahead = rt.take_outcome(self.request.id)  # LoopPool ran the prompt on the loop (workers/pool.py)
+            if ahead is not None:
+                return ahead.result()
             return rt.handle(args, self.request.id)
         except HandBack:
             raise Reject("handed back", requeue=True) from None
