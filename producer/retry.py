@@ -35,8 +35,9 @@ from producer.enqueue import Stager, job_priority
 from producer.state import StateError, SubmitLock
 from thinkfleet.broker.celery_app import send_tasks
 from thinkfleet.broker.envelope import Envelope
+from thinkfleet.cli import STATE, settings_options
 from thinkfleet.message import PromptTask, pack_ids
-from thinkfleet.settings import Settings, load_settings
+from thinkfleet.settings import Settings
 from thinkfleet.state.scripts import lua
 
 #: Prompts per Lua call (and messages per encode batch) inside the one MULTI.
@@ -240,22 +241,17 @@ def retry_truncated(settings: Settings, job: str, max_new_tokens: int) -> list[s
 @click.option("--error-class", "error_classes", multiple=True, help="Only dead letters of this class (prefix).")
 @click.option("--truncated", is_flag=True, help="Re-run rows that hit max_new_tokens instead of dead letters.")
 @click.option("--max-new-tokens", type=int, help="New budget for --truncated re-runs.")
-@click.option("--redis-url")
-@click.option("--output-uri")
-@click.option("--key-prefix")
-@click.option("--queue")
-@click.option("--s3-endpoint-url")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the re-queued prompt ids as JSON.")
+@settings_options(STATE)
 def retry(
     job: str,
     error_classes: tuple[str, ...],
     truncated: bool,
     max_new_tokens: int | None,
     as_json: bool,
-    **overrides: str | None,
+    settings: Settings,
 ) -> None:
     """Re-queue JOB's dead-lettered prompts (or, with --truncated, its length-stopped rows)."""
-    settings = load_settings(**overrides)
     try:
         if truncated:
             if not max_new_tokens:
@@ -268,6 +264,7 @@ def retry(
     except StateError as e:
         raise click.ClickException(f"nothing re-queued: {e}") from e
     if as_json:
-        click.echo(json.dumps({"job": job, "requeued": len(ids), "prompt_ids": ids}))
+        skipped = getattr(ids, "skipped", {})  # turns of conversations whose chain still runs
+        click.echo(json.dumps({"job": job, "requeued": len(ids), "prompt_ids": list(ids), "skipped": skipped}))
     else:
         click.echo(f"{len(ids)} {what} for job {job}")
