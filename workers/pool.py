@@ -12,6 +12,7 @@ stays Celery's prefetch bound (``worker_concurrency``); it no longer costs a thr
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -57,7 +58,7 @@ class LoopPool(BasePool):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._tracer = ThreadPoolExecutor(max_workers=TRACE_THREADS, thread_name_prefix="thinkfleet-trace")
-        self._running: set[Future[Any]] = set()
+        self._running: set[Any] = set()  # prompts started on the loop whose trace has not finished
         # Only the content types the app accepts (msgpack, json): never a pickle, here as in the trace.
         self._accept = prepare_accept_content(self.app.conf.accept_content)
 
@@ -65,7 +66,9 @@ class LoopPool(BasePool):
         # Celery stops the pool after its consumer: prompts still running end within the drain's grace.
         rt = current_runtime()
         grace = rt.settings.shutdown_grace_s if rt is not None else 0.0
-        wait(list(self._running), timeout=grace + STOP_EXTRA_S)
+        deadline = time.monotonic() + grace + STOP_EXTRA_S
+        while self._running and time.monotonic() < deadline:
+            time.sleep(0.1)
         self._tracer.shutdown(wait=True)
         super().on_stop()
 
@@ -89,20 +92,25 @@ class LoopPool(BasePool):
         if accept_callback is not None:
             accept_callback(os.getpid(), time.monotonic())
         task_id = str(args[1])  # type: ignore[index]
-        prompt = rt.loop.submit(rt.ahandle(task_args, task_id))
-        self._running.add(prompt)
         traced: Future[Any] = Future()
+        token = object()
+        self._running.add(token)
 
-        def trace(_: Future[Any]) -> None:
-            rt.keep_outcome(task_id, prompt)  # the task function returns (or raises) it
+        def trace(prompt: asyncio.Task[str]) -> None:
+            rt.keep_outcome(task_id, prompt)  # the task function returns (or raises) its result
             try:
                 traced.set_result(apply_target(target, args, kwargs, callback, None))
             except BaseException as exc:
                 traced.set_exception(exc)
             finally:
-                self._running.discard(prompt)
+                self._running.discard(token)
 
-        prompt.add_done_callback(lambda f: self._tracer.submit(trace, f))
+        def start() -> None:  # on the loop: a task, no concurrent future chained to it
+            prompt = loop.create_task(rt.ahandle(task_args, task_id))
+            prompt.add_done_callback(lambda done: self._tracer.submit(trace, done))
+
+        loop = rt.loop.loop
+        loop.call_soon_threadsafe(start)
         return _Done(traced)
 
     def _get_info(self) -> dict[str, Any]:

@@ -25,7 +25,6 @@ import socket
 import threading
 import time
 import traceback
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -110,7 +109,7 @@ class WorkerRuntime:
         self._unreleased: set[tuple[str, str]] = set()  # claims a Redis failure kept us from dropping
         self._envelope: Any = None  # thinkfleet.broker.envelope.Envelope, built when a paused job's message is parked
         self._park_one: Any = None
-        self._outcomes: dict[str, Future[str]] = {}  # task id → outcome, for Celery's trace (workers/pool.py)
+        self._outcomes: dict[str, asyncio.Future[str]] = {}  # task id → outcome, for Celery's trace (workers/pool.py)
         self.loop = EventLoopThread(f"thinkfleet-{identity}").start()
         try:
             self.loop.run(self._astart())
@@ -352,11 +351,11 @@ class WorkerRuntime:
         """One decoded task (tests and benchmarks): an outcome, or raises HandBack."""
         return self.loop.run(self._process(task))
 
-    def keep_outcome(self, task_id: str, outcome: Future[str]) -> None:
+    def keep_outcome(self, task_id: str, outcome: asyncio.Future[str]) -> None:
         """A prompt's outcome computed before Celery's trace runs its task function (workers/pool.py)."""
         self._outcomes[task_id] = outcome
 
-    def take_outcome(self, task_id: str) -> Future[str] | None:
+    def take_outcome(self, task_id: str) -> asyncio.Future[str] | None:
         return self._outcomes.pop(task_id, None)
 
     async def _malformed(self, args: Any, message_id: str | None, exc: Exception) -> str:

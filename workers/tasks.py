@@ -196,6 +196,8 @@ def register_tasks(app: Celery, settings: Settings) -> None:
                 raise HandBack()
             ahead = rt.take_outcome(self.request.id)  # LoopPool ran the prompt on the loop (workers/pool.py)
             if ahead is not None:
+                if ahead.cancelled():  # only when the loop stops under it: never acked
+                    raise HandBack()
                 return ahead.result()
             return rt.handle(args, self.request.id)
         except HandBack:
