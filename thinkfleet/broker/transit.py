@@ -25,6 +25,8 @@ transport.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from queue import Empty
 from time import monotonic
 from typing import Any
@@ -120,6 +122,23 @@ class Channel(kombu_redis.Channel):
     #: Block on the step-0 list next: at the start (a fresh worker waits on the queue, as it always did)
     #: and whenever the last EVAL found every list empty.
     _transit_block: bool = True
+    #: (pool, client) of the channel's synchronous commands (see :meth:`conn_or_acquire`).
+    _command_client: tuple[Any, Any] | None = None
+
+    @contextmanager
+    def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:
+        """kombu builds a new ``redis.Redis`` for every command outside the pop (the unacked record, the ack,
+        the transit LREM: several per message, and a client's construction costs as much as its command).
+        One client over the channel's pool serves them all — redis-py clients are thread-safe — and is
+        built again when kombu replaces the pool (a reconnect)."""
+        if client:
+            yield client
+            return
+        pool = self.pool
+        cached = self._command_client
+        if cached is None or cached[0] is not pool:
+            cached = self._command_client = (pool, self._create_client())
+        yield cached[1]
 
     def _transit_source(self, queues: list[str]) -> str | None:
         if not self.transit_key or self.global_keyprefix or queues != [self.transit_queue]:
