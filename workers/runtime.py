@@ -1,15 +1,13 @@
-"""One WorkerRuntime per worker process: the event loop, the session, the bound, the writer.
+"""One WorkerRuntime per worker process: its lifecycle and the collaborators every message shares.
 
-Celery's pool threads call :meth:`WorkerRuntime.handle` with one message each; the coroutine runs on
-the shared loop. A prompt's /generate attempts — the ``max_inflight`` bound and the retries — are
-:class:`workers.attempts.RequestAttempts`'; its row goes to the group commit (workers/committer.py).
-
-Every message ends in exactly one of three outcomes, whatever is raised on the way:
-
-- *stored* (or found stored already): the row is durable, the message is acked;
-- *dead-lettered* with its reason and the whole message (``producer retry`` resends it) — including
-  ``poison:<ExceptionClass>`` for a prompt whose deliveries crashed ``max_deliveries`` times;
-- *handed back* (:class:`HandBack` → Celery ``Reject(requeue=True)``), never acked.
+The runtime starts the event loop (workers/loop.py), Redis, the SGLang client, the writer and the group
+commit, the health gate and the lease; it switches Celery's consuming on and off (server and storage
+healthy, not draining), drains on SIGTERM and watches for cancelled jobs. A message is its collaborators'
+work: :class:`workers.pipeline.PromptPipeline` turns it into exactly one outcome — stored, dead-lettered
+or handed back (:class:`HandBack` → Celery ``Reject(requeue=True)``, never acked) — and
+:class:`workers.attempts.RequestAttempts` makes its /generate attempts (the ``max_inflight`` bound,
+retries). ``workers.pool.LoopPool`` starts :meth:`WorkerRuntime.ahandle` on the loop; Celery's thread
+pool calls :meth:`WorkerRuntime.handle`, which waits for the same coroutine.
 
 The runtime is built before the worker consumes anything (``worker_init``); if Redis, storage or
 the settings are unusable the worker exits non-zero with the cause and the fix
@@ -19,13 +17,10 @@ the settings are unusable the worker exits non-zero with the cause and the fix
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 import threading
 import time
-import traceback
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -39,23 +34,19 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from storage.writer import PartWriter, StorageNotWritable
 from thinkfleet.broker.transit import TransitSweeper
 from thinkfleet.broker.visibility import unacked_index_key
-from thinkfleet.failpoints import failpoint
-from thinkfleet.message import MessageLimits, MessageRefused, PromptTask
+from thinkfleet.message import PromptTask
 from thinkfleet.settings import Settings
-from thinkfleet.state.job import JobRecord
-from thinkfleet.state.ledger import FinalRow, Ledger
-from thinkfleet.state.lifecycle import CANCELLED, CANCELLED_CLASS, PAUSED
-from thinkfleet.state.scripts import lua
+from thinkfleet.state.ledger import Ledger
+from thinkfleet.state.lifecycle import CANCELLED
 from workers.attempts import HandBack, RequestAttempts
 from workers.client import SGLangClient
-from workers.committer import GroupCommitter, StorageUnavailable
+from workers.committer import GroupCommitter
 from workers.health import HealthGate
-from workers.jobs import JobCache, JobSpec, UnknownJob
+from workers.jobs import JobCache
 from workers.lease import HeldMessages, LeaseKeeper
 from workers.loop import EventLoopThread
 from workers.metrics import WorkerMetrics
-from workers.rows import build_row
-from workers.sglang import PermanentError, RequestLimits, ServerInfo, check_request
+from workers.pipeline import PromptPipeline
 from workers.turns import TurnChainer
 
 log = logging.getLogger("thinkfleet.worker")
@@ -67,33 +58,11 @@ REDIS_RETRIES = 20
 CANCEL_WATCH_S = 1.0
 
 
-@dataclass(frozen=True)
-class JobCheck:
-    """What a job's preflight read once from its record: the fallback limits when the server reports none."""
-
-    vocab_size: int | None
-    context_length: int | None
-    vocab_source: str = ""
-    context_source: str = ""
-
-
 __all__ = ["HandBack", "RuntimeStartError", "WorkerRuntime", "current_runtime", "get_runtime"]
 
 
 class RuntimeStartError(RuntimeError):
     """The worker cannot run (Redis, storage, metrics or settings): it must not consume anything."""
-
-
-def crash_summary(exc: BaseException) -> str:
-    """``Class: last line of the traceback`` — what a poison dead letter and the crash log keep."""
-    name = type(exc).__name__
-    lines = traceback.format_exception_only(type(exc), exc)
-    last = (lines[-1] if lines else "").strip().splitlines()
-    text = last[-1] if last else name
-    qualified = f"{type(exc).__module__}.{type(exc).__qualname__}"
-    if text.startswith(qualified):  # exceptions outside builtins print their module path
-        text = name + text[len(qualified) :]
-    return text if text.startswith(name) else f"{name}: {text}"
 
 
 class WorkerRuntime:
@@ -105,10 +74,6 @@ class WorkerRuntime:
         self.metrics = WorkerMetrics(identity, settings.max_inflight)
         self.draining = False
         self.storage_ok = True
-        self._active: set[str] = set()  # prompt ids being generated by this process
-        self._unreleased: set[tuple[str, str]] = set()  # claims a Redis failure kept us from dropping
-        self._envelope: Any = None  # thinkfleet.broker.envelope.Envelope, built when a paused job's message is parked
-        self._park_one: Any = None
         self._outcomes: dict[str, asyncio.Future[str]] = {}  # task id → outcome, for Celery's trace (workers/pool.py)
         self.loop = EventLoopThread(f"thinkfleet-{identity}").start()
         try:
@@ -134,7 +99,6 @@ class WorkerRuntime:
             probe_timeout_s=s.preflight_timeout_s,
             health_probe_timeout_s=s.health_probe_timeout_s,
         )
-        self._isolation = asyncio.Lock()  # one last-chance (suspect) prompt at a time
         self.ledger = Ledger(self.redis, s.keys, self.identity, s.max_deliveries)
         abandoned = await self.ledger.abandon_claims()  # before this life claims anything
         if abandoned:
@@ -173,8 +137,19 @@ class WorkerRuntime:
         self.attempts = RequestAttempts(
             s, self.client, self.gate, self.metrics, lambda: self.draining, on_idle=self.committer.flush_soon
         )
-        self._job_checks: dict[str, JobCheck] = {}
-        self._job_check_lock = asyncio.Lock()  # one preflight (and one warning) per job
+        self.pipeline = PromptPipeline(
+            s,
+            self.identity,
+            self.redis,
+            self.ledger,
+            self.jobs,
+            self.writer,
+            self.committer,
+            self.gate,
+            self.attempts,
+            self.metrics,
+            lambda: self.draining,
+        )
         self.gate.start()
         try:
             port = self.metrics.serve(s.metrics_port) if s.metrics_port >= 0 else None
@@ -192,7 +167,7 @@ class WorkerRuntime:
         self.lease = LeaseKeeper(self.redis, s.keys, self.identity, s.lease_s, unacked_index, self.held, info, sweeper)
         await self.lease.beat()
         self.lease.start()
-        self._release_task = asyncio.get_running_loop().create_task(self._release_later(), name="release-later")
+        self._release_task = asyncio.get_running_loop().create_task(self.pipeline.release_later(), name="release-later")
         self._cancel_watch = asyncio.get_running_loop().create_task(self._watch_cancels(), name="watch-cancels")
         log.info(
             "worker %s: max_inflight=%d sglang=%s metrics=:%s",
@@ -322,34 +297,14 @@ class WorkerRuntime:
 
     async def ahandle(self, args: Any, message_id: str | None = None) -> str:
         """:meth:`handle` on the loop (workers/pool.py starts it there straight from Celery's consumer)."""
-        task: PromptTask | None = None
-        try:
-            failpoint("after_pop", _prompt_of(args))
-            try:
-                task = PromptTask.from_args(args)
-            except Exception as exc:
-                return await self._malformed(args, message_id, exc)
-            outcome = await self._process(task)
-            failpoint("before_ack", task.prompt_id)
-            return outcome
-        except HandBack:
-            raise
-        except Exception as exc:
-            # Our own bug or an injected fault outside the prompt pipeline: hand back, counted as a crash.
-            log.exception("unexpected error handling message %s: handing it back", message_id)
-            if task is not None:
-                try:
-                    return await asyncio.wait_for(self._crashed(task, exc, claimed=False), 30)
-                except HandBack:
-                    raise
-                except Exception as inner:
-                    log.error("could not record the crash of %s: %s", message_id, inner)
-            self.metrics.handed_back.inc()
-            raise HandBack() from exc
+        return await self.pipeline.handle(args, message_id)
 
     def process(self, task: PromptTask) -> str:
         """One decoded task (tests and benchmarks): an outcome, or raises HandBack."""
-        return self.loop.run(self._process(task))
+        return self.loop.run(self.pipeline.process(task))
+
+    async def push_malformed(self, record: str) -> None:
+        await self.pipeline.push_malformed(record)
 
     def keep_outcome(self, task_id: str, outcome: asyncio.Future[str]) -> None:
         """A prompt's outcome computed before Celery's trace runs its task function (workers/pool.py)."""
@@ -357,114 +312,6 @@ class WorkerRuntime:
 
     def take_outcome(self, task_id: str) -> asyncio.Future[str] | None:
         return self._outcomes.pop(task_id, None)
-
-    async def _malformed(self, args: Any, message_id: str | None, exc: Exception) -> str:
-        """A message that is not a prompt task at all: no job to dead-letter it in, so it goes to the
-        fleet-wide malformed list (reason and body kept), is counted, and is acked."""
-        log.error("malformed message %s dead-lettered to %s: %s", message_id, self.settings.keys.malformed, exc)
-        self.metrics.errors.labels("malformed_message").inc()
-        record = {"message_id": message_id, "error": f"{type(exc).__name__}: {exc}", "at": time.time()}
-        try:
-            record["args"] = repr(args)[:4000]
-        except Exception:
-            record["args"] = "<unrepresentable>"
-        try:
-            await asyncio.wait_for(self._push_malformed(json.dumps(record)), 60)
-        except Exception as err:
-            log.error("could not record malformed message %s, handing it back: %s", message_id, err)
-            raise HandBack() from err
-        return "malformed"
-
-    async def _push_malformed(self, record: str) -> None:
-        key = self.settings.keys.malformed
-        async with self.redis.pipeline(transaction=True) as p:
-            p.lpush(key, record)
-            p.ltrim(key, 0, 9999)
-            await p.execute()
-
-    async def _process(self, task: PromptTask) -> str:
-        try:
-            return await self._claim_and_run(task)
-        except HandBack:
-            raise
-        except RedisError as exc:
-            # Past the client's retries. Failing the task would let Celery ack (drop) the message.
-            log.warning("Redis unreachable while handling %s/%s, handing it back: %s", task.job, task.prompt_id, exc)
-            self.metrics.errors.labels("redis").inc()
-            self.metrics.handed_back.inc()
-            self._unreleased.add((task.job, task.prompt_id))
-            raise HandBack() from exc
-
-    async def _crashed(self, task: PromptTask, exc: BaseException, claimed: bool) -> str:
-        """An unexpected exception: log it with context, count the delivery as crashed, hand it back —
-        or dead-letter it as ``poison:<Class>`` once ``max_deliveries`` deliveries crashed."""
-        summary = crash_summary(exc)
-        log.error(
-            "crash while handling %s/%s (%s): %s",
-            task.job,
-            task.prompt_id,
-            "claimed" if claimed else "before its claim",
-            summary,
-            exc_info=exc,
-        )
-        self.metrics.crashes.labels(type(exc).__name__).inc()
-        self.metrics.errors.labels("crash").inc()
-        crashes = await self.ledger.crashed(task.job, task.prompt_id, summary)
-        if crashes == 0:  # stored or dead-lettered already (a crash after the commit): ack it
-            return "already-finished"
-        if crashes >= self.settings.max_deliveries:
-            return await self._dead_poison(task, summary, {"x": crashes, "k": 0, "ik": 0})
-        self.metrics.handed_back.inc()
-        raise HandBack() from exc
-
-    async def _dead_poison(self, task: PromptTask, error: str, record: dict[str, Any]) -> str:
-        error_class = f"poison:{error.split(':', 1)[0].strip() or 'WorkerLost'}"
-        x, k = int(record.get("x", 0)), int(record.get("k", 0))
-        message = f"{x} deliveries raised, {k} died with their worker; last: {error}"
-        await self.ledger.dead_letter(task, error_class, message, x + k)
-        self.metrics.dead.labels(error_class).inc()
-        log.error("dead-lettered %s/%s as %s: %s", task.job, task.prompt_id, error_class, message)
-        return "dead"
-
-    async def _release_later(self) -> None:
-        """Drop claims a Redis outage kept us from releasing, or other workers' copies would wait on them."""
-        while True:
-            await asyncio.sleep(max(0.2, self.settings.lease_s / 4))
-            for job, prompt_id in list(self._unreleased):
-                if prompt_id not in self._active:
-                    try:
-                        await self.ledger.release(job, prompt_id)
-                    except RedisError:
-                        break
-                self._unreleased.discard((job, prompt_id))
-
-    # -- job lifecycle (producer pause/resume/cancel, thinkfleet/state/lifecycle.py) ------------------
-    async def _job_lifecycle(self, task: PromptTask) -> str | None:
-        """An outcome for a message of a paused job (parked, acked) or a cancelled one (dead-lettered
-        ``cancelled``); None when the job is active."""
-        keys = self.settings.keys
-        state = await self.redis.get(keys.job_state(task.job))
-        if state is None:
-            self.attempts.cancelled_jobs.discard(task.job)
-            return None
-        if state == PAUSED.encode():
-            if self._envelope is None:
-                from thinkfleet.broker.envelope import Envelope
-
-                self._envelope = await asyncio.to_thread(Envelope, self.settings)
-            if self._park_one is None:
-                self._park_one = self.redis.register_script(lua("park_one"))
-            raw = self._envelope.encode(task)
-            if await self._park_one(keys=[keys.job_state(task.job), keys.parked(task.job)], args=[raw]):
-                log.info("job %s is paused: parked %s", task.job, task.prompt_id)
-                return "parked"
-            return None  # resumed meanwhile
-        if state == CANCELLED.encode():
-            self.attempts.cancelled_jobs.add(task.job)
-            await self.ledger.dead_letter(task, CANCELLED_CLASS, "job cancelled (producer cancel)", 0)
-            self.metrics.dead.labels(CANCELLED_CLASS).inc()
-            return "dead"
-        return None
 
     async def _watch_cancels(self) -> None:
         """Abort this worker's in-flight requests of cancelled jobs, checked every second."""
@@ -487,210 +334,6 @@ class WorkerRuntime:
                     log.warning("job %s cancelled: aborting request %s", job, rid)
                     request.cancel()
 
-    async def _claim_and_run(self, task: PromptTask) -> str:
-        try:
-            job = await self.jobs.get(task.job, task.dataset)
-        except UnknownJob as exc:
-            await self.ledger.dead_letter(task, "unknown_job", str(exc), 0)
-            self.metrics.dead.labels("unknown_job").inc()
-            log.error("%s", exc)
-            return "dead"
-        lifecycle = await self._job_lifecycle(task)
-        if lifecycle is not None:
-            return lifecycle
-        try:
-            # The message's own checks (thinkfleet/message.py): overrides whitelist, ids decoded within
-            # max_prompt_tokens, corrupt blob, content hash recomputed, ids below the vocabulary.
-            vocab = (await self._limits(task.job, job.sampling_params, self.gate.info)).vocab_size
-            input_ids = task.verified_ids(MessageLimits(self.settings.max_prompt_tokens, vocab))
-        except MessageRefused as exc:
-            # Resending it cannot help: dead-lettered with the check it failed (the whole message kept).
-            await self.ledger.dead_letter(task, exc.error_class, exc.detail, 0)
-            self.metrics.dead.labels(exc.error_class).inc()
-            log.error("dead-lettered %s/%s: %s", task.job, task.prompt_id, exc)
-            return "dead"
-        isolated = False
-        claimed = False
-        try:
-            while True:
-                claim = await self.ledger.claim(task.job, task.prompt_id, isolated)
-                self._unreleased.discard((task.job, task.prompt_id))
-                if claim.state == "suspect":
-                    # Its last chance before poison: run it alone among last-chance prompts (ledger.py).
-                    await self._isolation.acquire()
-                    isolated = True
-                    continue
-                if claim.state in ("done", "dead"):
-                    self.metrics.skipped.inc()
-                    return f"already-{claim.state}"
-                if claim.state == "poison":
-                    record = claim.previous or {}
-                    return await self._dead_poison(task, str(record.get("error") or "WorkerLost"), record)
-                if claim.state == "busy" or task.prompt_id in self._active:
-                    # A redelivered copy while the first run continues: wait for that run, don't duplicate.
-                    # (Our own run may even hold no claim: Redis restarted empty while it generated.)
-                    if await self._wait_for_other_run(task):
-                        self.metrics.skipped.inc()
-                        return "already-done"
-                    continue
-                claimed = True  # new, stale or mine: this run is ours
-                break
-        finally:
-            if isolated and not claimed:
-                self._isolation.release()
-        self._active.add(task.prompt_id)
-        try:
-            failpoint("after_claim", task.prompt_id)
-            # A previous run committed the part but never marked it done (a death, or a hand-back after
-            # an ambiguous commit): finalize from that part, never generate a second row.
-            committed = bool(claim.part) and await asyncio.to_thread(self.writer.exists, claim.part)
-            if committed and await self._finish_orphan(task, str(claim.part)):
-                return "already-stored"
-            return await self._generate_and_store(task, job, input_ids)
-        except (HandBack, StorageUnavailable) as exc:
-            await self.ledger.release(task.job, task.prompt_id)
-            self.metrics.handed_back.inc()
-            raise HandBack() from exc
-        except RedisError:
-            raise
-        except Exception as exc:
-            return await self._crashed(task, exc, claimed=True)
-        finally:
-            self._active.discard(task.prompt_id)
-            if isolated:
-                self._isolation.release()
-
-    async def _wait_for_other_run(self, task: PromptTask) -> bool:
-        """True once the other run stored or dead-lettered it; False when its claim went away."""
-        while True:
-            if self.draining:
-                raise HandBack()
-            if await self.ledger.resolved(task.job, task.prompt_id):
-                return True
-            owner = await self.ledger.claim_owner(task.job, task.prompt_id)
-            if not owner:
-                return False
-            if owner == self.identity:
-                alive = task.prompt_id in self._active
-            else:
-                alive = bool(await self.redis.exists(self.settings.keys.heartbeat(owner)))
-            if not alive:
-                return False
-            await asyncio.sleep(0.5)
-
-    async def _finish_orphan(self, task: PromptTask, part: str) -> bool:
-        """Finalize a prompt from a committed part with the row's real counts; False if the row is not there."""
-        row = await asyncio.to_thread(self.writer.final_counts, task.job, task.dataset, part, task.prompt_id)
-        if row is None:
-            log.warning("part %s has no row for %s/%s: generating it", part, task.job, task.prompt_id)
-            return False
-        log.info("prompt %s/%s was committed in %s by an earlier run: finalizing", task.job, task.prompt_id, part)
-        final = FinalRow(
-            task.prompt_id, int(row["completion_tokens"]), bool(row["has_think_end"]), row["finish_reason"] == "length"
-        )
-        # (a turn of a --turns all job also enqueues its next turn, computed from the stored row)
-        await self.committer.finalize_orphan(task.job, task.dataset, part, final)
-        return True
-
-    async def _generate_and_store(self, task: PromptTask, job: JobSpec, input_ids: list[int]) -> str:
-        sampling = {**job.sampling_for(task.dataset), **task.overrides}
-        if job.expected_model and self.gate.info and self.gate.info.model_path != job.expected_model:
-            log.error(
-                "job %s expects model %s but %s serves %s: refusing",
-                task.job,
-                job.expected_model,
-                self.settings.sglang_url,
-                self.gate.info.model_path,
-            )
-            self.metrics.errors.labels("model_mismatch").inc()
-            await asyncio.sleep(self.settings.health_interval_s)
-            raise HandBack()
-        info = self.gate.info
-        limits = await self._limits(task.job, sampling, info)
-        max_new = sampling.get("max_new_tokens")
-        refused = check_request(input_ids, int(max_new) if max_new is not None else None, limits)
-        if refused is not None:
-            # Never sent: an id >= the vocabulary or an overflowing context must not reach the GPU.
-            await self.ledger.dead_letter(task, refused.error_class, refused.message, 0)
-            self.metrics.dead.labels(refused.error_class).inc()
-            log.warning("dead-lettered %s/%s: %s: %s", task.job, task.prompt_id, refused.error_class, refused.message)
-            return "dead"
-        try:
-            gen, attempts, latency = await self.attempts.run(task, input_ids, sampling)
-        except PermanentError as exc:
-            await self.ledger.dead_letter(task, exc.error_class, exc.message, getattr(exc, "attempts", 1))
-            self.metrics.dead.labels(exc.error_class).inc()
-            log.warning("dead-lettered %s/%s: %s: %s", task.job, task.prompt_id, exc.error_class, exc.message)
-            return "dead"
-        info = self.gate.info or info
-        model = info.model_path if info else ""
-        deterministic = info.deterministic if info else None
-        row, final = build_row(
-            task, job, input_ids, gen, sampling, self.identity, model, attempts, latency, deterministic
-        )
-        # Waits through storage failures (the commit is retried); raises StorageUnavailable only if a
-        # drain gives up on it, which hands the prompt back.
-        await self.committer.commit(task.job, task.dataset, row, final)
-        self.metrics.completed.labels(task.dataset).inc()
-        self.metrics.output_tokens.inc(gen.completion_tokens)
-        return "stored"
-
-    async def _limits(self, job: str, sampling: dict[str, Any], info: ServerInfo | None) -> RequestLimits:
-        """The limits a prompt of ``job`` must fit: the server's, else the job record's. The first prompt
-        of a job runs its preflight (record read, seed warning) once per worker."""
-        check = self._job_checks.get(job)
-        if check is None:
-            async with self._job_check_lock:
-                check = self._job_checks.get(job) or await self._job_preflight(job, sampling, info)
-        vocab = info.vocab_size if info and info.vocab_size else None
-        context = info.context_length if info and info.context_length else None
-        return RequestLimits(
-            vocab_size=vocab or check.vocab_size,
-            vocab_source="reported by the server" if vocab else f"from the job record{check.vocab_source}",
-            context_length=context or check.context_length,
-            context_source="reported by the server" if context else f"from the job record{check.context_source}",
-            max_req_input_len=info.max_req_input_len if info else None,
-            context_check_inclusive=info.context_check_inclusive if info else True,
-            version=info.version if info else None,
-        )
-
-    async def _job_preflight(self, job: str, sampling: dict[str, Any], info: ServerInfo | None) -> JobCheck:
-        record = await JobRecord.aload(self.redis, self.settings.keys, job)
-        vocab = getattr(record, "vocab_size", None)
-        context = getattr(record, "context_length", None)
-        vocab_from = getattr(record, "vocab_source", "")
-        context_from = getattr(record, "context_source", "")
-        check = JobCheck(
-            vocab_size=vocab if isinstance(vocab, int) and vocab > 0 else None,
-            context_length=context if isinstance(context, int) and context > 0 else None,
-            vocab_source=f": {vocab_from}" if vocab_from else "",
-            context_source=f": {context_from}" if context_from else "",
-        )
-        self._job_checks[job] = check
-        seeded = sampling.get("sampling_seed") is not None
-        deterministic = info.deterministic if info else None
-        if seeded and deterministic is False:
-            log.error(
-                "\n%s\nNONDETERMINISTIC SEEDS for job %s: its sampling_params carry sampling_seed=%s, but %s does not "
-                "run --enable-deterministic-inference,\nso SGLang ignores the seed: rows are NOT reproducible from "
-                "their seed (each row records deterministic=false).\nRestart SGLang with "
-                "--enable-deterministic-inference (a throughput cost) if reproducibility matters.\n%s",
-                "!" * 78,
-                job,
-                sampling.get("sampling_seed"),
-                self.settings.sglang_url,
-                "!" * 78,
-            )
-            await self.redis.hset(self.settings.keys.counters(job), "nondeterministic_seeds", 1)
-        elif seeded and deterministic is None:
-            log.warning(
-                "job %s sends sampling_seed but %s does not report whether deterministic inference is on: "
-                "rows record deterministic=null",
-                job,
-                self.settings.sglang_url,
-            )
-        return check
-
     async def _alarm(self, job: str, seen: int, missing: int) -> None:
         evidence = {"rows": seen, "missing_think_end": missing, "worker": self.identity, "at": time.time()}
         self.metrics.alarm.set(1)
@@ -710,14 +353,6 @@ class WorkerRuntime:
 def early_flush_rows(settings: Settings) -> int:
     """Rows waiting for their commit that start a flush before ``flush_interval_s`` (each holds a pool thread)."""
     return max(1, settings.commit_headroom * 3 // 4)
-
-
-def _prompt_of(args: Any) -> str | None:
-    """The prompt id of a raw message's args, if it has one (failpoints key on it)."""
-    try:
-        return str(args[2])
-    except Exception:
-        return None
 
 
 def _redact(url: str) -> str:

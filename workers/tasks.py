@@ -69,7 +69,7 @@ def record_refused(kind: str, message: Any, reason: str) -> None:
     rt.metrics.errors.labels(kind).inc()
     record = {**summary, "error": f"{kind}: {reason}", "at": time.time()}
     try:
-        rt.loop.run(rt._push_malformed(json.dumps(record)), timeout_s=10)
+        rt.loop.run(rt.push_malformed(json.dumps(record)), timeout_s=10)
     except Exception as exc:
         log.error("could not record refused message %s: %s", summary["message_id"], exc)
 
