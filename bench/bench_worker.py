@@ -238,7 +238,10 @@ PROFILE_BUCKETS = (
     ("Celery task events (kombu fanout publish)", ("_flush_events", "EventDispatcher")),
     ("kombu ack emulation (MULTI HDEL/ZREM)", ("basic_ack", "QoS.ack")),
     ("kombu delivery + Celery dispatch (BRPOP, QoS.append, strategy)", ("_brpop_read", "Transport._deliver")),
-    ("Celery pool threads (trace, hand-off to the loop)", ("fast_trace_task", "apply_target", "_WorkItem.run")),
+    (
+        "Celery pool threads (trace, hand-off to the loop)",
+        ("fast_trace_task", "apply_target", "_WorkItem.run", "LoopPool."),
+    ),
     ("SGLang call: HTTP + JSON (workers.client)", ("SGLangClient.generate",)),
     ("Redis ledger: claim / mark_part / finalize", ("Ledger.",)),
     ("heartbeat, health gate, metrics", ("LeaseKeeper", "HealthGate", "WorkerMetrics", "prometheus_client")),
