@@ -430,7 +430,9 @@ def markdown(r: dict[str, Any]) -> str:
         breakdown = (
             "- **Where the worker's CPU goes** (py-spy `--gil --nonblocking`, a second run of "
             f"{prof['prompts']} prompts, "
-            f"{prof['samples']} samples of the GIL holder, {prof['worker_ms_per_request']:.2f} ms/request): {parts}."
+            f"{prof['samples']} samples of the GIL holder, {prof['worker_ms_per_request']:.2f} ms/request): {parts}. "
+            "A few hundred samples: shares move by several points between runs; 'other' is mostly stacks that "
+            "py-spy read without their thread's root (non-blocking sampling)."
         )
     return f"""
 `.venv/bin/python -m bench.bench_worker` — {c["prompts"]} prompts (seed's length distribution, `max_new_tokens`
