@@ -62,8 +62,8 @@ _HELP = {
     "nan_rate": "Share of generations ending on SGLang's NaN path (last id overwritten, matched 'NaN happened').",
     "abort_rate": "Share of generations the scheduler aborts part-way (see --abort-status-code).",
     "abort_status_code": "Status of those aborts: 503 running timeout, 500 internal error, 400 bad request.",
-    "model_family": "Whose marker ids the outputs carry (kimi, qwen3, harmony); also sets the vocabulary size, "
-    "model name, parsers and EOS ids unless given.",
+    "model_family": "Whose marker ids the outputs carry (kimi, qwen3, deepseek, glm45, harmony); also sets the "
+    "vocabulary size, model name, parsers and EOS ids unless given.",
     "eos_token_ids": "The model's own stop ids [the family's].",
     "normal_vocab_size": "Filler ids are drawn below this [the family's first special id].",
 }

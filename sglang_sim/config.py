@@ -29,6 +29,18 @@ FAMILY_SERVER_DEFAULTS: dict[str, dict[str, Any]] = {
         "reasoning_parser": "qwen3",
         "tool_call_parser": "qwen25",
     },
+    "deepseek": {
+        "model_path": "deepseek-ai/DeepSeek-R1-0528",
+        "vocab_size": VOCABULARIES["deepseek"].vocab_size,
+        "reasoning_parser": "deepseek-r1",
+        "tool_call_parser": "deepseekv3",
+    },
+    "glm45": {
+        "model_path": "zai-org/GLM-4.5",
+        "vocab_size": VOCABULARIES["glm45"].vocab_size,
+        "reasoning_parser": "glm45",
+        "tool_call_parser": "glm45",
+    },
     "harmony": {
         "model_path": "openai/gpt-oss-120b",
         "vocab_size": VOCABULARIES["harmony"].vocab_size,

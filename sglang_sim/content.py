@@ -21,6 +21,15 @@ How an output is built:
    output above. ``qwen3``: ``[<think> 151667, reasoning…, </think> 151668, answer…, <|im_end|> 151645]``
    (no ``<think>`` when the prompt already ends with it, or with it and a newline); a tool call is
    ``…</think>, preamble?, (<tool_call> 151657, JSON ids, </tool_call> 151658)+, <|im_end|>``.
+   ``deepseek`` (R1-0528, whose prompt ends ``<think>\\n``): ``[reasoning…, </think> 128799, answer…,
+   <｜end▁of▁sentence｜> 1]``; a tool call is ``…</think>, preamble?, <｜tool▁calls▁begin｜> 128806,
+   (<｜tool▁call▁begin｜> 128808, "function" ids, <｜tool▁sep｜> 128814, name + fenced JSON ids,
+   <｜tool▁call▁end｜> 128809)+, <｜tool▁calls▁end｜> 128807, <｜end▁of▁sentence｜>``; fillers avoid ids 0–2.
+   ``glm45`` (GLM-4.5, the model opens ``<think>`` itself): ``[<think> 151350, reasoning…, </think> 151351,
+   answer…, <|user|> 151336]``; a tool call is ``…</think>, preamble?, (<tool_call> 151352, name ids,
+   <arg_key> 151356, key/value ids, </tool_call> 151353)+, <|observation|> 151338``. For these three a
+   prompt that already closed reasoning (thinking off: it ends with ``</think>`` and at most two ordinary
+   ids) gets no reasoning and no think markers, only the answer or the calls.
    ``harmony`` (gpt-oss): ``[<|channel|> 200005, analysis 35644, <|message|> 200008, reasoning…,
    <|end|> 200007, <|start|> 200006, assistant 173781, <|channel|>, final 17196, <|message|>, answer…,
    <|return|> 200002]``; a tool call replaces the final message with
@@ -38,7 +47,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -59,20 +68,60 @@ class FamilyVocabulary:
     eos_token_ids: tuple[int, ...]  # the model's own stop set (config/generation_config eos)
     think_start: int | None
     think_end: int
+    # -- think-scheme families other than Kimi (qwen3, deepseek, glm45): :func:`_plan_think` ------------
+    end_of_turn: int | None = None  # ends an answer
+    call_end_of_turn: int | None = None  # ends a tool-calling turn (GLM-4.5: <|observation|>)
+    tool_section: tuple[int, int] | None = None  # DeepSeek's <｜tool▁calls▁begin｜> … end
+    tool_call: tuple[int, int] | None = None  # one call's begin … end
+    tool_sep: int | None = None  # inside a call, after its header (DeepSeek's <｜tool▁sep｜>, GLM's <arg_key>)
+    #: filler ids are drawn from [filler_low, first_special_id): DeepSeek's 0–2 are BOS, EOS and pad.
+    filler_low: int = 0
 
 
 def _ref(family: str) -> dict[str, int]:
     return dict(profiles.PROFILES[family].reference_ids)
 
 
-_Q, _H = _ref("qwen3"), _ref("harmony")
+def _think_family(family: str, first_special_id: int, eos: tuple[str, ...], **extra: Any) -> FamilyVocabulary:
+    """A think-scheme family's vocabulary, every id from its profile (markers by role, so no id is written twice)."""
+    profile = profiles.PROFILES[family]
+    ref, role = _ref(family), profile.markers
+
+    def id_of(name: str | None) -> int | None:
+        return ref[name] if name is not None else None
+
+    section = (id_of(role["tool_section_begin_id"]), id_of(role["tool_section_end_id"]))
+    return FamilyVocabulary(
+        family,
+        first_special_id,
+        profile.reference_vocab_size or 0,
+        tuple(ref[t] for t in eos),
+        id_of(role["think_start_id"]),
+        ref[role["think_end_id"] or ""],
+        end_of_turn=ref[profile.stop_tokens[0]],
+        call_end_of_turn=ref[profile.stop_tokens[-1]],
+        tool_section=section if None not in section else None,  # type: ignore[arg-type]
+        tool_call=(ref[role["tool_call_begin_id"] or ""], ref[role["tool_call_end_id"] or ""]),
+        tool_sep=id_of(role["tool_call_argument_begin_id"]),
+        **extra,
+    )
+
+
+_H = _ref("harmony")
 #: ``--model-family`` choices of the simulator.
 VOCABULARIES: dict[str, FamilyVocabulary] = {
     "kimi": FamilyVocabulary(
         "kimi", kimi.FIRST_SPECIAL_ID, kimi.VOCAB_SIZE, kimi.DEFAULT_STOP_TOKEN_IDS, kimi.THINK_START, kimi.THINK_END
     ),
-    "qwen3": FamilyVocabulary(
-        "qwen3", 151_643, 151_936, (_Q["<|im_end|>"], _Q["<|endoftext|>"]), _Q["<think>"], _Q["</think>"]
+    # Qwen3 has no argument marker of its own: its calls are JSON between <tool_call> and </tool_call>.
+    "qwen3": replace(_think_family("qwen3", 151_643, ("<|im_end|>", "<|endoftext|>")), tool_sep=None),
+    # DeepSeek-R1-0528: EOS is <｜end▁of▁sentence｜> (id 1), so fillers start at 3.
+    "deepseek": _think_family("deepseek", 128_000, ("<｜end▁of▁sentence｜>",), filler_low=3),
+    # GLM-4.5 (generation_config eos: <|endoftext|>, <|user|>, <|observation|>): an answer ends with <|user|>,
+    # a tool call with <|observation|> (the turn the tool's result fills).
+    "glm45": replace(
+        _think_family("glm45", 151_329, ("<|endoftext|>", "<|user|>", "<|observation|>")),
+        end_of_turn=_ref("glm45")["<|user|>"],
     ),
     "harmony": FamilyVocabulary(
         "harmony", 199_998, 201_088, (_H["<|return|>"], _H["<|endoftext|>"], _H["<|call|>"]), None, _H["<|end|>"]
@@ -106,7 +155,7 @@ class ContentConfig:
     max_tool_calls: int = 3
 
     # -- vocabulary -----------------------------------------------------------------------------------
-    #: Whose marker ids the outputs carry (:data:`SIM_FAMILIES`): kimi, qwen3, harmony.
+    #: Whose marker ids the outputs carry (:data:`SIM_FAMILIES`): kimi, qwen3, deepseek, glm45, harmony.
     model_family: str = "kimi"
     #: The model's own stop set (config/generation_config eos ids); requests add ``stop_token_ids``.
     #: None: the family's.
@@ -189,6 +238,21 @@ def prompt_opens_reasoning(input_ids: Sequence[int], config: ContentConfig) -> b
     return False
 
 
+def prompt_closes_reasoning(input_ids: Sequence[int], config: ContentConfig) -> bool:
+    """The prompt already holds an empty, closed reasoning block (thinking off: Qwen3's ``<think>\\n\\n</think>\\n\\n``,
+    DeepSeek's ``</think>``, GLM-4.5's ``<think></think>``): it ends with the think-end id and at most two ordinary
+    ids. Such a model answers at once: no reasoning, no think markers."""
+    vocab = config.vocabulary
+    if vocab.think_start is None:
+        return False
+    for token in reversed([int(t) for t in input_ids[-PROMPT_OPEN_WINDOW:]]):
+        if token == vocab.think_end:
+            return True
+        if token >= vocab.first_special_id:
+            return False
+    return False
+
+
 def seed_bytes(input_ids: Sequence[int], sampling_seed: int | None) -> bytes:
     """32 bytes that fix an output: blake2b over the uint32-LE ids and the seed."""
     digest = hashlib.blake2b(digest_size=32)
@@ -219,17 +283,19 @@ def expected_generation(
     # Its draws depend on (ids, seed) only: the filler is the same for any cap.
     if config.model_family == "kimi":
         plan = _plan(rng, config)
-    elif config.model_family == "qwen3":
-        plan = _plan_qwen3(rng, config, prompt_opens_reasoning(input_ids, config))
-    else:
+    elif config.model_family == "harmony":
         plan = _plan_harmony(rng, config)
+    else:
+        plan = _plan_think(
+            rng, config, prompt_opens_reasoning(input_ids, config), prompt_closes_reasoning(input_ids, config)
+        )
     if limit <= 0:
         return Generation([], {"type": "length", "length": limit}, 0, plan.tool_call)
 
     # Without a stop on the natural end token the model decodes on (as ignore_eos does).
     ends_naturally = not ignore_eos and plan.end_token in stop_set
     needed = min(plan.length, limit) if ends_naturally else limit
-    seq = rng.integers(0, config.normal_vocab_size, size=needed, dtype=np.int64)
+    seq = rng.integers(config.vocabulary.filler_low, config.normal_vocab_size, size=needed, dtype=np.int64)
     for position, token in plan.specials:
         if position < needed:
             seq[position] = token
@@ -347,30 +413,43 @@ def _natural(rng: np.random.Generator, config: ContentConfig, least_reasoning: i
     return max(length, reasoning + 2), reasoning
 
 
-def _plan_qwen3(rng: np.random.Generator, config: ContentConfig, opened: bool) -> _Plan:
-    """Qwen3: ``<think>`` (unless the prompt opened it), reasoning, ``</think>``, answer or ``<tool_call>``
-    JSON ``</tool_call>`` blocks, ``<|im_end|>``."""
-    q = _ref("qwen3")
-    think_start, think_end, im_end = q["<think>"], q["</think>"], q["<|im_end|>"]
-    call_begin, call_end = q["<tool_call>"], q["</tool_call>"]
+def _plan_think(rng: np.random.Generator, config: ContentConfig, opened: bool, closed: bool) -> _Plan:
+    """Qwen3, DeepSeek, GLM-4.5: ``<think>`` (unless the prompt opened it), reasoning, ``</think>`` (none of the
+    three when the prompt closed reasoning: thinking off), then an answer and the end of turn, or tool calls —
+    optionally inside the family's section (DeepSeek), each ``begin, header, (sep, arguments)?, end`` — and the
+    tool-calling turn's end (GLM-4.5: ``<|observation|>``)."""
+    v = config.vocabulary
+    assert v.tool_call is not None and v.end_of_turn is not None and v.call_end_of_turn is not None
     length, reasoning = _natural(rng, config, least_reasoning=2)
-    specials: list[tuple[int, int]] = [] if opened else [(0, think_start)]
-    if rng.random() < config.tool_call_share and config.think_end:
-        position = reasoning
-        specials.append((position, think_end))
-        position += 1 + int(rng.integers(0, 31))  # "\n\n" and a short preamble
+    thinks = not closed
+    specials: list[tuple[int, int]] = [] if opened or closed else [(0, v.think_start or 0)]
+    if rng.random() < config.tool_call_share and (config.think_end or closed):
+        position = reasoning if thinks else 0
+        if thinks:
+            specials.append((position, v.think_end))
+            position += 1
+        position += int(rng.integers(0, 31))  # "\n\n" and a short preamble
+        if v.tool_section is not None:
+            specials.append((position, v.tool_section[0]))
+            position += 1
         calls = 1 + int(rng.binomial(config.max_tool_calls - 1, 0.2))
         for k in range(calls):
-            specials.append((position, call_begin))
-            position += 1 + int(rng.integers(12, 90))  # '\n{"name": "get_weather", "arguments": {…}}\n'
-            specials.append((position, call_end))
-            position += 1 + (k < calls - 1)  # a "\n" between calls
-        specials.append((position, im_end))
-        return _Plan(position + 1, specials, tool_call=True, end_token=im_end)
-    if config.think_end:
-        specials.append((reasoning, think_end))
-    specials.append((length - 1, im_end))
-    return _Plan(length, specials, tool_call=False, end_token=im_end)
+            specials.append((position, v.tool_call[0]))
+            if v.tool_sep is not None:  # "function" / "get_weather\n", then the separator
+                position += 1 + int(rng.integers(1, 6))
+                specials.append((position, v.tool_sep))
+            position += 1 + int(rng.integers(12, 90))  # the arguments (Qwen3: '\n{"name": …, "arguments": {…}}\n')
+            specials.append((position, v.tool_call[1]))
+            position += 1 + (k < calls - 1 and v.tool_section is None)  # a "\n" between bare calls
+        if v.tool_section is not None:
+            specials.append((position, v.tool_section[1]))
+            position += 1
+        specials.append((position, v.call_end_of_turn))
+        return _Plan(position + 1, specials, tool_call=True, end_token=v.call_end_of_turn)
+    if config.think_end and thinks:
+        specials.append((reasoning, v.think_end))
+    specials.append((length - 1, v.end_of_turn))
+    return _Plan(length, specials, tool_call=False, end_token=v.end_of_turn)
 
 
 def _plan_harmony(rng: np.random.Generator, config: ContentConfig) -> _Plan:

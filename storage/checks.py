@@ -39,9 +39,11 @@ FINISH_TYPES = ("stop", "length", "abort")
 
 @dataclass
 class ThinkingStats:
-    """For the seed's bug: prompts that opened reasoning, and how many outputs closed it."""
+    """For the seed's bug: rows expected to reason, and how many outputs closed their reasoning."""
 
-    thinking_rows: int = 0  # the prompt opens reasoning (ends with <think>, maybe + a newline)
+    #: the prompt opens reasoning (ends with <think>, maybe + a newline), or the job's model opens it itself in
+    #: thinking mode (``thinkfleet.profiles.expects_reasoning``: Qwen3/GLM-4.5 with enable_thinking, gpt-oss)
+    thinking_rows: int = 0
     think_end_rows: int = 0  # … and the output has </think>
 
     def add(self, other: ThinkingStats) -> None:
@@ -58,8 +60,13 @@ def flat_ids(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray
     return values, offsets - offsets[0]
 
 
-def row_problems(table: pa.Table, tokens: SpanTokens) -> tuple[dict[str, list[str]], ThinkingStats]:
-    """``{prompt_id: [problem, …]}`` for every malformed row, and the thinking statistics."""
+def row_problems(
+    table: pa.Table, tokens: SpanTokens, reasoning_expected: bool = False
+) -> tuple[dict[str, list[str]], ThinkingStats]:
+    """``{prompt_id: [problem, …]}`` for every malformed row, and the thinking statistics.
+
+    ``reasoning_expected``: every row should reason whatever its prompt (``thinkfleet.profiles.expects_reasoning``
+    of the job); otherwise only the rows whose prompt opens reasoning count as thinking rows."""
     values, offsets = flat_ids(table[OUTPUT_IDS])
     in_values, in_offsets = flat_ids(table[INPUT_IDS])
     n = np.diff(offsets)
@@ -129,6 +136,7 @@ def row_problems(table: pa.Table, tokens: SpanTokens) -> tuple[dict[str, list[st
     differ = (starts[keep] != again.tool_call_starts[keep_again]) | (ends[keep] != again.tool_call_ends[keep_again])
     flag(~same_count | (np.bincount(owner[keep][differ], minlength=len(n)) > 0), "tool_call_spans differ from the ids")
 
-    stats = ThinkingStats(int(pets.sum()), int((pets & again.has_think_end).sum()))
+    expected = pets | reasoning_expected
+    stats = ThinkingStats(int(expected.sum()), int((expected & again.has_think_end).sum()))
     pids = table[PROMPT_ID].to_pylist()
     return {pids[i]: problems for i, problems in found.items()}, stats

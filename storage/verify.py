@@ -42,8 +42,11 @@ from storage.schema import (
     TURN_COUNT,
     TURN_INDEX,
 )
+from thinkfleet import profiles
 from thinkfleet.message import hash_id_bytes, is_content_hash
 from thinkfleet.settings import Settings
+from thinkfleet.state.job import JobRecord
+from thinkfleet.tokens import SpanTokens
 from thinkfleet.turns import beyond_chain_ends
 
 
@@ -66,7 +69,9 @@ class VerifyReport:
     hash_mismatch: list[str] = field(default_factory=list)  # stored input_ids do not hash to content_hash
     permanent_failures: list[str] = field(default_factory=list)  # dead-lettered, no row
     not_submitted: list[str] = field(default_factory=list)
-    thinking_rows: int = 0  # rows whose prompt opens reasoning (storage.spans.prompt_opens_reasoning)
+    #: rows expected to reason: the prompt opens reasoning (storage.spans.prompt_opens_reasoning), or the job's
+    #: model opens it itself with thinking on (thinkfleet.profiles.expects_reasoning)
+    thinking_rows: int = 0
     think_end_rows: int = 0
     reasoning_alarm: bool = False
     #: False: the job runs with --no-reasoning-spans — spans null (not recorded), no reasoning alarm.
@@ -137,12 +142,13 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
     report.permanent_failures = sorted(dead - stored)
 
     tokens = jobstate.span_tokens(state.record)
+    expected = _reasoning_expected(state.record, tokens)
     thinking = ThinkingStats()
     tool_rows: set[str] = set()  # multi-turn rows whose output calls a tool (a chain end, without Redis)
     stored_datasets = sorted(set(pc.unique(winners[DATASET]).to_pylist())) if winners.num_rows else []
     for dataset in stored_datasets:  # one dataset in memory at a time
         table = reader.read_committed(uri, job, [*CHECK_COLUMNS, CONTENT_HASH], [dataset], endpoint)
-        problems, stats = row_problems(table, tokens)
+        problems, stats = row_problems(table, tokens, expected)
         report.malformed.update(problems)
         thinking.add(stats)
         report.hash_mismatch.extend(hash_mismatches(table, submitted))
@@ -233,8 +239,18 @@ def hash_mismatches(table: pa.Table, submitted: dict[str, str] | None = None) ->
     return out
 
 
+def _reasoning_expected(record: dict[str, Any] | JobRecord, tokens: SpanTokens) -> bool:
+    """Every row of the job should reason (its model opens reasoning itself and its kwargs leave thinking on:
+    :func:`thinkfleet.profiles.expects_reasoning`); a record without a family is a Kimi job (prompts decide)."""
+    if not isinstance(record, JobRecord):
+        record = JobRecord.from_dict(record)
+    family = record.model_family or profiles.LEGACY_FAMILY
+    return profiles.expects_reasoning(family, record.chat_template_kwargs, tokens.reasoning_spans)
+
+
 def _reasoning_alarm(report: VerifyReport, settings: Settings) -> None:
-    """The seed's bug: reasoning was opened by the prompt but the outputs never close it."""
+    """The seed's bug: rows expected to reason (the prompt opened reasoning, or thinking is on for a model that
+    opens it itself) whose outputs never close it."""
     rows, closed = report.thinking_rows, report.think_end_rows
     if rows and closed == 0:
         report.notes.append(

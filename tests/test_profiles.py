@@ -99,6 +99,58 @@ def test_each_test_tokenizer_is_detected_with_its_real_marker_ids(toks: dict[str
     assert h.stop_ids == [HARMONY["<|return|>"], HARMONY["<|call|>"]]
 
 
+def test_a_glm45_tokenizer_is_detected_with_every_marker_id_and_its_thinking_switch() -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(build_test_tokenizer(default_test_tokenizer_dir(family="glm45"))))
+    ref = profiles.GLM45.reference_ids
+    g = profiles.resolve(tok)
+    assert g.family == "glm45" and g.detected and g.reasoning_spans and not g.warnings
+    assert g.profile.thinking_kwargs == {"enable_thinking": True}
+    assert g.marker_ids == {
+        "think_start_id": ref["<think>"],
+        "think_end_id": ref["</think>"],
+        "tool_section_begin_id": None,
+        "tool_section_end_id": None,
+        "tool_call_begin_id": ref["<tool_call>"],
+        "tool_call_argument_begin_id": ref["<arg_key>"],
+        "tool_call_end_id": ref["</tool_call>"],
+    }
+    assert g.stop_ids == [ref["<|endoftext|>"], ref["<|user|>"], ref["<|observation|>"]]
+    assert {t: tok.convert_tokens_to_ids(t) for t in ref} == dict(ref)
+    # The template: the model opens <think> itself; thinking off closes an empty block in the prompt.
+    chat = [{"role": "user", "content": "hi"}]
+    on, off = (
+        tok(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, enable_thinking=flag),
+            add_special_tokens=False)["input_ids"]
+        for flag in (True, False)
+    )  # fmt: skip
+    assert on[:2] == [151331, 151333] and on[-1] == ref["<|assistant|>"]  # [gMASK]<sop> … <|assistant|>
+    assert off[-2:] == [ref["<think>"], ref["</think>"]] and 151360 in off  # /nothink
+
+
+@pytest.mark.parametrize(
+    ("family", "kwargs", "expected"),
+    [
+        ("qwen3", {"enable_thinking": True}, True),
+        ("qwen3", {}, True),  # the template's default is on
+        ("qwen3", {"enable_thinking": False}, False),
+        ("glm45", {"enable_thinking": True}, True),
+        ("glm45", {"enable_thinking": False}, False),
+        ("harmony", {"reasoning_effort": "low"}, True),
+        ("kimi", {"thinking": True}, False),  # the prompt opens reasoning: rows decide by their prompt
+        ("deepseek", {"thinking": True}, False),
+        ("none", {}, False),
+        ("mystery", {"enable_thinking": True}, False),
+    ],
+)
+def test_rows_are_expected_to_reason_when_the_model_opens_it_and_thinking_is_on(
+    family: str, kwargs: dict[str, Any], expected: bool
+) -> None:
+    assert profiles.expects_reasoning(family, kwargs) is expected
+    assert profiles.expects_reasoning(family, kwargs, reasoning_spans=False) is False
+
+
 def test_ids_follow_the_tokenizer_not_a_table() -> None:
     """DeepSeek-R1-Distill-Qwen keeps DeepSeek's strings on Qwen ids: the ids are the tokenizer's."""
     vocab = {"<｜Assistant｜>": 151645, "<｜end▁of▁sentence｜>": 151643, "<think>": 151648, "</think>": 151649}
@@ -348,6 +400,32 @@ def test_the_simulator_speaks_each_family() -> None:
     # The prompt already opened <think> (a Qwen3-Thinking-2507 style template): the model does not repeat it.
     opened = expected_generation([1, QWEN3["<think>"]], params, ContentConfig(model_family="qwen3"))
     assert opened.output_ids[0] != QWEN3["<think>"]
+    # DeepSeek-R1-0528 (the prompt ends <think>\\n) and GLM-4.5 (the model opens <think>): ids from their profiles.
+    for family, prompt, opens in (("deepseek", [5, 128804, 128798, 201], True), ("glm45", [5, 151337], False)):
+        config = ContentConfig(model_family=family, tool_call_share=0.5)
+        v = config.vocabulary
+        ref = profiles.PROFILES[family].reference_ids
+        assert (v.think_start, v.think_end) == (ref["<think>"], ref["</think>"])
+        outs = [expected_generation([*prompt[:-1], i, prompt[-1]], params, config) for i in range(40)]
+        for g in outs:
+            ids = g.output_ids
+            assert (ids[0] == v.think_start) is not opens and ids.count(v.think_end) <= 1
+            assert min(ids) >= v.filler_low or ids[-1] in v.eos_token_ids
+            if g.finish_reason["type"] == "stop":
+                assert v.think_end in ids and ids[-1] == (v.call_end_of_turn if g.tool_call else v.end_of_turn)
+                if g.tool_call and v.tool_section is not None:
+                    assert ids[-2] == v.tool_section[1] and v.tool_section[0] in ids
+                if g.tool_call:
+                    assert ids.count(v.tool_call[0]) == ids.count(v.tool_call[1]) == ids.count(v.tool_sep)
+        assert any(g.tool_call for g in outs) and sum(g.finish_reason["type"] == "stop" for g in outs) > 25
+        assert (
+            SimConfig.from_flat(model_family=family).server.vocab_size == profiles.PROFILES[family].reference_vocab_size
+        )
+    # Thinking off: the prompt closed an empty block, so the model answers at once (no think markers).
+    closed = expected_generation(
+        [1, QWEN3["<think>"], 9, QWEN3["</think>"], 9], params, ContentConfig(model_family="qwen3")
+    )
+    assert not {QWEN3["<think>"], QWEN3["</think>"]} & set(closed.output_ids)
     sim = SimConfig.from_flat(model_family="harmony")
     assert sim.server.vocab_size == 201_088 and sim.content.eos_token_ids == (200002, 199999, 200012)
     assert SimConfig.from_flat(model_family="qwen3", vocab_size=200_000).server.vocab_size == 200_000

@@ -13,6 +13,8 @@ import redis
 
 from sglang_sim.content import ContentConfig, expected_generation
 from storage.reader import read_committed
+from storage.verify import verify_job
+from thinkfleet.profiles import PROFILES
 from thinkfleet.state.job import JobRecord
 from thinkfleet.testing.datasets import chat_rows, write_jsonl
 from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
@@ -31,6 +33,10 @@ TOOLS = [
         },
     }
 ]
+_DS = PROFILES["deepseek"]
+#: DeepSeek's marker ids by role, from its profile (what its test tokenizer and the simulator hold).
+DS = {role: _DS.reference_ids[name] for role, name in _DS.markers.items() if name is not None}
+DS_EOS = _DS.reference_ids[_DS.stop_tokens[0]]
 # Qwen3's and gpt-oss's real ids (thinkfleet.profiles), as the test tokenizers and the simulator hold them.
 THINK, END_THINK, CALL, END_CALL, IM_END = 151667, 151668, 151657, 151658, 151645
 CHANNEL, MESSAGE, END, START, RETURN, CALL_H, ANALYSIS, FINAL = (
@@ -53,17 +59,19 @@ def _dataset(path: Path) -> Path:
     return write_jsonl(path, rows)
 
 
-def _run(tmp_path: Path, redis_url: str, family: str, sim_family: str, job: str, *flags: str) -> dict[str, Any]:
+def _run(
+    tmp_path: Path, redis_url: str, family: str, sim_family: str, job: str, *flags: str, sim_flags: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """Submit with the real CLI, run one worker against ``sglang-sim --model-family sim_family``, and return
-    {rows, record, client, settings, submit}."""
+    {rows, record, client, settings, submit, report, verify}; verify must pass unless ``sim_flags`` are given."""
     (tmp_path / "logs").mkdir(exist_ok=True)
-    settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    settings = isolated_settings(redis_url, str(tmp_path / "out"), alarm_min_rows=5)  # as the worker's (fast_env)
     client = redis.Redis.from_url(redis_url)
     tok = build_test_tokenizer(default_test_tokenizer_dir(family=family), family=family)
     data = _dataset(tmp_path / "alpha.jsonl")
     args = ("submit", str(data), "--job", job, "--tokenizer", str(tok), "--processes", "1", "--no-progress")
     args += ("--max-new-tokens", "6000", "--seed", "5", "--context-length", "131072", "--json", *flags)
-    sim_args = ("--time-scale", "400", "--model-family", sim_family, "--tool-call-share", TOOL_SHARE)
+    sim_args = ("--time-scale", "400", "--model-family", sim_family, "--tool-call-share", TOOL_SHARE, *sim_flags)
     with simulator(tmp_path / "logs", *sim_args) as sim:
         worker = WorkerProcess("w1", fast_env(settings, sim, max_inflight=8, alarm_min_rows=5), tmp_path / "logs")
         worker.start()
@@ -79,12 +87,14 @@ def _run(tmp_path: Path, redis_url: str, family: str, sim_family: str, job: str,
     assert record is not None
     rows = read_committed(settings.output_uri, job).to_pylist()
     assert len(rows) == ROWS
-    config = ContentConfig(model_family=sim_family, tool_call_share=float(TOOL_SHARE))
+    think_end = "--no-think-end" not in sim_flags
+    config = ContentConfig(model_family=sim_family, tool_call_share=float(TOOL_SHARE), think_end=think_end)
     for row in rows:  # byte-exact: what the simulator of this family said, for this prompt and seed
         want = expected_generation(row["input_ids"], json.loads(row["sampling_params"]), config)
         assert row["output_ids"] == want.output_ids, row["prompt_id"]
     verify = producer_cli(settings, "verify", job, "--json")  # recomputes every span with the job's profile
-    assert verify.returncode == 0 and json.loads(verify.stdout)["ok"], verify.stdout[-3000:]
+    if not sim_flags:
+        assert verify.returncode == 0 and json.loads(verify.stdout)["ok"], verify.stdout[-3000:]
     report = producer_cli(settings, "report", job, "--json")
     assert report.returncode == 0, report.stderr
     return {
@@ -94,6 +104,7 @@ def _run(tmp_path: Path, redis_url: str, family: str, sim_family: str, job: str,
         "settings": settings,
         "submit": json.loads(submitted.stdout),
         "report": json.loads(report.stdout),
+        "verify": json.loads(verify.stdout),
     }
 
 
@@ -157,6 +168,73 @@ def test_a_qwen3_thinking_2507_job_whose_prompt_opens_reasoning_spans_it_from_th
         assert (row["reasoning_start"], row["reasoning_end"], row["has_think_end"]) == (0, end, closed)
     assert not got["client"].exists(got["settings"].keys.alarm("qwenthink"))
     assert got["report"]["think_end_rate"] > 0.8
+
+
+@pytest.mark.timeout(400)
+def test_a_deepseek_r1_job_spans_reasoning_from_the_first_output_id_and_its_tool_call_section(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """R1-0528's template ends the prompt with ``<think>\\n``: the output starts inside reasoning, closes it with
+    ``</think>``, then answers or calls tools in ``<｜tool▁calls▁begin｜>`` sections, and ends with EOS."""
+    got = _run(tmp_path, redis_url, "deepseek", "deepseek", "dsr1")
+    record = got["record"]
+    assert record.model_family == "deepseek" and record.reasoning_spans
+    assert {role: getattr(record, role) for role in DS} == DS
+    assert record.prompt_ends_with_think_start
+    think, end_think = DS["think_start_id"], DS["think_end_id"]
+    section, section_end = DS["tool_section_begin_id"], DS["tool_section_end_id"]
+    call, call_end = DS["tool_call_begin_id"], DS["tool_call_end_id"]
+    tool_rows = 0
+    for row in got["rows"]:
+        prompt, out = row["input_ids"], row["output_ids"]
+        assert prompt[-2] == think and think not in out
+        body_end = len(out) - (out[-1] == DS_EOS)
+        assert row["stop_token"] == (DS_EOS if body_end < len(out) else None)
+        closed = end_think in out
+        end = out.index(end_think) if closed else body_end
+        assert (row["reasoning_start"], row["reasoning_end"], row["has_think_end"]) == (0, end, closed)
+        begins = [i for i, t in enumerate(out) if t == call]
+        calls = []
+        for b in begins:  # each call to its end marker, or to the next call / section end / cut
+            stops = [i for i in range(b + 1, body_end) if out[i] in (call, section_end)]
+            limit = stops[0] if stops else body_end
+            close = next((i for i in range(b, limit) if out[i] == call_end), None)
+            calls.append((b, close + 1 if close is not None else limit))
+        assert _calls(row) == calls
+        answer_end = out.index(section) if section in out else body_end
+        answer = (end + 1, answer_end) if closed else (body_end, body_end)
+        assert (row["answer_start"], row["answer_end"]) == answer
+        tool_rows += bool(begins)
+    assert 0 < tool_rows < ROWS
+    assert not got["client"].exists(got["settings"].keys.alarm("dsr1"))
+    assert got["report"]["model_family"] == "deepseek" and got["report"]["think_end_rate"] > 0.8
+
+
+@pytest.mark.timeout(400)
+def test_a_qwen3_thinking_job_whose_outputs_never_close_reasoning_fails_verify_with_the_alarm(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Qwen3's prompt does not open reasoning (the model opens ``<think>`` itself), so the prompt cannot tell the
+    alarm these rows should reason; the job's ``enable_thinking`` does."""
+    got = _run(tmp_path, redis_url, "qwen3", "qwen3", "qwenlost", sim_flags=("--no-think-end",))
+    assert all(END_THINK not in row["output_ids"] for row in got["rows"])
+    verify = verify_job(got["settings"], "qwenlost")  # in process: the settings' alarm_min_rows (5) apply
+    assert verify.reasoning_alarm and not verify.ok
+    assert (verify.thinking_rows, verify.think_end_rows) == (ROWS, 0)
+    assert not verify.malformed and not verify.missing
+
+
+@pytest.mark.timeout(400)
+def test_a_qwen3_job_with_thinking_off_has_no_reasoning_and_no_alarm(tmp_path: Path, redis_url: str) -> None:
+    kwargs = json.dumps({"enable_thinking": False})
+    got = _run(tmp_path, redis_url, "qwen3", "qwen3", "qwennothink", "--chat-template-kwargs", kwargs)
+    assert got["record"].chat_template_kwargs == {"enable_thinking": False}
+    for row in got["rows"]:  # the prompt closed an empty reasoning block: the model answers at once
+        assert END_THINK in row["input_ids"][-3:]
+        assert THINK not in row["output_ids"] and END_THINK not in row["output_ids"]
+        assert (row["reasoning_start"], row["reasoning_end"], row["has_think_end"]) == (0, 0, False)
+    verify = verify_job(got["settings"], "qwennothink")
+    assert verify.ok and not verify.reasoning_alarm and verify.thinking_rows == 0
 
 
 @pytest.mark.timeout(400)

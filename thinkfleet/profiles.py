@@ -33,7 +33,7 @@ V3.1)          ``<｜tool▁call▁begin｜>``/end           128808 / 128809; ``
 ``glm45``      ``<think>`` ``</think>``               151350 151351
 (GLM-4.5)      ``<tool_call>`` ``</tool_call>``       151352 151353 [verify]; ``<arg_key>`` 151356 [verify]
                stops ``<|endoftext|>`` ``<|user|>``   151329 151336; ``<|observation|>`` 151338; ``<|assistant|>``
-               ``<|observation|>``                    151337; vocab 151,552 [verify]
+               ``<|observation|>``                    151337; ``[gMASK]`` 151331 ``<|system|>`` 151335; vocab 151,552
 ``harmony``    ``<|start|>`` ``<|channel|>``          200006 200005
 (gpt-oss,      ``<|message|>`` ``<|end|>``            200008 200007
 o200k_harmony) ``<|return|>`` ``<|call|>`` (stops)    200002 200012; ``<|constrain|>`` 200003; ``<|endoftext|>`` 199999
@@ -44,8 +44,9 @@ o200k_harmony) ``<|return|>`` ``<|call|>`` (stops)    200002 200012; ``<|constra
 Sources: Kimi — the project's reference notes (§4.1); Qwen3 — ``added_tokens.json`` of the Qwen3 checkpoints
 (cross-checked in several public copies); DeepSeek — the V3/R1 ``tokenizer.json`` ids as vendored in
 tool-parser tests (DeepSeek-R1-*Distill* checkpoints reuse the strings on Qwen/Llama ids: one more reason
-ids are read from the tokenizer); GLM-4.5 — GLM-4's special block 151329–151338 from its tokenizer code,
-``<think>``/``</think>`` from a vendored copy, the tool ids from memory (marked [verify]); harmony — the
+ids are read from the tokenizer); GLM-4.5 — GLM-4's special block 151329–151338 from its tokenizer code
+(``[gMASK]`` 151331, ``<|system|>`` … ``<|assistant|>`` 151335–151337 cross-checked in a public GLM-4.5 tokenizer
+test), ``<think>``/``</think>`` from a vendored copy, the tool ids from memory (marked [verify]); harmony — the
 ``o200k_harmony`` special-token table of openai/gpt-oss and published token dumps
 (``<|channel|>analysis<|message|>`` = 200005 35644 200008).
 
@@ -136,6 +137,17 @@ class ModelProfile:
     #: What the real tokenizer holds (documentation, simulator, test tokenizers; never the pipeline).
     reference_ids: Mapping[str, int] = field(default_factory=dict)
     reference_vocab_size: int | None = None
+
+    @property
+    def model_opens_reasoning(self) -> bool:
+        """In thinking mode the model itself opens reasoning (Qwen3's and GLM-4.5's ``<think>``, gpt-oss's
+        analysis message): the prompt says nothing, so only the job's kwargs tell that rows should reason."""
+        return self.scheme != "none" and not self.prompt_opens_reasoning
+
+    def thinking_on(self, chat_template_kwargs: Mapping[str, Any]) -> bool:
+        """The job's template kwargs leave thinking on: none of the profile's thinking kwargs is ``false``
+        (an absent one is the template's default, on — the rule ``producer submit`` warns by)."""
+        return all(chat_template_kwargs.get(k, True) is not False for k in self.thinking_kwargs)
 
     @property
     def required_tokens(self) -> tuple[str, ...]:
@@ -344,6 +356,17 @@ FAMILIES: tuple[str, ...] = tuple(PROFILES)
 DETECTION_ORDER: tuple[str, ...] = ("harmony", "kimi", "deepseek", "glm45", "qwen3")
 #: Family of a job record written before profiles existed (those were Kimi jobs).
 LEGACY_FAMILY = "kimi"
+
+
+def expects_reasoning(family: str, chat_template_kwargs: Mapping[str, Any], reasoning_spans: bool = True) -> bool:
+    """Every row of the job is expected to reason whatever its prompt: its family's model opens reasoning itself
+    and the job's kwargs leave thinking on (a Qwen3 or GLM-4.5 job with ``enable_thinking``, every gpt-oss job).
+    With the rows whose prompt opens reasoning (:func:`storage.spans.prompt_opens_reasoning`), these are the rows
+    the reasoning alarm counts: a thinking job whose outputs never close reasoning is the loss it exists to catch."""
+    profile = PROFILES.get(family)
+    if profile is None or not reasoning_spans:
+        return False
+    return profile.model_opens_reasoning and profile.thinking_on(chat_template_kwargs)
 
 
 def get_profile(family: str) -> ModelProfile:

@@ -45,6 +45,12 @@ Real reasoning-model tokenizers need a download (Kimi's also ``trust_remote_code
   ``<｜User｜>…``, earlier answers as ``<｜Assistant｜>content<｜end▁of▁sentence｜>`` (reasoning dropped), tool
   calls as ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>``, and a
   generation prompt ``<｜Assistant｜><think>\n`` (``…</think>`` with ``thinking=False``);
+- ``glm45`` (GLM-4.5): a base vocabulary over 151,329 ids and GLM-4.5's added block 151329–151551
+  (``<|endoftext|>`` 151329, ``[gMASK]`` 151331, ``<sop>`` 151333, ``<|system|>``/``<|user|>``/``<|assistant|>``/
+  ``<|observation|>`` 151335–151338, ``<think>``/``</think>`` 151350/151351, ``<tool_call>``/``</tool_call>``
+  151352/151353, ``<arg_key>`` 151356; see :data:`GLM45_SPECIALS` for which ids were checked); a template of
+  GLM-4.5's shape (:data:`GLM45_CHAT_TEMPLATE`) whose generation prompt is ``<|assistant|>`` — the model opens
+  ``<think>`` itself — or ``<|assistant|>\\n<think></think>`` with ``enable_thinking=False``;
 - ``plain``: a ChatML tokenizer *without* reasoning tokens (Qwen2.5-shaped: 151643–151664, no
   ``<think>``): what a submit of a non-reasoning model looks like.
 
@@ -320,6 +326,98 @@ DEEPSEEK_CHAT_TEMPLATE = _keep_newlines(
     "{%- endif -%}"
 )
 
+# -- GLM-4.5 -----------------------------------------------------------------------------------------------
+#: GLM-4.5's added tokens (tokenizer_config.json ``added_tokens_decoder``). [gMASK] 151331, <|system|> 151335,
+#: <|user|> 151336 and <|assistant|> 151337 were checked against a public GLM-4.5 tokenizer test; the rest of the
+#: block (<sop> 151333, <|observation|> 151338, <think>/</think> 151350/151351, <tool_call>/</tool_call>
+#: 151352/151353, <arg_key> … </arg_value> 151356–151359, /nothink 151360) is from memory of that file, in its
+#: order, not checked against a copy. Ids 151365–151551 (up to the config's vocab 151,552) are placeholders here.
+GLM45_SPECIALS: dict[str, int] = {
+    "<|endoftext|>": 151329,
+    "[MASK]": 151330,
+    "[gMASK]": 151331,
+    "[sMASK]": 151332,
+    "<sop>": 151333,
+    "<eop>": 151334,
+    "<|system|>": 151335,
+    "<|user|>": 151336,
+    "<|assistant|>": 151337,
+    "<|observation|>": 151338,
+    "<|begin_of_image|>": 151339,
+    "<|end_of_image|>": 151340,
+    "<|begin_of_video|>": 151341,
+    "<|end_of_video|>": 151342,
+    "<|begin_of_audio|>": 151343,
+    "<|end_of_audio|>": 151344,
+    "<|begin_of_transcription|>": 151345,
+    "<|end_of_transcription|>": 151346,
+    "<|code_prefix|>": 151347,
+    "<|code_middle|>": 151348,
+    "<|code_suffix|>": 151349,
+    "<think>": 151350,
+    "</think>": 151351,
+    "<tool_call>": 151352,
+    "</tool_call>": 151353,
+    "<tool_response>": 151354,
+    "</tool_response>": 151355,
+    "<arg_key>": 151356,
+    "</arg_key>": 151357,
+    "<arg_value>": 151358,
+    "</arg_value>": 151359,
+    "/nothink": 151360,
+    "<|begin_of_box|>": 151361,
+    "<|end_of_box|>": 151362,
+    "<|image|>": 151363,
+    "<|video|>": 151364,
+}
+GLM45_FIRST_SPECIAL_ID = 151_329
+GLM45_VOCAB_SIZE = 151_552
+#: Kept visible by ``skip_special_tokens`` (reasoning and tool-call markers), as for the other families.
+GLM45_NOT_SPECIAL = {t for t, i in GLM45_SPECIALS.items() if 151350 <= i <= 151360}
+
+# Written for this project after the structure of GLM-4.5's chat template (not a copy of it): ``[gMASK]<sop>``,
+# tools declared in a system turn, ``<|role|>\ncontent`` turns with no end marker, assistant turns as
+# ``<|assistant|>\n<think>REASONING</think>\nCONTENT`` (reasoning kept only after the last user turn), tool calls
+# as ``<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n</tool_call>``, tool results in an
+# ``<|observation|>`` turn, and a generation prompt ``<|assistant|>`` (the model opens ``<think>`` itself) or,
+# with ``enable_thinking=False``, ``/nothink`` after the last user message and ``<|assistant|>\n<think></think>``.
+GLM45_CHAT_TEMPLATE = _keep_newlines(
+    _TEXT_MACRO + "[gMASK]<sop>"
+    "{%- set off = enable_thinking is defined and enable_thinking is false -%}"
+    "{%- if tools -%}<|system|>\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{%- for tool in tools -%}\n{{ tool | tojson }}{%- endfor -%}\n</tools>\n\nFor each function call, output the "
+    "function name and arguments within the following XML format:\n<tool_call>{function-name}\n"
+    "<arg_key>{arg-key-1}</arg_key>\n<arg_value>{arg-value-1}</arg_value>\n...\n</tool_call>"
+    "{%- endif -%}"
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- set content = text(m.get('content')) -%}"
+    "{%- if m['role'] == 'system' -%}<|system|>\n{{ content }}"
+    "{%- elif m['role'] == 'user' -%}<|user|>\n{{ content }}"
+    "{%- if off and loop.index0 == ns.last_user -%}/nothink{%- endif -%}"
+    "{%- elif m['role'] == 'assistant' -%}<|assistant|>"
+    "{%- if loop.index0 > ns.last_user and m.get('reasoning_content') -%}"
+    "\n<think>{{ m.get('reasoning_content').strip() }}</think>"
+    "{%- else -%}\n<think></think>{%- endif -%}"
+    "{%- if content -%}\n{{ content.strip() }}{%- endif -%}"
+    "{%- for call in m.get('tool_calls') or [] -%}{%- set f = call['function'] if call.get('function') else call -%}"
+    "{%- set args = f['arguments'] -%}"
+    "\n<tool_call>{{ f['name'] }}\n"
+    # Arguments given as a JSON string stay as written (a template has no JSON parser; GLM-4.5's parses them).
+    "{%- if args is string -%}{{ args }}\n{%- else -%}{%- for k, v in args.items() -%}<arg_key>{{ k }}</arg_key>\n"
+    "<arg_value>{{ v if v is string else (v | tojson) }}</arg_value>\n{%- endfor -%}{%- endif -%}</tool_call>"
+    "{%- endfor -%}"
+    "{%- elif m['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}<|observation|>{%- endif -%}"
+    "\n<tool_response>\n{{ content }}\n</tool_response>"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- if off -%}\n<think></think>{%- endif -%}{%- endif -%}"
+)
+
 # -- plain ChatML (no reasoning tokens) ----------------------------------------------------------------------
 PLAIN_SPECIALS: dict[str, int] = {t: i for t, i in QWEN3_SPECIALS.items() if i <= 151664}
 PLAIN_CHAT_TEMPLATE = _keep_newlines(
@@ -474,6 +572,14 @@ def layout(family: str = "kimi") -> Layout:
             pad="<｜▁pad▁｜>", generation_eos=(1,), generation_bos=0, pinned=dict(DEEPSEEK_LOW),
             pinned_special=frozenset(DEEPSEEK_LOW), model_max_length=131_072,
         )  # fmt: skip
+    if family == "glm45":
+        by_id = {i: t for t, i in GLM45_SPECIALS.items()}
+        specials = {i: by_id.get(i, f"<|reserved_token_{i}|>") for i in range(GLM45_FIRST_SPECIAL_ID, GLM45_VOCAB_SIZE)}
+        return Layout(
+            "glm45", GLM45_FIRST_SPECIAL_ID, specials, frozenset(GLM45_NOT_SPECIAL), GLM45_CHAT_TEMPLATE,
+            eos="<|endoftext|>", pad="<|endoftext|>", generation_eos=(151329, 151336, 151338),
+            model_max_length=131_072,
+        )  # fmt: skip
     if family == "plain":
         return Layout(
             "plain", QWEN3_FIRST_SPECIAL_ID, {i: t for t, i in PLAIN_SPECIALS.items()},
@@ -493,7 +599,7 @@ def layout(family: str = "kimi") -> Layout:
 
 
 #: Families :func:`build_test_tokenizer` can build (``plain``: ChatML without reasoning tokens).
-FAMILIES: tuple[str, ...] = ("kimi", "qwen3", "qwen3-thinking", "deepseek", "harmony", "plain")
+FAMILIES: tuple[str, ...] = ("kimi", "qwen3", "qwen3-thinking", "deepseek", "glm45", "harmony", "plain")
 
 
 def content_hash(family: str = "kimi") -> str:
