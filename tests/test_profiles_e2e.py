@@ -222,6 +222,10 @@ def test_a_qwen3_thinking_job_whose_outputs_never_close_reasoning_fails_verify_w
     assert verify.reasoning_alarm and not verify.ok
     assert (verify.thinking_rows, verify.think_end_rows) == (ROWS, 0)
     assert not verify.malformed and not verify.missing
+    # … and the workers' own alarm (finalize.lua) agrees: it fired, counting every row as expected to reason.
+    client, keys = got["client"], got["settings"].keys
+    assert client.exists(keys.alarm("qwenlost")), "the workers' alarm must fire too"
+    assert int(client.hget(keys.counters("qwenlost"), "expected_think_end")) == ROWS
 
 
 @pytest.mark.timeout(400)
@@ -235,6 +239,11 @@ def test_a_qwen3_job_with_thinking_off_has_no_reasoning_and_no_alarm(tmp_path: P
         assert (row["reasoning_start"], row["reasoning_end"], row["has_think_end"]) == (0, 0, False)
     verify = verify_job(got["settings"], "qwennothink")
     assert verify.ok and not verify.reasoning_alarm and verify.thinking_rows == 0
+    # … and the workers' own alarm agrees: no row was expected to reason, none is counted missing.
+    client, keys = got["client"], got["settings"].keys
+    assert not client.exists(keys.alarm("qwennothink")), "a thinking-off job must not raise the workers' alarm"
+    counters = client.hgetall(keys.counters("qwennothink"))
+    assert int(counters.get(b"expected_think_end", 0)) == 0 and int(counters.get(b"missing_think_end", 0)) == 0
 
 
 @pytest.mark.timeout(400)
@@ -303,6 +312,7 @@ def test_a_tokenizer_without_reasoning_markers_is_refused_then_runs_without_reas
         begins = [i for i, t in enumerate(out) if t == CALL]
         assert [s for s, _ in _calls(row)] == begins  # tool calls are still spanned
     counters = got["client"].hgetall(got["settings"].keys.counters("plain"))
-    assert int(counters[b"missing_think_end"]) == ROWS  # every row "lacks" </think> …
-    assert not got["client"].exists(got["settings"].keys.alarm("plain")), "… and no alarm: spans are off"
+    # Spans are off: no row is expected to reason, none counts as missing </think>, and no alarm.
+    assert int(counters[b"missing_think_end"]) == 0 and int(counters.get(b"expected_think_end", 0)) == 0
+    assert not got["client"].exists(got["settings"].keys.alarm("plain")), "no alarm: spans are off"
     assert got["report"]["reasoning_spans"] is False and got["report"]["think_end_rate"] is None

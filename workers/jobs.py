@@ -13,6 +13,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from thinkfleet.keys import Keys
+from thinkfleet.profiles import expects_reasoning as job_expects_reasoning
 from thinkfleet.state.job import JobRecord, max_new_tokens_of
 from thinkfleet.tokens import KIMI_TOKENS, SpanTokens
 
@@ -33,6 +34,9 @@ class JobSpec:
     dataset_sampling: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: the datasets the record listed when it was read (a later submit may add some: :class:`JobCache`)
     datasets: frozenset[str] = frozenset()
+    #: Every row is expected to reason, whatever its prompt (a thinking-mode job of a family whose model opens
+    #: reasoning itself: ``thinkfleet.profiles.expects_reasoning``); else only rows whose prompt opens it.
+    expects_reasoning: bool = False
 
     @property
     def reasoning_spans(self) -> bool:
@@ -60,6 +64,9 @@ class JobSpec:
             tokens=record.span_tokens(),
             dataset_sampling={name: dict(params) for name, params in record.dataset_sampling.items()},
             datasets=frozenset(record.datasets),
+            expects_reasoning=job_expects_reasoning(
+                record.model_family, record.chat_template_kwargs, record.span_tokens().reasoning_spans
+            ),
         )
 
 

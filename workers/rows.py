@@ -48,9 +48,10 @@ def build_row(
 ) -> tuple[dict[str, Any], FinalRow]:
     """One row; counts the server did not report (``reasoning_tokens`` before SGLang 0.5.10, …) stay None
     (null), and ``deterministic`` says whether the server honoured ``sampling_seed`` (None: unknown)."""
+    opens = prompt_opens_reasoning(input_ids, job.tokens)
     spans = compute_spans(
         gen.output_ids,
-        prompt_ends_with_think_start=prompt_opens_reasoning(input_ids, job.tokens),
+        prompt_ends_with_think_start=opens,
         **_span_keywords(job.tokens),
     )
     seed = sampling_params.get("sampling_seed")
@@ -99,5 +100,6 @@ def build_row(
         has_think_end=spans.has_think_end,
         truncated=gen.finish_type == "length",
         reasoning_alarm=job.tokens.reasoning_spans,
+        expects_reasoning=opens or job.expects_reasoning,
     )
     return row, final

@@ -69,6 +69,14 @@ class FinalRow:
     completion_tokens: int
     has_think_end: bool
     truncated: bool
+    #: The row is expected to reason (its prompt opens reasoning, or its job's model opens it in thinking mode):
+    #: only such rows count for the reasoning alarm (``thinkfleet.profiles.expects_reasoning``).
+    expects_reasoning: bool = True
+
+    @property
+    def think_flag(self) -> int:
+        """finalize.lua's per-row flag: 1 closed reasoning, 0 expected to and did not, 2 not expected to."""
+        return 1 if self.has_think_end else 0 if self.expects_reasoning else 2
 
 
 class Ledger:
@@ -153,7 +161,7 @@ class Ledger:
         k = self.keys
         args: list[Any] = [self.worker, f"{time.time():.6f}", alarm_min_rows, alarm_share, dataset]
         for row, turn in zip(rows, turns or [None] * len(rows), strict=True):
-            args += [row.prompt_id, row.completion_tokens, int(row.has_think_end), int(row.truncated)]
+            args += [row.prompt_id, row.completion_tokens, row.think_flag, int(row.truncated)]
             if turn is None:
                 args += ["", "", "", "", ""]
             else:

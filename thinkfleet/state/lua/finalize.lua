@@ -7,10 +7,11 @@
 -- counters follow as requeue.lua corrects them (the next turn is of the same dataset).
 -- KEYS: done, claims, counters, dataset_counters, worker_counters, timeline, deliveries,
 --       and only when a row carries an answer or a next turn: queue, prompts, prompt_dataset, answers, dead
--- ARGV: worker, now, alarm_min_rows, alarm_missing_share, dataset, then per row: prompt_id, tokens, think_end,
+-- ARGV: worker, now, alarm_min_rows, alarm_missing_share, dataset, then per row: prompt_id, tokens, think_end
+--       ('1' closed reasoning, '0' expected to and did not, '2' not expected to reason: not watched by the alarm),
 --       truncated, answer ('' = none), next_prompt_id ('' = none), next_content_hash, next_message,
 --       drop (JSON list of turn prompt ids, '' = none)
-local new_rows, tokens, think, trunc = 0, 0, 0, 0
+local new_rows, tokens, think, trunc, expected = 0, 0, 0, 0, 0
 local undone, undead = 0, 0
 local function take_out(id)
   undone = undone + redis.call('SREM', KEYS[1], id)
@@ -25,9 +26,13 @@ for i = 6, #ARGV, 9 do
   if redis.call('SADD', KEYS[1], pid) == 1 then
     new_rows = new_rows + 1
     tokens = tokens + tonumber(ARGV[i + 1])
-    think = think + tonumber(ARGV[i + 2])
+    local f = ARGV[i + 2]
+    if f == '1' then think = think + 1 end
+    if f ~= '2' then
+      expected = expected + 1
+      flags[#flags + 1] = f
+    end
     trunc = trunc + tonumber(ARGV[i + 3])
-    flags[#flags + 1] = ARGV[i + 2]
     if ARGV[i + 4] ~= '' then redis.call('HSET', KEYS[11], pid, ARGV[i + 4]) end
     if ARGV[i + 5] ~= '' then
       take_out(ARGV[i + 5])
@@ -49,13 +54,14 @@ end
 redis.call('HINCRBY', KEYS[3], 'done', new_rows - undone)
 redis.call('HINCRBY', KEYS[3], 'output_tokens', tokens)
 redis.call('HINCRBY', KEYS[3], 'think_end', think)
-redis.call('HINCRBY', KEYS[3], 'missing_think_end', new_rows - think)
+redis.call('HINCRBY', KEYS[3], 'missing_think_end', expected - think)
+redis.call('HINCRBY', KEYS[3], 'expected_think_end', expected)
 redis.call('HINCRBY', KEYS[3], 'truncated', trunc)
 redis.call('HINCRBY', KEYS[4], 'done', new_rows - undone)
 redis.call('HINCRBY', KEYS[4], 'output_tokens', tokens)
 redis.call('HINCRBY', KEYS[5], ARGV[1], tokens)
 redis.call('ZADD', KEYS[6], ARGV[2], ARGV[2] .. ':' .. new_rows .. ':' .. tokens)
--- The reasoning alarm watches the job's first alarm_min_rows rows, then the running share.
+-- The reasoning alarm watches the job's first alarm_min_rows rows expected to reason, then the running share.
 local minrows = tonumber(ARGV[3])
 local seen = tonumber(redis.call('HGET', KEYS[3], 'alarm_rows') or '0')
 local miss = tonumber(redis.call('HGET', KEYS[3], 'alarm_missing') or '0')
@@ -65,7 +71,7 @@ for _, f in ipairs(flags) do
   if f == '0' then miss = miss + 1 end
 end
 redis.call('HSET', KEYS[3], 'alarm_rows', seen, 'alarm_missing', miss)
-local rows = tonumber(redis.call('HGET', KEYS[3], 'done'))
+local rows = tonumber(redis.call('HGET', KEYS[3], 'expected_think_end') or '0')
 local missing_all = tonumber(redis.call('HGET', KEYS[3], 'missing_think_end'))
 local share = tonumber(ARGV[4])
 local fire = 0
