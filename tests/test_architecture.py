@@ -6,7 +6,8 @@
   test-support package thinkfleet/testing/, which drives them all; no product code imports that package (but the
   demo, which runs the product on test tokenizers).
 - kombu is imported only by thinkfleet/broker/ (Celery itself also by the worker's workers/app.py and
-  workers/tasks.py, and by benchmarks), and only there is kombu's key separator (``"\\x06\\x16"``) spelled.
+  workers/tasks.py and the worker's pool workers/pool.py, and by benchmarks), and only there is kombu's key
+  separator (``"\\x06\\x16"``) spelled.
 
 Each failure names the file and line of the offending import or literal.
 """
@@ -113,9 +114,10 @@ def test_kombu_is_imported_only_by_the_broker() -> None:
 
 
 def test_celery_is_imported_only_by_the_broker_and_the_worker() -> None:
-    # The worker registers its task and signal hooks on the broker's app (workers/app.py, workers/tasks.py);
+    # The worker registers its task and signal hooks on the broker's app (workers/app.py, workers/tasks.py) and
+    # runs its own Celery pool (workers/pool.py);
     # benchmarks may time Celery's own publish against ours (bench/).
-    allowed = ("workers/app.py", "workers/tasks.py")
+    allowed = ("workers/app.py", "workers/tasks.py", "workers/pool.py")
     bad = [
         i for i in IMPORTS if i.top == "celery" and not i.path.startswith((BROKER, "bench/")) and i.path not in allowed
     ]
@@ -140,6 +142,7 @@ def test_importing_the_broker_loads_no_worker_runtime() -> None:
         "import sys\n"
         "import thinkfleet.broker.celery_app, thinkfleet.broker.envelope, thinkfleet.broker.queues\n"
         "import thinkfleet.broker.transit, thinkfleet.broker.visibility, thinkfleet.broker.guard\n"
+        "import thinkfleet.broker.bodies\n"
         "roots = {'aiohttp', 'producer', 'workers', 'storage', 'sglang_sim'}\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in roots))\n"
     )

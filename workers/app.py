@@ -24,6 +24,9 @@ def make_app(settings: Settings | None = None, register: bool = True) -> Celery:
     app = celery_app.make_app(settings)
     if register:
         register_tasks(app, app.thinkfleet_settings)  # type: ignore[attr-defined]
+        # The worker runs its prompts on its event loop, not a thread each (workers/pool.py). Celery's
+        # ``--pool`` left at its default takes the configured pool; an explicit ``--pool threads`` still works.
+        app.conf.worker_pool = "workers.pool:LoopPool"
     return app
 
 

@@ -21,8 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from celery.concurrency.base import BasePool, apply_target
-from kombu.serialization import loads, prepare_accept_content
 
+from thinkfleet.broker.bodies import BodyReader
 from workers.runtime import current_runtime
 
 log = logging.getLogger("thinkfleet.worker")
@@ -60,7 +60,7 @@ class LoopPool(BasePool):
         self._tracer = ThreadPoolExecutor(max_workers=TRACE_THREADS, thread_name_prefix="thinkfleet-trace")
         self._running: set[Any] = set()  # prompts started on the loop whose trace has not finished
         # Only the content types the app accepts (msgpack, json): never a pickle, here as in the trace.
-        self._accept = prepare_accept_content(self.app.conf.accept_content)
+        self._bodies = BodyReader(self.app.conf.accept_content)
 
     def on_stop(self) -> None:
         # Celery stops the pool after its consumer: prompts still running end within the drain's grace.
@@ -85,7 +85,7 @@ class LoopPool(BasePool):
         **_: Any,
     ) -> _Done:
         rt = current_runtime()
-        task_args = _task_args(args, self._accept) if rt is not None else None
+        task_args = _task_args(args, self._bodies) if rt is not None else None
         if rt is None or task_args is None:
             # No runtime yet, or a body we cannot read: Celery's trace does it all (and hands it back).
             return _Done(self._tracer.submit(apply_target, target, args, kwargs, callback, accept_callback))
@@ -119,13 +119,12 @@ class LoopPool(BasePool):
         return info
 
 
-def _task_args(args: tuple[Any, ...] | None, accept: set[str]) -> tuple[Any, ...] | None:
+def _task_args(args: tuple[Any, ...] | None, bodies: BodyReader) -> tuple[Any, ...] | None:
     """The task's positional args from Celery's trace arguments ``(name, id, request, body, content_type,
     content_encoding)`` (message protocol 2: the body is ``(args, kwargs, embed)``); None if unreadable."""
     try:
         _name, _id, _request, body, content_type, content_encoding = args[:6]  # type: ignore[index]
-        decoded = loads(body, content_type, content_encoding, accept=accept)
-        return tuple(decoded[0])
+        return bodies.task_args(body, content_type, content_encoding)
     except Exception as exc:
         log.warning("could not read a task body before its trace (%s): the trace handles it", exc)
         return None

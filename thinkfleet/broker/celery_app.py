@@ -5,7 +5,8 @@ app (``workers/app.py``, what ``celery -A workers.app worker``, the ``worker`` s
 this one with the task registered. Choices, each answering a known Celery-on-Redis trap:
 
 - msgpack (ids travel as bytes) and json only: a pickle message is refused, never executed.
-- Late acks + prefetch multiplier 1 + a thread pool sized to the in-flight bound: a host holds only
+- Late acks + prefetch multiplier 1 + a pool sized to the in-flight bound (Celery's thread pool here; the
+  worker's app runs ``workers.pool.LoopPool``, the same bound without a thread per message): a host holds only
   messages it is working on, and a prompt is acknowledged only after its row is committed.
 - The visibility timeout equals ``lease_s`` everywhere Celery reads it; live workers renew the visibility
   of what they hold (workers/lease.py → visibility.py), and kombu's own sweep — run every
