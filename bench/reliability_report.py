@@ -195,7 +195,8 @@ def render(rows: list[dict[str, Any]], runs: dict[str, Any]) -> str:
         "the simulator's deterministic output byte for byte (`sglang_sim.content.expected_generation`), "
         "that the real `producer verify JOB` exits 0, and that `producer status JOB --json` counts "
         "(total/done/dead/queued/running/unaccounted) equal storage's. Some scenarios also sample the live "
-        "invariant `total = done + dead + queued + running` while the faults happen (`thinkfleet/testing/invariant_watch.py`).",
+        "invariant `total = done + dead + queued + running` while the faults happen "
+        "(`thinkfleet/testing/invariant_watch.py`).",
         "",
         "- **result**: pass, **FAIL** (a check failed, or the scenario did not finish: its counts are what "
         "Redis and storage held when it failed, `?` where unknown) or SKIP (not run).",
