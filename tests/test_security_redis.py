@@ -670,6 +670,7 @@ def start_flower(server: AclRedis, workdir: Path) -> FlowerProcess:
 AMBIGUOUS = {
     *("append", "close", "command", "copy", "echo", "info", "keys", "sort", "time", "wait", "unlink"),
     *("select", "save", "reset", "type", "move", "discard", "publish", "monitor", "lock", "object", "lastsave"),
+    *("shutdown",),  # ThreadPoolExecutor.shutdown (workers/pool.py), not SHUTDOWN
     *("get", "set", "exists", "delete", "execute", "update", "role", "from_url", "parse_response"),
 }
 #: redis-py helpers → the commands they send.
