@@ -206,7 +206,9 @@ def test_retry_of_a_dead_lettered_turn_requeues_it_and_the_chain_goes_on(redis_u
                                                      "--key-prefix", settings.key_prefix]).output)  # fmt: skip
         assert status["conversations"]["dead"] == 1 and status["turns"] == {"planned": 3, "enqueued": 2, "done": 1}
         # When the server comes back with a longer context and the operator retries the turn.
+        closed = worker.gate_closures()
         sim.kill()
+        wait_until(lambda: worker.gate_closures() > closed, 30, what="the worker saw the server go")
         sim.args = ["--time-scale", "400"]
         sim.start()
         retry = producer_cli(settings, "retry", job, "--json")

@@ -55,7 +55,9 @@ def test_poison_prompts_are_dead_lettered_with_reasons_and_retried_on_request(re
         # or on the server's own 400 — either way never retried blindly.
         assert {d["attempts"] for d in dead.values()} <= {0, 1}, "a permanent error is never retried blindly"
         # When the server comes back with a longer context and the operator retries the overflows.
+        closed = worker.gate_closures()
         sim.kill()
+        wait_until(lambda: worker.gate_closures() > closed, 30, what="the worker saw the server go")
         sim.args = ["--time-scale", "400"]
         sim.start()
         retry = producer_cli(settings, "retry", "poison", "--error-class", "context_overflow", "--json")

@@ -81,11 +81,6 @@ def _resolved(client: redis.Redis, keys: Keys, job: str) -> int:
     return p["done"] + p["dead"]
 
 
-def _not_consuming_lines(worker: WorkerProcess) -> int:
-    """How often the worker's health gate has closed so far (its log says "not consuming")."""
-    return worker.log_path.read_text(errors="replace").count("not consuming")
-
-
 def _two_idle_workers(client: redis.Redis, keys: Keys, workers: list[WorkerProcess]) -> None:
     for w in workers:
         assert w.alive(), w.tail()
@@ -116,11 +111,9 @@ def test_retry_while_two_workers_sit_idle_loses_nothing(redis_url: str, tmp_path
         # the operator retries every dead letter.
         # Each worker must see the server go away: one that probes only after the restart would keep the old
         # server's context length (a real restart takes minutes, far longer than a health interval).
-        seen = {w.name: _not_consuming_lines(w) for w in workers}
+        seen = {w.name: w.gate_closures() for w in workers}
         sim.kill()
-        wait_until(
-            lambda: all(_not_consuming_lines(w) > seen[w.name] for w in workers), 30, what="both workers saw it go"
-        )
+        wait_until(lambda: all(w.gate_closures() > seen[w.name] for w in workers), 30, what="both workers saw it go")
         sim.args = ["--time-scale", "400"]
         sim.start()
         _two_idle_workers(client, keys, workers)

@@ -136,6 +136,15 @@ class WorkerProcess:
         except OSError:
             return "(no log)"
 
+    def gate_closures(self) -> int:
+        """How often the worker's health gate has closed so far (its log says "not consuming"): a test that
+        restarts the server waits for this to grow, or a worker whose probes straddled a sub-second restart
+        keeps what it read from the old server (its context length) — a real restart takes minutes."""
+        try:
+            return self.log_path.read_text(errors="replace").count("not consuming")
+        except OSError:
+            return 0
+
 
 def wait_until(
     predicate: Callable[[], object], timeout_s: float, interval_s: float = 0.2, what: str = "condition"
