@@ -6,4 +6,7 @@ cd "$(dirname "$0")/.."
 source scripts/_env.sh
 ensure_venv dev
 ensure_redis
-exec .venv/bin/python -m pytest -q -rs "$@"  # -rs: every skip is listed with its reason
+# -rs: every skip is listed with its reason. -n: most tests wait on their own subprocesses (workers, simulators,
+# redis-servers), so three processes share the 2-core CI machine well; --dist loadfile keeps a module's tests
+# (and its module fixtures) in one process. THINKFLEET_TEST_PROCESSES=0 runs them all in this one.
+exec .venv/bin/python -m pytest -q -rs -n "${THINKFLEET_TEST_PROCESSES:-3}" --dist loadfile "$@"
