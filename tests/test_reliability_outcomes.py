@@ -273,6 +273,10 @@ def test_output_unwritable_for_20s_keeps_rows_stops_consuming_and_finishes_clean
         # A regular file where the dataset directory was: every part write fails (root ignores chmod).
         shutil.move(str(dataset_dir), str(aside))
         dataset_dir.write_text("blocked")
+        # A part written just before the swap is durable (it moved aside with its directory) and may still be
+        # finalized: count from the worker's first failed commit on, plus a moment for such a finalize.
+        wait_until(lambda: "stopped consuming" in worker.log_path.read_text(), 60, what="the first failed commit")
+        time.sleep(1.0)
         blocked["done_before"] = job_progress(client, keys, "unwritable")["done"]
         blocked["completed_before"] = float(sim_stats(sim.url)["completed"])
         time.sleep(20)
