@@ -317,7 +317,7 @@ def worker_defaults(settings: Settings) -> str:
     s = settings
     return (
         f"defaults — group commit every flush_interval_s={s.flush_interval_s:g} or at "
-        f"{early_flush_rows(s)} waiting rows, pool threads = bound + {s.commit_headroom}, "
+        f"{early_flush_rows(s)} waiting rows, messages held = bound + {s.commit_headroom} (LoopPool: no thread each), "
         f"lease_s={s.lease_s:g}"
     )
 
