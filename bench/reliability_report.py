@@ -39,15 +39,9 @@ _PREVIOUS = "_previous"
 
 def code_version(root: Path = ROOT) -> str:
     """``git rev-parse HEAD``, plus "-dirty" when ``git status --porcelain`` lists anything."""
+    from thinkfleet.testing.harness import git_version
 
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=60).stdout.strip()
-
-    try:
-        head = git("rev-parse", "HEAD") or "unknown"
-        return head + ("-dirty" if git("status", "--porcelain") else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+    return git_version(root)
 
 
 def clear_stale(results: Path, slow: bool) -> list[Path]:

@@ -26,8 +26,7 @@ from storage.reader import raw_duplicates, read_committed
 from thinkfleet import failpoints
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import JobRecord
-from thinkfleet.testing.corpus import synthetic_text
-from thinkfleet.testing.datasets import write_jsonl
+from thinkfleet.testing.datasets import conversation_rows, write_jsonl
 from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
 from thinkfleet.testing.harness import fast_env, isolated_settings, producer_cli, simulator
 from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
@@ -41,13 +40,7 @@ TURNS = 3
 
 
 def _conversations(path: Path) -> Path:
-    rows = []
-    for c in range(CONVERSATIONS):
-        messages = [{"role": "system", "content": "You are a careful assistant."}]
-        for t in range(TURNS):
-            messages.append({"role": "user", "content": synthetic_text(10, c * 100 + t)})
-            messages.append({"role": "assistant", "content": f"the dataset's answer {t}", "reasoning_content": "x"})
-        rows.append({"id": f"c{c}", "messages": messages})
+    rows = conversation_rows(CONVERSATIONS, TURNS, 10, "You are a careful assistant.", reasoning="x")
     return write_jsonl(path, rows)
 
 

@@ -28,8 +28,7 @@ from storage.reader import read_committed
 from storage.verify import verify_job
 from thinkfleet.broker.keys import priority_list
 from thinkfleet.state.job import JobRecord
-from thinkfleet.testing.corpus import synthetic_text
-from thinkfleet.testing.datasets import write_jsonl
+from thinkfleet.testing.datasets import conversation_rows, write_jsonl
 from thinkfleet.testing.fleet import WorkerProcess, job_progress, wait_until
 from thinkfleet.testing.harness import fast_env, isolated_settings, producer_cli
 from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
@@ -40,13 +39,7 @@ CONVERSATIONS, TURNS, SMALL, LARGE, PRIORITY = 3, 3, 8, 4000, 3
 
 
 def _conversations(path: Path) -> Path:
-    rows = []
-    for c in range(CONVERSATIONS):
-        messages = [{"role": "system", "content": "Be careful."}]
-        for t in range(TURNS):
-            messages.append({"role": "user", "content": synthetic_text(8, c * 10 + t)})
-            messages.append({"role": "assistant", "content": f"the dataset's answer {t}"})
-        rows.append({"id": f"c{c}", "messages": messages})
+    rows = conversation_rows(CONVERSATIONS, TURNS, 8, "Be careful.", seed_step=10)
     return write_jsonl(path, rows)
 
 

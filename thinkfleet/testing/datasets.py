@@ -29,6 +29,24 @@ def chat_rows(
     return rows
 
 
+def conversation_rows(
+    conversations: int, turns: int, words: int, system: str, reasoning: str | None = None, seed_step: int = 100
+) -> list[dict[str, Any]]:
+    """``conversations`` chats of ``turns`` user turns each (``id`` c0, c1, …), every user turn answered by the
+    dataset's own assistant message (with ``reasoning_content`` when given): multi-turn regeneration input."""
+    rows = []
+    for c in range(conversations):
+        messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+        for t in range(turns):
+            messages.append({"role": "user", "content": synthetic_text(words, c * seed_step + t)})
+            answer: dict[str, Any] = {"role": "assistant", "content": f"the dataset's answer {t}"}
+            if reasoning is not None:
+                answer["reasoning_content"] = reasoning
+            messages.append(answer)
+        rows.append({"id": f"c{c}", "messages": messages})
+    return rows
+
+
 def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
