@@ -179,9 +179,14 @@ def test_redis_away_longer_than_the_worker_retries_hands_work_back(tmp_path: Pat
             time.monotonic() - started,
             workers=2,
             ci=False,
-            notes="in-flight prompts handed back, never acked while Redis was away",
+            notes="in-flight prompts handed back, or their rows kept in memory and committed once Redis was back; "
+            "nothing acked while Redis was away",
         )
         outcome.assert_clean()
-        assert "handing it back" in logs or "Redis unreachable while handling" in logs, "work was handed back"
+        # What was in flight either went back (a claim or a read failed) or finished generating and waited, rows
+        # in memory, for its commit (mark_part/finalize need Redis) — which of the two depends on timing.
+        handed_back = "handing it back" in logs or "Redis unreachable while handling" in logs
+        committed_late = "rows kept in memory, retrying" in logs and "succeeded after" in logs
+        assert handed_back or committed_late, "Redis's absence went unnoticed by the workers"
     finally:
         server.stop()
