@@ -65,9 +65,9 @@ def clear_stale(results: Path, slow: bool) -> list[Path]:
 
 def run_suite(results: Path, slow: bool) -> int:
     """Run the reliability tests with results recording on; returns pytest's exit code."""
+    version = code_version()  # before the old rows move aside (which makes the tree look dirty)
     results.mkdir(parents=True, exist_ok=True)
     clear_stale(results, slow)
-    version = code_version()
     marker = "slow or not slow" if slow else "not slow"
     command = [sys.executable, "-m", "pytest", "-q", "-rs", "-m", marker, *sorted(str(p) for p in _test_files())]
     started = time.monotonic()
@@ -90,7 +90,12 @@ def run_suite(results: Path, slow: bool) -> int:
 
 
 #: The test files whose scenarios fill RELIABILITY.md (tests/conftest.py records failures of the same).
-SCENARIO_GLOBS = ("test_reliability_*.py", "test_worker_fidelity.py", "test_security_*.py")
+SCENARIO_GLOBS = (
+    "test_reliability_*.py",
+    "test_worker_fidelity.py",
+    "test_security_*.py",
+    "test_producer_lifecycle.py",
+)
 
 
 def is_scenario_file(name: str) -> bool:
@@ -167,7 +172,8 @@ def render(rows: list[dict[str, Any]], runs: dict[str, Any]) -> str:
         "# Reliability",
         "",
         "Written by `bench/reliability_report.py` from the results the fault-injection suite "
-        "(`tests/test_reliability_*.py`, `tests/test_worker_fidelity.py`, `tests/test_security_*.py`) records "
+        "(`tests/test_reliability_*.py`, `tests/test_worker_fidelity.py`, `tests/test_security_*.py`, "
+        "`tests/test_producer_lifecycle.py`) records "
         "as it runs; do not edit by hand. Regenerate:",
         "",
         "```bash",
