@@ -491,8 +491,9 @@ def tool_path(name: str) -> Path | None:
     return Path(found) if found else None
 
 
-#: The benchmarks' own outputs: writing them must not make the next run's stamp dirty.
-STAMP_EXCLUDES = ("bench/results", "BENCHMARKS.md")
+#: The generated reports and their data (benchmarks, RELIABILITY.md): writing them must not make the next
+#: run's stamp dirty.
+STAMP_EXCLUDES = ("bench/results", "BENCHMARKS.md", "RELIABILITY.md")
 
 
 def code_version(root: Path = ROOT) -> dict[str, Any]:
