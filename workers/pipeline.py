@@ -23,12 +23,13 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from storage.spans import prompt_opens_reasoning
 from storage.writer import PartWriter
 from thinkfleet.failpoints import failpoint
 from thinkfleet.message import MessageLimits, MessageRefused, PromptTask
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import JobRecord
-from thinkfleet.state.ledger import FinalRow, Ledger
+from thinkfleet.state.ledger import Ledger
 from thinkfleet.state.lifecycle import CANCELLED, CANCELLED_CLASS, PAUSED
 from thinkfleet.state.scripts import lua
 from workers.attempts import HandBack, RequestAttempts
@@ -36,7 +37,7 @@ from workers.committer import GroupCommitter, StorageUnavailable
 from workers.health import HealthGate
 from workers.jobs import JobCache, JobSpec, UnknownJob
 from workers.metrics import WorkerMetrics
-from workers.rows import build_row
+from workers.rows import build_row, final_row
 from workers.sglang import PermanentError, RequestLimits, ServerInfo, check_request
 
 log = logging.getLogger("thinkfleet.worker")
@@ -295,7 +296,7 @@ class PromptPipeline:
             # A previous run committed the part but never marked it done (a death, or a hand-back after
             # an ambiguous commit): finalize from that part, never generate a second row.
             committed = bool(claim.part) and await asyncio.to_thread(self.writer.exists, claim.part)
-            if committed and await self._finish_orphan(task, str(claim.part)):
+            if committed and await self._finish_orphan(task, job, input_ids, str(claim.part)):
                 return "already-stored"
             return await self._generate_and_store(task, job, input_ids)
         except (HandBack, StorageUnavailable) as exc:
@@ -329,16 +330,17 @@ class PromptPipeline:
                 return False
             await asyncio.sleep(0.5)
 
-    async def _finish_orphan(self, task: PromptTask, part: str) -> bool:
+    async def _finish_orphan(self, task: PromptTask, job: JobSpec, input_ids: list[int], part: str) -> bool:
         """Finalize a prompt from a committed part with the row's real counts; False if the row is not there."""
         row = await asyncio.to_thread(self.writer.final_counts, task.job, task.dataset, part, task.prompt_id)
         if row is None:
             log.warning("part %s has no row for %s/%s: generating it", part, task.job, task.prompt_id)
             return False
         log.info("prompt %s/%s was committed in %s by an earlier run: finalizing", task.job, task.prompt_id, part)
-        final = FinalRow(
-            task.prompt_id, int(row["completion_tokens"]), bool(row["has_think_end"]), row["finish_reason"] == "length"
-        )
+        # As a fresh row would be finalized (rows.final_row): an orphan of a thinking-off job is no alarm row.
+        opens = prompt_opens_reasoning(input_ids, job.tokens)
+        truncated = row["finish_reason"] == "length"
+        final = final_row(task, job, int(row["completion_tokens"]), bool(row["has_think_end"]), truncated, opens)
         # (a turn of a --turns all job also enqueues its next turn, computed from the stored row)
         await self.committer.finalize_orphan(task.job, task.dataset, part, final)
         return True

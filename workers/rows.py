@@ -94,12 +94,20 @@ def build_row(
         "turn_count": None,
         "created_at": datetime.now(UTC),
     }
-    final = JobFinalRow(
-        prompt_id=task.prompt_id,
-        completion_tokens=gen.completion_tokens,
-        has_think_end=spans.has_think_end,
-        truncated=gen.finish_type == "length",
-        reasoning_alarm=job.tokens.reasoning_spans,
-        expects_reasoning=opens or job.expects_reasoning,
-    )
+    final = final_row(task, job, gen.completion_tokens, spans.has_think_end, gen.finish_type == "length", opens)
     return row, final
+
+
+def final_row(
+    task: PromptTask, job: JobSpec, completion_tokens: int, has_think_end: bool, truncated: bool, prompt_opens: bool
+) -> JobFinalRow:
+    """What ``finalize`` records of a row — the same for a row just generated and for an orphan's stored row:
+    whether its job watches the alarm, and whether this row is expected to reason."""
+    return JobFinalRow(
+        prompt_id=task.prompt_id,
+        completion_tokens=completion_tokens,
+        has_think_end=has_think_end,
+        truncated=truncated,
+        reasoning_alarm=job.tokens.reasoning_spans,
+        expects_reasoning=prompt_opens or job.expects_reasoning,
+    )
