@@ -39,6 +39,7 @@ from thinkfleet.cli import STATE, settings_options
 from thinkfleet.message import PromptTask, pack_ids
 from thinkfleet.settings import Settings
 from thinkfleet.state.scripts import lua
+from thinkfleet.turns import TURNS_FIELD, regenerates_all_turns, turns_meta
 
 #: Prompts per Lua call (and messages per encode batch) inside the one MULTI.
 CHUNK = 5000
@@ -142,12 +143,7 @@ def retry_dead(settings: Settings, job: str, error_classes: tuple[str, ...] = ()
 
 
 def _multi_turn(client: redis.Redis, settings: Settings, job: str) -> bool:
-    raw = client.hget(settings.keys.job(job), "turns")
-    try:
-        meta = json.loads(raw) if raw is not None else {}
-    except ValueError:
-        return False
-    return isinstance(meta, dict) and meta.get("mode") == "all"
+    return regenerates_all_turns(turns_meta(client.hget(settings.keys.job(job), TURNS_FIELD)))
 
 
 def _chain_heads(

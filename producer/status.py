@@ -130,11 +130,19 @@ class StatusReader:
         """--turns all: ``conversations`` {total, complete, in_progress, cut_at_tool, chain_ended, dead} and
         ``turns`` {enqueued, done}, from the job hash's ``turns`` field, the ``turns_enqueued`` counter (later
         turns the workers enqueued), the done set, the dead letters and the answers hash. {} for other jobs."""
-        from thinkfleet.turns import answers_key, conversations_key, split_turn_id, turn_id
+        from thinkfleet.turns import (
+            TURNS_FIELD,
+            answers_key,
+            conversations_key,
+            regenerates_all_turns,
+            split_turn_id,
+            turn_id,
+            turns_meta,
+        )
 
         keys, job, r = self.settings.keys, self.job, self.client
-        meta = _json_or_text(r.hget(keys.job(job), "turns"))
-        if not isinstance(meta, dict) or meta.get("mode") != "all":
+        meta = turns_meta(r.hget(keys.job(job), TURNS_FIELD))
+        if not regenerates_all_turns(meta):
             return {}
         done = {m.decode() for m in r.smembers(keys.done(job))}
         dead = {k.decode() for k in r.hkeys(keys.dead(job))}

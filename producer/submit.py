@@ -53,6 +53,7 @@ from thinkfleet.state.job import (
     sample_overrides,
     sampling_params,
 )
+from thinkfleet.turns import TURNS_FIELD, regenerates_all_turns, turns_meta
 
 #: prompt_id of sample k when --samples > 1: "<dataset>/<id>#<k>".
 SAMPLE_SEP = "#"
@@ -438,14 +439,10 @@ def _previous_turns(settings: Settings, job: str, existing: Existing) -> str | N
     try:
         client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
         with client:
-            raw = client.hget(settings.keys.job(job), "turns")
+            raw = client.hget(settings.keys.job(job), TURNS_FIELD)
     except (redis.RedisError, OSError):
         return None
-    try:
-        mode = json.loads(raw).get("mode") if raw is not None else None
-    except (ValueError, AttributeError):
-        mode = None
-    return "all" if mode == "all" else "last"
+    return "all" if regenerates_all_turns(turns_meta(raw)) else "last"
 
 
 class _Collector:

@@ -8,6 +8,7 @@ having stored turn i, builds turn i+1's history (:func:`turn_messages`) from the
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -16,6 +17,26 @@ from thinkfleet.keys import Keys
 
 #: ``{conversation}/t{i}``
 TURN_ID = re.compile(r"^(?P<conv>.+)/t(?P<turn>\d+)$")
+
+
+#: The job hash's field that says how a job regenerates turns: JSON {mode: "all" | "last", turns, …}.
+TURNS_FIELD = "turns"
+
+
+def turns_meta(raw: bytes | str | None) -> dict[str, Any]:
+    """The job hash's ``turns`` field decoded; {} when absent or unreadable (a single-turn job)."""
+    if raw is None:
+        return {}
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def regenerates_all_turns(meta: dict[str, Any]) -> bool:
+    """A ``--turns all`` job (:func:`turns_meta` of its record)."""
+    return meta.get("mode") == "all"
 
 
 def conversations_key(keys: Keys, job: str) -> str:

@@ -46,13 +46,16 @@ from thinkfleet.message import PromptTask, content_hash, pack_ids
 from thinkfleet.state.job import JobRecord
 from thinkfleet.template import TokenizerError, fingerprint, load_tokenizer, render_ids
 from thinkfleet.turns import (
+    TURNS_FIELD,
     answer_message,
     answer_revision,
     answers_key,
     conversations_key,
+    regenerates_all_turns,
     split_turn_id,
     turn_id,
     turn_messages,
+    turns_meta,
 )
 
 log = logging.getLogger(__name__)
@@ -112,13 +115,9 @@ class TurnChainer:
 
     async def multi_turn(self, job: str) -> bool:
         if job not in self._mode:
-            raw = await self.r.hget(self.keys.job(job), "turns")
-            try:
-                meta = json.loads(raw) if raw is not None else {}
-                self._mode[job] = meta.get("mode") == "all"
-                self._trust[job] = bool(meta.get("trust_remote_code"))
-            except (ValueError, AttributeError):
-                self._mode[job] = False
+            meta = turns_meta(await self.r.hget(self.keys.job(job), TURNS_FIELD))
+            self._mode[job] = regenerates_all_turns(meta)
+            self._trust[job] = bool(meta.get("trust_remote_code"))
         return self._mode[job]
 
     async def conversation(self, job: str, conv: str) -> dict[str, Any]:
