@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import array
 import json
+import zlib
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from operator import itemgetter
@@ -32,7 +33,10 @@ from storage.spans import KIMI_TOKENS, Spans, SpanTokens, compute_spans_batch, p
 #: of versions 1–3).
 #: 5: the reasoning and answer span columns are nullable: null = not recorded (a job run with
 #: ``--no-reasoning-spans``), never 0:0; parts of versions 1–4 hold values in every row and read back as they are.
-SCHEMA_VERSION = "5"
+#: 6: + ``epoch`` (the claim's fencing token, thinkfleet/state/ledger.py: per prompt and revision the highest
+#: epoch is the committed row, lower ones are *fenced*) and ``ids_crc32`` (CRC-32 of the row's input and output
+#: ids, checked by ``producer verify``); both null in parts of versions 1–5.
+SCHEMA_VERSION = "6"
 
 # -- column names (import these instead of spelling strings) ------------------------------------------
 JOB = "job"
@@ -42,6 +46,12 @@ ROW_INDEX = "row_index"
 SAMPLE_INDEX = "sample_index"
 REVISION = "revision"
 ATTEMPT = "attempt"
+#: The fencing token of the claim that produced the row (thinkfleet/state/lua/claim.lua mints it from Redis TIME):
+#: grows for a prompt across claims, also across a Redis that lost writes. The committed view keeps, per
+#: prompt and revision, the row of the highest epoch; null (older parts) reads as 0.
+EPOCH = "epoch"
+#: CRC-32 of the row's ``input_ids`` then ``output_ids`` as little-endian int32 (:func:`ids_checksums`).
+IDS_CRC32 = "ids_crc32"
 #: ``--turns all`` (multi-turn regeneration, workers/turns.py): the conversation, this turn (0-based) and how many
 #: turns it has; null for single-turn jobs.
 CONVERSATION_ID = "conversation_id"
@@ -106,6 +116,7 @@ SCHEMA = pa.schema(
         pa.field(SAMPLE_INDEX, pa.int32(), nullable=False),  # which sample of the prompt (--samples > 1)
         pa.field(REVISION, pa.int32(), nullable=False),  # bumped by `producer retry`; highest wins
         pa.field(ATTEMPT, pa.int32(), nullable=False),  # 1-based attempt that produced this row
+        pa.field(EPOCH, pa.int64()),  # the claim's fencing token; per prompt and revision the highest wins
         pa.field(CONVERSATION_ID, pa.string()),  # --turns all: the source conversation (turn prompt ids: …/t{i})
         pa.field(TURN_INDEX, pa.int32()),  # --turns all: 0-based turn
         pa.field(TURN_COUNT, pa.int32()),  # --turns all: turns of the conversation
@@ -143,6 +154,7 @@ SCHEMA = pa.schema(
         pa.field(TOKENIZER_FINGERPRINT, pa.string()),  # hash of the tokenizer files used to tokenize
         pa.field(CHAT_TEMPLATE_HASH, pa.string()),  # hash of the chat template that rendered the prompt
         pa.field(CONTENT_HASH, pa.string()),  # hash of the prompt ids; ties the row to its submit
+        pa.field(IDS_CRC32, pa.int64()),  # CRC-32 of input_ids + output_ids (int32 LE); verify recomputes it
         pa.field(CREATED_AT, TIMESTAMP, nullable=False),  # when the row was built (UTC)
         # -- logprobs (--logprobs K; null when the job did not ask): aligned with output_ids ----------
         pa.field(OUTPUT_LOGPROBS, LOGPROBS),  # the sampled token's logprob (as SGLang sampled: after temperature)
@@ -195,6 +207,9 @@ WRITE_OPTIONS: dict[str, Any] = {
         CHAT_TEMPLATE_HASH,
     ],
     "write_statistics": [PROMPT_ID, ROW_INDEX, REVISION, CREATED_AT, COMPLETION_TOKENS],
+    # Page CRCs: a flipped bit in a stored page is an error on read (storage/reader.py verifies them), not a silently
+    # altered id.
+    "write_page_checksum": True,
 }
 #: Opt-in ``column_encoding`` for WRITE_OPTIONS (measured in bench/bench_storage.py).
 BSS_TOKEN_ENCODING: dict[str, str] = {f"{c}.list.element": "BYTE_STREAM_SPLIT" for c in TOKEN_COLUMNS}
@@ -268,6 +283,7 @@ def rows_to_table(
     columns[COMPLETION_TOKENS] = _int_or(rows, COMPLETION_TOKENS, np.diff(out_offsets), fill)
     columns[SAMPLING_PARAMS] = pa.array(_json_strings(rows, fill.get(SAMPLING_PARAMS)), pa.string())
     columns[CREATED_AT] = _timestamps(rows, fill.get(CREATED_AT))
+    columns[IDS_CRC32] = pa.array(ids_checksums(in_values, in_offsets, out_values, out_offsets), pa.int64())
 
     rest = [f for f in SCHEMA if f.name not in columns]
     for field, values in zip(rest, _transpose(rows, [f.name for f in rest], fill), strict=True):
@@ -285,6 +301,35 @@ def rows_to_table(
     table = pa.Table.from_arrays(arrays, schema=SCHEMA)
     assert table.num_rows == n
     return table
+
+
+def ids_checksums(
+    in_values: np.ndarray, in_offsets: np.ndarray, out_values: np.ndarray, out_offsets: np.ndarray
+) -> list[int]:
+    """Per row, CRC-32 of its input ids then its output ids as little-endian int32 bytes: a bit flipped in a
+    stored id (storage, a copy, a bad disk) is found by recomputing it (storage/verify.py)."""
+    ins = np.ascontiguousarray(in_values, dtype="<i4").tobytes()
+    outs = np.ascontiguousarray(out_values, dtype="<i4").tobytes()
+    crc = zlib.crc32
+    out: list[int] = []
+    for i in range(len(in_offsets) - 1):
+        a, b = int(in_offsets[i]) * 4, int(in_offsets[i + 1]) * 4
+        c, d = int(out_offsets[i]) * 4, int(out_offsets[i + 1]) * 4
+        out.append(crc(outs[c:d], crc(ins[a:b])))
+    return out
+
+
+def table_ids_checksums(table: pa.Table) -> np.ndarray:
+    """:func:`ids_checksums` recomputed from a table's ``input_ids``/``output_ids`` columns."""
+    def flat(name: str) -> tuple[np.ndarray, np.ndarray]:
+        col = table[name].combine_chunks() if table.num_rows else pa.array([], TOKEN_IDS)
+        offsets = col.offsets.to_numpy()
+        values = col.values.to_numpy(zero_copy_only=False)
+        return values[offsets[0] : offsets[-1]], offsets - offsets[0]
+
+    iv, io = flat(INPUT_IDS)
+    ov, oo = flat(OUTPUT_IDS)
+    return np.asarray(ids_checksums(iv, io, ov, oo), dtype=np.int64)
 
 
 def _transpose(rows: Sequence[Mapping[str, Any]], names: list[str], fill: Mapping[str, Any]) -> list[Sequence[Any]]:
