@@ -1,9 +1,14 @@
 """The committed view of a job: every prompt exactly once, however often it was delivered.
 
 Parts are append-only and may hold more than one row for a prompt (a redelivered message, a worker
-that died after commit but before ack, ``producer retry`` at a higher revision). Reading resolves
-that deterministically: per ``prompt_id`` keep the highest ``revision``, then the earliest
-``created_at``, then the smallest ``worker``, then the smallest part path.
+that died after commit but before ack, a worker *paused* past its lease whose write landed after
+another worker's, ``producer retry`` at a higher revision). The rule, from storage alone: per
+``prompt_id`` the highest ``revision``, then the highest ``epoch`` (the claim's fencing token,
+thinkfleet/state/lua/claim.lua: a later claim always has a higher one, and Redis finalizes only the
+row of the claim it holds) is the committed row. Rows of a lower epoch at that revision are *fenced*:
+left out of the view, counted by ``producer verify``, removed by ``producer compact``. Only rows that
+tie on (revision, epoch) are duplicates (parts older than schema 6 have no epoch: null reads as 0); the
+earliest ``created_at``, then the smallest ``worker``, then the smallest part path decide among them.
 
 How to read a job with other tools — the ``dataset`` column is also the hive directory key:
 
@@ -28,11 +33,11 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from storage import layout
-from storage.schema import CREATED_AT, PROMPT_ID, REVISION, SCHEMA, WORKER
+from storage.schema import CREATED_AT, EPOCH, PROMPT_ID, REVISION, SCHEMA, WORKER
 
 #: Extra column :func:`read_keys` adds: the URI of the part a row came from.
 PART = "part"
-_KEYS = (PROMPT_ID, REVISION, CREATED_AT, WORKER)
+_KEYS = (PROMPT_ID, REVISION, EPOCH, CREATED_AT, WORKER)
 
 
 def read_committed(
@@ -96,26 +101,62 @@ def raw_duplicates(
 
 
 def duplicate_rows(keys: pa.Table) -> pa.Table:
-    """From a :func:`read_keys` table: the rows of prompts with >1 row at their highest revision."""
-    if keys.num_rows == 0:
+    """From a :func:`read_keys` table: the rows of prompts with >1 row at their highest (revision, epoch)."""
+    at_top, rows_at_top, group, order = _top_rows(keys)
+    if order is None:
         return keys
-    order = pc.sort_indices(keys, [(PROMPT_ID, "ascending"), (REVISION, "descending")])
-    head = _run_heads(keys[PROMPT_ID].take(order))
-    group = np.cumsum(head) - 1
-    revisions = keys[REVISION].take(order).to_numpy()
-    at_top = revisions == revisions[head][group]  # the first row of a group has its top revision
-    rows_at_top = np.bincount(group[at_top], minlength=int(group[-1]) + 1)
     dups = keys.take(order.filter(pa.array(at_top & (rows_at_top[group] > 1))))
     return dups.sort_by([(PROMPT_ID, "ascending"), (PART, "ascending")])
 
 
+def fenced_rows(keys: pa.Table) -> pa.Table:
+    """From a :func:`read_keys` table: rows at their prompt's highest revision but a lower epoch than the
+    committed row's — a stale claim's write that landed (a worker paused past its lease, a lost finalize)."""
+    at_top, _, _, order = _top_rows(keys)
+    if order is None:
+        return keys
+    revisions = keys[REVISION].take(order).to_numpy()
+    head = _run_heads(keys[PROMPT_ID].take(order))
+    group = np.cumsum(head) - 1
+    top_revision = revisions == revisions[head][group]
+    fenced = keys.take(order.filter(pa.array(top_revision & ~at_top)))
+    return fenced.sort_by([(PROMPT_ID, "ascending"), (PART, "ascending")])
+
+
+def epochs(keys: pa.Table) -> np.ndarray:
+    """The ``epoch`` column as int64, null (parts before schema 6) as 0."""
+    return pc.fill_null(keys[EPOCH], 0).to_numpy().astype(np.int64) if keys.num_rows else np.zeros(0, np.int64)
+
+
+def _top_rows(keys: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray, pa.Array | None]:
+    """Rows sorted by prompt, revision desc, epoch desc: (at the top (revision, epoch) of their prompt, rows at
+    the top per group, group index, the sort order) — order None for an empty table."""
+    if keys.num_rows == 0:
+        empty = np.zeros(0, dtype=bool)
+        return empty, np.zeros(0, np.int64), np.zeros(0, np.int64), None
+    keyed = keys.append_column("_epoch", pa.array(epochs(keys)))
+    order = pc.sort_indices(keyed, [(PROMPT_ID, "ascending"), (REVISION, "descending"), ("_epoch", "descending")])
+    head = _run_heads(keys[PROMPT_ID].take(order))
+    group = np.cumsum(head) - 1
+    revisions = keys[REVISION].take(order).to_numpy()
+    eps = epochs(keys)[order.to_numpy()]
+    # The first row of a group has its top revision and epoch.
+    at_top = (revisions == revisions[head][group]) & (eps == eps[head][group])
+    rows_at_top = np.bincount(group[at_top], minlength=int(group[-1]) + 1)
+    return at_top, rows_at_top, group, order
+
+
 def winner_indices(table: pa.Table) -> pa.Array:
     """Indices of the winning row per prompt_id, in prompt_id order (needs the key columns + part)."""
+    if table.num_rows == 0:
+        return pa.array([], pa.uint64())
+    keyed = table.append_column("_epoch", pa.array(epochs(table)))
     return first_per_key(
-        table,
+        keyed,
         [
             (PROMPT_ID, "ascending"),
             (REVISION, "descending"),
+            ("_epoch", "descending"),
             (CREATED_AT, "ascending"),
             (WORKER, "ascending"),
             (PART, "ascending"),
