@@ -71,6 +71,18 @@ class PartWriter:
         ``job``, ``dataset``, ``worker`` and ``worker_host`` fill rows that leave them out; a row
         naming another job or dataset is refused (it would land in the wrong directory).
         """
+        return self.write_encoded(job, dataset, self.encode(job, dataset, rows, metadata=metadata), part_path)
+
+    def encode(
+        self,
+        job: str,
+        dataset: str,
+        rows: Sequence[Mapping[str, Any]] | pa.Table,
+        *,
+        metadata: Mapping[bytes, bytes] | None = None,
+    ) -> memoryview:
+        """``rows`` as the Parquet bytes of one part (no I/O): raises ValueError/ArrowException for rows the schema
+        refuses, which is the rows' fault, never storage's (the committer tells them apart)."""
         if isinstance(rows, pa.Table):
             table = rows.select(SCHEMA.names).cast(SCHEMA)
         else:
@@ -80,14 +92,18 @@ class PartWriter:
             if table.num_rows and not pc.all(pc.equal(table[name], want)).as_py():
                 bad = sorted(set(table[name].to_pylist()) - {want})
                 raise ValueError(f"rows for {name} {bad} passed to write({job!r}, {dataset!r})")
+        if metadata:
+            table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
+        return encode_parquet(table)
+
+    def write_encoded(self, job: str, dataset: str, data: memoryview | bytes, part_path: str | None = None) -> str:
+        """Commit bytes from :meth:`encode` as the part ``part_path`` (atomically) and return its URI."""
         uri = part_path or self.part_name(job, dataset)
         path = self.loc.path(uri)
         expected_dir = self.loc.dataset_dir(job, dataset)
         if posixpath.dirname(path) != expected_dir or not layout.is_part_name(posixpath.basename(path)):
             raise ValueError(f"part path {uri!r} is not a part of {job}/{dataset}; use part_name()")
-        if metadata:
-            table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
-        layout.write_atomic(self.loc, path, encode_parquet(table))
+        layout.write_atomic(self.loc, path, data)
         return uri
 
     def probe(self) -> None:
@@ -117,11 +133,11 @@ class PartWriter:
     def final_counts(self, job: str, dataset: str, part_path: str, prompt_id: str) -> dict[str, Any] | None:
         """``completion_tokens``, ``has_think_end`` and ``finish_reason`` of ``prompt_id``'s row in a
         committed part (or in the compacted file that replaced it); None when the row is not there."""
-        columns = ["prompt_id", "completion_tokens", "has_think_end", "finish_reason"]
+        columns = ["prompt_id", "completion_tokens", "has_think_end", "finish_reason", "epoch"]
         path = self.loc.path(part_path)
         if self.loc.fs.get_file_info(path).type == pafs.FileType.File:
             with self.loc.fs.open_input_file(path) as f:
-                table = pq.read_table(f, columns=columns)
+                table = pq.read_table(f, schema=SCHEMA, columns=columns)  # parts before schema 6: epoch null
         else:  # compacted since: the committed view holds the row
             from storage.reader import read_committed
 

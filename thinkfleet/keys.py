@@ -46,8 +46,24 @@ class Keys:
         return f"{self.prefix}:job:{job}:dead"
 
     def claims(self, job: str) -> str:
-        """HASH prompt_id → JSON claim {worker, part, at}: who is generating/committing a prompt now."""
+        """HASH prompt_id → JSON claim {worker, part, at, epoch}: who is generating/committing a prompt now,
+        under which fencing token (``epoch``, a decimal string; thinkfleet/state/lua/claim.lua)."""
         return f"{self.prefix}:job:{job}:claims"
+
+    def epoch_clock(self, job: str) -> str:
+        """STRING: the last epoch a claim of the job was given (epochs are max(Redis TIME in µs, this + 1))."""
+        return f"{self.prefix}:job:{job}:epoch_clock"
+
+    def committed_epochs(self, job: str) -> str:
+        """HASH prompt_id → epoch of the row ``finalize`` made the prompt's committed one (a decimal string): a
+        retried finalize of that same row is told it succeeded, any other row is fenced; verify compares it
+        with storage's highest epoch."""
+        return f"{self.prefix}:job:{job}:committed_epochs"
+
+    def revisions(self, job: str) -> str:
+        """HASH prompt_id → the highest revision requested for it (``producer retry`` bumps it; absent = 0):
+        a claim of a message of a lower revision is refused (``superseded``)."""
+        return f"{self.prefix}:job:{job}:revisions"
 
     def deliveries(self, job: str) -> str:
         """HASH prompt_id → JSON {n, error}: deliveries that ended in a crash (poison detection).

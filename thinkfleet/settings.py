@@ -86,6 +86,18 @@ class Settings(BaseSettings):
     shutdown_grace_s: float = Field(
         20.0, ge=0, description="On SIGTERM, how long in-flight requests may finish before hand-back."
     )
+    waitaof_ms: int = Field(
+        1000,
+        ge=0,
+        description="After each finalize and before the ack, wait up to this long for Redis to fsync it to its AOF "
+        "(WAITAOF; Redis 7.2+ with appendonly yes, else off by itself). 0 = off.",
+    )
+    claim_wait_s: float = Field(
+        0.0,
+        ge=0,
+        description="Longest a redelivered copy waits on another live worker's claim before taking it over (the "
+        "other run, if it is still going, is fenced). 0 = the prompt's request deadline + one lease.",
+    )
 
     # -- reasoning alarm ----------------------------------------------------------------------------
     max_deliveries: int = Field(

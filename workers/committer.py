@@ -10,7 +10,12 @@ Slow real servers (a row every few seconds) thus get few, large parts; a fast si
 starves the pool.
 
 A failed commit is retried with backoff, rows kept in memory, and ``on_storage(False, exc)`` closes
-the worker's consuming gate until a commit succeeds again (``on_storage(True, None)``).
+the worker's consuming gate until a commit succeeds again (``on_storage(True, None)``). Only storage (and Redis)
+failures do: a row that cannot be encoded is split off before the write (:class:`BadRow`) and its neighbours land.
+
+Fencing (thinkfleet/state/ledger.py): just before each write attempt ``mark_part`` checks that every row's
+claim is still ours at its epoch; rows taken over meanwhile (this worker was paused past its lease) are not
+written, and ``finalize`` refuses any that slipped through — both end as :class:`Fenced`.
 """
 
 from __future__ import annotations
@@ -25,15 +30,31 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import pyarrow as pa
+
 from storage.writer import PartWriter
 from thinkfleet.failpoints import failpoint
-from thinkfleet.state.ledger import FinalRow, Ledger
+from thinkfleet.state.ledger import Finalized, FinalRow, Ledger
 
 log = logging.getLogger(__name__)
 
 
 class StorageUnavailable(Exception):
     """A commit gave up (only while draining): hand the prompt back."""
+
+
+class Fenced(Exception):
+    """The row's claim was taken over by another run (its epoch is not ours any more): never stored or counted
+    by this run; the message is acked as ``fenced``."""
+
+    def __init__(self, holder: str) -> None:
+        super().__init__(f"claim now held by {holder}")
+        self.holder = holder
+
+
+class BadRow(Exception):
+    """The row cannot be encoded into the schema (an id outside int32, a count that contradicts the ids): a
+    fault of the answer, not of storage; it never joins a part."""
 
 
 @dataclass
@@ -122,13 +143,14 @@ class GroupCommitter:
             await self._commit_group(job, dataset, items)
 
     async def _commit_group(self, job: str, dataset: str, items: list[_Pending]) -> None:
-        """Mark → write → finalize, retried with backoff until it succeeds: finished generations are
-        never thrown away while this worker lives. The part keeps its name across retries, so a write
-        that landed before an error (the ambiguous commit) is found and only finalized, not repeated."""
+        """Encode → mark (the fence) → write → finalize, retried with backoff until it succeeds: finished
+        generations are never thrown away while this worker lives. The part keeps its name across retries, so a
+        write that landed before an error (the ambiguous commit) is found and only finalized, not repeated."""
         started = time.perf_counter()
         part = self.writer.part_name(job, dataset)
-        marked = written = False
-        finalized: tuple[int, bool, int, int] | None = None
+        written = False
+        encoded: memoryview | None = None
+        finalized: Finalized | None = None
         nexts: list[Any] | None = None
         failures = 0
         while True:
@@ -137,18 +159,27 @@ class GroupCommitter:
                     # Turn columns before the write; the next turns from the rows as they will be stored.
                     await self.turns.annotate(job, [i.row for i in items])
                     nexts = await self.turns.plan(job, dataset, [i.row for i in items])
-                if not marked:
-                    await self.ledger.mark_part(job, [i.final.prompt_id for i in items], part)
-                    marked = True
+                if encoded is None:
+                    items, nexts, encoded = await self._encode(job, dataset, items, nexts)
+                    if not items:
+                        break  # every row was refused
+                if not written and not (failures and await asyncio.to_thread(self.writer.exists, part)):
+                    fenced = await self.ledger.mark_part(job, [i.final.prompt_id for i in items], part)
                     failpoint("after_mark")
-                if not written:
+                    if fenced:  # paused past our lease: those rows are another run's now
+                        items, nexts = self._fenced(job, items, nexts, fenced)
+                        if items:
+                            items, nexts, encoded = await self._encode(job, dataset, items, nexts)
+                    if not items:
+                        break  # every row is fenced
                     failpoint("before_part_write")
-                    if not failures or not await asyncio.to_thread(self.writer.exists, part):
-                        await asyncio.to_thread(self.writer.write, job, dataset, [i.row for i in items], part)
-                    written = True
-                    failpoint("after_part_write")
+                    await asyncio.to_thread(self.writer.write_encoded, job, dataset, encoded, part)
+                written = True
+                failpoint("after_part_write")
                 if finalized is None:
                     finalized = await self._finalize(job, dataset, [i.final for i in items], nexts)
+                    if finalized.fenced:
+                        items, nexts = self._fenced(job, items, nexts, finalized.fenced)
                 failpoint("after_finalize")
                 break
             except Exception as exc:
@@ -175,18 +206,67 @@ class GroupCommitter:
             log.warning("commit of %d rows for %s/%s succeeded after %d failures", len(items), job, dataset, failures)
         self.on_storage(True, None)
         self.on_flush(len(items), time.perf_counter() - started)
-        _, fire, seen, miss = finalized
         # A job run without reasoning spans (--no-reasoning-spans) has no </think> to miss: never alarm.
         watched = any(getattr(i.final, "reasoning_alarm", True) for i in items)
-        if fire and watched:
-            await self.on_alarm(job, seen, miss)
+        if finalized is not None and finalized.fire and watched:
+            await self.on_alarm(job, finalized.seen, finalized.missing)
         for item in items:
             if not item.future.done():
                 item.future.set_result(None)
 
-    async def _finalize(
-        self, job: str, dataset: str, finals: list[FinalRow], nexts: list[Any] | None
-    ) -> tuple[int, bool, int, int]:
+    async def _encode(
+        self, job: str, dataset: str, items: list[_Pending], nexts: list[Any] | None
+    ) -> tuple[list[_Pending], list[Any] | None, memoryview]:
+        """The rows as Parquet bytes (in a thread: encoding is CPU). A row the schema refuses is split off
+        (:class:`BadRow` for its task) and the rest encoded without it: one bad answer never holds its
+        neighbours, nor closes the storage gate."""
+        keep, bad, data = await asyncio.to_thread(self._encode_rows, job, dataset, [i.row for i in items])
+        for n, reason in bad:
+            log.error("row of %s/%s cannot be stored: %s", job, items[n].final.prompt_id, reason)
+            if not items[n].future.done():
+                items[n].future.set_exception(BadRow(reason))
+        if bad:
+            items = [items[n] for n in keep]
+            nexts = None if nexts is None else [nexts[n] for n in keep]
+        return items, nexts, data
+
+    def _encode_rows(
+        self, job: str, dataset: str, rows: list[dict[str, Any]]
+    ) -> tuple[list[int], list[tuple[int, str]], memoryview]:
+        refused = (ValueError, TypeError, OverflowError, pa.ArrowException)
+        try:
+            return list(range(len(rows))), [], self.writer.encode(job, dataset, rows)
+        except refused:
+            pass
+        keep: list[int] = []
+        bad: list[tuple[int, str]] = []
+        for n, row in enumerate(rows):
+            try:
+                self.writer.encode(job, dataset, [row])
+                keep.append(n)
+            except refused as exc:
+                bad.append((n, f"{type(exc).__name__}: {exc}"))
+        return keep, bad, self.writer.encode(job, dataset, [rows[n] for n in keep])
+
+    def _fenced(
+        self, job: str, items: list[_Pending], nexts: list[Any] | None, fenced: dict[str, str]
+    ) -> tuple[list[_Pending], list[Any] | None]:
+        """Drop the rows whose claim is no longer ours; their tasks end as :class:`Fenced`."""
+        keep: list[int] = []
+        for n, item in enumerate(items):
+            holder = fenced.get(item.final.prompt_id)
+            if holder is None:
+                keep.append(n)
+                continue
+            log.warning(
+                "fenced: %s/%s (our epoch %s) is held by %s now: our row is not committed",
+                job, item.final.prompt_id, item.row.get("epoch"), holder,
+            )  # fmt: skip
+            if not item.future.done():
+                item.future.set_exception(Fenced(holder))
+        return [items[n] for n in keep], None if nexts is None else [nexts[n] for n in keep]
+
+    async def _finalize(self, job: str, dataset: str, finals: list[FinalRow], nexts: list[Any] | None) -> Finalized:
         if nexts is None or all(n is None for n in nexts):
             return await self.ledger.finalize(job, dataset, finals, self.alarm_min_rows, self.alarm_share)
         from workers.turns import answers_key
@@ -196,13 +276,13 @@ class GroupCommitter:
             job, dataset, finals, self.alarm_min_rows, self.alarm_share, nexts, queue, answers
         )
 
-    async def finalize_orphan(self, job: str, dataset: str, part: str, final: FinalRow) -> None:
+    async def finalize_orphan(self, job: str, dataset: str, part: str, final: FinalRow) -> Finalized:
         """The recovery of a row committed in ``part`` but never finalized: finalize it and, for a turn of a
         multi-turn job, enqueue the next turn computed from the stored row (as the dead run would have)."""
         nexts = None
         if self.turns is not None:
             nexts = [await self.turns.plan_stored(job, dataset, part, final.prompt_id)]
-        await self._finalize(job, dataset, [final], nexts)
+        return await self._finalize(job, dataset, [final], nexts)
 
     def give_up(self) -> None:
         """Draining: a commit that is failing stops retrying and hands its prompts back."""

@@ -28,12 +28,12 @@ from storage.writer import PartWriter
 from thinkfleet.failpoints import failpoint
 from thinkfleet.message import MessageLimits, MessageRefused, PromptTask
 from thinkfleet.settings import Settings
-from thinkfleet.state.job import JobRecord
+from thinkfleet.state.job import DEFAULT_MAX_NEW_TOKENS, JobRecord
 from thinkfleet.state.ledger import Ledger
 from thinkfleet.state.lifecycle import CANCELLED, CANCELLED_CLASS, PAUSED
 from thinkfleet.state.scripts import lua
 from workers.attempts import HandBack, RequestAttempts
-from workers.committer import GroupCommitter, StorageUnavailable
+from workers.committer import BadRow, Fenced, GroupCommitter, StorageUnavailable
 from workers.health import HealthGate
 from workers.jobs import JobCache, JobSpec, UnknownJob
 from workers.metrics import WorkerMetrics
@@ -200,9 +200,16 @@ class PromptPipeline:
         return "dead"
 
     async def release_later(self) -> None:
-        """Drop claims a Redis outage kept us from releasing, or other workers' copies would wait on them."""
+        """Drop claims a Redis outage kept us from releasing, or other workers' copies would wait on them; and
+        our claims that no run of ours holds (Redis lost the finalize that ended them: ``abandon_claims``)."""
         while True:
             await asyncio.sleep(max(0.2, self.settings.lease_s / 4))
+            try:
+                strays = await self.ledger.abandon_claims(lambda job, pid: pid in self._active)
+                if strays:
+                    log.warning("let go of %d claims under our name that no run of ours holds (lost writes?)", strays)
+            except RedisError:
+                pass
             for job, prompt_id in list(self._unreleased):
                 if prompt_id not in self._active:
                     try:
@@ -263,29 +270,40 @@ class PromptPipeline:
             return "dead"
         isolated = False
         claimed = False
+        waited_since: float | None = None
         try:
             while True:
-                claim = await self.ledger.claim(task.job, task.prompt_id, isolated)
+                if task.prompt_id in self._active:
+                    # A redelivered copy while our own run of it continues (it may even hold no claim: Redis
+                    # restarted empty while it generated): wait for that run, never claim over it.
+                    waited_since = await self._wait_or_hand_back(task, job, waited_since)
+                    if waited_since is None:
+                        return "already-done"
+                    continue
+                self._active.add(task.prompt_id)  # reserved before the await: one claim per prompt per process
+                try:
+                    claim = await self.ledger.claim(task.job, task.prompt_id, isolated, task.revision)
+                finally:
+                    self._active.discard(task.prompt_id)
                 self._unreleased.discard((task.job, task.prompt_id))
                 if claim.state == "suspect":
                     # Its last chance before poison: run it alone among last-chance prompts (ledger.py).
                     await self._isolation.acquire()
                     isolated = True
                     continue
-                if claim.state in ("done", "dead"):
+                if claim.state in ("done", "dead", "superseded"):
                     self.metrics.skipped.inc()
                     return f"already-{claim.state}"
                 if claim.state == "poison":
                     record = claim.previous or {}
                     return await self._dead_poison(task, str(record.get("error") or "WorkerLost"), record)
-                if claim.state == "busy" or task.prompt_id in self._active:
-                    # A redelivered copy while the first run continues: wait for that run, don't duplicate.
-                    # (Our own run may even hold no claim: Redis restarted empty while it generated.)
-                    if await self._wait_for_other_run(task):
-                        self.metrics.skipped.inc()
+                if claim.state == "busy":
+                    # Another live worker runs it: wait for that run (bounded), don't duplicate.
+                    waited_since = await self._wait_or_hand_back(task, job, waited_since)
+                    if waited_since is None:
                         return "already-done"
                     continue
-                claimed = True  # new, stale or mine: this run is ours
+                claimed = True  # new, stale or mine: this run is ours, under claim.epoch
                 break
         finally:
             if isolated and not claimed:
@@ -293,12 +311,27 @@ class PromptPipeline:
         self._active.add(task.prompt_id)
         try:
             failpoint("after_claim", task.prompt_id)
-            # A previous run committed the part but never marked it done (a death, or a hand-back after
-            # an ambiguous commit): finalize from that part, never generate a second row.
+            # A previous run committed the part but never marked it done (a death, a hand-back after an
+            # ambiguous commit, or a finalize Redis lost): finalize from that part, never generate a second row.
             committed = bool(claim.part) and await asyncio.to_thread(self.writer.exists, claim.part)
-            if committed and await self._finish_orphan(task, job, input_ids, str(claim.part)):
-                return "already-stored"
-            return await self._generate_and_store(task, job, input_ids)
+            if committed:
+                orphan = await self._finish_orphan(task, job, input_ids, str(claim.part))
+                if orphan is not None:
+                    return orphan
+            return await self._generate_and_store(task, job, input_ids, claim.epoch)
+        except Fenced as exc:
+            # Paused past our lease: another run holds the prompt now. Nothing of ours was counted; ack.
+            self.metrics.errors.labels("fenced").inc()
+            log.warning(
+                "fenced: %s/%s ran under epoch %s, its claim is %s now: acked without storing",
+                task.job, task.prompt_id, claim.epoch, exc.holder,
+            )  # fmt: skip
+            return "fenced"
+        except BadRow as exc:
+            await self.ledger.dead_letter(task, "bad_output", f"the row cannot be stored: {exc}", 1)
+            self.metrics.dead.labels("bad_output").inc()
+            log.error("dead-lettered %s/%s: bad_output: %s", task.job, task.prompt_id, exc)
+            return "dead"
         except (HandBack, StorageUnavailable) as exc:
             await self.ledger.release(task.job, task.prompt_id)
             self.metrics.handed_back.inc()
@@ -312,40 +345,69 @@ class PromptPipeline:
             if isolated:
                 self._isolation.release()
 
-    async def _wait_for_other_run(self, task: PromptTask) -> bool:
-        """True once the other run stored or dead-lettered it; False when its claim went away."""
-        while True:
+    async def _wait_or_hand_back(self, task: PromptTask, job: JobSpec, since: float | None) -> float | None:
+        """Wait for the other run of the prompt: None once it stored or dead-lettered it, else the time this copy
+        started waiting (its claim went away: claim again). Past ``claim_wait_s`` (default: the request deadline
+        + one lease — longer than any live run takes) the copy is handed back: a claim whose owner lives but no
+        longer runs it (Redis lost that run's finalize) is let go by the owner's own reconciliation meanwhile."""
+        now = time.monotonic()
+        since = now if since is None else since
+        limit = self.settings.claim_wait_s
+        if not limit:
+            max_new = job.sampling_for(task.dataset).get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
+            limit = self.settings.request_deadline_s(int(max_new)) + self.settings.lease_s
+        if await self._wait_for_other_run(task, since + limit - now):
+            self.metrics.skipped.inc()
+            return None
+        if time.monotonic() - since >= limit:
+            log.warning(
+                "%s/%s: waited %.0fs on another run's claim: handing this copy back", task.job, task.prompt_id, limit
+            )
+            self.metrics.handed_back.inc()
+            raise HandBack()
+        return since
+
+    async def _wait_for_other_run(self, task: PromptTask, timeout_s: float) -> bool:
+        """True once the other run stored or dead-lettered it; False when its claim went away (or ``timeout_s``
+        passed)."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while time.monotonic() < deadline:
             if self._draining():
                 raise HandBack()
             if await self.ledger.resolved(task.job, task.prompt_id):
                 return True
+            if task.prompt_id in self._active:
+                await asyncio.sleep(0.5)
+                continue
             owner = await self.ledger.claim_owner(task.job, task.prompt_id)
-            if not owner:
+            if not owner or owner == self.identity:
                 return False
-            if owner == self.identity:
-                alive = task.prompt_id in self._active
-            else:
-                alive = bool(await self.redis.exists(self.settings.keys.heartbeat(owner)))
-            if not alive:
+            if not await self.redis.exists(self.settings.keys.heartbeat(owner)):
                 return False
             await asyncio.sleep(0.5)
+        return False
 
-    async def _finish_orphan(self, task: PromptTask, job: JobSpec, input_ids: list[int], part: str) -> bool:
-        """Finalize a prompt from a committed part with the row's real counts; False if the row is not there."""
+    async def _finish_orphan(self, task: PromptTask, job: JobSpec, input_ids: list[int], part: str) -> str | None:
+        """Finalize a prompt from a committed part with the row's real counts (the row keeps the epoch it was
+        written under): the outcome, or None if the row is not there (generate it)."""
         row = await asyncio.to_thread(self.writer.final_counts, task.job, task.dataset, part, task.prompt_id)
         if row is None:
             log.warning("part %s has no row for %s/%s: generating it", part, task.job, task.prompt_id)
-            return False
+            return None
         log.info("prompt %s/%s was committed in %s by an earlier run: finalizing", task.job, task.prompt_id, part)
         # As a fresh row would be finalized (rows.final_row): an orphan of a thinking-off job is no alarm row.
         opens = prompt_opens_reasoning(input_ids, job.tokens)
         truncated = row["finish_reason"] == "length"
-        final = final_row(task, job, int(row["completion_tokens"]), bool(row["has_think_end"]), truncated, opens)
+        epoch = int(row.get("epoch") or 0)
+        counts = int(row["completion_tokens"]), bool(row["has_think_end"])
+        final = final_row(task, job, *counts, truncated, opens, epoch)
         # (a turn of a --turns all job also enqueues its next turn, computed from the stored row)
-        await self.committer.finalize_orphan(task.job, task.dataset, part, final)
-        return True
+        finalized = await self.committer.finalize_orphan(task.job, task.dataset, part, final)
+        if task.prompt_id in finalized.fenced:
+            raise Fenced(finalized.fenced[task.prompt_id])
+        return "already-stored"
 
-    async def _generate_and_store(self, task: PromptTask, job: JobSpec, input_ids: list[int]) -> str:
+    async def _generate_and_store(self, task: PromptTask, job: JobSpec, input_ids: list[int], epoch: int) -> str:
         sampling = {**job.sampling_for(task.dataset), **task.overrides}
         if job.expected_model and self.gate.info and self.gate.info.model_path != job.expected_model:
             log.error(
@@ -369,9 +431,14 @@ class PromptPipeline:
             log.warning("dead-lettered %s/%s: %s: %s", task.job, task.prompt_id, refused.error_class, refused.message)
             return "dead"
         try:
-            gen, attempts, latency = await self.attempts.run(task, input_ids, sampling)
+            # Every answer is validated against the vocabulary here (BadOutput, retried): a bad row never
+            # reaches a commit group, where it would fail its neighbours' encode.
+            gen, attempts, latency = await self.attempts.run(task, input_ids, sampling, limits.vocab_size)
         except PermanentError as exc:
-            await self.ledger.dead_letter(task, exc.error_class, exc.message, getattr(exc, "attempts", 1))
+            # bad_output keeps what the server answered (exc.answer) in the dead letter.
+            await self.ledger.dead_letter(
+                task, exc.error_class, exc.message, getattr(exc, "attempts", 1), answer=exc.answer
+            )
             self.metrics.dead.labels(exc.error_class).inc()
             log.warning("dead-lettered %s/%s: %s: %s", task.job, task.prompt_id, exc.error_class, exc.message)
             return "dead"
@@ -379,7 +446,7 @@ class PromptPipeline:
         model = info.model_path if info else ""
         deterministic = info.deterministic if info else None
         row, final = build_row(
-            task, job, input_ids, gen, sampling, self.identity, model, attempts, latency, deterministic
+            task, job, input_ids, gen, sampling, self.identity, model, attempts, latency, deterministic, epoch
         )
         # Waits through storage failures (the commit is retried); raises StorageUnavailable only if a
         # drain gives up on it, which hands the prompt back.

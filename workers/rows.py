@@ -45,9 +45,11 @@ def build_row(
     attempt: int,
     latency_s: float,
     deterministic: bool | None = None,
+    epoch: int = 0,
 ) -> tuple[dict[str, Any], FinalRow]:
     """One row; counts the server did not report (``reasoning_tokens`` before SGLang 0.5.10, …) stay None
-    (null), and ``deterministic`` says whether the server honoured ``sampling_seed`` (None: unknown)."""
+    (null), and ``deterministic`` says whether the server honoured ``sampling_seed`` (None: unknown). ``epoch`` is
+    the claim's fencing token (thinkfleet/state/ledger.py), stored with the row."""
     opens = prompt_opens_reasoning(input_ids, job.tokens)
     spans = compute_spans(
         gen.output_ids,
@@ -63,6 +65,7 @@ def build_row(
         "sample_index": task.sample_index,
         "revision": task.revision,
         "attempt": attempt,
+        "epoch": epoch or None,
         "input_ids": input_ids,
         "output_ids": gen.output_ids,
         # --logprobs K: aligned with output_ids (parse_response checked it); null when not requested
@@ -94,12 +97,19 @@ def build_row(
         "turn_count": None,
         "created_at": datetime.now(UTC),
     }
-    final = final_row(task, job, gen.completion_tokens, spans.has_think_end, gen.finish_type == "length", opens)
+    truncated = gen.finish_type == "length"
+    final = final_row(task, job, gen.completion_tokens, spans.has_think_end, truncated, opens, epoch)
     return row, final
 
 
 def final_row(
-    task: PromptTask, job: JobSpec, completion_tokens: int, has_think_end: bool, truncated: bool, prompt_opens: bool
+    task: PromptTask,
+    job: JobSpec,
+    completion_tokens: int,
+    has_think_end: bool,
+    truncated: bool,
+    prompt_opens: bool,
+    epoch: int = 0,
 ) -> JobFinalRow:
     """What ``finalize`` records of a row — the same for a row just generated and for an orphan's stored row:
     whether its job watches the alarm, and whether this row is expected to reason."""
@@ -110,4 +120,5 @@ def final_row(
         truncated=truncated,
         reasoning_alarm=job.tokens.reasoning_spans,
         expects_reasoning=prompt_opens or job.expects_reasoning,
+        epoch=epoch,
     )

@@ -26,6 +26,13 @@ States of one prompt of a job (keys in :mod:`thinkfleet.keys`)::
    to be the one isolated prompt on a worker killed for another reason twice.
 5. ``dead_letter`` — a permanent failure, with the whole message kept for ``producer retry``.
 
+Fencing. Every claim gets an *epoch* (claim.lua: from Redis TIME, above the job's last one), held here for the run
+(:attr:`Ledger.held`). ``mark_part``, ``finalize``, ``release`` and ``dead_letter`` act only while the claim is
+still ours at that epoch: a worker paused past its lease (GC, a frozen VM, a partition) whose prompt another
+worker took over is *fenced* — its rows are not written or not finalized, it changes no counter, answer record or
+next turn, and its message is acked as ``fenced``. The row carries the epoch (storage's committed view keeps the
+highest, storage/reader.py), so a fenced write that landed anyway is left out of every read.
+
 A worker that dies between 2 and 3 leaves claims naming a part; so does a hand-back after 2 (the
 *ambiguous commit*: the write may have landed). Whoever claims the prompt next finds the part: if it
 exists the prompt is finalized from it (``finalize`` with the part's real token counts), never
@@ -38,8 +45,9 @@ import base64
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import redis.asyncio as aioredis
@@ -52,15 +60,21 @@ from thinkfleet.state.scripts import lua
 log = logging.getLogger("thinkfleet.worker")
 
 
+#: Claim states that make the prompt this run's (under :attr:`Claim.epoch`).
+OURS = frozenset({"new", "stale", "mine"})
+
+
 @dataclass(frozen=True)
 class Claim:
-    state: str  # new | mine | busy | stale | done | dead | poison | suspect
+    state: str  # new | mine | busy | stale | done | dead | poison | suspect | superseded
     previous: dict[str, Any] | None  # the claim found (stale/busy/mine), or the delivery record (poison)
+    epoch: int = 0  # the fencing token of this run's claim (states in OURS), else 0
 
     @property
     def part(self) -> str | None:
-        """The part a previous run of this prompt was committing (stale claims only)."""
-        return (self.previous or {}).get("part") if self.state == "stale" else None
+        """The part a previous run of this prompt was committing (a claim taken over: stale, or mine when Redis
+        lost our finalize), which may have committed."""
+        return (self.previous or {}).get("part") if self.state in ("stale", "mine") else None
 
 
 @dataclass(frozen=True)
@@ -72,6 +86,8 @@ class FinalRow:
     #: The row is expected to reason (its prompt opens reasoning, or its job's model opens it in thinking mode):
     #: only such rows count for the reasoning alarm (``thinkfleet.profiles.expects_reasoning``).
     expects_reasoning: bool = True
+    #: The epoch the stored row carries: this run's claim's, or for an orphan an earlier claim's (0: unknown).
+    epoch: int = 0
 
     @property
     def think_flag(self) -> int:
@@ -79,15 +95,54 @@ class FinalRow:
         return 1 if self.has_think_end else 0 if self.expects_reasoning else 2
 
 
+class Finalized(NamedTuple):
+    new: int  # rows that became done
+    fire: bool  # the reasoning alarm's condition holds
+    seen: int  # alarm window rows
+    missing: int  # of them without </think>
+    fenced: dict[str, str]  # prompt id → what holds it now (another claim's epoch@worker, 'done', 'dead')
+
+
+#: A dead letter's ``answer``: at most this many output ids, and this many characters of JSON in all.
+ANSWER_IDS_KEPT = 4096
+ANSWER_MAX_CHARS = 65_536
+
+
+def bounded_answer(answer: dict[str, Any]) -> dict[str, Any]:
+    """``answer`` as a dead letter keeps it: its ``output_ids`` cut to the first :data:`ANSWER_IDS_KEPT`
+    (``output_ids_count`` says how many there were); past :data:`ANSWER_MAX_CHARS` of JSON in all, the
+    ids are cut further, and as a last resort the JSON text itself (``{"excerpt", "truncated": true}``)."""
+    out = dict(answer)
+    ids = out.get("output_ids")
+    if isinstance(ids, list):
+        out.setdefault("output_ids_count", len(ids))
+        out["output_ids"] = ids[:ANSWER_IDS_KEPT]
+    text = json.dumps(out, default=repr)
+    while len(text) > ANSWER_MAX_CHARS and isinstance(out.get("output_ids"), list) and out["output_ids"]:
+        out["output_ids"] = out["output_ids"][: len(out["output_ids"]) // 2]
+        text = json.dumps(out, default=repr)
+    if len(text) > ANSWER_MAX_CHARS:
+        return {"excerpt": text[:ANSWER_MAX_CHARS], "truncated": True}
+    return out
+
+
 class Ledger:
     """One worker's view of the job state; every method is one atomic transition or one read."""
 
-    def __init__(self, client: aioredis.Redis, keys: Keys, worker: str, max_deliveries: int = 3) -> None:
+    def __init__(
+        self, client: aioredis.Redis, keys: Keys, worker: str, max_deliveries: int = 3, waitaof_ms: int = 0
+    ) -> None:
         self.r = client
         self.keys = keys
         self.worker = worker
         self.max_deliveries = max_deliveries
+        #: (job, prompt id) → the epoch of the claim this process holds for it (the fence of its run).
+        self.held: dict[tuple[str, str], str] = {}
+        #: WAITAOF after finalize (None: not tried yet; False: the server cannot, e.g. before Redis 7.2 or AOF off).
+        self.waitaof_ms = waitaof_ms
+        self._waitaof_ok: bool | None = None if waitaof_ms > 0 else False
         self._claim = client.register_script(lua("claim"))
+        self._mark_part = client.register_script(lua("mark_part"))
         self._release = client.register_script(lua("release"))
         self._finalize = client.register_script(lua("finalize"))
         self._abandon = client.register_script(lua("abandon"))
@@ -100,10 +155,12 @@ class Ledger:
         return json.dumps(claim)
 
     # -- transitions ----------------------------------------------------------------------------------
-    async def claim(self, job: str, prompt_id: str, isolated: bool = False) -> Claim:
+    async def claim(self, job: str, prompt_id: str, isolated: bool = False, revision: int = 0) -> Claim:
+        """Claim ``prompt_id`` for a run of the message's ``revision``; when the state is in :data:`OURS` the
+        claim's epoch is held (:attr:`held`) until the run is finalized, released or dead-lettered."""
         k = self.keys
-        state, previous = await self._claim(
-            keys=[k.done(job), k.dead(job), k.claims(job), k.deliveries(job)],
+        state, previous, epoch = await self._claim(
+            keys=[k.done(job), k.dead(job), k.claims(job), k.deliveries(job), k.epoch_clock(job), k.revisions(job)],
             args=[
                 prompt_id,
                 self.worker,
@@ -111,11 +168,21 @@ class Ledger:
                 k.heartbeat(""),
                 self.max_deliveries,
                 int(isolated),
+                int(revision),
             ],
         )
         state = state.decode() if isinstance(state, bytes) else state
-        prev = json.loads(previous) if previous else None
-        return Claim(state, prev)
+        epoch = epoch.decode() if isinstance(epoch, bytes) else str(epoch or "")
+        prev = None
+        if previous and state != "superseded":
+            prev = json.loads(previous)
+        if state in OURS:
+            self.held[(job, prompt_id)] = epoch
+        return Claim(state, prev, int(epoch) if epoch else 0)
+
+    def epoch_of(self, job: str, prompt_id: str) -> str:
+        """The epoch of the claim this process holds for the prompt ('' = none)."""
+        return self.held.get((job, prompt_id), "")
 
     async def release(self, job: str, prompt_id: str) -> None:
         """Clean hand-back: drop our claim (keeping a named part, ownerless and settled)."""
@@ -128,16 +195,26 @@ class Ledger:
 
     async def _give_back(self, job: str, prompt_id: str, error: str) -> int:
         k = self.keys
-        return int(
+        epoch = self.held.get((job, prompt_id), "")
+        result = int(
             await self._release(
                 keys=[k.claims(job), k.deliveries(job), k.done(job), k.dead(job)],
-                args=[prompt_id, self.worker, error],
+                args=[prompt_id, self.worker, error, epoch],
             )
         )
+        self.held.pop((job, prompt_id), None)
+        return result
 
-    async def mark_part(self, job: str, prompt_ids: list[str], part: str) -> None:
-        value = self._claim_json(part)
-        await self.r.hset(self.keys.claims(job), mapping=dict.fromkeys(prompt_ids, value))
+    async def mark_part(self, job: str, prompt_ids: list[str], part: str) -> dict[str, str]:
+        """Record ``part`` in each claim that is still ours at our epoch — the check just before a part is
+        written. Returns the prompts that are not ours any more (prompt id → what holds it now): their rows must
+        not be written."""
+        k = self.keys
+        args: list[Any] = [self.worker, part, f"{time.time():.6f}"]
+        for pid in prompt_ids:
+            args += [pid, self.held.get((job, pid), "")]
+        flat = await self._mark_part(keys=[k.claims(job), k.done(job), k.dead(job)], args=args)
+        return _pairs(flat)
 
     async def finalize(
         self,
@@ -149,8 +226,9 @@ class Ledger:
         turns: list[Any] | None = None,
         queue: str = "",
         answers: str = "",
-    ) -> tuple[int, bool, int, int]:
-        """Mark rows done; returns (new rows, alarm condition, alarm window rows, of them missing).
+    ) -> Finalized:
+        """Mark rows done — those whose claim is still ours at our epoch; the others are fenced (returned, and
+        they change nothing). Returns (new rows, alarm condition, alarm window rows, of them missing, fenced).
 
         A multi-turn job (``workers/turns.py``) passes ``turns`` (per row a ``NextTurn`` or None): in the
         same Lua call each row that becomes done records its answer into ``answers`` and enqueues its
@@ -167,6 +245,8 @@ class Ledger:
             else:
                 drop = json.dumps(list(turn.drop)) if turn.drop else ""
                 args += [turn.answer, turn.next_prompt_id, turn.next_hash, turn.next_message, drop]
+            epoch = self.held.get((job, row.prompt_id), "")
+            args += [epoch, str(row.epoch) if row.epoch else epoch]
         keys = [
             k.done(job),
             k.claims(job),
@@ -175,29 +255,55 @@ class Ledger:
             k.worker_counters(job),
             k.timeline(job),
             k.deliveries(job),
+            k.dead(job),
+            k.committed_epochs(job),
         ]
         if any(t is not None for t in turns or []):
-            keys += [queue, k.prompts(job), k.prompt_dataset(job), answers, k.dead(job)]
-        new, fire, seen, miss = await self._finalize(keys=keys, args=args)
-        return int(new), bool(fire), int(seen), int(miss)
+            keys += [queue, k.prompts(job), k.prompt_dataset(job), answers]
+        new, fire, seen, miss, flat = await self._finalize(keys=keys, args=args)
+        fenced = _pairs(flat)
+        if fenced:
+            await self.r.hincrby(k.counters(job), "fenced", len(fenced))
+        for row in rows:
+            self.held.pop((job, row.prompt_id), None)
+        await self._durable()
+        return Finalized(int(new), bool(fire), int(seen), int(miss), fenced)
 
-    async def dead_letter(self, task: PromptTask, error_class: str, message: str, attempts: int) -> bool:
-        """Record a permanent failure; the record keeps the whole message so `producer retry` can resend it.
-        False when the prompt was already dead or done (nothing changed)."""
+    async def _durable(self) -> None:
+        """WAITAOF: wait until Redis fsynced the finalize to its AOF (``appendfsync everysec`` loses up to a second
+        of writes on a crash: a finalize lost after the ack would be a prompt done in storage and queued nowhere).
+        Off where the server cannot (before Redis 7.2, AOF off): noted once."""
+        if self._waitaof_ok is False:
+            return
+        try:
+            await self.r.execute_command("WAITAOF", 1, 0, self.waitaof_ms)
+            self._waitaof_ok = True
+        except ResponseError as exc:
+            self._waitaof_ok = False
+            log.info("WAITAOF after finalize is off: %s (Redis 7.2+ with appendonly yes can)", exc)
+
+    async def dead_letter(
+        self, task: PromptTask, error_class: str, message: str, attempts: int, answer: dict[str, Any] | None = None
+    ) -> bool:
+        """Record a permanent failure; the record keeps the whole message so `producer retry` can resend it,
+        and ``answer`` (what the server sent, e.g. for ``bad_output``; bounded by :func:`bounded_answer`)
+        under ``"answer"``. False when the prompt was already dead or done (nothing changed)."""
         k = self.keys
         job, dataset = task.job, task.dataset
-        record = json.dumps(
-            {
-                "error_class": error_class,
-                "message": message[:2000],
-                "attempts": attempts,
-                "worker": self.worker,
-                "at": time.time(),
-                "dataset": dataset,
-                "task": base64.b64encode(msgpack.packb(task.to_args())).decode(),
-            }
-        )
-        return bool(
+        fields: dict[str, Any] = {
+            "error_class": error_class,
+            "message": message[:2000],
+            "attempts": attempts,
+            "worker": self.worker,
+            "at": time.time(),
+            "dataset": dataset,
+            "task": base64.b64encode(msgpack.packb(task.to_args())).decode(),
+        }
+        if answer is not None:
+            fields["answer"] = bounded_answer(answer)
+        record = json.dumps(fields, default=repr)
+        epoch = self.held.pop((job, task.prompt_id), "")
+        result = int(
             await self._dead_letter(
                 keys=[
                     k.dead(job),
@@ -207,15 +313,29 @@ class Ledger:
                     k.deliveries(job),
                     k.done(job),
                 ],
-                args=[task.prompt_id, record],
+                args=[task.prompt_id, record, self.worker, epoch],
             )
         )
+        if result < 0:
+            log.warning(
+                "fenced: dead letter %s of %s/%s refused: its claim (epoch %s) was taken over by another run",
+                error_class,
+                job,
+                task.prompt_id,
+                epoch,
+            )
+            await self.r.hincrby(k.counters(job), "fenced", 1)
+        return result > 0
 
-    async def abandon_claims(self) -> int:
+    async def abandon_claims(self, running: Callable[[str, str], bool] | None = None) -> int:
         """At start: claims under our name are a previous life's (same --name, or same hostname-pid in a
         restarted container). Our fresh heartbeat would make them look alive to other workers, whose
         redelivered copies would wait on them forever, so they lose their owner (and keep their part:
-        whoever claims next still finds a committed part and only finalizes it). Returns how many."""
+        whoever claims next still finds a committed part and only finalizes it). Returns how many.
+
+        While running, with ``running(job, prompt_id)`` (this process runs it): our claims that no run of ours
+        holds are strays — Redis lost the finalize that deleted them (a rollback to an older snapshot, a
+        replica promoted behind) — and are let go the same way, so no copy waits on them."""
         abandoned = 0
         for raw_job in await self.r.smembers(self.keys.jobs):
             job = raw_job.decode(errors="replace") if isinstance(raw_job, bytes) else str(raw_job)
@@ -230,6 +350,9 @@ class Ledger:
                     except ValueError:
                         continue  # not ours to judge: a foreign value in the hash must not stop the worker
                     if isinstance(claim, dict) and claim.get("worker") == self.worker:
+                        pid = prompt_id.decode(errors="replace") if isinstance(prompt_id, bytes) else str(prompt_id)
+                        if running is not None and ((job, pid) in self.held or running(job, pid)):
+                            continue
                         orphan = json.dumps({**claim, "worker": ""})
                         keys = [self.keys.claims(job)]
                         abandoned += int(await self._abandon(keys=keys, args=[prompt_id, raw, orphan]))
@@ -256,3 +379,9 @@ class Ledger:
 
     async def count(self, job: str, field: str, amount: int = 1) -> None:
         await self.r.hincrby(self.keys.counters(job), field, amount)
+
+
+def _pairs(flat: list[Any]) -> dict[str, str]:
+    """A Lua script's flat {key, value, ...} answer as a dict of strings."""
+    text = [v.decode() if isinstance(v, bytes) else str(v) for v in flat or []]
+    return dict(zip(text[0::2], text[1::2], strict=True))

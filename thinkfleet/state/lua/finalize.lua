@@ -2,28 +2,56 @@
 -- each newly done row also records the model's answer and enqueues its conversation's next turn in the
 -- same atomic step (exactly once: only the call that moves the row into done does it, so a recovery
 -- that finalizes an orphan part enqueues it if nobody did).
+-- Fenced: a row is finalized only while its claim is still the caller's at the caller's epoch (claim.lua) — or,
+-- when Redis lost the claim, while nobody else finished the prompt. Any other row is *fenced*: it changes no
+-- counter, no answer record, no next turn, and is returned with what holds the prompt now. The epoch of the row
+-- made committed is recorded (committed_epochs); a retried finalize of that very row is not fenced.
 -- A next turn already done or dead (a re-run of turn i re-derives it) leaves done/dead before its message lands,
 -- or the claim would skip it; so do the later turns a chain that now ends here no longer derives (drop). The
 -- counters follow as requeue.lua corrects them (the next turn is of the same dataset).
--- KEYS: done, claims, counters, dataset_counters, worker_counters, timeline, deliveries,
---       and only when a row carries an answer or a next turn: queue, prompts, prompt_dataset, answers, dead
+-- KEYS: done, claims, counters, dataset_counters, worker_counters, timeline, deliveries, dead, committed_epochs,
+--       and only when a row carries an answer or a next turn: queue, prompts, prompt_dataset, answers
 -- ARGV: worker, now, alarm_min_rows, alarm_missing_share, dataset, then per row: prompt_id, tokens, think_end
 --       ('1' closed reasoning, '0' expected to and did not, '2' not expected to reason: not watched by the alarm),
 --       truncated, answer ('' = none), next_prompt_id ('' = none), next_content_hash, next_message,
---       drop (JSON list of turn prompt ids, '' = none)
+--       drop (JSON list of turn prompt ids, '' = none), the claim's epoch, the row's own epoch (an orphan's part
+--       row was written under an earlier claim)
+-- Returns {new rows, alarm fires, alarm rows seen, of them missing, {fenced prompt_id, holder, ...}}
 local new_rows, tokens, think, trunc, expected = 0, 0, 0, 0, 0
 local undone, undead = 0, 0
 local function take_out(id)
   undone = undone + redis.call('SREM', KEYS[1], id)
-  undead = undead + redis.call('HDEL', KEYS[12], id)
+  undead = undead + redis.call('HDEL', KEYS[8], id)
   redis.call('HDEL', KEYS[7], id)
 end
 local flags = {}
-for i = 6, #ARGV, 9 do
+local fenced = {}
+-- nil when the row may be finalized, else what holds the prompt now (or 'ours' when this row is already it)
+local function holder(pid, e, row_e)
+  local cur = redis.call('HGET', KEYS[2], pid)
+  if cur then
+    local claim = cjson.decode(cur)
+    if claim['worker'] == ARGV[1] and tostring(claim['epoch']) == e then return nil end
+    return tostring(claim['epoch'] or '') .. '@' .. tostring(claim['worker'])
+  end
+  if redis.call('SISMEMBER', KEYS[1], pid) == 1 then
+    if redis.call('HGET', KEYS[9], pid) == row_e then return 'ours' end
+    return 'done'
+  end
+  if redis.call('HEXISTS', KEYS[8], pid) == 1 then return 'dead' end
+  return nil
+end
+for i = 6, #ARGV, 11 do
   local pid = ARGV[i]
-  redis.call('HDEL', KEYS[2], pid)
-  redis.call('HDEL', KEYS[7], pid)
-  if redis.call('SADD', KEYS[1], pid) == 1 then
+  local held = holder(pid, ARGV[i + 9], ARGV[i + 10])
+  if held and held ~= 'ours' then
+    fenced[#fenced + 1] = pid
+    fenced[#fenced + 1] = held
+  elseif not held then
+    redis.call('HDEL', KEYS[2], pid)
+    redis.call('HDEL', KEYS[7], pid)
+    if redis.call('SADD', KEYS[1], pid) == 1 then
+    redis.call('HSET', KEYS[9], pid, ARGV[i + 10])
     new_rows = new_rows + 1
     tokens = tokens + tonumber(ARGV[i + 1])
     local f = ARGV[i + 2]
@@ -33,20 +61,21 @@ for i = 6, #ARGV, 9 do
       flags[#flags + 1] = f
     end
     trunc = trunc + tonumber(ARGV[i + 3])
-    if ARGV[i + 4] ~= '' then redis.call('HSET', KEYS[11], pid, ARGV[i + 4]) end
+    if ARGV[i + 4] ~= '' then redis.call('HSET', KEYS[13], pid, ARGV[i + 4]) end
     if ARGV[i + 5] ~= '' then
       take_out(ARGV[i + 5])
-      redis.call('HSET', KEYS[9], ARGV[i + 5], ARGV[i + 6])
-      redis.call('HSET', KEYS[10], ARGV[i + 5], ARGV[5])
-      redis.call('RPUSH', KEYS[8], ARGV[i + 7])
+      redis.call('HSET', KEYS[11], ARGV[i + 5], ARGV[i + 6])
+      redis.call('HSET', KEYS[12], ARGV[i + 5], ARGV[5])
+      redis.call('RPUSH', KEYS[10], ARGV[i + 7])
       redis.call('HINCRBY', KEYS[3], 'turns_enqueued', 1)
     end
     if ARGV[i + 8] ~= '' then
       for _, id in ipairs(cjson.decode(ARGV[i + 8])) do take_out(id) end
     end
   end
+  end
 end
-if new_rows == 0 then return {0, 0, 0, 0} end
+if new_rows == 0 then return {0, 0, 0, 0, fenced} end
 if undead > 0 then
   redis.call('HINCRBY', KEYS[3], 'dead', -undead)
   redis.call('HINCRBY', KEYS[4], 'dead', -undead)
@@ -78,4 +107,4 @@ local fire = 0
 if (seen >= minrows and miss >= share * minrows) or (rows >= minrows and missing_all >= share * rows) then
   fire = 1
 end
-return {new_rows, fire, seen, miss}
+return {new_rows, fire, seen, miss, fenced}

@@ -1,5 +1,6 @@
 -- Give a claim back: the message is handed back to the queue.
--- KEYS: claims, deliveries, done, dead ; ARGV: prompt_id, worker, error ('' for a clean hand-back)
+-- KEYS: claims, deliveries, done, dead ; ARGV: prompt_id, worker, error ('' for a clean hand-back), epoch (the
+-- caller's claim; a claim under another epoch is another run's and is left alone)
 -- A claim that names a part keeps it, with no owner and settled (no death to charge): whoever claims
 -- next checks whether that part committed and finalizes from it instead of generating a second row
 -- (the ambiguous commit). A claim with no part just goes.
@@ -10,7 +11,7 @@ local finished = redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1 or redis.call('H
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if cur and not finished then
   local claim = cjson.decode(cur)
-  if claim['worker'] == ARGV[2] then
+  if claim['worker'] == ARGV[2] and (ARGV[4] == nil or ARGV[4] == '' or tostring(claim['epoch']) == ARGV[4]) then
     if claim['part'] and claim['part'] ~= cjson.null then
       claim['worker'] = ''
       claim['settled'] = true
