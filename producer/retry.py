@@ -222,6 +222,10 @@ def retry_truncated(settings: Settings, job: str, max_new_tokens: int) -> list[s
                 )
                 for row in rows
             ]
+            # The new revision first: a worker's claim refuses a message of a lower one from now on, so a leftover
+            # copy of the old message cannot run with the old budget and be acked for the new one (claim.lua).
+            if tasks:
+                client.hset(settings.keys.revisions(job), mapping={t.prompt_id: t.revision for t in tasks})
             # Not "done" until the new revision is stored (workers skip prompts in the done set); the
             # counters follow so that status and verify agree while the re-runs are in flight.
             _requeue(client, settings, job, "done", tasks)
