@@ -10,7 +10,9 @@ site passes, the prompt id — the per-prompt points pass one; the group-commit 
 Unset, :func:`failpoint` costs one dict lookup.
 
 Actions: ``raise`` (a :class:`FailpointError`, which nothing in thinkfleet catches on purpose — it
-must travel the "unexpected exception" path), ``kill`` (SIGKILL of this process, no cleanup).
+must travel the "unexpected exception" path), ``kill`` (SIGKILL of this process, no cleanup), ``stop``
+(SIGSTOP of this process — every thread, the heartbeat too, as a GC pause, a frozen VM or a partition would;
+the test sends SIGCONT when it wants the process back).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ WORKER_POINTS = (
 )
 PRODUCER_POINTS = ("submit_after_stage",)  # messages staged, the commit MULTI not yet run
 POINTS = WORKER_POINTS + PRODUCER_POINTS
-ACTIONS = ("raise", "kill")
+ACTIONS = ("raise", "kill", "stop")
 
 
 class FailpointError(RuntimeError):
@@ -104,8 +106,11 @@ def failpoint(name: str, key: str | None = None) -> None:
         return
     action = arm.action
     log.warning("failpoint %s: %s (pid %d)", name, action, os.getpid())
-    if action == "kill":
+    if action in ("kill", "stop"):
         for handler in logging.getLogger().handlers:
             handler.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGSTOP)
+        if action == "stop":
+            log.warning("failpoint %s: continued (pid %d)", name, os.getpid())
+            return
     raise FailpointError(f"failpoint {name}")
