@@ -51,7 +51,7 @@ def fires(name: str, key: str | None = None) -> bool:
 def test_the_points_are_the_worker_points_then_the_producers() -> None:
     assert POINTS == WORKER_POINTS + PRODUCER_POINTS
     assert len(set(POINTS)) == len(POINTS)
-    assert ACTIONS == ("raise", "kill")
+    assert ACTIONS == ("raise", "kill", "stop")
 
 
 def test_parse_reads_action_count_and_key_of_each_item() -> None:
