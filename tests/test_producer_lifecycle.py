@@ -19,6 +19,7 @@ from thinkfleet.testing.harness import (
     fast_env,
     isolated_settings,
     make_prompts,
+    post_json,
     producer_cli,
     record_result,
     sim_stats,
@@ -36,12 +37,15 @@ def _stored(client: redis.Redis, settings: Settings, job: str) -> int:
     return job_progress(client, settings.keys, job)["done"]
 
 
-def _fleet(tmp_path: Path, settings: Settings, n: int = 2) -> tuple[SimulatorProcess, list[WorkerProcess]]:
+def _fleet(
+    tmp_path: Path, settings: Settings, n: int = 2, **extra: object
+) -> tuple[SimulatorProcess, list[WorkerProcess]]:
     sim = SimulatorProcess("--time-scale", TIME_SCALE)
     sim.log_path = str(tmp_path / "sim.log")
     sim.start()
     client = redis.Redis.from_url(settings.redis_url)
-    workers = [WorkerProcess(f"w{i}", fast_env(settings, sim.url, max_inflight=4), tmp_path).start() for i in range(n)]
+    env = fast_env(settings, sim.url, max_inflight=4, **extra)
+    workers = [WorkerProcess(f"w{i}", env, tmp_path).start() for i in range(n)]
     for w in workers:
         w.wait_ready(client, settings.keys)
     return sim, workers
@@ -63,20 +67,41 @@ def test_pause_holds_and_resume_finishes_clean(redis_url: str, tmp_path: Path) -
     settings = isolated_settings(redis_url, str(tmp_path / "out"))
     client = redis.Redis.from_url(redis_url)
     prompts = make_prompts(N_PROMPTS)
-    sim, workers = _fleet(tmp_path, settings)
+    # The pause must land while prompts are still queued, whatever the box's load: the simulator is stalled
+    # (it takes requests and answers none) from before the submit until the pause has landed, so no prompt
+    # can be stored before it. Each worker then holds at most its concurrency (max_inflight + headroom = 8)
+    # claimed prompts, which finish after the stall; every other message is parked. The request deadline
+    # outlasts the stall, so the held requests are answered, never timed out and retried.
+    sim, workers = _fleet(tmp_path, settings, request_timeout_floor_s=600)
     started = time.monotonic()
     try:
+        for w in workers:
+            w.wait_consuming()  # past the preflight, which a stalled server would hold
         with InvariantWatch(settings, "pz") as watch:
-            submit_ids(settings, "pz", prompts, **SAMPLING)
-            wait_until(lambda: _stored(client, settings, "pz") >= 2, 60, what="first rows")
-            assert _jobs(settings)["pz"]["state"] == "active"
-            out = producer_cli(settings, "pause", "pz")
-            assert out.returncode == 0, out.stderr
+            post_json(f"{sim.url}/control/stall", {"seconds": 300})
+            try:
+                submit_ids(settings, "pz", prompts, **SAMPLING)
+                wait_until(lambda: in_flight(client, settings.keys, "pz"), 60, what="prompts in flight")
+                assert _stored(client, settings, "pz") == 0
+                assert _jobs(settings)["pz"]["state"] == "active"
+                out = producer_cli(settings, "pause", "pz")
+                assert out.returncode == 0, out.stderr
+            finally:
+                post_json(f"{sim.url}/control/stall", {"seconds": 0})
             # In-flight prompts finish; then nothing more is stored while the job is paused.
-            wait_until(lambda: not in_flight(client, settings.keys, "pz"), 60, what="in-flight prompts finished")
+            wait_until(lambda: not in_flight(client, settings.keys, "pz"), 120, what="in-flight prompts finished")
             held = _stored(client, settings, "pz")
             assert held < N_PROMPTS, out.stdout
-            time.sleep(4)
+
+            def parked() -> int:
+                return int(client.llen(settings.keys.parked("pz")))
+
+            def accounted() -> bool:
+                return parked() == N_PROMPTS - held - len(dead_letters(client, settings.keys, "pz"))
+
+            # The messages the workers had taken but not claimed are parked as they reach them.
+            wait_until(accounted, 60, what="every message not stored parked")
+            time.sleep(4)  # the hold itself: an interval in which nothing may happen
             assert _stored(client, settings, "pz") == held
             assert not in_flight(client, settings.keys, "pz")
             assert client.llen(settings.keys.parked("pz")) == N_PROMPTS - held - len(
@@ -95,7 +120,7 @@ def test_pause_holds_and_resume_finishes_clean(redis_url: str, tmp_path: Path) -
         record_result(
             "producer pause then resume mid-job",
             outcome,
-            "pause with prompts in flight, 4 s held, resume",
+            "pause with prompts in flight (the server held until it landed), 4 s held, resume",
             wall_s=time.monotonic() - started,
             workers=len(workers),
         )

@@ -475,26 +475,54 @@ def test_flower_user_can_run_kombus_restore_of_an_expired_message(acl_redis: Acl
 
 
 class Monitor(threading.Thread):
-    """Records the commands Redis executes (MONITOR as admin), to prove which pop the worker used."""
+    """Records the commands Redis executes (MONITOR as admin), to prove which pop the worker used.
 
-    def __init__(self, client: redis.Redis) -> None:
-        super().__init__(daemon=True)
-        self.client = client
+    MONITOR replays nothing, so a reconnect would silently drop whatever ran in between: the stream must be
+    one unbroken connection from `start` to `stop`. Its connection therefore has no socket timeout (redis-py
+    8's clients carry 5 s, and a quiet stretch of a loaded box is longer than that); any failure of the stream
+    is kept and raised by `stop` (never swallowed); and `stop` sends a marker through the server and waits
+    until the thread has read it, so every command Redis ran before the marker has been recorded.
+    """
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True, name="redis-monitor")
+        self.client = redis.Redis.from_url(url, retry=None, socket_timeout=None, socket_connect_timeout=60)
         self.commands: list[str] = []
-        self.stopped = threading.Event()
+        self.marker = f"monitor-stop-{os.urandom(6).hex()}"
+        self.listening = threading.Event()
+        self.error: BaseException | None = None
+        self.saw_marker = False
 
     def run(self) -> None:
         try:
             with self.client.monitor() as monitor:
+                self.listening.set()  # MONITOR answered OK: from here on, every command is streamed to us
                 for command in monitor.listen():
                     self.commands.append(command["command"])
-                    if self.stopped.is_set():
+                    if self.marker in command["command"]:
+                        self.saw_marker = True
                         return
-        except (redis.ConnectionError, OSError, ValueError):
-            return
+        except BaseException as exc:  # kept and raised by stop(): the stream must not die quietly
+            self.error = exc
+        finally:
+            self.listening.set()
 
-    def stop(self) -> None:
-        self.stopped.set()
+    def start(self) -> None:
+        super().start()
+        assert self.listening.wait(60), "MONITOR did not start within 60 s"
+        if self.error is not None:
+            raise AssertionError(f"MONITOR failed to start: {self.error!r}") from self.error
+
+    def stop(self, admin: redis.Redis) -> list[str]:
+        """Ends the recording at a marker and returns every command Redis ran between start and stop."""
+        if self.is_alive():
+            admin.echo(self.marker)
+            self.join(120)
+        assert not self.is_alive(), "the MONITOR thread did not read its stop marker within 120 s"
+        if self.error is not None:
+            raise AssertionError(f"the MONITOR stream broke, commands may be missing: {self.error!r}") from self.error
+        assert self.saw_marker, "the MONITOR stream ended before its stop marker"
+        return self.commands
 
 
 TLS = needs_service(_tls_build(), "redis-server has no TLS support (Debian's redis-server has it)")
@@ -552,8 +580,8 @@ def test_worker_over_tls_keeps_the_transit_pop_and_a_sigkill_loses_nothing(tmp_p
     enable_transit(kombu_app, wrong, "wrong-ca")  # the worker's own transport refuses the server too
     with kombu_app.connection_for_write() as connection, pytest.raises(Exception, match=r"(?i)certificate"):
         connection.ensure_connection(max_retries=1)
-    monitor = Monitor(server.client("admin"))
-    monitor.start()
+    monitor = Monitor(server.url("admin"))
+    monitor.start()  # returns once MONITOR streams: the workers below start after it
     started = time.monotonic()
     job: IdJob | None = None
     flower = None
@@ -580,12 +608,10 @@ def test_worker_over_tls_keeps_the_transit_pop_and_a_sigkill_loses_nothing(tmp_p
                 victim.kill()
                 survivor.terminate()
                 flower.stop()
-        monitor.stop()
-        admin.ping()  # wakes the monitor so it sees the stop
-        monitor.join(5)
+        commands = monitor.stop(admin)  # raises if the stream broke: no pop can go unrecorded
         # Then both popped through their transit lists (BLMOVE), never kombu's BRPOP of the queue…
-        transit = [c for c in monitor.commands if c.startswith("BLMOVE") and keys.transit("") in c]
-        pops = [c for c in monitor.commands if c.startswith("BRPOP") and f" {producer.queue} " in f" {c} "]
+        transit = [c for c in commands if c.startswith("BLMOVE") and keys.transit("") in c]
+        pops = [c for c in commands if c.startswith("BRPOP") and f" {producer.queue} " in f" {c} "]
         for name in ("tls-victim", "tls-survivor"):
             assert any(keys.transit(name) in c for c in transit), f"{name} did not pop into its transit list"
         assert pops == [], f"kombu's stock pop was used: {pops[:3]}"
@@ -608,8 +634,7 @@ def test_worker_over_tls_keeps_the_transit_pop_and_a_sigkill_loses_nothing(tmp_p
         )
         outcome.assert_clean()
     finally:
-        monitor.stop()
-        server.stop()
+        server.stop()  # (ends a monitor still streaming: its connection closes)
 
 
 FLOWER_AUTH = "ops:flower-test-login"

@@ -70,18 +70,28 @@ def worker_env(
 class WorkerProcess:
     """One ``worker`` subprocess with a fixed identity; its log goes to ``log_path``."""
 
-    def __init__(self, name: str, env: Mapping[str, str], log_dir: Path, extra_args: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        name: str,
+        env: Mapping[str, str],
+        log_dir: Path,
+        extra_args: tuple[str, ...] = (),
+        log_name: str | None = None,
+    ):
         self.name = name
         self.env = dict(env)
-        self.log_path = Path(log_dir) / f"worker-{name}.log"
+        #: ``log_name``: two processes under one ``name`` (twins) each keep their own log.
+        self.log_path = Path(log_dir) / f"worker-{log_name or name}.log"
         self.extra_args = extra_args
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
         self.started_at = 0.0
+        self.log_offset = 0  # where this run's lines begin in the (appended) log
 
     def start(self) -> WorkerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 — owned by the child for its lifetime
+        self.log_offset = log.tell()
         args = [sys.executable, "-m", "workers.cli", "--name", self.name, "--loglevel", "INFO", *self.extra_args]
         self.started_at = time.time()
         self.proc = subprocess.Popen(args, env=self.env, stdout=log, stderr=subprocess.STDOUT)
@@ -101,11 +111,29 @@ class WorkerProcess:
             time.sleep(0.1)
         raise TimeoutError(f"worker {self.name} not ready after {timeout_s}s:\n{self.tail()}")
 
+    def wait_consuming(self, timeout_s: float = 60.0) -> WorkerProcess:
+        """Until this run has passed its server preflight and opened its health gate (it consumes from then
+        on, until the gate closes). :meth:`wait_ready` returns earlier: the heartbeat starts before the
+        preflight. A test that then stalls the server needs this one, or the preflight waits out the stall."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"worker {self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            with open(self.log_path, "rb") as log:
+                log.seek(self.log_offset)
+                if b"is healthy: consuming" in log.read():
+                    return self
+            time.sleep(0.1)
+        raise TimeoutError(f"worker {self.name} not consuming after {timeout_s}s:\n{self.tail()}")
+
     def _beat_at(self, client: redis.Redis, keys: Keys) -> float:
         raw = client.get(keys.heartbeat(self.name))
         try:
-            return float(json.loads(raw)["at"]) if raw else 0.0
-        except (ValueError, KeyError, TypeError):
+            beat = json.loads(raw) if raw else None
+            if not beat or beat.get("starting") or (self.proc is not None and beat.get("pid") != self.proc.pid):
+                return 0.0  # none, a run still starting (name held, runtime not built) or another process's
+            return float(beat["at"])  # Redis's clock (workers/lease.py): this machine's, in tests
+        except (ValueError, KeyError, TypeError, AttributeError):
             return float("inf")  # a heartbeat of another shape: present is all we can tell
 
     def alive(self) -> bool:
