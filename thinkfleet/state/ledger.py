@@ -214,7 +214,12 @@ class Ledger:
         for pid in prompt_ids:
             args += [pid, self.held.get((job, pid), "")]
         flat = await self._mark_part(keys=[k.claims(job), k.done(job), k.dead(job)], args=args)
-        return _pairs(flat)
+        fenced = _pairs(flat)
+        if fenced:
+            await self.r.hincrby(k.counters(job), "fenced", len(fenced))
+            for pid in fenced:
+                self.held.pop((job, pid), None)
+        return fenced
 
     async def finalize(
         self,
