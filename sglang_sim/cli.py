@@ -23,7 +23,7 @@ from aiohttp import web
 from sglang_sim.config import ServerConfig, SimConfig
 from sglang_sim.content import SIM_FAMILIES, ContentConfig
 from sglang_sim.engine import EngineConfig
-from sglang_sim.faults import FaultConfig
+from sglang_sim.faults import BAD_OUTPUT_KINDS, FaultConfig
 from sglang_sim.server import create_app, describe
 from sglang_sim.versions import SUPPORTED_VERSIONS
 
@@ -62,6 +62,10 @@ _HELP = {
     "nan_rate": "Share of generations ending on SGLang's NaN path (last id overwritten, matched 'NaN happened').",
     "abort_rate": "Share of generations the scheduler aborts part-way (see --abort-status-code).",
     "abort_status_code": "Status of those aborts: 503 running timeout, 500 internal error, 400 bad request.",
+    "bad_output_rate": "Share of prompts (by their input ids: every attempt) answered 200 with a bad output.",
+    "bad_output_kind": "What it carries: int32 (an id of 2**31), vocab (an id = the vocabulary size) or "
+    "overlong (a stop finish with max_new_tokens + 1 ids).",
+    "bad_output_per_attempt": "Draw the bad output per call instead of per prompt (a retry may get a good one).",
     "model_family": "Whose marker ids the outputs carry (kimi, qwen3, deepseek, glm45, harmony); also sets the "
     "vocabulary size, model name, parsers and EOS ids unless given.",
     "eos_token_ids": "The model's own stop ids [the family's].",
@@ -71,6 +75,7 @@ _CHOICES: dict[str, Sequence[Any]] = {
     "model_family": SIM_FAMILIES,
     "sglang_version": SUPPORTED_VERSIONS,
     "abort_status_code": (400, 500, 503),
+    "bad_output_kind": BAD_OUTPUT_KINDS,
 }
 
 

@@ -15,6 +15,12 @@ Per-generation faults draw the same way, per batch item, from their own stream.
 - Abort (``abort_rate``): the scheduler finishes the request early with
   ``FINISH_ABORT(message, status_code, err_type)``; a non-streamed call then gets the HTTP error
   the tokenizer manager raises for that status (see :data:`ABORTS`).
+- Bad output (``bad_output_rate``): a 200 answer that no real generation could be — one output id replaced
+  by ``2**31`` (``bad_output_kind`` ``int32``, past every int32 column) or by the vocabulary size
+  (``vocab``, the first id past the vocabulary), or a ``stop`` finish padded to ``max_new_tokens + 1`` ids
+  (``overlong``). A buggy kernel or a corrupted response looks like this. Drawn *per prompt* (by its input
+  ids), so every attempt of a chosen prompt is bad — a client's retries cannot cure it — unless
+  ``bad_output_per_attempt`` draws per call like the other faults.
 """
 
 from __future__ import annotations
@@ -53,6 +59,13 @@ class FaultConfig:
     abort_rate: float = 0.0
     #: 503 (running timeout), 500 (internal error) or 400 (bad request): see :data:`ABORTS`.
     abort_status_code: int = 503
+    #: Share of prompts (by their input ids) whose 200 answers carry a bad output (see :data:`BAD_OUTPUT_KINDS`).
+    bad_output_rate: float = 0.0
+    #: ``int32`` (an id of 2**31), ``vocab`` (an id equal to the vocabulary size) or ``overlong`` (a stop finish
+    #: with max_new_tokens + 1 ids).
+    bad_output_kind: str = "int32"
+    #: Draw the bad output per call (a retry may get a good answer) instead of per prompt (every attempt bad).
+    bad_output_per_attempt: bool = False
 
     def __post_init__(self) -> None:
         rates = (self.fault_503_rate, self.fault_drop_rate, self.fault_hang_rate)
@@ -61,6 +74,10 @@ class FaultConfig:
         generation_rates = (self.nan_rate, self.abort_rate)
         if any(not 0.0 <= r <= 1.0 for r in generation_rates) or sum(generation_rates) > 1.0 + 1e-9:
             raise ValueError("nan_rate and abort_rate must each be in [0, 1] and sum to at most 1")
+        if not 0.0 <= self.bad_output_rate <= 1.0:
+            raise ValueError("bad_output_rate must be in [0, 1]")
+        if self.bad_output_kind not in BAD_OUTPUT_KINDS:
+            raise ValueError(f"bad_output_kind must be one of {BAD_OUTPUT_KINDS}, got {self.bad_output_kind!r}")
         if self.abort_status_code not in ABORTS:
             raise ValueError(f"abort_status_code must be one of {sorted(ABORTS)}, got {self.abort_status_code}")
         if self.outage_duration_s < 0:
@@ -75,7 +92,14 @@ class FaultConfig:
         "nan_rate",
         "abort_rate",
         "abort_status_code",
+        "bad_output_rate",
+        "bad_output_kind",
+        "bad_output_per_attempt",
     )
+
+
+#: ``bad_output_kind``: what a bad answer carries (sglang_sim.generate._bad_output).
+BAD_OUTPUT_KINDS = ("int32", "vocab", "overlong")
 
 
 class GenerationFault(StrEnum):
@@ -117,6 +141,7 @@ class FaultInjector:
         self.started_at_s = wall_clock()
         self._seen: Counter[str] = Counter()
         self._seen_generation: Counter[str] = Counter()
+        self._seen_bad: Counter[str] = Counter()
         self.injected: Counter[str] = Counter()
         self._outage_until_s: float | None = None
         self._scheduled_outage_done = config.outage_at_s is None
@@ -153,6 +178,26 @@ class FaultInjector:
         if u < cfg.nan_rate + cfg.abort_rate:
             return GenerationFault.ABORT, where
         return GenerationFault.NONE, where
+
+    def choose_bad_output(self, prompt_key: str, call_key: str) -> float | None:
+        """None, or (this answer is bad) a uniform draw in [0, 1) placing the bad id in the output. Per prompt
+        (``prompt_key``: every call with these input ids draws the same) unless ``bad_output_per_attempt``
+        (``call_key`` and its count, as the other faults)."""
+        cfg = self.config
+        if cfg.bad_output_rate <= 0:
+            return None
+        if cfg.bad_output_per_attempt:
+            n = self._seen_bad[call_key]
+            self._seen_bad[call_key] += 1
+            key = f"{call_key}|{n}"
+        else:
+            key = prompt_key
+        digest = hashlib.blake2b(f"{cfg.fault_seed}|bad|{key}".encode(), digest_size=16).digest()
+        u = int.from_bytes(digest[:8], "little") / 2**64
+        if u >= cfg.bad_output_rate:
+            return None
+        self.injected[f"bad_output:{cfg.bad_output_kind}"] += 1
+        return int.from_bytes(digest[8:], "little") / 2**64
 
     @property
     def abort(self) -> Abort:

@@ -8,7 +8,9 @@ context boundary, meta_info keys, the streamed error chunk.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
+from array import array
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -36,13 +38,22 @@ OUTAGE_MESSAGE = "Service Unavailable: the server is down (sglang-sim outage)."
 #: Message of the 503 /generate answers during warm-up with ``--warmup-rejects-generate``.
 WARMUP_MESSAGE = "Service Unavailable: the server is warming up (sglang-sim --warmup-rejects-generate)."
 _DROP = object()
+#: The id an ``overlong`` bad output pads with (an ordinary filler id of every family).
+FILLER_ID = 100
 
 
 class CallItem:
     """One prompt of an HTTP call while it runs: its expected output and its engine request."""
 
     def __init__(
-        self, call: Call, item: GenerateItem, generation: Generation, nan: bool = False, abort: Abort | None = None
+        self,
+        call: Call,
+        item: GenerateItem,
+        generation: Generation,
+        nan: bool = False,
+        abort: Abort | None = None,
+        bad_id: tuple[int, int] | None = None,
+        bad_output: bool = False,
     ) -> None:
         self.call = call
         self.item = item
@@ -52,6 +63,10 @@ class CallItem:
         self.nan = nan
         #: The scheduler aborts it after ``len(generation.output_ids)`` tokens (``--abort-rate``).
         self.injected_abort = abort
+        #: ``--bad-output-rate``: the answer is bad (``bad_id``: (position, id) written into the final
+        #: output_ids in place of the sampled one; the text stays the sampled ids').
+        self.bad_output = bad_output or bad_id is not None
+        self.bad_id = bad_id
         self.req = SimRequest(
             item.rid,
             item.input_ids,
@@ -83,8 +98,12 @@ class CallItem:
             ids = self.generation.output_ids[:count]
             if final:
                 finish = protocol.abort_reason(req.abort_message or "", waiting=req.aborted_while_waiting)
+        text = sim.codec.decode(ids, finish, params.skip_special_tokens, params.no_stop_trim)
+        if final and req.abort_message is None and self.bad_id is not None and ids:
+            position, bad = self.bad_id
+            ids = [*ids[:position], bad, *ids[position + 1 :]]
         out: dict[str, Any] = {
-            "text": sim.codec.decode(ids, finish, params.skip_special_tokens, params.no_stop_trim),
+            "text": text,
             "output_ids": ids,
             "meta_info": sim.meta_info(
                 rid=self.item.rid,
@@ -263,6 +282,10 @@ def _call_item(sim: Simulator, call: Call, item: GenerateItem) -> CallItem:
     """The item's expected generation, or its NaN / injected-abort variant (``--nan-rate``/``--abort-rate``)."""
     generation = _generation(sim, item)
     config = sim.faults.config  # POST /control/faults may have changed the rates
+    if config.bad_output_rate:
+        where = sim.faults.choose_bad_output(_prompt_key(item.input_ids), item.rid)
+        if where is not None:
+            return _bad_output(sim, call, item, generation, where)
     if not (config.nan_rate or config.abort_rate):
         return CallItem(call, item, generation)
     key = item.rid if call.parsed.client_rids else str(hash(tuple(item.input_ids)))
@@ -283,6 +306,31 @@ def _call_item(sim: Simulator, call: Call, item: GenerateItem) -> CallItem:
         partial = Generation(ids, abort.finish_reason(), reasoning_token_count(ids, think_end), generation.tool_call)
         return CallItem(call, item, partial, abort=abort)
     return CallItem(call, item, generation)
+
+
+def _prompt_key(input_ids: list[int]) -> str:
+    """A prompt's identity across calls and processes (every attempt of it draws the same bad-output fault)."""
+    return hashlib.blake2b(array("q", input_ids).tobytes(), digest_size=16).hexdigest()
+
+
+def _bad_output(sim: Simulator, call: Call, item: GenerateItem, generation: Generation, where: float) -> CallItem:
+    """``--bad-output-rate``: the item's 200 answer carries what no generation can — an id of 2**31
+    (``int32``) or of the vocabulary size (``vocab``) at a drawn position (never the stop id when there are
+    two or more ids), or (``overlong``) a stop finish with ``max_new_tokens + 1`` ids."""
+    kind = sim.faults.config.bad_output_kind
+    ids = generation.output_ids
+    if kind == "overlong":
+        budget = max(1, int(item.max_new_tokens or len(ids) or 1))
+        body = (ids[:budget] + [FILLER_ID] * budget)[:budget]
+        stop = sim.config.content.eos_token_ids[0]
+        padded = [*body, stop]
+        finish = {"type": "stop", "matched": stop}
+        think_end = sim.config.content.think_end_id
+        bad = Generation(padded, finish, reasoning_token_count(padded, think_end), generation.tool_call)
+        return CallItem(call, item, bad, bad_output=True)
+    value = 2**31 if kind == "int32" else sim.config.server.vocab_size
+    position = int(where * (len(ids) - 1)) if len(ids) > 1 else 0
+    return CallItem(call, item, generation, bad_id=(position, value))
 
 
 def _injected_abort(call: Call) -> Abort | None:

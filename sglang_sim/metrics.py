@@ -96,6 +96,8 @@ class CallStats:
     nan_rids: list[str] = field(default_factory=list)
     #: Rids the scheduler aborted part-way (``--abort-rate``), in finishing order.
     abort_rids: list[str] = field(default_factory=list)
+    #: Rids answered 200 with a bad output (``--bad-output-rate``), in finishing order.
+    bad_output_rids: list[str] = field(default_factory=list)
     #: Rids accepted while already in flight (releases without the duplicate check, e.g. 0.5.9): the
     #: earlier call holding the rid is never answered.
     duplicate_rids: list[str] = field(default_factory=list)
@@ -125,6 +127,7 @@ class CallStats:
             "distinct_rids": len(self.rids),
             "nan_rids": list(self.nan_rids),
             "abort_rids": list(self.abort_rids),
+            "bad_output_rids": list(self.bad_output_rids),
             "duplicate_rids": list(self.duplicate_rids),
             "stalls": self.stalls,
             "health_checks": self.health_checks,

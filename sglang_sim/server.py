@@ -15,7 +15,7 @@ Control routes (simulator only; they answer even during a stall):
 
 - ``GET /control/faults`` → the fault settings; ``POST /control/faults`` with any of
   ``{"fault_503_rate", "fault_drop_rate", "fault_hang_rate", "fault_seed", "nan_rate", "abort_rate",
-  "abort_status_code"}`` changes them.
+  "abort_status_code", "bad_output_rate", "bad_output_kind", "bad_output_per_attempt"}`` changes them.
 - ``POST /control/outage`` ``{"duration_s": 30, "mode": "drop"|"abort"}``: from now on /generate and
   /health* answer 503 for ``duration_s`` wall seconds; in-flight calls are dropped (connection closed,
   default) or aborted (200 with ``finish_reason.type == "abort"``). ``duration_s: 0`` ends an outage.
@@ -26,8 +26,8 @@ Control routes (simulator only; they answer even during a stall):
   they had just arrived (a client whose timeout is shorter has given up by then). ``seconds: 0`` ends
   a stall; a new stall replaces the running one.
 - ``GET /control/stats[?rids=0]`` → counts (see :class:`~sglang_sim.metrics.CallStats`), including the
-  rids whose generation took the NaN path (``nan_rids``) or was aborted by ``--abort-rate``
-  (``abort_rids``).
+  rids whose generation took the NaN path (``nan_rids``), was aborted by ``--abort-rate``
+  (``abort_rids``) or was answered with a bad output by ``--bad-output-rate`` (``bad_output_rids``).
 """
 
 from __future__ import annotations
@@ -221,6 +221,8 @@ class Simulator:
                 self.stats.abort_rids.append(item.item.rid)
             elif item.nan:
                 self.stats.nan_rids.append(item.item.rid)
+            elif item.bad_output:
+                self.stats.bad_output_rids.append(item.item.rid)
         if self.inflight.get(item.item.rid) is item:
             del self.inflight[item.item.rid]  # SGLang drops rid_to_state on finish
         self.metrics.observe_finish(

@@ -213,7 +213,9 @@ class ScriptedGenerate:
         self.script = deque(script)
         self.calls = 0
 
-    async def generate(self, input_ids: list[int], sampling: dict[str, Any], rid: str, deadline: float) -> Any:
+    async def generate(
+        self, input_ids: list[int], sampling: dict[str, Any], rid: str, deadline: float, vocab_size: int | None = None
+    ) -> Any:
         self.calls += 1
         item = self.script[0] if len(self.script) == 1 else self.script.popleft()
         if isinstance(item, BaseException):

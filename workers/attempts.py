@@ -5,8 +5,11 @@
 group commit), the record of requests in flight (request → job, rid) that a drain or a job's cancel
 aborts — and the retry policy: a server fault is retried with jittered backoff up to
 ``retry_max_attempts``, after waiting for the health gate's news when nothing completed while the
-attempt ran (the fault may be the whole server's). It raises :class:`~workers.sglang.PermanentError`
-(dead-letter) or :class:`HandBack` (draining, server down); everything else is the caller's.
+attempt ran (the fault may be the whole server's) — except for a fault the server *answered* (a NaN stop, a
+:class:`~workers.sglang.BadOutput`: an id outside the vocabulary, counts that disagree), which says the server
+is up. Every answer is validated (workers/sglang.py ``parse_response``, against the vocabulary) before its
+row can join a commit group. It raises :class:`~workers.sglang.PermanentError` (dead-letter) or
+:class:`HandBack` (draining, server down); everything else is the caller's.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from thinkfleet.state.lifecycle import CANCELLED_CLASS
 from workers.client import SGLangClient
 from workers.health import HealthGate
 from workers.metrics import WorkerMetrics
-from workers.sglang import Generation, NanStop, PermanentError, ServerFault
+from workers.sglang import Generation, PermanentError, ServerFault
 
 log = logging.getLogger("thinkfleet.worker")
 
@@ -67,9 +70,10 @@ class RequestAttempts:
             request.cancel()
 
     async def run(
-        self, task: PromptTask, input_ids: list[int], sampling: dict[str, Any]
+        self, task: PromptTask, input_ids: list[int], sampling: dict[str, Any], vocab_size: int | None = None
     ) -> tuple[Generation, int, float]:
-        """The generation, the attempts it took and the last attempt's latency (s)."""
+        """The generation, the attempts it took and the last attempt's latency (s). ``vocab_size`` (the
+        server's, else the job record's; None: unknown) bounds every output id of an answer."""
         s = self.settings
         deadline = s.request_deadline_s(int(sampling.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS))
         attempt = 0
@@ -82,21 +86,29 @@ class RequestAttempts:
                 if self._closed():
                     raise HandBack()
                 attempt += 1
-                gen, error, started, sent_at = await self._attempt(task, input_ids, sampling, attempt, deadline)
+                gen, error, started, sent_at = await self._attempt(
+                    task, input_ids, sampling, attempt, deadline, vocab_size
+                )
             if error is None:
                 self.gate.note_completion()
                 return gen, attempt, time.perf_counter() - started  # type: ignore[return-value]
             await self._before_retry(task, error, attempt, sent_at)
 
     async def _attempt(
-        self, task: PromptTask, input_ids: list[int], sampling: dict[str, Any], attempt: int, deadline: float
+        self,
+        task: PromptTask,
+        input_ids: list[int],
+        sampling: dict[str, Any],
+        attempt: int,
+        deadline: float,
+        vocab_size: int | None = None,
     ) -> tuple[Generation | None, ServerFault | None, float, float]:
         """One /generate call inside a request slot: (generation, None) or (None, the server's fault)."""
         rid = f"{task.task_id}/a{attempt}-{uuid.uuid4().hex[:8]}"
         started = time.perf_counter()
         sent_at = time.monotonic()
         self.metrics.request_started()
-        request = asyncio.ensure_future(self.client.generate(input_ids, sampling, rid, deadline))
+        request = asyncio.ensure_future(self.client.generate(input_ids, sampling, rid, deadline, vocab_size))
         self.inflight[request] = (task.job, rid)
         try:
             failpoint("during_generate", task.prompt_id)
@@ -109,10 +121,9 @@ class RequestAttempts:
                 await self.client.abort(rid)  # the job was cancelled (the runtime's cancel watch)
                 raise PermanentError(CANCELLED_CLASS, "job cancelled while generating") from None
             raise
-        except NanStop as exc:
-            self.gate.note_completion()  # a bad sample, but the server answers
-            return None, exc, started, sent_at
         except ServerFault as exc:
+            if exc.answered:
+                self.gate.note_completion()  # a bad sample or a bad answer, but the server answers
             return None, exc, started, sent_at
         except BaseException:
             request.cancel()  # our own failure: don't leave the request running unowned
@@ -127,16 +138,16 @@ class RequestAttempts:
         """Count the fault, give up past ``retry_max_attempts``, else wait out the backoff (and the gate)."""
         s = self.settings
         self.metrics.retried.labels(error.error_class).inc()
-        if not isinstance(error, NanStop):
+        if not error.answered:
             self.gate.report_failure()
         if attempt >= s.retry_max_attempts:
             error_class = error.exhausted_class or f"retries_exhausted:{error.error_class}"
-            exhausted = PermanentError(error_class, str(error))
+            exhausted = PermanentError(error_class, str(error), answer=getattr(error, "answer", None))
             exhausted.attempts = attempt  # type: ignore[attr-defined]
             raise exhausted
-        if isinstance(error, NanStop):
-            log.warning("NaN stop for %s (attempt %d), retrying: %s", task.prompt_id, attempt, error)
-        if not isinstance(error, NanStop) and not self.gate.alive_since(sent_at):
+        if error.answered:
+            log.warning("%s for %s (attempt %d), retrying: %s", error.error_class, task.prompt_id, attempt, error)
+        if not error.answered and not self.gate.alive_since(sent_at):
             # No generation completed while this attempt ran: the fault may be the whole server's (an
             # outage, a stall), not this prompt's. Wait for the next completion or probe verdict
             # instead of spending retries on it; if the gate closes, the prompt is handed back.

@@ -104,9 +104,15 @@ class SGLangClient:
             await self._session.close()
 
     async def generate(
-        self, input_ids: list[int], sampling_params: dict[str, Any], rid: str, deadline_s: float
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        rid: str,
+        deadline_s: float,
+        vocab_size: int | None = None,
     ) -> Generation:
-        """One attempt. Raises ServerFault / PermanentError / asyncio.TimeoutError."""
+        """One attempt. Raises ServerFault (BadOutput: an answer that cannot be stored, e.g. an output id
+        outside ``[0, vocab_size)``) / PermanentError / asyncio.TimeoutError."""
         # orjson: the ids are most of the bytes both ways, and the stdlib json is several times slower on them.
         body = orjson.dumps(build_request(input_ids, sampling_params, rid))
         try:
@@ -124,7 +130,14 @@ class SGLangClient:
         except (aiohttp.ClientError, ConnectionError) as exc:
             raise Unanswered(f"{type(exc).__name__}: {exc}") from exc
         data = decode_json(payload)
-        return parse_response(data, rid, sampling_params.get("max_new_tokens"), sampling_params.get("logprobs"))
+        return parse_response(
+            data,
+            rid,
+            sampling_params.get("max_new_tokens"),
+            sampling_params.get("logprobs"),
+            vocab_size=vocab_size,
+            prompt_len=len(input_ids),
+        )
 
     async def abort(self, rid: str) -> None:
         """Free the server's slot of a request we gave up on (best effort)."""

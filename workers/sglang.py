@@ -7,7 +7,10 @@ per attempt, and read ``output_ids`` + ``meta_info`` defensively: every shape fr
 release) to 0.5.23 parses, and a count the server did not report stays None (a null column).
 
 What is never stored: a NaN stop (its last id was written by the server, not sampled — :class:`NanStop`,
-retried), an abort (by its status: 4xx dead-letters, the rest retries), an inconsistent answer. What is
+retried), an abort (by its status: 4xx dead-letters, the rest retries), a bad or inconsistent answer
+(:class:`BadOutput`: an id outside ``[0, vocab)``, more ids than ``max_new_tokens``, a count that is negative,
+past int32 or disagrees with the ids — retried, then dead-lettered ``bad_output`` with the answer kept), so
+every row that reaches a commit group encodes. What is
 never sent (:func:`check_request`): an id at or above the vocabulary (neither release checks input ids;
 on the GPU it is an out-of-range embedding lookup) or a prompt + ``max_new_tokens`` past the context
 length (``>=`` up to 0.5.10, ``>`` from 0.5.11).
@@ -47,6 +50,8 @@ class ServerFault(Exception):
     error_class = "server_fault"
     #: The dead-letter class once this fault outlasts every retry; None → ``retries_exhausted:<error_class>``.
     exhausted_class: str | None = None
+    #: The server did answer (a bad sample or a bad answer, not an outage): no sign the whole server is down.
+    answered: bool = False
 
 
 class QueueFull(ServerFault):
@@ -68,6 +73,24 @@ class NanStop(ServerFault):
 
     error_class = "nan_stop"
     exhausted_class = "nan_stop"
+    answered = True
+
+
+class BadOutput(ServerFault):
+    """A 200 answer whose content cannot be a generation: an output id outside ``[0, vocab_size)`` (or, the
+    vocabulary unknown, outside int32), a ``stop``/``length`` finish with more ids than ``max_new_tokens``, a
+    count that is negative, past int32 or inconsistent with the ids, logprobs that do not line up. Checked
+    when the answer arrives, so such a row never joins a commit group (where it would fail the whole
+    group's encode). Retried like any server fault, dead-lettered ``bad_output`` once retries run out;
+    :attr:`answer` (an excerpt of what the server sent, :func:`answer_excerpt`) goes into the dead letter."""
+
+    error_class = "bad_output"
+    exhausted_class = "bad_output"
+    answered = True
+
+    def __init__(self, message: str, answer: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.answer = answer
 
 
 class ServerAbort(ServerFault):
@@ -79,11 +102,15 @@ class ServerAbort(ServerFault):
 class PermanentError(Exception):
     """The request itself is bad (400: context overflow, invalid ids/params): never retried blindly."""
 
-    def __init__(self, error_class: str, message: str, status: int | None = None) -> None:
+    def __init__(
+        self, error_class: str, message: str, status: int | None = None, answer: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(message)
         self.error_class = error_class
         self.message = message
         self.status = status
+        #: What the server answered (``bad_output``: :func:`answer_excerpt`), kept in the dead letter.
+        self.answer = answer
 
 
 #: ``finish_reason.matched`` of a NaN / out-of-vocab sample (scheduler output processing, every version).
@@ -189,11 +216,95 @@ def classify_abort(finish: dict[str, Any]) -> Exception:
     return ServerAbort(text)
 
 
+#: Ids and counts land in int32 Parquet columns (storage/schema.py): the id bound when the vocabulary is unknown.
+INT32_LIMIT = 2**31
+#: The ``meta_info`` counts a row stores; a present one must be an int in ``[0, 2**31)``.
+COUNT_KEYS = (
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "reasoning_tokens",
+    "num_retractions",
+    "total_retractions",
+)
+#: What :func:`answer_excerpt` keeps: the first output ids, the first entries of each ``meta_info`` list
+#: (the logprobs), the first characters of the text.
+ANSWER_IDS_KEPT = 4096
+ANSWER_LIST_KEPT = 16
+ANSWER_TEXT_KEPT = 2000
+
+
+def answer_excerpt(data: Any) -> dict[str, Any]:
+    """What a ``bad_output`` dead letter keeps of the server's answer: the first :data:`ANSWER_IDS_KEPT`
+    output ids and how many there were, ``meta_info`` with each list cut to :data:`ANSWER_LIST_KEPT`
+    entries, and the start of ``text``."""
+    if not isinstance(data, dict):
+        return {"body": repr(data)[:ANSWER_TEXT_KEPT]}
+    out: dict[str, Any] = {}
+    ids = data.get("output_ids")
+    if isinstance(ids, list):
+        out["output_ids"] = ids[:ANSWER_IDS_KEPT]
+        out["output_ids_count"] = len(ids)
+    elif ids is not None:
+        out["output_ids"] = repr(ids)[:ANSWER_TEXT_KEPT]
+    meta = data.get("meta_info")
+    if isinstance(meta, dict):
+        out["meta_info"] = {k: v[:ANSWER_LIST_KEPT] if isinstance(v, list) else v for k, v in meta.items()}
+    text = data.get("text")
+    if isinstance(text, str):
+        out["text"] = text[:ANSWER_TEXT_KEPT]
+    return out
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < INT32_LIMIT
+
+
+def check_counts(meta: dict[str, Any], n_output: int, prompt_len: int | None = None) -> None:
+    """Raise :class:`BadOutput` for a count that is present but not an int in ``[0, 2**31)``, or that
+    disagrees with the ids: ``completion_tokens != len(output_ids)`` (SGLang 0.5.0–0.5.4 could leak prompt
+    ids into output_ids, sglang#17240), ``prompt_tokens != len(input_ids)``, more ``reasoning_tokens`` than
+    output ids. A count the server left out (absent or null) is not checked: it stays None."""
+    for name in COUNT_KEYS:
+        value = meta.get(name)
+        if value is not None and not _is_count(value):
+            raise BadOutput(f"meta_info.{name}={value!r} is not a count (an int in [0, 2**31))")
+    completion = meta.get("completion_tokens")
+    if completion is not None and completion != n_output:
+        raise BadOutput(f"len(output_ids)={n_output} != meta_info.completion_tokens={completion}")
+    prompt = meta.get("prompt_tokens")
+    if prompt is not None and prompt_len is not None and prompt != prompt_len:
+        raise BadOutput(f"meta_info.prompt_tokens={prompt} != the {prompt_len} prompt ids sent")
+    reasoning = meta.get("reasoning_tokens")
+    if reasoning is not None and reasoning > n_output:
+        raise BadOutput(f"meta_info.reasoning_tokens={reasoning} > len(output_ids)={n_output}")
+
+
+def check_output_ids(output_ids: list[Any], vocab_size: int | None) -> None:
+    """Raise :class:`BadOutput` unless every id is an int in ``[0, vocab_size)`` (``[0, 2**31)`` when the
+    vocabulary is unknown). One C-level pass over the types (bool is not int here), then min()/max()."""
+    if not output_ids:
+        return
+    if set(map(type, output_ids)) != {int}:
+        bad = next(v for v in output_ids if type(v) is not int)
+        raise BadOutput(f"output_ids holds {bad!r} at position {output_ids.index(bad)}: not an integer id")
+    bound = vocab_size if vocab_size else INT32_LIMIT
+    low, high = min(output_ids), max(output_ids)
+    if low < 0 or high >= bound:
+        bad = low if low < 0 else high
+        what = f"the vocabulary size {vocab_size}" if vocab_size else "2**31 (int32; vocabulary unknown)"
+        raise BadOutput(
+            f"output id {bad} at position {output_ids.index(bad)} of {len(output_ids)} is outside [0, {bound}): "
+            f"{'negative' if bad < 0 else f'>= {what}'}"
+        )
+
+
 def _count(meta: dict[str, Any], *names: str) -> int | None:
-    """The first of ``names`` that ``meta`` holds as a non-negative int; None when none is there."""
+    """The first of ``names`` that ``meta`` holds as a count (:func:`check_counts` refused any other
+    value); None when none is there."""
     for name in names:
         value = meta.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        if _is_count(value):
             return value
     return None
 
@@ -202,59 +313,69 @@ def _logprob(value: Any, where: str) -> float:
     if value is None:  # orjson (SGLang's ORJSONResponse) writes -inf and NaN as null
         return float("-inf")
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ServerFault(f"{where}: logprob {value!r} is not a number")
+        raise BadOutput(f"{where}: logprob {value!r} is not a number")
     return float(value)
 
 
-def _triple(entry: Any, where: str) -> tuple[float, int]:
-    """One ``[logprob, token_id, text_or_null]`` (``detokenize_logprob_tokens``) → (logprob, id)."""
+def _triple(entry: Any, where: str, bound: int = INT32_LIMIT) -> tuple[float, int]:
+    """One ``[logprob, token_id, text_or_null]`` (``detokenize_logprob_tokens``) → (logprob, id in
+    ``[0, bound)``)."""
     if not isinstance(entry, list | tuple) or len(entry) < 2:
-        raise ServerFault(f"{where}: expected [logprob, token_id, text], got {entry!r}"[:300])
+        raise BadOutput(f"{where}: expected [logprob, token_id, text], got {entry!r}"[:300])
     token = entry[1]
-    if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-        raise ServerFault(f"{where}: token id {token!r} is not an id")
+    if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < bound:
+        raise BadOutput(f"{where}: token id {token!r} is not an id in [0, {bound})")
     return _logprob(entry[0], where), token
 
 
 def parse_logprobs(
-    meta: dict[str, Any], output_ids: list[int], top_k: int | None
+    meta: dict[str, Any], output_ids: list[int], top_k: int | None, vocab_size: int | None = None
 ) -> tuple[list[float] | None, list[list[int]] | None, list[list[float]] | None]:
     """``meta_info.output_token_logprobs`` (one ``[logprob, id, text|null]`` per output id) and, when
     ``top_k`` > 0, ``output_top_logprobs`` (per output id a list of such triples, or null) → (chosen
     logprobs, top ids, top logprobs), each aligned with ``output_ids``. ``top_k`` None: not requested —
-    nothing is read. A misaligned, missing or malformed answer is a :class:`ServerFault` (retried)."""
+    nothing is read. A misaligned, missing or malformed answer, or a top id outside ``[0, vocab_size)``
+    (int32 when unknown), is a :class:`BadOutput` (retried, then dead-lettered ``bad_output``)."""
     if top_k is None:
         return None, None, None
+    bound = vocab_size or INT32_LIMIT
     chosen = meta.get("output_token_logprobs")
     n = len(output_ids)
     if not isinstance(chosen, list):
-        raise ServerFault("logprobs were requested but meta_info has no output_token_logprobs list")
+        raise BadOutput("logprobs were requested but meta_info has no output_token_logprobs list")
     if len(chosen) != n:
-        raise ServerFault(f"len(output_token_logprobs)={len(chosen)} != len(output_ids)={n}")
+        raise BadOutput(f"len(output_token_logprobs)={len(chosen)} != len(output_ids)={n}")
     logprobs: list[float] = []
     for i, entry in enumerate(chosen):
-        value, token = _triple(entry, f"output_token_logprobs[{i}]")
+        value, token = _triple(entry, f"output_token_logprobs[{i}]", bound)
         if token != output_ids[i]:
-            raise ServerFault(f"output_token_logprobs[{i}] is for id {token}, output_ids[{i}] is {output_ids[i]}")
+            raise BadOutput(f"output_token_logprobs[{i}] is for id {token}, output_ids[{i}] is {output_ids[i]}")
         logprobs.append(value)
     if top_k <= 0:
         return logprobs, None, None
     top = meta.get("output_top_logprobs")
     if not isinstance(top, list) or len(top) != n:
         got = len(top) if isinstance(top, list) else type(top).__name__
-        raise ServerFault(f"top_logprobs_num={top_k} was requested: output_top_logprobs has {got} entries, not {n}")
+        raise BadOutput(f"top_logprobs_num={top_k} was requested: output_top_logprobs has {got} entries, not {n}")
     top_ids: list[list[int]] = []
     top_values: list[list[float]] = []
     for i, alternatives in enumerate(top):
-        pairs = [_triple(e, f"output_top_logprobs[{i}]") for e in alternatives or ()]  # null: no alternatives
+        pairs = [_triple(e, f"output_top_logprobs[{i}]", bound) for e in alternatives or ()]  # null: none
         if len(pairs) > top_k:
-            raise ServerFault(f"output_top_logprobs[{i}] has {len(pairs)} entries > top_logprobs_num={top_k}")
+            raise BadOutput(f"output_top_logprobs[{i}] has {len(pairs)} entries > top_logprobs_num={top_k}")
         top_values.append([v for v, _ in pairs])
         top_ids.append([t for _, t in pairs])
     return logprobs, top_ids, top_values
 
 
-def parse_response(data: Any, rid: str, max_new_tokens: int | None, logprobs: int | None = None) -> Generation:
+def parse_response(
+    data: Any,
+    rid: str,
+    max_new_tokens: int | None,
+    logprobs: int | None = None,
+    vocab_size: int | None = None,
+    prompt_len: int | None = None,
+) -> Generation:
     """Validate a non-streaming single-request response; inconsistencies are server faults, not data.
 
     Reads every ``meta_info`` shape from SGLang 0.5.9 to 0.5.23 (docs/sglang-versions.md):
@@ -262,7 +383,28 @@ def parse_response(data: Any, rid: str, max_new_tokens: int | None, logprobs: in
     ``reasoning_tokens`` exists from 0.5.10 — absent, it stays None (stored as null). ``logprobs`` (the
     job's K, None when not asked): the answer must carry aligned logprobs (:func:`parse_logprobs`); when
     None, logprobs are still read if the answer has them (the client passes only ``max_new_tokens``).
+
+    Every row it returns can be stored: each output (and top-logprob) id is an int in ``[0, vocab_size)``
+    (``[0, 2**31)`` when the vocabulary is unknown), a ``stop``/``length`` finish has at most
+    ``max_new_tokens`` ids, every count is an int32 consistent with the ids (``prompt_len``: the prompt ids
+    sent). Anything else raises :class:`BadOutput` carrying :func:`answer_excerpt` of the answer.
     """
+    try:
+        return _parse_response(data, rid, max_new_tokens, logprobs, vocab_size, prompt_len)
+    except BadOutput as exc:
+        if exc.answer is None:
+            exc.answer = answer_excerpt(data)
+        raise
+
+
+def _parse_response(
+    data: Any,
+    rid: str,
+    max_new_tokens: int | None,
+    logprobs: int | None,
+    vocab_size: int | None,
+    prompt_len: int | None,
+) -> Generation:
     if not isinstance(data, dict):
         raise ServerFault(f"expected a JSON object from /generate, got {type(data).__name__}")
     output_ids = data.get("output_ids")
@@ -285,22 +427,18 @@ def parse_response(data: Any, rid: str, max_new_tokens: int | None, logprobs: in
             f"NaN stop (rid {meta.get('id') or rid}): the server overwrote the last of {len(output_ids)} output "
             f"ids with a stop id ({last}); that id was never sampled"
         )
-    # One C-level pass over the types (bool is not int here), then min(): no per-id Python frame.
-    if output_ids and (set(map(type, output_ids)) != {int} or min(output_ids) < 0):
-        raise ServerFault("output_ids contains a non-integer or negative id")
-    completion = meta.get("completion_tokens")
-    if completion is not None and completion != len(output_ids):
-        # SGLang 0.5.0–0.5.4 could leak prompt ids into output_ids (sglang#17240).
-        raise ServerFault(f"len(output_ids)={len(output_ids)} != meta_info.completion_tokens={completion}")
-    if finish_type == "length" and max_new_tokens is not None and len(output_ids) > max_new_tokens:
-        raise ServerFault(f"{len(output_ids)} ids exceed max_new_tokens={max_new_tokens}")
+    check_output_ids(output_ids, vocab_size)
+    check_counts(meta, len(output_ids), prompt_len)
+    if max_new_tokens is not None and len(output_ids) > max_new_tokens:
+        # A stop id counts against the budget too (no_stop_trim keeps it): neither finish can pass it.
+        raise BadOutput(f"a {finish_type!r} finish with {len(output_ids)} ids > max_new_tokens={max_new_tokens}")
     if finish_type == "length":
         matched = None
     latency = meta.get("e2e_latency")
     if logprobs is None and isinstance(meta.get("output_token_logprobs"), list):
         top = meta.get("output_top_logprobs")
         logprobs = max((len(t) for t in top if isinstance(t, list)), default=1) if isinstance(top, list) else 0
-    chosen, top_ids, top_values = parse_logprobs(meta, output_ids, logprobs)
+    chosen, top_ids, top_values = parse_logprobs(meta, output_ids, logprobs, vocab_size)
     return Generation(
         output_ids=output_ids,
         finish_type=finish_type,
