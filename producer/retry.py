@@ -13,6 +13,15 @@ prompt would be lost), and a retry that dies before the ``MULTI`` changes nothin
 expires). The job's submit lock is held throughout, so a retry never interleaves with another retry
 or a submit of the same job.
 
+``--missing`` regenerates prompts that were submitted (or are done in Redis) but have no committed row, are not
+dead-lettered and have no message in flight — typically the rows of a part found damaged and quarantined
+(storage/quarantine.py; it first decodes every part, as ``producer verify`` does). Their messages were
+acknowledged long ago, so each is rebuilt from what storage still has: the quarantined part's own ``input_ids``
+(with its row's revision and per-message sampling keys), decoded column by column with page checksums verified
+and accepted only when the ids hash to the prompt's submitted content hash. A prompt with nothing readable left
+is taken out of ``done`` without a message and named: re-running ``producer submit`` with the same inputs then
+enqueues it.
+
 A ``--turns all`` job re-runs, per conversation, only its earliest truncated turn: the worker that stores the
 re-run re-derives every turn after it (workers/turns.py), so a later truncated turn is re-run that way. Only
 *settled* conversations are re-run — every turn in the job's submitted set is done or dead — and a chain still
@@ -24,7 +33,8 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import click
 import msgpack
@@ -36,7 +46,7 @@ from producer.state import StateError, SubmitLock
 from thinkfleet.broker.celery_app import send_tasks
 from thinkfleet.broker.envelope import Envelope
 from thinkfleet.cli import STATE, settings_options
-from thinkfleet.message import PromptTask, pack_ids
+from thinkfleet.message import OVERRIDE_KEYS, PromptTask, pack_ids
 from thinkfleet.settings import Settings
 from thinkfleet.state.scripts import lua
 from thinkfleet.turns import TURNS_FIELD, regenerates_all_turns, turns_meta
@@ -58,6 +68,8 @@ class RetryResult(list[str]):
 
 #: Why a truncated turn of a conversation whose chain is still running is not re-run.
 CHAIN_RUNNING = "chain still running; retry after it finishes"
+#: Why a missing prompt was not re-sent (``retry --missing``): nothing of its prompt is readable in storage.
+NO_PROMPT_LEFT = "no readable prompt in storage: taken out of done; re-run `producer submit` with the same inputs"
 
 
 def _chunks(tasks: list[PromptTask]) -> Iterator[list[PromptTask]]:
@@ -65,7 +77,9 @@ def _chunks(tasks: list[PromptTask]) -> Iterator[list[PromptTask]]:
         yield tasks[start : start + CHUNK]
 
 
-def _take_out(pipe: redis.client.Pipeline, settings: Settings, job: str, field: str, tasks: list[PromptTask]) -> None:
+def _take_out(
+    pipe: redis.client.Pipeline, settings: Settings, job: str, field: str, tasks: Sequence[PromptTask | _Bare]
+) -> None:
     """Queue the ``_TAKE_OUT`` calls for ``tasks`` on ``pipe`` (field: 'dead' or 'done')."""
     keys = settings.keys
     source = keys.dead(job) if field == "dead" else keys.done(job)
@@ -219,6 +233,7 @@ def retry_truncated(settings: Settings, job: str, max_new_tokens: int) -> list[s
                     sample_index=row["sample_index"],
                     revision=row["revision"] + 1,
                     overrides={"max_new_tokens": max_new_tokens},
+                    generation=_generation(client, settings, job),
                 )
                 for row in rows
             ]
@@ -236,11 +251,129 @@ def retry_truncated(settings: Settings, job: str, max_new_tokens: int) -> list[s
         client.close()
 
 
+#: Columns of a quarantined part's rows that rebuild their message (``retry --missing``).
+_SALVAGE = ["prompt_id", "dataset", "row_index", "sample_index", "revision", "content_hash", "input_ids",
+            "sampling_params"]  # fmt: skip
+
+
+def retry_missing(settings: Settings, job: str) -> RetryResult:
+    """Re-send every prompt of ``job`` that has no committed row, is not dead-lettered and has no message in flight
+    (see the module doc); returns the re-sent ids, with ``skipped``: prompt id → why it was not re-sent."""
+    from storage.quarantine import job_has_storage
+    from storage.reader import check_parts, stored_prompt_ids
+    from thinkfleet.state.invariant import queued_prompt_ids, transit_prompt_ids, unacked_prompt_ids
+    from thinkfleet.turns import beyond_chain_ends
+
+    keys = settings.keys
+    client = redis.Redis.from_url(settings.redis_url)
+    try:
+        with _lock(client, settings, job):
+            if not job_has_storage(settings.output_uri, job, settings.s3_endpoint_url):
+                raise StateError(
+                    f"{settings.output_uri} holds no part of job {job!r}: is --output-uri the workers' "
+                    "(THINKFLEET_OUTPUT_URI)? Nothing there is no evidence that a row was lost"
+                )
+            # Every part decoded whole first (page checksums): a damaged one is quarantined, its prompts missing.
+            check_parts(settings.output_uri, job, s3_endpoint_url=settings.s3_endpoint_url)
+            # As load_existing does: in flight before and after the queue, done/dead last.
+            flying = unacked_prompt_ids(client, settings, job) | transit_prompt_ids(client, settings, job)
+            flying |= queued_prompt_ids(client, settings, job)
+            flying |= unacked_prompt_ids(client, settings, job) | transit_prompt_ids(client, settings, job)
+            submitted = {k.decode(): v.decode() for k, v in client.hgetall(keys.prompts(job)).items()}
+            done = {m.decode() for m in client.smembers(keys.done(job))}
+            dead = {m.decode() for m in client.hkeys(keys.dead(job))}
+            stored = stored_prompt_ids(settings.output_uri, job, s3_endpoint_url=settings.s3_endpoint_url)
+            missing = (set(submitted) | done) - stored - dead - flying
+            ends = [
+                pid.decode()
+                for pid, raw in client.hscan_iter(keys.turn_answers(job), count=1000)
+                if b"chain_end" in raw and "chain_end" in json.loads(raw)
+            ]
+            missing -= beyond_chain_ends(missing, ends)  # past a chain end: superseded, never re-run
+            tasks = _salvaged_tasks(settings, job, missing, submitted)
+            sent = {t.prompt_id for t in tasks}
+            left = sorted(missing - sent)
+            _requeue(client, settings, job, "done", tasks)
+            # Nothing to re-send: out of done, so that a re-submit of the same inputs enqueues them.
+            datasets = dict(zip(left, client.hmget(keys.prompt_dataset(job), left), strict=True)) if left else {}
+            bare = [_Bare(p, datasets[p].decode()) for p in left if p in done and datasets[p]]
+            if bare:
+                with client.pipeline(transaction=True) as pipe:
+                    _take_out(pipe, settings, job, "done", bare)
+                    pipe.execute()
+            for pid in left:
+                click.echo(f"not re-sent {pid}: {NO_PROMPT_LEFT}", err=True)
+            return RetryResult(sorted(sent), {pid: NO_PROMPT_LEFT for pid in left})
+    finally:
+        client.close()
+
+
+class _Bare(NamedTuple):
+    """A prompt taken out of ``done`` with no message (what ``_take_out`` reads of a task)."""
+
+    prompt_id: str
+    dataset: str
+
+
+def _salvaged_tasks(settings: Settings, job: str, missing: set[str], submitted: dict[str, str]) -> list[PromptTask]:
+    """Messages for ``missing`` prompts rebuilt from the quarantined parts' rows whose prompt still decodes and
+    hashes to the submitted content hash (the highest revision of a prompt)."""
+    from storage import layout
+    from storage.quarantine import salvage
+    from thinkfleet.message import content_hash, is_content_hash
+
+    if not missing:
+        return []
+    loc = layout.locate(settings.output_uri, settings.s3_endpoint_url)
+    rows: dict[str, dict] = {}
+    for row in salvage(loc, job, _SALVAGE).to_pylist():
+        pid = row["prompt_id"]
+        if pid not in missing or (pid in rows and rows[pid]["revision"] >= row["revision"]):
+            continue
+        wanted = submitted.get(pid) or row["content_hash"]
+        sound = content_hash(row["input_ids"]) == wanted if is_content_hash(wanted) else row["content_hash"] == wanted
+        if sound and row["input_ids"]:
+            rows[pid] = row
+    with redis.Redis.from_url(settings.redis_url) as client:
+        generation = _generation(client, settings, job)
+    tasks = []
+    for pid, row in sorted(rows.items()):
+        try:
+            used = json.loads(row["sampling_params"]) if row["sampling_params"] else {}
+        except ValueError:
+            continue
+        # The per-message keys of the sampling the lost row was generated with (its sample's seed, its revision's
+        # budget): the rest is the job's, which the worker adds.
+        used = used if isinstance(used, dict) else {}
+        overrides = {k: used[k] for k in sorted(OVERRIDE_KEYS) if used.get(k) is not None}
+        tasks.append(
+            PromptTask(
+                job=job,
+                dataset=row["dataset"],
+                prompt_id=pid,
+                row_index=row["row_index"],
+                content_hash=row["content_hash"],
+                ids_blob=pack_ids(row["input_ids"]),
+                sample_index=row["sample_index"],
+                revision=row["revision"],
+                overrides=overrides,
+                generation=generation,
+            )
+        )
+    return tasks
+
+
 @click.command("retry")
 @click.argument("job")
 @click.option("--error-class", "error_classes", multiple=True, help="Only dead letters of this class (prefix).")
 @click.option("--truncated", is_flag=True, help="Re-run rows that hit max_new_tokens instead of dead letters.")
 @click.option("--max-new-tokens", type=int, help="New budget for --truncated re-runs.")
+@click.option(
+    "--missing",
+    is_flag=True,
+    help="Regenerate submitted prompts with no stored row (e.g. of a quarantined, damaged part) instead of dead "
+    "letters; prompts with nothing readable left are named for a re-submit.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the re-queued prompt ids as JSON.")
 @settings_options(STATE)
 def retry(
@@ -248,12 +381,19 @@ def retry(
     error_classes: tuple[str, ...],
     truncated: bool,
     max_new_tokens: int | None,
+    missing: bool,
     as_json: bool,
     settings: Settings,
 ) -> None:
-    """Re-queue JOB's dead-lettered prompts (or, with --truncated, its length-stopped rows)."""
+    """Re-queue JOB's dead-lettered prompts (or, with --truncated, its length-stopped rows; with --missing, its
+    prompts that have no stored row)."""
+    if truncated and missing:
+        raise click.UsageError("--truncated and --missing are separate retries: run one, then the other")
     try:
-        if truncated:
+        if missing:
+            ids = retry_missing(settings, job)
+            what = "missing prompts re-queued"
+        elif truncated:
             if not max_new_tokens:
                 raise click.UsageError("--truncated needs --max-new-tokens (the larger budget for the re-run)")
             ids = retry_truncated(settings, job, max_new_tokens)
@@ -268,3 +408,16 @@ def retry(
         click.echo(json.dumps({"job": job, "requeued": len(ids), "prompt_ids": list(ids), "skipped": skipped}))
     else:
         click.echo(f"{len(ids)} {what} for job {job}")
+        if missing and ids.skipped:
+            click.echo(
+                f"{len(ids.skipped)} missing prompts have no readable prompt left in storage: re-run `producer submit "
+                f"--job {job}` with the same inputs to regenerate them"
+            )
+
+
+def _generation(client: redis.Redis, settings: Settings, job: str) -> str:
+    """The job record's generation, which the re-queued messages carry ('' when the record has none)."""
+    from thinkfleet.state.job import JobRecord
+
+    record = JobRecord.load(client, settings.keys, job)
+    return record.generation if record else ""

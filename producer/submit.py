@@ -21,6 +21,7 @@ import dataclasses
 import inspect
 import json
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -471,6 +472,8 @@ class _Collector:
         self.not_ending = self.changed = self.batch_tokens = 0
         self.first_not_ending: str | None = None
         self.feed: _Feed | None = None  # the inputs being rendered (--turns all: their conversations)
+        #: The record's generation: kept from the existing record, else a new one (a first submit, or after purge).
+        self.generation = (existing.record.generation if existing.record else "") or uuid.uuid4().hex[:16]
 
     def add_batch(self, prompts: list[tuple[str, Prompt]], results: list[render.Result]) -> list[bytes]:
         tasks: list[PromptTask] = []
@@ -533,7 +536,9 @@ class _Collector:
                 report.enqueued += 1
                 self.tokens_enqueued += n_tokens
                 overrides = sample_overrides(inp.params, k, inp.samples)
-                tasks.append(PromptTask(opts.job, dataset, pid, prompt.row_index, digest, blob, k, 0, overrides))
+                tasks.append(
+                    PromptTask(opts.job, dataset, pid, prompt.row_index, digest, blob, k, 0, overrides, self.generation)
+                )
         return tasks
 
 
@@ -584,6 +589,7 @@ def _job_record(
         per_dataset[name] = per_dataset.get(name, 0) + 1
     now = time.time()
     record = existing.record or JobRecord(name=opts.job, created_at=now)
+    record.generation = collector.generation
     record.datasets = dict(sorted(per_dataset.items()))
     record.prompts = len(dataset_of)
     record.prompt_tokens += sum(r["prompt_tokens"] for r in collector.rows if r["prompt_id"] not in existing.hashes)

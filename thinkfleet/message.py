@@ -201,6 +201,9 @@ class PromptTask:
     sample_index: int = 0
     revision: int = 0  # bumped by `producer retry --max-new-tokens`; the highest revision wins
     overrides: dict[str, Any] = field(default_factory=dict)  # sampling overrides of this revision
+    #: The job record's generation the message was made for (``JobRecord.generation``; '' = not recorded, an
+    #: older producer): a purge + re-submit starts another, and a worker never runs one with the other's record.
+    generation: str = ""
 
     def __post_init__(self) -> None:
         check_name("job", self.job)
@@ -217,14 +220,18 @@ class PromptTask:
             self.sample_index,
             self.revision,
             self.overrides,
+            *([self.generation] if self.generation else []),
         ]
 
     @classmethod
     def from_args(cls, args: list[Any] | tuple[Any, ...]) -> PromptTask:
         """Decode a message's args; raises ValueError (or :class:`MessageRefused` for a bad name)."""
-        if len(args) != 9:
-            raise ValueError(f"a {TASK_NAME} message has 9 args, got {len(args)}")
-        job, dataset, prompt_id, row_index, content_hash, ids_blob, sample_index, revision, overrides = args
+        if len(args) not in (9, 10):
+            raise ValueError(f"a {TASK_NAME} message has 9 or 10 args, got {len(args)}")
+        job, dataset, prompt_id, row_index, content_hash, ids_blob, sample_index, revision, overrides = args[:9]
+        generation = args[9] if len(args) == 10 else ""
+        if not isinstance(generation, str) or not is_plain_name(generation or "x"):
+            raise ValueError(f"generation must be a plain name, got {str(generation)[:64]!r}")
         if not isinstance(ids_blob, bytes | bytearray):
             raise ValueError("ids_blob must be bytes (msgpack bin); was the message JSON-serialized?")
         check_name("job", job)  # before str(): a non-string job is no name at all
@@ -239,6 +246,7 @@ class PromptTask:
             sample_index=int(sample_index),
             revision=int(revision),
             overrides=dict(overrides or {}),
+            generation=generation,
         )
 
     @property

@@ -37,6 +37,8 @@ class JobSpec:
     #: Every row is expected to reason, whatever its prompt (a thinking-mode job of a family whose model opens
     #: reasoning itself: ``thinkfleet.profiles.expects_reasoning``); else only rows whose prompt opens it.
     expects_reasoning: bool = False
+    #: The record's generation (``JobRecord.generation``; '' = a record from before generations).
+    generation: str = ""
 
     @property
     def reasoning_spans(self) -> bool:
@@ -67,13 +69,18 @@ class JobSpec:
             expects_reasoning=job_expects_reasoning(
                 record.model_family, record.chat_template_kwargs, record.span_tokens().reasoning_spans
             ),
+            generation=record.generation,
         )
 
 
 class JobCache:
     """Job specs, read once per job — and again when a message names a dataset the cached record did not
     list: a re-submit that adds a dataset (with its own sampling) writes the record in the same MULTI that
-    enqueues its messages, so the record read then has it. Each (job, dataset) re-reads at most once."""
+    enqueues its messages, so the record read then has it. Each (job, dataset) re-reads at most once.
+
+    And again when a message names another generation than the cached record (``producer purge`` and a new
+    ``submit``): each (job, generation) re-reads at most once; a message whose generation is still not the
+    record's is of a purged job (the caller skips it, and claim.lua checks it again atomically)."""
 
     def __init__(self, client: aioredis.Redis, keys: Keys) -> None:
         self.r = client
@@ -82,13 +89,15 @@ class JobCache:
         self._reread: set[tuple[str, str]] = set()
         self._lock = asyncio.Lock()
 
-    async def get(self, job: str, dataset: str | None = None) -> JobSpec:
+    async def get(self, job: str, dataset: str | None = None, generation: str = "") -> JobSpec:
         spec = self._specs.get(job)
-        if spec is not None and self._fresh(spec, job, dataset):
+        if spec is not None and self._fresh(spec, job, dataset, generation):
             return spec
         async with self._lock:
             spec = self._specs.get(job)
-            if spec is None or not self._fresh(spec, job, dataset):
+            if spec is None or not self._fresh(spec, job, dataset, generation):
+                if generation:
+                    self._reread.add((job, f"generation:{generation}"))
                 record = await JobRecord.aload(self.r, self.keys, job)
                 if record is None:
                     raise UnknownJob(f"job {job!r} has no record at {self.keys.job(job)}; re-run producer submit")
@@ -97,5 +106,7 @@ class JobCache:
                     self._reread.add((job, dataset))
         return self._specs[job]
 
-    def _fresh(self, spec: JobSpec, job: str, dataset: str | None) -> bool:
+    def _fresh(self, spec: JobSpec, job: str, dataset: str | None, generation: str = "") -> bool:
+        if generation and generation != spec.generation and (job, f"generation:{generation}") not in self._reread:
+            return False
         return dataset is None or dataset in spec.datasets or (job, dataset) in self._reread

@@ -248,12 +248,21 @@ class PromptPipeline:
 
     async def _claim_and_run(self, task: PromptTask) -> str:
         try:
-            job = await self.jobs.get(task.job, task.dataset)
+            job = await self.jobs.get(task.job, task.dataset, task.generation)
         except UnknownJob as exc:
             await self.ledger.dead_letter(task, "unknown_job", str(exc), 0)
             self.metrics.dead.labels("unknown_job").inc()
             log.error("%s", exc)
             return "dead"
+        if task.generation and job.generation and task.generation != job.generation:
+            # A message of the job as it was before `producer purge` and a new submit: never run with the new
+            # record (its sampling, tokenizer, output may differ); the new submit enqueued its own.
+            log.warning(
+                "%s/%s: message of job generation %s, the job is generation %s now (purged and re-submitted): "
+                "skipped", task.job, task.prompt_id, task.generation, job.generation,
+            )  # fmt: skip
+            self.metrics.skipped.inc()
+            return "already-superseded"
         lifecycle = await self._job_lifecycle(task)
         if lifecycle is not None:
             return lifecycle
@@ -282,7 +291,7 @@ class PromptPipeline:
                     continue
                 self._active.add(task.prompt_id)  # reserved before the await: one claim per prompt per process
                 try:
-                    claim = await self.ledger.claim(task.job, task.prompt_id, isolated, task.revision)
+                    claim = await self.ledger.claim(task.job, task.prompt_id, isolated, task.revision, task.generation)
                 finally:
                     self._active.discard(task.prompt_id)
                 self._unreleased.discard((task.job, task.prompt_id))
@@ -424,6 +433,14 @@ class PromptPipeline:
         limits = await self._limits(task.job, sampling, info)
         max_new = sampling.get("max_new_tokens")
         refused = check_request(input_ids, int(max_new) if max_new is not None else None, limits)
+        if refused is not None and refused.error_class == "context_overflow":
+            # The server may have restarted with a longer context since the gate read it (it reads it only when
+            # it reopens): read it once more, and dead-letter only what the server's present context refuses.
+            fresh = await self.gate.refresh_info(info)
+            if fresh is not info:
+                info = fresh
+                limits = await self._limits(task.job, sampling, info)
+                refused = check_request(input_ids, int(max_new) if max_new is not None else None, limits)
         if refused is not None:
             # Never sent: an id >= the vocabulary or an overflowing context must not reach the GPU.
             await self.ledger.dead_letter(task, refused.error_class, refused.message, 0)

@@ -242,6 +242,7 @@ class TurnChainer:
             pack_ids(ids),
             revision=next_revision,
             overrides=_carried(jt.record, dataset, row),
+            generation=jt.record.generation,
         )
         message = self._encode(task, await self.priority(job))
         return NextTurn(row["prompt_id"], json.dumps(recorded, ensure_ascii=False), next_id, digest, message)

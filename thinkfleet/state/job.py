@@ -174,6 +174,10 @@ class JobRecord:
     job_file: dict[str, Any] | None = None
     priority: int = 0
     logprobs: int | None = None
+    #: Minted when the record is created (a first submit, or the first after ``producer purge``); every message
+    #: carries it. Workers reload a record whose generation changed and refuse messages of another ('' = a
+    #: record of a version before generations: not checked).
+    generation: str = ""
 
     # -- sampling ---------------------------------------------------------------------------------
     @property

@@ -138,6 +138,8 @@ class Ledger:
         self.max_deliveries = max_deliveries
         #: (job, prompt id) → the epoch of the claim this process holds for it (the fence of its run).
         self.held: dict[tuple[str, str], str] = {}
+        #: (job, prompt id) → the job record generation the held run is for ('' = not recorded).
+        self.generations: dict[tuple[str, str], str] = {}
         #: WAITAOF after finalize (None: not tried yet; False: the server cannot, e.g. before Redis 7.2 or AOF off).
         self.waitaof_ms = waitaof_ms
         self._waitaof_ok: bool | None = None if waitaof_ms > 0 else False
@@ -155,12 +157,22 @@ class Ledger:
         return json.dumps(claim)
 
     # -- transitions ----------------------------------------------------------------------------------
-    async def claim(self, job: str, prompt_id: str, isolated: bool = False, revision: int = 0) -> Claim:
+    async def claim(
+        self, job: str, prompt_id: str, isolated: bool = False, revision: int = 0, generation: str = ""
+    ) -> Claim:
         """Claim ``prompt_id`` for a run of the message's ``revision``; when the state is in :data:`OURS` the
         claim's epoch is held (:attr:`held`) until the run is finalized, released or dead-lettered."""
         k = self.keys
         state, previous, epoch = await self._claim(
-            keys=[k.done(job), k.dead(job), k.claims(job), k.deliveries(job), k.epoch_clock(job), k.revisions(job)],
+            keys=[
+                k.done(job),
+                k.dead(job),
+                k.claims(job),
+                k.deliveries(job),
+                k.epoch_clock(job),
+                k.revisions(job),
+                k.job(job),
+            ],
             args=[
                 prompt_id,
                 self.worker,
@@ -169,6 +181,7 @@ class Ledger:
                 self.max_deliveries,
                 int(isolated),
                 int(revision),
+                generation,
             ],
         )
         state = state.decode() if isinstance(state, bytes) else state
@@ -178,7 +191,13 @@ class Ledger:
             prev = json.loads(previous)
         if state in OURS:
             self.held[(job, prompt_id)] = epoch
+            self.generations[(job, prompt_id)] = generation
         return Claim(state, prev, int(epoch) if epoch else 0)
+
+    def _drop(self, job: str, prompt_id: str) -> None:
+        """The run of the prompt ended here (finalized, fenced, released, dead-lettered): its fence goes."""
+        self.held.pop((job, prompt_id), None)
+        self.generations.pop((job, prompt_id), None)
 
     def epoch_of(self, job: str, prompt_id: str) -> str:
         """The epoch of the claim this process holds for the prompt ('' = none)."""
@@ -202,7 +221,7 @@ class Ledger:
                 args=[prompt_id, self.worker, error, epoch],
             )
         )
-        self.held.pop((job, prompt_id), None)
+        self._drop(job, prompt_id)
         return result
 
     async def mark_part(self, job: str, prompt_ids: list[str], part: str) -> dict[str, str]:
@@ -212,13 +231,13 @@ class Ledger:
         k = self.keys
         args: list[Any] = [self.worker, part, f"{time.time():.6f}"]
         for pid in prompt_ids:
-            args += [pid, self.held.get((job, pid), "")]
-        flat = await self._mark_part(keys=[k.claims(job), k.done(job), k.dead(job)], args=args)
+            args += [pid, self.held.get((job, pid), ""), self.generations.get((job, pid), "")]
+        flat = await self._mark_part(keys=[k.claims(job), k.done(job), k.dead(job), k.job(job)], args=args)
         fenced = _pairs(flat)
         if fenced:
             await self.r.hincrby(k.counters(job), "fenced", len(fenced))
             for pid in fenced:
-                self.held.pop((job, pid), None)
+                self._drop(job, pid)
         return fenced
 
     async def finalize(
@@ -251,7 +270,7 @@ class Ledger:
                 drop = json.dumps(list(turn.drop)) if turn.drop else ""
                 args += [turn.answer, turn.next_prompt_id, turn.next_hash, turn.next_message, drop]
             epoch = self.held.get((job, row.prompt_id), "")
-            args += [epoch, str(row.epoch) if row.epoch else epoch]
+            args += [epoch, str(row.epoch) if row.epoch else epoch, self.generations.get((job, row.prompt_id), "")]
         keys = [
             k.done(job),
             k.claims(job),
@@ -262,6 +281,7 @@ class Ledger:
             k.deliveries(job),
             k.dead(job),
             k.committed_epochs(job),
+            k.job(job),
         ]
         if any(t is not None for t in turns or []):
             keys += [queue, k.prompts(job), k.prompt_dataset(job), answers]
@@ -270,7 +290,7 @@ class Ledger:
         if fenced:
             await self.r.hincrby(k.counters(job), "fenced", len(fenced))
         for row in rows:
-            self.held.pop((job, row.prompt_id), None)
+            self._drop(job, row.prompt_id)
         await self._durable()
         return Finalized(int(new), bool(fire), int(seen), int(miss), fenced)
 
@@ -307,7 +327,8 @@ class Ledger:
         if answer is not None:
             fields["answer"] = bounded_answer(answer)
         record = json.dumps(fields, default=repr)
-        epoch = self.held.pop((job, task.prompt_id), "")
+        epoch = self.held.get((job, task.prompt_id), "")
+        self._drop(job, task.prompt_id)
         result = int(
             await self._dead_letter(
                 keys=[

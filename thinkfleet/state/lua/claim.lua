@@ -1,9 +1,11 @@
 -- Claim a prompt before generating it, under a fresh fencing token (epoch).
--- KEYS: done, dead, claims, deliveries, epoch_clock, revisions
--- ARGV: prompt_id, worker, claim_json, heartbeat_prefix, max_deliveries, isolated (0|1), revision
+-- KEYS: done, dead, claims, deliveries, epoch_clock, revisions, job (the record hash)
+-- ARGV: prompt_id, worker, claim_json, heartbeat_prefix, max_deliveries, isolated (0|1), revision,
+--       generation (of the message's job record; '' = not recorded)
 -- Returns {state, previous claim or delivery record, epoch}; state is one of
 --   done | dead      finished already: skip (no server call)
---   superseded       the message's revision is older than one requested since (producer retry): skip it
+--   superseded       the message's revision is older than one requested since (producer retry), or its job
+--                    record's generation is not the job's any more (producer purge + a new submit): skip it
 --   busy             another live worker's run: wait for it
 --   poison           its deliveries crashed too often (see below): dead-letter it
 --   suspect          its last chance: not claimed; the worker claims it again with isolated = 1
@@ -21,6 +23,9 @@
 -- isolated. A death is charged here, once, when its stale claim is taken over (a claim given back by
 -- release.lua or crashed.lua is 'settled' and charges nothing). A dead worker's every run is charged,
 -- bystanders too — only isolated deaths (ik) can make a prompt poison, and only two of them.
+if ARGV[8] and ARGV[8] ~= '' and redis.call('HGET', KEYS[7], 'generation') ~= '"' .. ARGV[8] .. '"' then
+  return {'superseded', 'generation', ''}
+end
 local rev = tonumber(ARGV[7]) or 0
 local wanted = tonumber(redis.call('HGET', KEYS[6], ARGV[1]) or '0')
 if rev < wanted then return {'superseded', tostring(wanted), ''} end

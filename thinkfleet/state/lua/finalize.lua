@@ -10,12 +10,13 @@
 -- or the claim would skip it; so do the later turns a chain that now ends here no longer derives (drop). The
 -- counters follow as requeue.lua corrects them (the next turn is of the same dataset).
 -- KEYS: done, claims, counters, dataset_counters, worker_counters, timeline, deliveries, dead, committed_epochs,
---       and only when a row carries an answer or a next turn: queue, prompts, prompt_dataset, answers
+--       job (the record hash), and only when a row carries an answer or a next turn: queue, prompts,
+--       prompt_dataset, answers
 -- ARGV: worker, now, alarm_min_rows, alarm_missing_share, dataset, then per row: prompt_id, tokens, think_end
 --       ('1' closed reasoning, '0' expected to and did not, '2' not expected to reason: not watched by the alarm),
 --       truncated, answer ('' = none), next_prompt_id ('' = none), next_content_hash, next_message,
 --       drop (JSON list of turn prompt ids, '' = none), the claim's epoch, the row's own epoch (an orphan's part
---       row was written under an earlier claim)
+--       row was written under an earlier claim), the generation of the job record it ran for ('' = not recorded)
 -- Returns {new rows, alarm fires, alarm rows seen, of them missing, {fenced prompt_id, holder, ...}}
 local new_rows, tokens, think, trunc, expected = 0, 0, 0, 0, 0
 local undone, undead = 0, 0
@@ -27,7 +28,7 @@ end
 local flags = {}
 local fenced = {}
 -- nil when the row may be finalized, else what holds the prompt now (or 'ours' when this row is already it)
-local function holder(pid, e, row_e)
+local function holder(pid, e, row_e, gen)
   local cur = redis.call('HGET', KEYS[2], pid)
   if cur then
     local claim = cjson.decode(cur)
@@ -39,11 +40,12 @@ local function holder(pid, e, row_e)
     return 'done'
   end
   if redis.call('HEXISTS', KEYS[8], pid) == 1 then return 'dead' end
+  if gen ~= '' and redis.call('HGET', KEYS[10], 'generation') ~= '"' .. gen .. '"' then return 'generation' end
   return nil
 end
-for i = 6, #ARGV, 11 do
+for i = 6, #ARGV, 12 do
   local pid = ARGV[i]
-  local held = holder(pid, ARGV[i + 9], ARGV[i + 10])
+  local held = holder(pid, ARGV[i + 9], ARGV[i + 10], ARGV[i + 11])
   if held and held ~= 'ours' then
     fenced[#fenced + 1] = pid
     fenced[#fenced + 1] = held
@@ -61,12 +63,12 @@ for i = 6, #ARGV, 11 do
       flags[#flags + 1] = f
     end
     trunc = trunc + tonumber(ARGV[i + 3])
-    if ARGV[i + 4] ~= '' then redis.call('HSET', KEYS[13], pid, ARGV[i + 4]) end
+    if ARGV[i + 4] ~= '' then redis.call('HSET', KEYS[14], pid, ARGV[i + 4]) end
     if ARGV[i + 5] ~= '' then
       take_out(ARGV[i + 5])
-      redis.call('HSET', KEYS[11], ARGV[i + 5], ARGV[i + 6])
-      redis.call('HSET', KEYS[12], ARGV[i + 5], ARGV[5])
-      redis.call('RPUSH', KEYS[10], ARGV[i + 7])
+      redis.call('HSET', KEYS[12], ARGV[i + 5], ARGV[i + 6])
+      redis.call('HSET', KEYS[13], ARGV[i + 5], ARGV[5])
+      redis.call('RPUSH', KEYS[11], ARGV[i + 7])
       redis.call('HINCRBY', KEYS[3], 'turns_enqueued', 1)
     end
     if ARGV[i + 8] ~= '' then
