@@ -81,6 +81,59 @@ def test_redis_restarted_with_aof_mid_job_loses_and_duplicates_nothing(tmp_path:
         server.stop()
 
 
+def test_redis_rolled_back_to_an_older_snapshot_mid_job_loses_and_duplicates_nothing(tmp_path: Path) -> None:
+    # Given a Redis without AOF (as a head node with appendfsync everysec loses its last writes on a crash, or a
+    # promoted replica that lagged), two workers and a job in progress.
+    server = RedisServer(tmp_path / "redis").start()
+    settings = isolated_settings(server.url(), str(tmp_path / "out"))
+    client = redis.Redis.from_url(server.url())
+    keys = settings.keys
+    started = time.monotonic()
+    try:
+        with simulator(tmp_path, "--time-scale", "60") as sim:
+            env = fast_env(settings, sim, max_inflight=6)
+            workers = [WorkerProcess(f"w{i}", env, tmp_path).start() for i in (1, 2)]
+            try:
+                for w in workers:
+                    w.wait_ready(client, keys)
+                job = submit_ids(settings, "rollback", make_prompts(60))
+                wait_until(lambda: job_progress(client, keys, "rollback")["done"] >= 15, 120, what="15 rows")
+                # When a snapshot is taken, the job goes on past it (rows committed and finalized, messages acked),
+                # and Redis then dies and comes back from that older snapshot.
+                before = client.lastsave()
+                client.bgsave()
+                wait_until(lambda: client.lastsave() != before, 60, what="the snapshot written")
+                at_snapshot = job_progress(client, keys, "rollback")["done"]
+                wait_until(
+                    lambda: job_progress(client, keys, "rollback")["done"] >= min(60, at_snapshot + 15), 120,
+                    what="15 more rows after the snapshot",
+                )  # fmt: skip
+                watch = RecoveryWatch(server.url(), keys, "rollback", "redis-rollback").start()
+                server.stop(kill=True)
+                server.start()
+                rolled_back = _progress(client, keys, "rollback")["done"]
+                wait_until(lambda: _progress(client, keys, "rollback")["done"] == 60, 180, what="60 rows")
+                wait_until(lambda: not client.hlen(keys.claims("rollback")), 60, what="no claim left")
+            finally:
+                for w in workers:
+                    w.terminate()
+        # Then every prompt is stored once in the committed view, byte-exact, and that view is what Redis counted.
+        outcome = check_job(settings, "rollback", job.prompts, job.sampling_params)
+        record_result(
+            "Redis SIGKILL + restart from an older snapshot (lost writes)",
+            outcome,
+            f"BGSAVE at {at_snapshot} rows, killed later, back at {rolled_back} rows done",
+            [watch.stop()],
+            time.monotonic() - started,
+            workers=2,
+            notes="finalizes lost with the rollback: re-finalized from their parts, or re-run (the older row fenced)",
+        )
+        outcome.assert_clean()
+        assert rolled_back < 60, "the snapshot should be older than the job's end"
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def tok_dir() -> Path:
     return build_test_tokenizer(default_test_tokenizer_dir())
