@@ -154,6 +154,10 @@ class ContentConfig:
     tool_call_direct_share: float = 0.25
     max_tool_calls: int = 3
 
+    #: Every request draws its own output (as sampling at temperature > 0 without a fixed seed does): two runs of
+    #: one prompt differ. Off: the output depends on (input ids, seed) only, so tests check rows byte for byte.
+    sample_per_request: bool = False
+
     # -- vocabulary -----------------------------------------------------------------------------------
     #: Whose marker ids the outputs carry (:data:`SIM_FAMILIES`): kimi, qwen3, deepseek, glm45, harmony.
     model_family: str = "kimi"

@@ -275,6 +275,8 @@ def _generation(sim: Simulator, item: GenerateItem) -> Generation:
         "ignore_eos": item.params.ignore_eos,
         "sampling_seed": item.params.sampling_seed,
     }
+    if sim.config.content.sample_per_request:  # each request its own draw (rids differ per attempt)
+        params["sampling_seed"] = int.from_bytes(hashlib.blake2b(item.rid.encode(), digest_size=4).digest(), "little")
     return expected_generation(item.input_ids, params, sim.config.content)
 
 

@@ -12,6 +12,7 @@ Real ``worker`` processes, a real Redis, the simulator over HTTP; every wait is 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -29,6 +30,7 @@ from thinkfleet.broker.keys import kombu_transport_options
 from thinkfleet.settings import Settings
 from thinkfleet.testing.fleet import WorkerProcess, in_flight, job_progress, wait_until
 from thinkfleet.testing.harness import (
+    Outcome,
     check_job,
     fast_env,
     isolated_settings,
@@ -207,3 +209,104 @@ def test_a_pause_between_the_claim_check_and_the_part_write_is_fenced_in_storage
     after_keys = reader.read_keys(settings.output_uri, job_name)
     assert reader.fenced_rows(after_keys).num_rows == 0
     assert reader.read_committed(settings.output_uri, job_name, columns=[PROMPT_ID, EPOCH]).equals(before)
+
+
+def test_a_paused_turn_of_a_multi_turn_job_never_changes_what_the_next_turn_was_rendered_from(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """A ``--turns all`` job whose outputs differ per attempt (temperature > 0: ``--sample-per-request``): the zombie's
+    turn row lands after another worker regenerated that turn differently and rendered the next turn from its own
+    answer. The committed view must keep the answer the next turn was rendered from, before and after compact."""
+    from producer.render import load_tokenizer, render_ids
+    from storage.conversations import ToolMarkers, output_message
+    from thinkfleet.state.job import JobRecord
+    from thinkfleet.testing.datasets import conversation_rows, write_jsonl
+    from thinkfleet.testing.harness import simulator
+    from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
+    from thinkfleet.turns import plan_conversation, turn_messages
+
+    conversations, turns = 6, 3
+    total = conversations * turns
+    job_name = "zombie-turns"
+    (tmp_path / "logs").mkdir()
+    fp_dir = tmp_path / "failpoints"
+    fp_dir.mkdir()
+    settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    client = redis.Redis.from_url(redis_url)
+    keys = settings.keys
+    tok_dir = build_test_tokenizer(default_test_tokenizer_dir())
+    rows = conversation_rows(conversations, turns, 10, "Be careful.", reasoning="x")
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    started = time.monotonic()
+    with simulator(tmp_path / "logs", "--time-scale", "400", "--sample-per-request", "--tool-call-share", "0") as sim:
+        env = fast_env(settings, sim, max_inflight=4, flush_interval_s=2, **LEASE)
+        armed = {failpoints.ENV: "after_mark=stop", failpoints.DIR_ENV: str(fp_dir), failpoints.TIMES_ENV: "1"}
+        zombie = WorkerProcess("zombie", {**env, **armed}, tmp_path / "logs").start()
+        other = WorkerProcess("other", env, tmp_path / "logs")
+        try:
+            zombie.wait_ready(client, keys)
+            submitted = producer_cli(
+                settings, "submit", str(data), "--job", job_name, "--tokenizer", str(tok_dir), "--processes", "1",
+                "--no-progress", "--max-new-tokens", "200", "--context-length", "131072", "--turns", "all", "--json",
+            )  # fmt: skip
+            assert submitted.returncode == 0, submitted.stderr
+            # Given the zombie stopped between its claim check and its part write.
+            wait_until(lambda: _stopped(zombie), 120, 0.05, what="the zombie stopped at after_mark")
+            # When the other worker regenerates its turns (differently) and finishes every conversation.
+            other.start().wait_ready(client, keys)
+            wait_until(lambda: job_progress(client, keys, job_name)["done"] == total, 180, 0.1, what="all turns")
+            # And the zombie resumes: its turn rows land, its finalize is refused.
+            assert zombie.proc is not None
+            os.kill(zombie.proc.pid, signal.SIGCONT)
+            wait_until(lambda: _fenced_count(client, settings, job_name) >= 1, 120, 0.1, what="the zombie fenced")
+            wait_until(lambda: not client.hlen(keys.claims(job_name)), 120, 0.1, what="no claim left")
+        finally:
+            if zombie.alive() and zombie.proc is not None:
+                os.kill(zombie.proc.pid, signal.SIGCONT)
+            zombie.kill()
+            other.kill()
+    fenced = reader.fenced_rows(reader.read_keys(settings.output_uri, job_name))
+    assert fenced.num_rows >= 1 and set(fenced["worker"].to_pylist()) == {"zombie"}
+    verify = producer_cli(settings, "verify", job_name, "--json")
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    record = JobRecord.load(client, keys, job_name)
+    assert record is not None
+    tok = load_tokenizer(str(tok_dir))
+    markers = ToolMarkers.of(record)
+    source = [json.loads(line) for line in data.read_text().splitlines()]
+
+    def mismatches() -> list[str]:
+        """Stored turns whose prompt is not the template's rendering of the committed earlier turns."""
+        rows = {r["prompt_id"]: r for r in reader.read_committed(settings.output_uri, job_name).to_pylist()}
+        assert len(rows) == total
+        bad = []
+        for c, conv_row in enumerate(source):
+            conv = plan_conversation(conv_row["messages"])
+            assert conv is not None
+            answers: list[dict] = []
+            for t in range(turns):
+                row = rows[f"chat/c{c}/t{t}"]
+                want = render_ids(tok, turn_messages(conv, answers), None, record.chat_template_kwargs)
+                if row["input_ids"] != want:
+                    bad.append(row["prompt_id"])
+                spans = [(s["start"], s["end"]) for s in row["tool_call_spans"]]
+                reasoning = (row["reasoning_start"], row["reasoning_end"])
+                answer = (row["answer_start"], row["answer_end"])
+                answers.append(output_message(tok, row["output_ids"], reasoning, answer, spans, markers))
+        return bad
+
+    # Then every stored turn's prompt renders the committed previous turns — before compact and after it.
+    assert mismatches() == []
+    compacted = producer_cli(settings, "compact", job_name)
+    assert compacted.returncode == 0, compacted.stdout + compacted.stderr
+    assert reader.fenced_rows(reader.read_keys(settings.output_uri, job_name)).num_rows == 0
+    assert mismatches() == []
+    record_result(
+        "--turns all: a worker paused between its claim check and its part write, outputs differing per attempt",
+        Outcome(total, total, 0, [], [], [], verify_ok=True, status_agrees=True, problems=[]),
+        f"2 workers, lease {LEASE['lease_s']} s, {conversations}×{turns} turns, --sample-per-request",
+        [],
+        time.monotonic() - started,
+        workers=2,
+        notes=f"{fenced.num_rows} fenced turn rows; every turn renders the committed previous turns",
+    )
