@@ -15,6 +15,7 @@ Rates come from the timeline ZSET workers append to at every group commit ("ts:r
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,6 +124,8 @@ class StatusReader:
             "nondeterministic_seeds": counters.get("nondeterministic_seeds", 0),  # seeded, server ignores seeds
             "max_new_tokens": record.max_new_tokens,
             "job_file": record.job_file,  # the job file as it ran (producer submit job.yaml), else null
+            "clock_warnings": clock_warnings(r, self.settings),
+            "clock_skew_warn_s": self.settings.clock_skew_warn_s,
             **self._turns(counters),
         }
 
@@ -214,6 +217,28 @@ class StatusReader:
             per_worker[name] = entry
         out["workers"] = per_worker
         return out
+
+
+def clock_warnings(client: redis.Redis, settings: Settings) -> list[dict[str, Any]]:
+    """Live workers (their heartbeats, workers/lease.py) whose host clock is off Redis's by more than
+    ``clock_skew_warn_s``: {worker, host, pid, offset_s} (offset = host − Redis, measured at each beat)."""
+    prefix = settings.keys.heartbeat("")
+    out = []
+    for raw_key in client.scan_iter(match=f"{_glob_escape(prefix)}*", count=1000):
+        key = raw_key.decode(errors="replace")
+        beat = _json_or_text(client.get(raw_key))
+        if not isinstance(beat, dict):
+            continue
+        offset = beat.get("clock_offset_s")
+        if isinstance(offset, int | float) and abs(offset) > settings.clock_skew_warn_s:
+            worker = key[len(prefix) :]
+            out.append({"worker": worker, "host": beat.get("host"), "pid": beat.get("pid"), "offset_s": offset})
+    return sorted(out, key=lambda w: str(w["worker"]))
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` matched literally in a Redis SCAN pattern."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
 def _json_or_text(raw: bytes | None) -> Any:

@@ -97,6 +97,17 @@ def status_view(st: dict[str, Any]) -> Group:
                 style="bold yellow",
             )
         )
+    for w in st.get("clock_warnings") or ():
+        offset = float(w["offset_s"])
+        parts.append(
+            Text(
+                f"worker {w['worker']} (host {w.get('host') or '?'}, pid {w.get('pid') or '?'}): its clock is "
+                f"{abs(offset):,.1f} s {'ahead of' if offset > 0 else 'behind'} Redis's (more than "
+                f"{float(st.get('clock_skew_warn_s') or 0):.0f} s); leases and visibility run on Redis time, but "
+                "fix that host's clock (NTP): the timestamps it writes are off by as much",
+                style="bold yellow",
+            )
+        )
     table = Table(title=f"job {st['job']}")
     states = ("total", "queued", "running", "done", "dead", "unaccounted")
     for col in ("dataset", "progress", *states):

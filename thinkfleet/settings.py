@@ -76,6 +76,12 @@ class Settings(BaseSettings):
     # -- worker: durability -------------------------------------------------------------------------
     lease_s: float = Field(60.0, gt=0, description="A silent worker's prompts are re-run by others after this long.")
     reaper_interval_s: float = Field(5.0, gt=0, description="How often live workers look for dead ones.")
+    clock_skew_warn_s: float = Field(
+        5.0,
+        gt=0,
+        description="A worker whose host clock differs from Redis's by more than this warns at start, and "
+        "`producer status` warns about it (leases and visibility run on Redis time either way).",
+    )
     flush_rows: int = Field(512, ge=1, description="Group commit: rows per Parquet part at most.")
     flush_interval_s: float = Field(
         30.0,

@@ -77,6 +77,8 @@ class RequestAttempts:
         s = self.settings
         deadline = s.request_deadline_s(int(sampling.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS))
         attempt = 0
+        seen = self.gate.info  # the server's limits the prompt was checked against (workers/pipeline.py)
+        reread = False
         while True:
             if task.job in self.cancelled_jobs:
                 raise PermanentError(CANCELLED_CLASS, "job cancelled (producer cancel) before this attempt")
@@ -92,7 +94,26 @@ class RequestAttempts:
             if error is None:
                 self.gate.note_completion()
                 return gen, attempt, time.perf_counter() - started  # type: ignore[return-value]
+            if isinstance(error, PermanentError):
+                # The server refused the prompt's length (its own 400): it may have restarted with another
+                # context since the gate read it. Read it once more; only a longer context earns another try.
+                if reread or not await self._context_grew(seen):
+                    raise error
+                reread = True
+                log.warning("retrying %s: the server's context grew since it refused it: %s", task.prompt_id, error)
+                continue
             await self._before_retry(task, error, attempt, sent_at)
+
+    async def _context_grew(self, seen: Any) -> bool:
+        """Whether the server's context (or input cap), read again, is longer than under ``seen``."""
+        fresh = await self.gate.refresh_info(seen)
+        if fresh is None or fresh is seen:
+            return False
+        for field in ("context_length", "max_req_input_len"):
+            new, old = getattr(fresh, field, None), getattr(seen, field, None) if seen is not None else None
+            if new is not None and (old is None or new > old):
+                return True
+        return False
 
     async def _attempt(
         self,
@@ -102,8 +123,9 @@ class RequestAttempts:
         attempt: int,
         deadline: float,
         vocab_size: int | None = None,
-    ) -> tuple[Generation | None, ServerFault | None, float, float]:
-        """One /generate call inside a request slot: (generation, None) or (None, the server's fault)."""
+    ) -> tuple[Generation | None, ServerFault | PermanentError | None, float, float]:
+        """One /generate call inside a request slot: (generation, None) or (None, the server's fault, or its
+        context-length refusal)."""
         rid = f"{task.task_id}/a{attempt}-{uuid.uuid4().hex[:8]}"
         started = time.perf_counter()
         sent_at = time.monotonic()
@@ -125,6 +147,10 @@ class RequestAttempts:
             if exc.answered:
                 self.gate.note_completion()  # a bad sample or a bad answer, but the server answers
             return None, exc, started, sent_at
+        except PermanentError as exc:
+            if exc.error_class == "context_overflow" and exc.status is not None:
+                return None, exc, started, sent_at  # the server's refusal of its length: run() re-reads once
+            raise
         except BaseException:
             request.cancel()  # our own failure: don't leave the request running unowned
             raise

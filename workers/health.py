@@ -3,7 +3,9 @@
 Preflight runs at start and after every recovery: ``/health_generate`` (a real 1-token generation),
 ``/model_info`` (model path, weight_version, …) and ``/server_info`` (effective max running requests,
 reasoning parser, version, deterministic inference, …). Transitions call ``on_down``/``on_up``, which
-stop and resume consuming the queue.
+stop and resume consuming the queue. A prompt about to be dead-lettered for its length has the info read
+once more first (:meth:`HealthGate.refresh_info`): a server restarted with a longer context inside one
+health interval never closed the gate, so nothing else would read it again.
 
 Probes fit the real server (docs/sglang-versions.md, ``/health``):
 
@@ -41,6 +43,9 @@ EXCUSE_LOG_EVERY_S = 60.0
 #: While the gate stays closed its state is logged again after 5 s, then at doubling intervals up to 60 s.
 FIRST_REMINDER_S = 5.0
 MAX_REMINDER_S = 60.0
+#: A prompt refused under info read less than this long ago is not worth another read (a burst of prompts too
+#: long for the server would otherwise read it once each).
+REREAD_MIN_AGE_S = 1.0
 
 
 class HealthGate:
@@ -76,6 +81,9 @@ class HealthGate:
         self._was_ready = False  # served since it last refused connections (then a 503 is not a warm-up)
         self._closed_since = self._logged_at = 0.0
         self._remind_after = FIRST_REMINDER_S
+        self._info_reads = 0  # reads of /model_info + /server_info started (successful or not)
+        self._info_at = float("-inf")  # monotonic time the info held now was read (its read's start)
+        self._refresh = asyncio.Lock()  # one refresh_info read at a time; its waiters share it
 
     @property
     def healthy(self) -> bool:
@@ -133,7 +141,28 @@ class HealthGate:
             return None
         return await self._read_info()
 
+    async def refresh_info(self, seen: ServerInfo | None) -> ServerInfo | None:
+        """The server's info read again for a prompt refused under ``seen`` (what the gate held then).
+
+        The gate reads /model_info, /server_info and /v1/models only when it (re)opens, so a server restarted
+        with a longer context inside one health interval leaves it with the old context length; a prompt about
+        to be dead-lettered for its length asks for one more read first. Reads are shared: when the gate's info
+        is no longer ``seen`` (another read replaced it) it is returned as it is, callers that waited on a read
+        in flight take its result, and info read less than :data:`REREAD_MIN_AGE_S` ago is not read again.
+        Returns the gate's info afterwards (``seen`` itself when nothing newer was read)."""
+        if self.info is not seen:
+            return self.info
+        reads = self._info_reads
+        async with self._refresh:
+            recent = seen is not None and time.monotonic() - self._info_at < REREAD_MIN_AGE_S
+            if self._info_reads == reads and self.info is seen and not recent:
+                log.info("re-reading the server's info (a prompt is refused for its length under what was read)")
+                await self._read_info()
+        return self.info
+
     async def _read_info(self) -> ServerInfo | None:
+        self._info_reads += 1
+        started = time.monotonic()
         try:
             model_info = await self.client.get_json("/model_info")
             server_info = await self.client.get_json("/server_info")
@@ -166,7 +195,7 @@ class HealthGate:
             info.context_length if info.context_length is not None else "unreported",
             {True: "on", False: "off", None: "unreported"}[info.deterministic],
         )
-        self.info = info
+        self.info, self._info_at = info, started
         return info
 
     # -- the monitor -------------------------------------------------------------------------------

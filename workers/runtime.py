@@ -10,8 +10,9 @@ retries). ``workers.pool.LoopPool`` starts :meth:`WorkerRuntime.ahandle` on the 
 pool calls :meth:`WorkerRuntime.handle`, which waits for the same coroutine.
 
 The runtime is built before the worker consumes anything (``worker_init``); if Redis, storage or
-the settings are unusable the worker exits non-zero with the cause and the fix
-(:class:`RuntimeStartError`).
+the settings are unusable, or another live worker holds its name (workers/identity.py), the worker exits
+non-zero with the cause and the fix (:class:`RuntimeStartError`). A worker whose heartbeat is taken by another
+process under its name while it runs stops consuming and hands back all it holds (:meth:`WorkerRuntime._name_lost`).
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ from thinkfleet.broker.transit import TransitSweeper
 from thinkfleet.broker.visibility import unacked_index_key
 from thinkfleet.message import PromptTask
 from thinkfleet.settings import Settings
-from thinkfleet.state.ledger import Ledger
 from thinkfleet.state.lifecycle import CANCELLED
 from workers.attempts import HandBack, RequestAttempts
 from workers.client import SGLangClient
 from workers.committer import GroupCommitter
 from workers.health import HealthGate
+from workers.identity import GuardedLedger, NameHeld
 from workers.jobs import JobCache
 from workers.lease import HeldMessages, LeaseKeeper
 from workers.loop import EventLoopThread
@@ -74,11 +75,19 @@ class WorkerRuntime:
         self.metrics = WorkerMetrics(identity, settings.max_inflight)
         self.draining = False
         self.storage_ok = True
+        #: Who holds our name instead of us, once a heartbeat found it taken (we then write nothing under it).
+        self.name_lost: str | None = None
         self._outcomes: dict[str, asyncio.Future[str]] = {}  # task id → outcome, for Celery's trace (workers/pool.py)
         self.loop = EventLoopThread(f"thinkfleet-{identity}").start()
         try:
             self.loop.run(self._astart())
         except BaseException:
+            lease = getattr(self, "lease", None)
+            if lease is not None:  # our name's heartbeat goes at once: a restart need not wait for it
+                try:
+                    self.loop.run(lease.stop(), timeout_s=5)
+                except Exception:
+                    pass
             self.loop.stop()
             raise
 
@@ -99,7 +108,8 @@ class WorkerRuntime:
             probe_timeout_s=s.preflight_timeout_s,
             health_probe_timeout_s=s.health_probe_timeout_s,
         )
-        self.ledger = Ledger(self.redis, s.keys, self.identity, s.max_deliveries)
+        self.ledger = GuardedLedger(self.redis, s.keys, self.identity, s.max_deliveries)
+        await self._hold_name()  # before anything under the name is touched: exit 78 if a live twin holds it
         abandoned = await self.ledger.abandon_claims()  # before this life claims anything
         if abandoned:
             log.warning("worker %s restarted: released %d claim(s) of its previous run", self.identity, abandoned)
@@ -162,10 +172,9 @@ class WorkerRuntime:
             "metrics_port": port,
             "started_at": time.time(),
         }
-        unacked_index = unacked_index_key(s.key_prefix)
-        sweeper = TransitSweeper(self.redis, s.keys, self.identity, s.queue)
-        self.lease = LeaseKeeper(self.redis, s.keys, self.identity, s.lease_s, unacked_index, self.held, info, sweeper)
-        await self.lease.beat()
+        self.lease.info = info
+        if not await self.lease.beat():
+            raise RuntimeStartError(f"worker name {self.identity!r} was taken by {self.lease.lost} while it started")
         self.lease.start()
         self._release_task = asyncio.get_running_loop().create_task(self.pipeline.release_later(), name="release-later")
         self._cancel_watch = asyncio.get_running_loop().create_task(self._watch_cancels(), name="watch-cancels")
@@ -176,6 +185,57 @@ class WorkerRuntime:
             s.sglang_url,
             port,
         )
+
+    async def _hold_name(self) -> None:
+        """Hold our name's heartbeat (workers/identity.py): a live twin's makes this worker refuse to start; a
+        dead previous life's is taken over (at once when its pid is known dead, else once it expires). Also
+        where this host's clock is first compared with Redis's."""
+        s = self.settings
+        self.lease = LeaseKeeper(
+            self.redis,
+            s.keys,
+            self.identity,
+            s.lease_s,
+            unacked_index_key(s.key_prefix),
+            self.held,
+            {},
+            TransitSweeper(self.redis, s.keys, self.identity, s.queue),
+            on_lost=self._name_lost,
+            clock_warn_s=s.clock_skew_warn_s,
+        )
+        try:
+            took_over = await self.lease.acquire()
+        except NameHeld as exc:
+            raise RuntimeStartError(str(exc)) from exc
+        if took_over:
+            log.warning("%s", took_over)
+        offset = self.lease.clock_offset_s
+        if offset is not None and abs(offset) > s.clock_skew_warn_s:
+            self.metrics.errors.labels("clock_skew").inc()
+
+    def _name_lost(self, holder: str) -> None:
+        """A heartbeat found our name held by another process (a twin under the same name that started while
+        we were paused past our lease, say): stop consuming, cancel what runs, hand every message back and
+        write nothing more under the name (:class:`workers.identity.GuardedLedger`). On the loop thread."""
+        if self.name_lost is not None:
+            return
+        self.name_lost = holder
+        log.critical(
+            "\n%s\nWORKER NAME %r IS HELD BY ANOTHER PROCESS: %s.\nTwo workers under one name take each other's "
+            "claims as their own: this one stops consuming, hands back every message it holds and acks nothing "
+            "more.\nGive each worker its own --name / THINKFLEET_WORKER_NAME and restart it.\n%s",
+            "!" * 78,
+            self.identity,
+            holder,
+            "!" * 78,
+        )
+        self.metrics.errors.labels("name_lost").inc()
+        self.ledger.suspend(f"its heartbeat is held by {holder}")
+        self.draining = True
+        self._sync_consuming()
+        self.committer.give_up()
+        self.attempts.cancel_all()
+        self.gate.wake_waiters()
 
     async def _preflight_redis(self) -> None:
         """One PING with no retries: a wrong URL or password must stop the worker now, by name."""
@@ -297,6 +357,8 @@ class WorkerRuntime:
 
     async def ahandle(self, args: Any, message_id: str | None = None) -> str:
         """:meth:`handle` on the loop (workers/pool.py starts it there straight from Celery's consumer)."""
+        if self.name_lost is not None:
+            raise HandBack()  # nothing runs under a name another process holds
         return await self.pipeline.handle(args, message_id)
 
     def process(self, task: PromptTask) -> str:

@@ -20,6 +20,12 @@ Only a worker consuming its one task queue from ``redis://`` or ``rediss://`` (T
 kombu's own, so it connects through kombu's SSL connection class with the ``broker_use_ssl`` options)
 uses this; everything else (the producer, other queues, ``sentinel://``, RabbitMQ) is kombu's stock
 transport.
+
+The channel's ack emulation (:class:`QoS`) is kombu's on Redis's clock: a delivery is scored in
+``unacked_index`` with Redis ``TIME`` and the restore sweep compares against Redis ``TIME``
+(thinkfleet/broker/clock.py), so a worker whose host clock runs ahead cannot restore other workers' live
+messages early. (Flower, a stock-transport consumer, still sweeps on its own host's clock: run it where
+Redis runs, as the head node's compose file does.)
 """
 
 from __future__ import annotations
@@ -34,9 +40,11 @@ from typing import Any
 import redis.asyncio as aioredis
 from celery import Celery
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
-from kombu.utils.json import loads
+from kombu.utils.json import dumps, loads
 
+from thinkfleet.broker.clock import RedisClock
 from thinkfleet.broker.keys import priority_lists
 from thinkfleet.keys import Keys
 from thinkfleet.settings import Settings
@@ -102,6 +110,44 @@ return false
 """
 
 
+class QoS(kombu_redis.QoS):
+    """kombu's Redis ack emulation with every visibility score on Redis's clock (kombu 5.7's ``append`` and
+    ``restore_visible``, ``time()`` replaced by :meth:`Channel.redis_now`)."""
+
+    def append(self, message: Any, delivery_tag: Any) -> None:
+        delivery = message.delivery_info
+        exchange, routing_key = delivery["exchange"], delivery["routing_key"]
+        now = self.channel.redis_now()
+        with self.pipe_or_acquire() as pipe:
+            pipe.zadd(self.unacked_index_key, {delivery_tag: now}).hset(
+                self.unacked_key, delivery_tag, dumps([message._raw, exchange, routing_key])
+            ).execute()
+        virtual.QoS.append(self, message, delivery_tag)
+
+    def restore_visible(self, start: int = 0, num: int = 10, interval: int = 10) -> None:
+        self._vrestore_count += 1
+        if (self._vrestore_count - 1) % (interval or 1):
+            return
+        with self.channel.conn_or_acquire() as client:
+            ceil = self.channel.redis_now() - self.visibility_timeout
+            try:
+                with kombu_redis.Mutex(client, self.unacked_mutex_key, self.unacked_mutex_expire):
+                    visible = client.zrange(
+                        self.unacked_index_key,
+                        ceil,
+                        0,
+                        desc=True,
+                        byscore=True,
+                        offset=num and start,
+                        num=num,
+                        withscores=True,
+                    )
+                    for tag, _score in visible or []:
+                        self.restore_by_tag(tag, client)
+            except kombu_redis.MutexHeld:
+                pass
+
+
 class Channel(kombu_redis.Channel):
     """kombu's Redis channel, popping into ``transit_key`` when it consumes ``transit_queue``.
 
@@ -114,6 +160,7 @@ class Channel(kombu_redis.Channel):
     on the step-0 list is taken up to ``brpop_timeout`` later.
     """
 
+    QoS = QoS
     from_transport_options = (*kombu_redis.Channel.from_transport_options, "transit_key", "transit_queue")
     transit_key: str | None = None
     transit_queue: str | None = None
@@ -139,6 +186,15 @@ class Channel(kombu_redis.Channel):
         if cached is None or cached[0] is not pool:
             cached = self._command_client = (pool, self._create_client())
         yield cached[1]
+
+    _redis_clock: RedisClock | None = None
+
+    def redis_now(self) -> float:
+        """Redis's time now (:class:`thinkfleet.broker.clock.RedisClock`): what visibility scores are in."""
+        if self._redis_clock is None:
+            self._redis_clock = RedisClock()
+        with self.conn_or_acquire() as client:
+            return self._redis_clock.now(client)
 
     def _transit_source(self, queues: list[str]) -> str | None:
         if not self.transit_key or self.global_keyprefix or queues != [self.transit_queue]:

@@ -2,12 +2,13 @@
 
 kombu's Redis transport scores each unacknowledged message with its delivery time in ``unacked_index`` and
 restores it to the queue once ``visibility_timeout`` (= ``lease_s``) has passed; it never renews that score.
-A live worker's lease keeper (workers/lease.py) re-scores the delivery tags it holds with :func:`renew`.
+A live worker's lease keeper (workers/lease.py) re-scores the delivery tags it holds at every heartbeat.
+Every score — kombu's at delivery and in its restore sweep (``thinkfleet.broker.transit.QoS``), the lease
+keeper's — is Redis ``TIME``, never a host's clock: a host whose clock runs ahead would otherwise restore
+live workers' messages early, and one behind would renew its own into the future.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from thinkfleet.broker.keys import KombuKeys
 
@@ -16,9 +17,3 @@ def unacked_index_key(prefix: str) -> str:
     """kombu's ``unacked_index`` sorted set under ``prefix``."""
     return KombuKeys(prefix).unacked_index
 
-
-def renew(pipe: Any, unacked_index_key: str, tags: list[str], now: float) -> None:
-    """Queue on ``pipe`` (sync or asyncio) the re-scoring of ``tags`` to ``now``: ``ZADD XX``, so a tag
-    acked meanwhile is not added back."""
-    if tags:
-        pipe.zadd(unacked_index_key, dict.fromkeys(tags, now), xx=True)

@@ -1,0 +1,130 @@
+"""Time from Redis: a worker whose host clock runs 45 s ahead restores no live worker's message early.
+
+Visibility scores (kombu's delivery score and restore sweep, the lease keeper's renewals) are Redis ``TIME``
+(thinkfleet/broker/clock.py, workers/lease.py). Before, each host scored with its own clock: a host 45 s
+ahead computed "older than the 10 s visibility timeout" against a clock 45 s in the future and restored every
+live worker's messages at its first sweep.
+
+With real parts: worker B (true clock) holds 6 prompts in flight at a stalled server; worker A runs under
+libfaketime (the Debian ``faketime`` package) 45 s ahead and sweeps every second. While B lives, none of its
+messages leaves kombu's unacked set and A receives nothing; A warned at start and ``producer status`` warns
+about it. Once B is SIGKILLed, its messages are restored no earlier than one visibility timeout after B's
+last renewal (Redis time), and A stores every prompt exactly once.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from sglang_sim.testing import SimulatorProcess
+from thinkfleet.broker.keys import KombuKeys
+from thinkfleet.testing.fleet import WorkerProcess, in_flight, job_progress, wait_until
+from thinkfleet.testing.harness import (
+    check_job,
+    fast_env,
+    isolated_settings,
+    make_prompts,
+    post_json,
+    producer_cli,
+    record_result,
+    submit_ids,
+)
+
+#: libfaketime as the Debian ``faketime`` package installs it (preloaded into the worker itself: the
+#: ``faketime`` command forks, and a SIGKILL of the wrapper would leave the worker running).
+LIBFAKETIME = next(iter(sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))), "")
+#: The visibility timeout (= the lease): B renews every LEASE_S / 4.
+LEASE_S = 10
+AHEAD_S = 45
+PROMPTS = 6
+
+pytestmark = pytest.mark.skipif(not LIBFAKETIME, reason="libfaketime missing (apt-get install faketime)")
+
+
+def _redis_now(client: redis.Redis) -> float:
+    seconds, micros = client.time()
+    return seconds + micros / 1e6
+
+
+def test_a_worker_45_s_ahead_restores_no_live_message_early_and_status_warns(redis_url: str, tmp_path: Path) -> None:
+    settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    client = redis.Redis.from_url(redis_url)
+    keys = settings.keys
+    kombu = KombuKeys(settings.key_prefix)
+    sim_b, sim_a = SimulatorProcess("--time-scale", "400"), SimulatorProcess("--time-scale", "400")
+    sim_b.log_path, sim_a.log_path = str(tmp_path / "sim-b.log"), str(tmp_path / "sim-a.log")
+    sim_b.start()
+    sim_a.start()
+    b = WorkerProcess("b-true", fast_env(settings, sim_b.url, lease_s=LEASE_S, max_inflight=PROMPTS), tmp_path)
+    env_a = fast_env(settings, sim_a.url, lease_s=LEASE_S, max_inflight=PROMPTS)
+    env_a.update(LD_PRELOAD=LIBFAKETIME, FAKETIME=f"+{AHEAD_S}s", FAKETIME_DONT_FAKE_MONOTONIC="1")
+    a = WorkerProcess("a-ahead", env_a, tmp_path)
+    started = time.monotonic()
+    try:
+        # Given B holding every prompt of the job in flight at its stalled server.
+        b.start().wait_consuming().wait_ready(client, keys)
+        post_json(f"{sim_b.url}/control/stall", {"seconds": 300})
+        job = submit_ids(settings, "skew", make_prompts(PROMPTS))
+        wait_until(
+            lambda: len(in_flight(client, keys, "skew", "b-true")) == PROMPTS and client.hlen(kombu.unacked) == PROMPTS,
+            60,
+            what="B holds every prompt",
+        )
+        tags = set(client.hkeys(kombu.unacked))
+        # When A starts 45 s ahead and sweeps for expired messages every second, for three of its heartbeats.
+        a.start().wait_consuming().wait_ready(client, keys)
+        beats: set[float] = set()
+        deadline = time.monotonic() + 120
+        while len(beats) < 4:
+            assert time.monotonic() < deadline, "A stopped beating"
+            # Then none of B's messages is restored while B lives, and A receives none.
+            assert tags <= set(client.zrange(kombu.unacked_index, 0, -1)), "a live worker's message was restored"
+            assert client.llen(settings.queue) == 0
+            raw = client.get(keys.heartbeat("a-ahead"))
+            if raw:
+                beats.add(float(json.loads(raw)["at"]))
+            time.sleep(0.1)
+        assert " received" not in a.log_path.read_text(errors="replace")
+        assert job_progress(client, keys, "skew")["done"] == 0
+        # And A said so at start, and producer status warns about it.
+        log_a = a.log_path.read_text(errors="replace")
+        assert f"this host's clock is {AHEAD_S}." in log_a and "ahead of Redis's" in log_a, log_a[-3000:]
+        status = producer_cli(settings, "status", "skew", "--json")
+        warnings = {w["worker"]: w for w in json.loads(status.stdout)["clock_warnings"]}
+        assert set(warnings) == {"a-ahead"}, warnings
+        assert AHEAD_S - 5 < warnings["a-ahead"]["offset_s"] < AHEAD_S + 5
+        text = producer_cli(settings, "status", "skew").stdout
+        assert "a-ahead" in text and "ahead of Redis" in " ".join(text.split()), text
+
+        # When B dies, its messages come back no earlier than one visibility timeout after its last renewal.
+        renewed = min(score for _tag, score in client.zrange(kombu.unacked_index, 0, -1, withscores=True))
+        b.kill()
+        wait_until(lambda: not tags <= set(client.zrange(kombu.unacked_index, 0, -1)), 120, 0.05, what="restored")
+        restored = _redis_now(client)
+        assert restored >= renewed + LEASE_S - 0.5, f"restored {restored - renewed:.1f} s after B's last renewal"
+        wait_until(lambda: job_progress(client, keys, "skew")["done"] == PROMPTS, 180, what="A stored them all")
+    finally:
+        post_json(f"{sim_b.url}/control/stall", {"seconds": 0})
+        b.kill()
+        a.terminate()
+        sim_a.kill()
+        sim_b.kill()
+    outcome = check_job(settings, "skew", job.prompts, job.sampling_params)
+    record_result(
+        "clock skew: one worker 45 s ahead (faketime)",
+        outcome,
+        f"one worker's host clock {AHEAD_S} s ahead (libfaketime) while another held {PROMPTS} prompts in flight; "
+        "then that one SIGKILLed",
+        [restored - renewed],
+        time.monotonic() - started,
+        workers=2,
+        notes="visibility on Redis TIME: nothing restored while its holder lived; restored one lease after "
+        "its last renewal",
+    )
+    outcome.assert_clean()
