@@ -20,6 +20,7 @@ from producer.enqueue import Stager
 from thinkfleet.settings import Settings
 from thinkfleet.state.invariant import queued_prompt_ids, transit_prompt_ids, unacked_prompt_ids
 from thinkfleet.state.job import JobRecord
+from thinkfleet.state.scripts import lua
 
 #: The submit lock expires after this long if a submit dies holding it.
 LOCK_TTL_S = 3600
@@ -27,6 +28,8 @@ LOCK_TTL_S = 3600
 BREAK_LOCK_MIN_AGE_S = 60
 #: Fields per HSET/SADD command inside the commit's MULTI.
 CHUNK = 5000
+#: Take prompts out of ``done`` (thinkfleet/state/lua/requeue.lua).
+_REQUEUE = lua("requeue")
 
 
 class StateError(Exception):
@@ -44,10 +47,18 @@ class Existing:
     done: set[str] = field(default_factory=set)  # Redis' done set
     dead: set[str] = field(default_factory=set)
     queued: set[str] = field(default_factory=set)  # on the queue or delivered and unacknowledged
+    #: prompts a quarantined (damaged) part held (storage/quarantine.py)
+    quarantined: set[str] = field(default_factory=set)
+
+    @property
+    def lost(self) -> set[str]:
+        """Done in Redis, but their row was in a part found damaged and none is stored: Redis' done set, a cache
+        of storage, is wrong about them — enqueued again (and taken out of done in the same MULTI)."""
+        return (self.done & self.quarantined) - self.stored - self.queued - self.dead
 
     @property
     def finished(self) -> set[str]:
-        return self.done | self.stored
+        return (self.done - self.lost) | self.stored
 
 
 def load_existing(client: redis.Redis, settings: Settings, job: str, redis_required: bool = True) -> Existing:
@@ -70,7 +81,8 @@ def load_existing(client: redis.Redis, settings: Settings, job: str, redis_requi
         if redis_required:
             raise StateError(f"cannot reach Redis at {settings.redis_url}: {e}") from e
         existing = Existing()  # a dry run without Redis: everything counts as new
-    existing.stored = stored_prompt_ids(settings, job)
+    existing.stored = stored_prompt_ids(settings, job)  # (a damaged part met here is quarantined first)
+    existing.quarantined = quarantined_prompt_ids(settings, job)
     return existing
 
 
@@ -85,6 +97,15 @@ def stored_prompt_ids(settings: Settings, job: str) -> set[str]:
     except ImportError:  # storage not installed: Redis' done set is all we know
         return set()
     return set(read_stored(settings.output_uri, job, s3_endpoint_url=settings.s3_endpoint_url))
+
+
+def quarantined_prompt_ids(settings: Settings, job: str) -> set[str]:
+    """Prompt ids of the job's quarantined (damaged) parts, where their records know them."""
+    try:
+        from storage.quarantine import quarantined_prompt_ids as read_quarantined
+    except ImportError:
+        return set()
+    return read_quarantined(settings.output_uri, job, settings.s3_endpoint_url)
 
 
 def write_manifest(settings: Settings, job: str, rows: list[dict[str, Any]]) -> None:
@@ -219,9 +240,36 @@ def commit(
         newly_known = sorted(existing.stored - existing.done - existing.queued - existing.dead)
         for start in range(0, len(newly_known), CHUNK):
             pipe.sadd(keys.done(job), *newly_known[start : start + CHUNK])
+        # ... and is wrong about prompts whose row was in a damaged part: this submit enqueues them again.
+        dataset_of = {r["prompt_id"]: r["dataset"] for r in rows}
+        revived = sorted(existing.lost & dataset_of.keys())
+        for start in range(0, len(revived), CHUNK):
+            _take_out_of_done(pipe, settings, job, [(p, dataset_of[p]) for p in revived[start : start + CHUNK]])
         record.save(pipe, keys)
         for name, count in record.datasets.items():
             pipe.hset(keys.dataset_counters(job, name), "submitted", count)
         pipe.hset(keys.counters(job), "submitted", record.prompts)
         stager.commit(pipe)
         pipe.execute()
+
+
+def _take_out_of_done(
+    pipe: redis.client.Pipeline, settings: Settings, job: str, prompts: list[tuple[str, str]]
+) -> None:
+    """Queue on ``pipe`` the removal of ``prompts`` ((prompt_id, dataset)) from the done set, their counters
+    following (thinkfleet/state/lua/requeue.lua, as ``producer retry`` does)."""
+    keys = settings.keys
+    datasets = list(dict.fromkeys(d for _, d in prompts))
+    index = {name: i + 1 for i, name in enumerate(datasets)}
+    args: list[str | int] = ["done"]
+    for pid, dataset in prompts:
+        args += [pid, index[dataset]]
+    pipe.eval(
+        _REQUEUE,
+        3 + len(datasets),
+        keys.done(job),
+        keys.counters(job),
+        keys.deliveries(job),
+        *[keys.dataset_counters(job, name) for name in datasets],
+        *args,
+    )

@@ -37,8 +37,11 @@ def _print_json(payload: Any) -> None:
 def verify(settings: Settings, job: str, as_json: bool, live: bool) -> None:
     """Check that every submitted prompt of JOB is stored exactly once, with sound spans.
 
-    Exits 1 on any missing, duplicated, malformed or stale row, on a row whose input_ids do not hash to
-    its content_hash, on the reasoning alarm, or when there is no submitted set to check against. With
+    Every part is decoded first with its page checksums verified; a damaged one is quarantined (moved to
+    JOB/_quarantine/) and named. Exits 1 on any missing, duplicated, malformed or stale row, on a row whose
+    input_ids do not hash to its content_hash or whose ids_crc32 does not match its ids, on a quarantined part
+    whose prompts are not stored again, on the reasoning alarm, or when there is no submitted set to check
+    against; fenced rows (a stale claim's writes, left out of the committed view) are reported only. With
     --live, exits 1 when a submitted prompt is in no place (not stored, not dead-lettered, not on the
     queue, not delivered to a live worker), and 2 when that cannot be checked (no such job, Redis
     unreachable, a RabbitMQ broker).
@@ -232,10 +235,13 @@ def compact(
         return
     for d in result.datasets:
         what = d.skipped or f"{len(d.files_written)} file(s) written"
+        fenced = f" ({d.fenced_rows} fenced rows dropped)" if d.fenced_rows else ""
         click.echo(
-            f"{d.dataset}: {d.parts_before} parts, {d.rows_before} rows -> {d.rows_after} rows; "
+            f"{d.dataset}: {d.parts_before} parts, {d.rows_before} rows -> {d.rows_after} rows{fenced}; "
             f"{what}; {d.parts_removed} parts removed"
         )
+        for part in d.quarantined:
+            click.echo(f"  DAMAGED part quarantined (not compacted; `producer verify {job}` names its prompts): {part}")
 
 
 COMMANDS = (verify, export, report, compact)

@@ -2,7 +2,12 @@
 
 Workers commit one part per group commit, which at real generation rates is a handful of rows, so a
 job ends as tens of thousands of tiny files. Compaction rewrites each dataset as its committed view
-(one row per prompt, the winner; rows byte-for-byte as stored) and then removes the old parts.
+(one row per prompt, the winner; rows byte-for-byte as stored) and then removes the old parts — with them
+the fenced rows (a stale claim's writes: lower epoch than the committed row) and duplicates.
+
+A damaged part (one that does not decode, or whose page checksums fail) is quarantined by the read
+(storage/quarantine.py), not rewritten and not listed as replaced: its rows are not in the compacted
+file, and ``producer verify`` names it and its prompts until they are stored again.
 
 Safe if interrupted at any point:
 1. the new files are committed atomically, the last one carrying the list of parts it replaces
@@ -22,8 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 
-from storage import layout, reader
+from storage import layout, quarantine, reader
 from storage.schema import PROMPT_ID, ROW_INDEX, SAMPLE_INDEX, SCHEMA, TURN_INDEX
 from storage.writer import PartWriter
 from thinkfleet.settings import Settings
@@ -40,6 +46,8 @@ class DatasetCompaction:
     rows_after: int
     files_written: list[str] = field(default_factory=list)
     parts_removed: int = 0
+    fenced_rows: int = 0  # rows of a stale claim (lower epoch than the committed row's) left out
+    quarantined: list[str] = field(default_factory=list)  # damaged parts moved aside by this run's read
     skipped: str | None = None  # why nothing was rewritten
 
 
@@ -78,14 +86,24 @@ def _compact_dataset(
 
     table = reader.scan_parts(loc, paths, SCHEMA.names)
     report = DatasetCompaction(dataset, len(paths), table.num_rows, 0, parts_removed=len(leftovers))
+    # A part the read left out and that is gone from the directory was quarantined (damaged), or removed by another
+    # compaction: either way not listed as replaced, not deleted.
+    read = set(pc.unique(table[reader.PART]).to_pylist()) if table.num_rows else set()
+    unread = [p for p in paths if loc.uri(p) not in read]
+    gone = {p for p, i in zip(unread, loc.fs.get_file_info(unread), strict=True) if i.type == pafs.FileType.NotFound}
+    moved = loc.fs.get_file_info([quarantine.quarantine_path(loc, p) for p in sorted(gone)])
+    report.quarantined = [loc.uri(p) for p, i in zip(sorted(gone), moved, strict=True) if i.type == pafs.FileType.File]
+    parts = [p for p in parts if p.path not in gone]
+    paths = [p for p in paths if p not in gone]
     if len(paths) == 1 and layout.is_compacted_name(parts[0].base_name):
         report.rows_after = table.num_rows
         report.skipped = "already one compacted file"
         return report
     if not paths:
-        report.skipped = "no parts"
+        report.skipped = "no readable parts" if report.quarantined else "no parts"
         return report
 
+    report.fenced_rows = reader.fenced_rows(table).num_rows
     committed = table.take(reader.winner_indices(table)).select(SCHEMA.names)
     # Source order (row index, then sample, then a conversation's turns) reads naturally; prompt_id makes it total.
     order = [(c, "ascending") for c in (ROW_INDEX, SAMPLE_INDEX, TURN_INDEX, PROMPT_ID)]

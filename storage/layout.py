@@ -5,6 +5,7 @@
     {OUTPUT_URI}/{job}/dataset={name}/part-{utc}-{worker}-{seq}.parquet    committed rows
     {OUTPUT_URI}/{job}/dataset={name}/.part-….parquet.tmp-…                 local write in progress
     {OUTPUT_URI}/{job}/_manifest/submitted-{utc}-{rand}.parquet            what the producer submitted
+    {OUTPUT_URI}/{job}/_quarantine/dataset={name}/part-….parquet[.json]    a damaged part moved aside, its record
 
 ``OUTPUT_URI`` is a local path or ``s3://bucket/prefix`` (any S3-compatible store with an endpoint).
 Paths returned to callers (part names recorded in Redis) are URIs: an absolute local path or
@@ -169,9 +170,8 @@ def list_parts(
                 continue
             found.append(info)
     found.sort(key=lambda i: i.path)
-    if include_superseded:
-        return found
-    gone = superseded(loc, found)
+    replaced, damaged = _superseded(loc, found)
+    gone = damaged if include_superseded else replaced | damaged
     return [i for i in found if i.path not in gone]
 
 
@@ -182,13 +182,36 @@ def dataset_names(loc: Location, job: str) -> list[str]:
 
 
 def superseded(loc: Location, parts: list[pafs.FileInfo]) -> set[str]:
-    """Paths among ``parts`` that a compacted part in the same directory replaces."""
+    """Paths among ``parts`` that a compacted part in the same directory replaces.
+
+    A compacted part whose footer is damaged replaces nothing: it is quarantined (storage/quarantine.py), and
+    the parts it listed, where a compaction left them, are live again."""
+    return _superseded(loc, parts)[0]
+
+
+def _superseded(loc: Location, parts: list[pafs.FileInfo]) -> tuple[set[str], set[str]]:
+    """(paths a compacted part replaces, compacted parts found damaged — now quarantined)."""
     replaced: set[str] = set()
+    damaged: set[str] = set()
     for info in parts:
         if is_compacted_name(info.base_name):
+            try:
+                names: list[str] | None = compacted_from(loc, info.path)
+            except FileNotFoundError:
+                continue  # another compaction removed it since the listing
+            except Exception:  # damage or I/O: judged on the bytes in memory
+                from storage import quarantine
+
+                try:
+                    names = quarantine.compacted_from_checked(loc, info.path)
+                except quarantine.PartVanished:
+                    continue
+                if names is None:
+                    damaged.add(info.path)
+                    continue
             directory = posixpath.dirname(info.path)
-            replaced.update(posixpath.join(directory, n) for n in compacted_from(loc, info.path))
-    return replaced
+            replaced.update(posixpath.join(directory, n) for n in names)
+    return replaced, damaged
 
 
 def compacted_from(loc: Location, path: str) -> list[str]:

@@ -19,20 +19,26 @@ How to read a job with other tools — the ``dataset`` column is also the hive d
 - duckdb: ``read_parquet('{job_dir}/dataset=*/*.parquet')``.
 - HF datasets: ``load_dataset("parquet", data_files=f"{job_dir}/dataset=*/*.parquet")``.
 
-Those raw reads see every stored row; use :func:`read_committed` (or ``producer compact``, which
-rewrites the job as its committed view) for exactly-once.
+Those raw reads see every stored row — fenced rows and duplicates included; use :func:`read_committed` (or
+``producer compact``, which rewrites the job as its committed view) for exactly-once.
+
+Every read here verifies the Parquet page checksums the writer records. A part that does not decode (zero bytes,
+truncated, a bad footer, a page whose CRC fails) is quarantined — moved to ``{job}/_quarantine/`` with a record
+of what it held, and a loud logged error naming it (:mod:`storage.quarantine`) — and the read goes on over the
+rest; ``producer verify`` fails naming it until its prompts are stored again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from storage import layout
+from storage import layout, quarantine
 from storage.schema import CREATED_AT, EPOCH, PROMPT_ID, REVISION, SCHEMA, WORKER
 
 #: Extra column :func:`read_keys` adds: the URI of the part a row came from.
@@ -65,12 +71,8 @@ def stored_prompt_ids(
 ) -> set[str]:
     """Every prompt_id with at least one committed row (reads only that column)."""
     loc = layout.locate(output_uri, s3_endpoint_url)
-    parts = layout.list_parts(loc, job, list(datasets) if datasets is not None else None)
-    if not parts:
-        return set()
-    dataset = ds.dataset([p.path for p in parts], schema=SCHEMA, format="parquet", filesystem=loc.fs)
-    ids = dataset.to_table(columns=[PROMPT_ID]).column(PROMPT_ID)
-    return set(pc.unique(ids).to_pylist())
+    ids = _scan(loc, job, [PROMPT_ID], datasets).column(PROMPT_ID)
+    return set(pc.unique(ids).to_pylist()) if len(ids) else set()
 
 
 def read_keys(
@@ -180,21 +182,106 @@ def _run_heads(sorted_keys: pa.ChunkedArray | pa.Array) -> np.ndarray:
     return head
 
 
+#: Times a read lists the parts again when one vanished under it (a compaction replaced it since the listing).
+_RELISTS = 3
+#: Parts decoded at once when a read falls back to checking them one by one.
+_CAREFUL_THREADS = 4
+
+
 def _scan(loc: layout.Location, job: str, columns: list[str], datasets: Sequence[str] | None) -> pa.Table:
-    parts = layout.list_parts(loc, job, list(datasets) if datasets is not None else None)
-    return scan_parts(loc, [p.path for p in parts], columns)
+    for attempt in range(_RELISTS):
+        parts = layout.list_parts(loc, job, list(datasets) if datasets is not None else None)
+        try:
+            return scan_parts(loc, [p.path for p in parts], columns)
+        except quarantine.PartVanished:
+            if attempt == _RELISTS - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
-def scan_parts(loc: layout.Location, paths: list[str], columns: list[str]) -> pa.Table:
-    """Read ``columns`` of exactly these part files, adding the ``part`` URI of each row."""
+def scan_parts(
+    loc: layout.Location, paths: list[str], columns: list[str], *, damaged: list[str] | None = None
+) -> pa.Table:
+    """Read ``columns`` of exactly these part files, adding the ``part`` URI of each row.
+
+    Page checksums are verified. A damaged part is quarantined (:mod:`storage.quarantine`) and left out: its
+    path is appended to ``damaged`` when given. I/O errors raise; a part gone since it was listed raises
+    :class:`storage.quarantine.PartVanished`."""
     schema = pa.schema([*(SCHEMA.field(c) for c in columns), pa.field(PART, pa.string(), nullable=False)])
-    if not paths:
-        return schema.empty_table()
-    dataset = ds.dataset(paths, schema=SCHEMA, format="parquet", filesystem=loc.fs)
-    batches = []
-    # scan_batches tags each batch with its file and still reads files in parallel.
-    for tagged in dataset.scanner(columns=columns).scan_batches():
-        batch = tagged.record_batch
-        part = pa.array([loc.uri(tagged.fragment.path)] * batch.num_rows, pa.string())
-        batches.append(pa.RecordBatch.from_arrays([*batch.columns, part], schema=schema))
+    batches = [_tagged(loc, path, b, schema) for path, part in _read_parts(loc, paths, columns, damaged) for b in part]
     return pa.Table.from_batches(batches, schema=schema)
+
+
+def check_parts(
+    output_uri: str,
+    job: str,
+    datasets: Sequence[str] | None = None,
+    s3_endpoint_url: str | None = None,
+) -> list[str]:
+    """Decode every column of every committed part of ``job`` (page checksums verified), keeping nothing in
+    memory; returns the URIs of the parts found damaged now (each quarantined)."""
+    loc = layout.locate(output_uri, s3_endpoint_url)
+    for attempt in range(_RELISTS):
+        damaged: list[str] = []
+        parts = layout.list_parts(loc, job, list(datasets) if datasets is not None else None)
+        try:
+            _read_parts(loc, [p.path for p in parts], SCHEMA.names, damaged, keep=False)
+        except quarantine.PartVanished:
+            if attempt == _RELISTS - 1:
+                raise
+            continue
+        return [loc.uri(p) for p in damaged]
+    raise AssertionError("unreachable")
+
+
+def _tagged(loc: layout.Location, path: str, batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+    part = pa.array([loc.uri(path)] * batch.num_rows, pa.string())
+    return pa.RecordBatch.from_arrays([*batch.columns, part], schema=schema)
+
+
+def _read_parts(
+    loc: layout.Location, paths: list[str], columns: Sequence[str], damaged: list[str] | None, *, keep: bool = True
+) -> list[tuple[str, list[pa.RecordBatch]]]:
+    """The batches of every part in ``paths`` that is not damaged, page checksums verified (``keep=False``: only
+    check, keep nothing); damaged parts are quarantined, left out and appended to ``damaged``.
+
+    One parallel scan over all parts first (the common case: nothing is damaged). If it fails — a damaged part
+    (ArrowInvalid, a CRC error) or an I/O error: the scan cannot say which, nor whose — or a part's footer names
+    columns no part has (a flipped bit in a column name reads as a null column), or a row's ``ids_crc32`` is not
+    its decoded ids' (a flipped bit in a page header: the page CRC covers only the page body), the parts are read
+    again one by one, each whole into memory first, so that only their bytes decide: damaged ones are
+    quarantined, I/O errors raise."""
+    if not paths:
+        return []
+    held: dict[str, list[pa.RecordBatch]] = {}
+    suspects: set[str] = set()
+    try:
+        dataset = ds.dataset(paths, schema=SCHEMA, format="parquet", filesystem=loc.fs)
+        checked: set[str] = set()
+        # scan_batches tags each batch with its file and still reads files in parallel.
+        scanner = dataset.scanner(columns=quarantine.with_crc(columns), fragment_scan_options=quarantine.CHECKED)
+        for tagged in scanner.scan_batches():
+            path, batch = tagged.fragment.path, tagged.record_batch
+            if path not in checked:
+                checked.add(path)
+                if quarantine.schema_problem(tagged.fragment.physical_schema):
+                    suspects.add(path)
+            if path in suspects or quarantine.null_problem(batch) or quarantine.crc_problem(batch):
+                suspects.add(path)
+                held.pop(path, None)
+            elif keep:
+                held.setdefault(path, []).append(batch.select(list(columns)))
+    except Exception:  # which part, and whether damage or I/O: the careful read below tells
+        held, suspects = {}, set(paths)
+    careful = [p for p in paths if p in suspects]
+    found: dict[str, list[pa.RecordBatch]] = {}
+    if careful:
+        with ThreadPoolExecutor(max_workers=min(_CAREFUL_THREADS, len(careful))) as pool:
+            tables = pool.map(lambda p: quarantine.read_checked(loc, p, columns), careful)
+            for path, table in zip(careful, tables, strict=True):
+                if table is None:
+                    if damaged is not None:
+                        damaged.append(path)
+                elif keep:
+                    found[path] = table.to_batches()
+    return [(p, held.get(p) or found.get(p) or []) for p in paths if p not in suspects or p in found]

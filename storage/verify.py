@@ -16,8 +16,17 @@ its conversation's earliest chain end (a re-run of an earlier turn now calls a t
 --truncated``) is *superseded* (``thinkfleet.turns.beyond_chain_ends``): listed, neither missing nor an error,
 and ``export`` skips its row.
 
+Damaged storage (storage/quarantine.py): every column of every part is decoded first with its Parquet page
+checksums verified, and a part that does not decode is quarantined; a quarantined part whose prompts are not all
+stored again fails (``quarantined``, each named with the prompts it held when its footer still says), as does a
+committed row whose ``ids_crc32`` is not the CRC-32 of its ids (``checksum_mismatch``; rows older than schema 6
+have none). The submitted set is Redis's *and* the storage manifest's: a prompt the manifest lists but Redis does
+not know (Redis lost writes) with no row is missing, and so is a prompt Redis calls done that has no row
+(``lost_rows``: a quarantined or deleted part) — ``producer retry --missing`` or a re-submit regenerates them.
+
 Reported without failing: dead-lettered prompts with no row ("permanent failures", retried with
-``producer retry``) and rows whose prompt_id was never submitted.
+``producer retry``), rows whose prompt_id was never submitted, and fenced rows (a stale claim's writes, of a
+lower epoch than the committed row's: left out of the committed view; ``producer compact`` removes them).
 """
 
 from __future__ import annotations
@@ -29,18 +38,21 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from storage import jobstate, reader
+from storage import jobstate, layout, quarantine, reader
 from storage.checks import CHECK_COLUMNS, ThinkingStats, flat_ids, row_problems
 from storage.manifest import read_submitted
 from storage.schema import (
     CONTENT_HASH,
     CONVERSATION_ID,
     DATASET,
+    IDS_CRC32,
     INPUT_IDS,
+    MANIFEST_SCHEMA,
     PROMPT_ID,
     TOOL_CALL_SPANS,
     TURN_COUNT,
     TURN_INDEX,
+    table_ids_checksums,
 )
 from thinkfleet import profiles
 from thinkfleet.message import hash_id_bytes, is_content_hash
@@ -67,6 +79,18 @@ class VerifyReport:
     malformed: dict[str, list[str]] = field(default_factory=dict)  # prompt_id → problems
     stale: list[str] = field(default_factory=list)  # row content_hash ≠ latest submitted hash
     hash_mismatch: list[str] = field(default_factory=list)  # stored input_ids do not hash to content_hash
+    #: committed rows whose ids_crc32 is not the CRC-32 of their input_ids + output_ids (a bit flipped in storage)
+    checksum_mismatch: list[str] = field(default_factory=list)
+    #: damaged parts moved aside (storage/quarantine.py): their record, plus ``lost`` (prompts it held that are not
+    #: stored again; None when unknown) and ``recovered``
+    quarantined: list[dict[str, Any]] = field(default_factory=list)
+    #: rows of a stale claim (lower epoch than the committed row's): not in the committed view, not an error
+    fenced_rows: int = 0
+    fenced: list[str] = field(default_factory=list)  # their prompt ids
+    #: in the storage manifest but not in Redis's submitted set (Redis lost writes): checked all the same
+    unknown_to_redis: list[str] = field(default_factory=list)
+    #: done in Redis, no row in storage (a quarantined or deleted part): counted missing
+    lost_rows: list[str] = field(default_factory=list)
     permanent_failures: list[str] = field(default_factory=list)  # dead-lettered, no row
     not_submitted: list[str] = field(default_factory=list)
     #: rows expected to reason: the prompt opens reasoning (storage.spans.prompt_opens_reasoning), or the job's
@@ -88,6 +112,8 @@ class VerifyReport:
             or self.malformed
             or self.stale
             or self.hash_mismatch
+            or self.checksum_mismatch
+            or any(not q.get("recovered") for q in self.quarantined)
             or self.reasoning_alarm
             or self.submitted_source == "none"
         )
@@ -104,18 +130,36 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
     if not state.redis_ok:
         report.notes.append(f"Redis unreachable ({state.error}); dead letters unknown")
 
-    submitted, sub_dataset = state.submitted, state.prompt_dataset
+    # Every part decoded whole, page checksums verified: damaged ones are quarantined before anything is counted.
+    loc = layout.locate(uri, endpoint)
+    damaged = reader.check_parts(uri, job, s3_endpoint_url=endpoint)
+
+    submitted, sub_dataset = dict(state.submitted), dict(state.prompt_dataset)
+    try:
+        manifest = read_submitted(uri, job, endpoint)
+    except (pa.ArrowException, OSError, ValueError) as exc:  # a damaged manifest file: say so, check without it
+        manifest = MANIFEST_SCHEMA.empty_table()
+        report.notes.append(f"the storage manifest of {job} cannot be read ({type(exc).__name__}: {exc})")
+    from_manifest = manifest[PROMPT_ID].to_pylist()
     if submitted:
         report.submitted_source = "redis"
+        unknown = [i for i, pid in enumerate(from_manifest) if pid not in submitted]
+        if unknown:  # Redis lost writes (or the job was purged and re-submitted with other prompts)
+            hashes, datasets = manifest[CONTENT_HASH].to_pylist(), manifest[DATASET].to_pylist()
+            for i in unknown:
+                submitted[from_manifest[i]] = hashes[i]
+                sub_dataset.setdefault(from_manifest[i], datasets[i])
+            report.unknown_to_redis = sorted(from_manifest[i] for i in unknown)
+            report.notes.append(
+                f"{len(unknown)} prompts of the storage manifest are not in Redis's submitted set (Redis lost writes? "
+                "or a purge and a re-submit with other prompts): checked all the same"
+            )
+    elif manifest.num_rows:
+        report.submitted_source = "manifest"
+        submitted = dict(zip(from_manifest, manifest[CONTENT_HASH].to_pylist(), strict=True))
+        sub_dataset = dict(zip(from_manifest, manifest[DATASET].to_pylist(), strict=True))
     else:
-        manifest = read_submitted(uri, job, endpoint)
-        if manifest.num_rows:
-            report.submitted_source = "manifest"
-            pids = manifest[PROMPT_ID].to_pylist()
-            submitted = dict(zip(pids, manifest[CONTENT_HASH].to_pylist(), strict=True))
-            sub_dataset = dict(zip(pids, manifest[DATASET].to_pylist(), strict=True))
-        else:
-            report.notes.append("no submitted set in Redis or in the storage manifest: nothing to check against")
+        report.notes.append("no submitted set in Redis or in the storage manifest: nothing to check against")
 
     turn_columns = [CONVERSATION_ID, TURN_INDEX, TURN_COUNT]
     keys = reader.read_keys(uri, job, columns=[DATASET, CONTENT_HASH, *turn_columns], s3_endpoint_url=endpoint)
@@ -124,6 +168,9 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
     dup_counts = Counter(dups[PROMPT_ID].to_pylist())
     report.duplicated = sorted(dup_counts)
     report.duplicate_rows = sum(dup_counts.values()) - len(dup_counts)
+    fenced = reader.fenced_rows(keys)
+    report.fenced_rows = fenced.num_rows
+    report.fenced = sorted(set(fenced[PROMPT_ID].to_pylist()))
 
     winners = keys.take(reader.winner_indices(keys))
     stored_ids = winners[PROMPT_ID].to_pylist()
@@ -132,8 +179,10 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
     report.submitted = len(submitted)
 
     dead = set(state.dead)
+    done = _done_set(settings, job) if state.redis_ok else None
+    report.lost_rows = sorted((done or set()) - stored)
     if report.submitted_source != "none":
-        report.missing = sorted(set(submitted) - stored - dead)
+        report.missing = sorted((set(submitted) | set(report.lost_rows)) - stored - dead)
         report.not_submitted = sorted(stored - set(submitted))
         hashes = winners[CONTENT_HASH].to_pylist()
         report.stale = sorted(
@@ -147,14 +196,16 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
     tool_rows: set[str] = set()  # multi-turn rows whose output calls a tool (a chain end, without Redis)
     stored_datasets = sorted(set(pc.unique(winners[DATASET]).to_pylist())) if winners.num_rows else []
     for dataset in stored_datasets:  # one dataset in memory at a time
-        table = reader.read_committed(uri, job, [*CHECK_COLUMNS, CONTENT_HASH], [dataset], endpoint)
+        table = reader.read_committed(uri, job, [*CHECK_COLUMNS, CONTENT_HASH, IDS_CRC32], [dataset], endpoint)
         problems, stats = row_problems(table, tokens, expected)
         report.malformed.update(problems)
         thinking.add(stats)
         report.hash_mismatch.extend(hash_mismatches(table, submitted))
+        report.checksum_mismatch.extend(checksum_mismatches(table))
         calls = table[TOOL_CALL_SPANS].to_pylist()
         tool_rows.update(pid for pid, c in zip(table[PROMPT_ID].to_pylist(), calls, strict=True) if c)
     report.hash_mismatch.sort()
+    report.checksum_mismatch.sort()
     ends = _chain_ends(settings, job) if state.redis_ok else None
     chain_ends = tool_rows if ends is None else ends
     superseded = beyond_chain_ends(stored | set(submitted), chain_ends)
@@ -172,7 +223,58 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
             "(not recorded) and the reasoning alarm is off"
         )
     report.per_dataset = _per_dataset(report, sub_dataset, winners)
+    report.quarantined = _quarantined(loc, job, damaged, stored, report)
     return report
+
+
+def _quarantined(
+    loc: layout.Location, job: str, damaged: list[str], stored: set[str], report: VerifyReport
+) -> list[dict[str, Any]]:
+    """The job's quarantined parts — and those found damaged now that could not be moved aside — each with
+    ``lost`` (the prompts it held that have no committed row now; None when its footer no longer says which) and
+    ``recovered`` (all stored again; for a part whose prompts are unknown: no submitted prompt is missing)."""
+    records = quarantine.list_quarantined(loc, job)
+    listed = {r.get("part") for r in records}
+    for part in damaged:
+        if part not in listed:
+            records.append(quarantine.found_here(part) or {"part": part, "reason": "damaged", "prompt_ids": None})
+    out = []
+    for record in records:
+        held = record.get("prompt_ids")
+        if held is not None:
+            record["lost"] = sorted(set(held) - stored)
+            record["recovered"] = not record["lost"]
+        else:
+            record["lost"] = None
+            record["recovered"] = report.submitted_source != "none" and not report.missing
+        out.append(record)
+    return out
+
+
+def checksum_mismatches(table: pa.Table) -> list[str]:
+    """Prompt ids of rows whose ``ids_crc32`` is not the CRC-32 of their ids (rows without one — written before
+    schema 6 — are not checked)."""
+    if IDS_CRC32 not in table.column_names or table.num_rows == 0:
+        return []
+    stored = table[IDS_CRC32]
+    valid = stored.is_valid().to_numpy(zero_copy_only=False)
+    if not valid.any():
+        return []
+    differ = valid & (stored.fill_null(0).to_numpy() != table_ids_checksums(table))
+    pids = table[PROMPT_ID].to_pylist()
+    return [pids[i] for i in differ.nonzero()[0].tolist()]
+
+
+def _done_set(settings: Settings, job: str) -> set[str] | None:
+    """Redis's done set of ``job``; None when Redis cannot be read."""
+    import redis
+
+    try:
+        client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        with client:
+            return {m.decode() for m in client.sscan_iter(settings.keys.done(job), count=5000)}
+    except (redis.RedisError, OSError):
+        return None
 
 
 def missing_turns(winners: pa.Table, stored: set[str], dead: set[str], chain_ends: set[str]) -> list[str]:
@@ -300,7 +402,23 @@ def format_report(report: VerifyReport, limit: int = 20) -> str:
         if len(ids) > limit:
             lines.append(f"  … and {len(ids) - limit} more (--json lists all)")
 
-    section("MISSING", report.missing, " (submitted, no row, not dead-lettered: producer retry)")
+    bad_parts = [q for q in report.quarantined if not q.get("recovered")]
+    if bad_parts:
+        lines.append(
+            f"QUARANTINED PARTS: {len(bad_parts)} (damaged, moved aside under {report.job}/_quarantine/; "
+            f"`producer retry {report.job} --missing` or a re-submit of the same inputs regenerates their prompts)"
+        )
+        for q in bad_parts[:limit]:
+            lines.extend(_quarantine_lines(q, limit))
+    section(
+        "MISSING", report.missing, " (submitted, no row, not dead-lettered: producer retry --missing, or re-submit)"
+    )
+    section("  of which done in Redis with no row in storage (lost rows)", report.lost_rows)
+    missing = set(report.missing)
+    section(
+        "  of which unknown to Redis (only in the storage manifest)",
+        [p for p in report.unknown_to_redis if p in missing],
+    )
     if report.missing_turns:
         lines.append(
             f"MISSING TURNS: {len(report.missing_turns)} (--turns all: the previous turn is stored and ended no "
@@ -318,16 +436,47 @@ def format_report(report: VerifyReport, limit: int = 20) -> str:
             lines.append(f"  {pid}: {'; '.join(problems)}")
     section("STALE (row from older prompt content)", report.stale)
     section("HASH MISMATCH (stored input_ids do not hash to the row's content_hash: injected?)", report.hash_mismatch)
+    section(
+        "CHECKSUM MISMATCH (the row's ids_crc32 is not the CRC-32 of its ids: altered in storage)",
+        report.checksum_mismatch,
+    )
     if report.reasoning_alarm:
         lines.append(
             f"REASONING ALARM: {report.thinking_rows - report.think_end_rows} of {report.thinking_rows} "
             "thinking-mode outputs have no </think>"
         )
     section("superseded turns (past their conversation's chain end: not current, not exported)", report.superseded)
+    if report.fenced_rows:
+        lines.append(
+            f"fenced: {report.fenced_rows} rows of {len(report.fenced)} prompts (a stale claim's writes, lower epoch "
+            "than the committed row: left out of the committed view and of export; producer compact removes them)"
+        )
+        lines.extend(f"  {pid}" for pid in report.fenced[:limit])
+        if len(report.fenced) > limit:
+            lines.append(f"  … and {len(report.fenced) - limit} more (--json lists all)")
+    recovered = [q for q in report.quarantined if q.get("recovered")]
+    if recovered:
+        lines.append(f"quarantined parts whose prompts are stored again: {len(recovered)} (inspect, then delete)")
+        for q in recovered[:limit]:
+            lines.extend(_quarantine_lines(q, limit))
     section("permanent failures (dead-lettered)", report.permanent_failures)
     section("rows not submitted", report.not_submitted)
     lines.extend(f"note: {n}" for n in report.notes)
     return "\n".join(lines)
+
+
+def _quarantine_lines(q: dict[str, Any], limit: int) -> list[str]:
+    held, lost = q.get("prompt_ids"), q.get("lost")
+    where = q.get("moved_to") or "(not movable: left in place)"
+    lines = [f"  {q.get('part')}: {q.get('reason')}", f"    now at {where}"]
+    if held is None:
+        lines.append("    the prompts it held are unknown (its footer does not decode): see MISSING")
+    else:
+        shown = ", ".join(held[:limit]) + (f" … and {len(held) - limit} more" if len(held) > limit else "")
+        lines.append(f"    held {len(held)} prompts: {shown}")
+        if lost:
+            lines.append(f"    {len(lost)} of them not stored again")
+    return lines
 
 
 # -- producer verify JOB --live: the invariant while the job runs ----------------------------------------------

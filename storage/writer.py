@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from storage import layout
+from storage import layout, quarantine
 from storage.schema import DATASET, JOB, SCHEMA, WORKER, WORKER_HOST, WRITE_OPTIONS, rows_to_table
 from storage.spans import KIMI_TOKENS, SpanTokens
 
@@ -132,13 +132,20 @@ class PartWriter:
 
     def final_counts(self, job: str, dataset: str, part_path: str, prompt_id: str) -> dict[str, Any] | None:
         """``completion_tokens``, ``has_think_end`` and ``finish_reason`` of ``prompt_id``'s row in a
-        committed part (or in the compacted file that replaced it); None when the row is not there."""
-        columns = ["prompt_id", "completion_tokens", "has_think_end", "finish_reason", "epoch"]
+        committed part (or in the compacted file that replaced it); None when the row is not there — also when
+        the part is damaged (it is quarantined: storage/quarantine.py)."""
+        columns = ["prompt_id", "completion_tokens", "has_think_end", "finish_reason"]
         path = self.loc.path(part_path)
+        table = None
         if self.loc.fs.get_file_info(path).type == pafs.FileType.File:
-            with self.loc.fs.open_input_file(path) as f:
-                table = pq.read_table(f, schema=SCHEMA, columns=columns)  # parts before schema 6: epoch null
-        else:  # compacted since: the committed view holds the row
+            try:
+                table = quarantine.read_checked(self.loc, path, columns)
+            except quarantine.PartVanished:
+                pass  # compacted since the look: the committed view holds the row
+            else:
+                if table is None:
+                    return None
+        if table is None:  # compacted since: the committed view holds the row
             from storage.reader import read_committed
 
             table = read_committed(self.loc.uri(self.loc.root), job, columns=columns, datasets=[dataset])
@@ -146,11 +153,16 @@ class PartWriter:
         return table.to_pylist()[0] if table.num_rows else None
 
     def exists(self, part_path: str) -> bool:
-        """Did this part commit? True also after compaction folded it into a larger file."""
+        """Did this part commit? True also after compaction folded it into a larger file. A part that is there
+        but does not decode whole (zero bytes, truncated, a page whose checksum fails) did not: it is
+        quarantined (storage/quarantine.py) and False is the answer."""
         path = self.loc.path(part_path)
         fs = self.loc.fs
         if fs.get_file_info(path).type == pafs.FileType.File:
-            return True
+            try:
+                return quarantine.check_part(self.loc, path)
+            except quarantine.PartVanished:
+                pass  # compacted since the look: asked of the compacted file below
         siblings = fs.get_file_info(pafs.FileSelector(posixpath.dirname(path), allow_not_found=True))
         return path in layout.superseded(self.loc, siblings)
 
