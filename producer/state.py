@@ -138,7 +138,7 @@ class SubmitLock:
         except redis.RedisError as e:
             raise StateError(f"cannot reach Redis at {self.redis_url}: {e}") from e
         if not ok:
-            holder = LockHolder.parse(self.client.get(self.key))
+            holder = LockHolder.parse(self.client.get(self.key), self.client.ttl(self.key))
             raise StateError(
                 f"another submit of job {self.job!r} holds its lock: {holder.describe()}; wait for it, or if it "
                 f"died, run `producer submit … --break-lock` (the lock expires after {LOCK_TTL_S} s)"
@@ -151,18 +151,26 @@ class SubmitLock:
 
 @dataclass
 class LockHolder:
-    """Who holds a submit lock, from its token ``uuid@unix_seconds@host@pid`` (older tokens: ``uuid@seconds``)."""
+    """Who holds a submit lock, from its token ``uuid@unix_seconds@host@pid`` (older tokens: ``uuid@seconds``).
+
+    Its age is Redis's: ``LOCK_TTL_S`` minus the key's TTL, counted down by Redis itself, so no host's clock
+    (the holder's that stamped the token, or ours) decides whether a lock is old enough to break; the token's
+    stamp is the fallback for a lock without a TTL."""
 
     token: str = ""
     since: float | None = None
     host: str = ""
     pid: int | None = None
+    #: Seconds since the lock was taken, from its TTL in Redis (None: no TTL known).
+    redis_age_s: float | None = None
 
     @classmethod
-    def parse(cls, raw: bytes | str | None) -> LockHolder:
+    def parse(cls, raw: bytes | str | None, ttl_s: int | None = None) -> LockHolder:
         token = raw.decode(errors="replace") if isinstance(raw, bytes) else (raw or "")
         parts = token.split("@")
         holder = cls(token=token)
+        if ttl_s is not None and ttl_s >= 0:
+            holder.redis_age_s = float(max(0, LOCK_TTL_S - ttl_s))
         try:
             holder.since = float(parts[1]) if len(parts) > 1 else None
             holder.pid = int(parts[3]) if len(parts) > 3 else None
@@ -173,6 +181,8 @@ class LockHolder:
 
     @property
     def age_s(self) -> float | None:
+        if self.redis_age_s is not None:
+            return self.redis_age_s
         return None if self.since is None else max(0.0, time.time() - self.since)
 
     def alive_here(self) -> bool | None:
@@ -203,7 +213,7 @@ def break_lock(
     raw = client.get(key)
     if raw is None:
         return None
-    holder = LockHolder.parse(raw)
+    holder = LockHolder.parse(raw, client.ttl(key))
     alive = holder.alive_here()
     if alive is True:
         raise StateError(f"the submit lock of job {job!r} is held by a live process: {holder.describe()}")

@@ -128,3 +128,23 @@ def test_a_worker_45_s_ahead_restores_no_live_message_early_and_status_warns(red
         "its last renewal",
     )
     outcome.assert_clean()
+
+
+def test_a_submit_locks_age_is_counted_by_redis_not_by_the_stamp_of_a_skewed_host(
+    redis_url: str, tmp_path: Path
+) -> None:
+    from producer.state import BREAK_LOCK_MIN_AGE_S, LOCK_TTL_S, StateError, break_lock
+
+    settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    client = redis.Redis.from_url(redis_url)
+    key = settings.keys.submit_lock("skewed")
+    # Given a lock taken just now elsewhere by a host whose clock runs an hour behind (its stamp looks old).
+    client.set(key, f"other@{time.time() - 3600:.0f}@elsewhere@1", ex=LOCK_TTL_S)
+    # Then --break-lock refuses it: Redis (its TTL) says it is seconds old.
+    with pytest.raises(StateError, match="cannot be checked"):
+        break_lock(client, settings, "skewed")
+    assert client.exists(key)
+    # And one Redis has held for longer than the minimum is broken, whatever a fast clock stamped on it.
+    client.set(key, f"other@{time.time() + 3600:.0f}@elsewhere@1", ex=LOCK_TTL_S - BREAK_LOCK_MIN_AGE_S - 2)
+    assert "elsewhere" in (break_lock(client, settings, "skewed") or "")
+    assert not client.exists(key)
