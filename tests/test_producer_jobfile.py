@@ -27,7 +27,7 @@ from thinkfleet.state.job import JobRecord
 from thinkfleet.testing.corpus import synthetic_text
 from thinkfleet.testing.datasets import chat_rows, write_jsonl
 from thinkfleet.testing.fleet import WorkerProcess, job_progress, wait_until
-from thinkfleet.testing.harness import fast_env, isolated_settings, producer_cli
+from thinkfleet.testing.harness import STEADY_LEASE, fast_env, isolated_settings, producer_cli
 from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from workers.jobs import JobSpec
 
@@ -467,7 +467,8 @@ def test_one_job_file_runs_to_completion_on_two_hosts_with_each_dataset_budget(
     (tmp_path / "logs").mkdir()
     sim = SimulatorProcess("--time-scale", "400", "--context-length", "16384").start()
     workers = [
-        WorkerProcess(f"host{i}", fast_env(settings, sim.url, max_inflight=8), tmp_path / "logs") for i in (1, 2)
+        WorkerProcess(f"host{i}", fast_env(settings, sim.url, max_inflight=8, **STEADY_LEASE), tmp_path / "logs")
+        for i in (1, 2)
     ]
     try:
         for w in workers:

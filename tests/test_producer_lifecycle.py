@@ -15,6 +15,7 @@ from thinkfleet.settings import Settings
 from thinkfleet.state import lifecycle as lc
 from thinkfleet.testing.fleet import WorkerProcess, dead_letters, in_flight, job_progress, wait_until
 from thinkfleet.testing.harness import (
+    STEADY_LEASE,
     check_job,
     fast_env,
     isolated_settings,
@@ -44,7 +45,7 @@ def _fleet(
     sim.log_path = str(tmp_path / "sim.log")
     sim.start()
     client = redis.Redis.from_url(settings.redis_url)
-    env = fast_env(settings, sim.url, max_inflight=4, **extra)
+    env = fast_env(settings, sim.url, max_inflight=4, **{**STEADY_LEASE, **extra})  # no worker dies here
     workers = [WorkerProcess(f"w{i}", env, tmp_path).start() for i in range(n)]
     for w in workers:
         w.wait_ready(client, settings.keys)

@@ -61,6 +61,23 @@ def _settled(client: redis.Redis, settings: Settings, job: str) -> bool:
     )
 
 
+def _unsettled(client: redis.Redis, settings: Settings, job: str) -> str:
+    """Where the job's messages and claims are when it did not settle (what the timeout names)."""
+    keys = settings.keys
+    options = kombu_transport_options(settings.key_prefix, settings.visibility_timeout_s)
+    unacked, index, mutex = (str(options[k]) for k in ("unacked_key", "unacked_index_key", "unacked_mutex_key"))
+    now = float(client.time()[0])
+    scores = client.zrange(index, 0, -1, withscores=True)
+    transit = {k.decode(): client.llen(k) for k in client.scan_iter(match=keys.transit("") + "*")}
+    beats = {k.decode(): client.pttl(k) for k in client.scan_iter(match=keys.heartbeat("*"))}
+    return (
+        f"progress {job_progress(client, keys, job)}, queue {client.llen(settings.queue)}, "
+        f"unacked {client.hlen(unacked)} (ages {[round(now - s) for _, s in scores]} s), "
+        f"kombu's restore mutex ttl {client.pttl(mutex)} ms, transit {transit}, "
+        f"claims {sorted(k.decode() for k in client.hkeys(keys.claims(job)))}, heartbeats (ttl ms) {beats}"
+    )
+
+
 def _fired(workers: list[WorkerProcess], point: str, action: str) -> int:
     needle = f"failpoint {point}: {action}"
     logs = {w.log_path for w in workers if w.log_path.exists()}  # a restart under the same name appends
@@ -109,7 +126,10 @@ def test_a_failpoint_loses_and_duplicates_nothing(
             return _settled(client, settings, job_name)
 
         # 90 s once ran out under a parallel full suite (7 s alone): see the session note; 180 s keeps the check.
-        wait_until(progress, 180, 0.1, what=f"{PROMPTS} prompts stored and every message settled")
+        try:
+            wait_until(progress, 180, 0.1, what=f"{PROMPTS} prompts stored and every message settled")
+        except TimeoutError as exc:  # name where things stand, for the logs under --basetemp
+            raise AssertionError(f"{exc}: {_unsettled(client, settings, job_name)}") from exc
         recovered_s = None if died_at is None else time.monotonic() - died_at
     finally:
         invariant.stop()

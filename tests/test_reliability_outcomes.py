@@ -18,6 +18,7 @@ from thinkfleet.broker.celery_app import send_tasks as _publish
 from thinkfleet.message import PromptTask
 from thinkfleet.testing.fleet import WorkerProcess, dead_letters, free_port, job_progress, wait_until
 from thinkfleet.testing.harness import (
+    STEADY_LEASE,
     check_job,
     fast_env,
     isolated_settings,
@@ -52,7 +53,8 @@ def test_two_workers_on_one_host_with_one_metrics_port_lose_nothing(redis_url: s
     keys = settings.keys
     port = free_port()
     started = time.monotonic()
-    workers = [WorkerProcess(f"w{i}", fast_env(settings, sim.url, metrics_port=port), tmp_path).start() for i in (1, 2)]
+    env = fast_env(settings, sim.url, metrics_port=port, **STEADY_LEASE)  # no worker dies here
+    workers = [WorkerProcess(f"w{i}", env, tmp_path).start() for i in (1, 2)]
     try:
         for w in workers:
             w.wait_ready(client, keys)

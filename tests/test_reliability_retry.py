@@ -26,6 +26,7 @@ from thinkfleet.state.invariant import queued_prompt_ids
 from thinkfleet.state.invariant import unacked_prompt_ids as running_prompt_ids
 from thinkfleet.testing.fleet import WorkerProcess, dead_letters, in_flight, job_progress, wait_until
 from thinkfleet.testing.harness import (
+    STEADY_LEASE,
     check_job,
     fast_env,
     isolated_settings,
@@ -100,7 +101,8 @@ def test_retry_while_two_workers_sit_idle_loses_nothing(redis_url: str, tmp_path
     sim.log_path = str(tmp_path / "sim.log")
     started = time.monotonic()
     sim.start()
-    workers = [WorkerProcess(f"w{i}", fast_env(settings, sim.url), tmp_path).start() for i in (1, 2)]
+    env = fast_env(settings, sim.url, **STEADY_LEASE)  # no worker dies here
+    workers = [WorkerProcess(f"w{i}", env, tmp_path).start() for i in (1, 2)]
     try:
         for w in workers:
             w.wait_ready(client, keys)
@@ -151,7 +153,8 @@ def test_truncated_retry_while_two_workers_sit_idle_replaces_every_row(redis_url
     sim.log_path = str(tmp_path / "sim.log")
     started = time.monotonic()
     sim.start()
-    workers = [WorkerProcess(f"w{i}", fast_env(settings, sim.url), tmp_path).start() for i in (1, 2)]
+    env = fast_env(settings, sim.url, **STEADY_LEASE)  # no worker dies here
+    workers = [WorkerProcess(f"w{i}", env, tmp_path).start() for i in (1, 2)]
     try:
         for w in workers:
             w.wait_ready(client, keys)

@@ -255,7 +255,10 @@ def test_port_refuses_connections_while_the_weights_load() -> None:
     proc.start(wait=False)
     try:
         assert refused(proc.port)
-        time.sleep(0.8)  # the interpreter is up by now; the "model" is still loading
+        deadline = time.monotonic() + 60
+        while "loading weights" not in proc.log():  # until the interpreter is up; the "model" is still loading
+            assert time.monotonic() < deadline, proc.log()
+            time.sleep(0.05)
         assert refused(proc.port)
         wait_for_port(proc.port, timeout_s=20)
         assert time.monotonic() - t0 >= 2.0

@@ -120,6 +120,11 @@ FAST_WORKER = {
     "shutdown_grace_s": 2,
 }
 
+#: For scenarios in which no worker dies, is paused or must lose its lease: a lease no stall of a busy box
+#: outlasts (two workers starved 14-17 s on a loaded 2-core CI box let FAST_WORKER's 4 s lapse, and the other
+#: worker then re-ran their prompts). Tests of lease expiry or of a killed worker's redelivery keep a short one.
+STEADY_LEASE = {"lease_s": 60}
+
 #: Where scenarios record their result rows (bench/reliability_report.py renders RELIABILITY.md).
 RESULTS_ENV = "THINKFLEET_RELIABILITY_RESULTS"
 

@@ -45,6 +45,7 @@ class InvariantWatch:
     last_error: str = ""
     last_counts: dict[str, int] = field(default_factory=dict)
     test: str = ""  # the pytest node id that started it
+    crashed: str = ""  # what ended the sampling thread other than stop() (assert_held fails on it)
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
     _thread: threading.Thread | None = field(default=None, repr=False)
 
@@ -75,6 +76,13 @@ class InvariantWatch:
         return acc.unaccounted
 
     def _run(self) -> None:
+        try:
+            self._sample_until_stopped()
+        except Exception as exc:  # a watch that stopped sampling must not pass as one that held
+            self.crashed = f"{type(exc).__name__}: {exc}"
+            raise
+
+    def _sample_until_stopped(self) -> None:
         client = redis.Redis.from_url(self.settings.redis_url, socket_timeout=10)
         broker = broker_client(client, self.settings)
         previous: tuple[float, set[str]] | None = None
@@ -106,6 +114,7 @@ class InvariantWatch:
 
     def assert_held(self) -> None:
         assert self.samples > 0, f"the invariant was never sampled ({self.errors} errors, last: {self.last_error})"
+        assert not self.crashed, f"the watch of {self.job!r} died after {self.samples} samples: {self.crashed}"
         if self.violations:
             first = self.violations[0]
             raise AssertionError(
