@@ -450,7 +450,7 @@ class PromptPipeline:
         try:
             # Every answer is validated against the vocabulary here (BadOutput, retried): a bad row never
             # reaches a commit group, where it would fail its neighbours' encode.
-            gen, attempts, latency = await self.attempts.run(task, input_ids, sampling, limits.vocab_size)
+            gen, attempts, latency = await self.attempts.run(task, input_ids, sampling, _output_vocab(limits))
         except PermanentError as exc:
             # bad_output keeps what the server answered (exc.answer) in the dead letter.
             await self.ledger.dead_letter(
@@ -527,6 +527,15 @@ class PromptPipeline:
                 self.settings.sglang_url,
             )
         return check
+
+
+def _output_vocab(limits: RequestLimits) -> int | None:
+    """The bound output ids are checked against: the model's vocabulary (the server's, or config.json's from the
+    job record). ``len(tokenizer)`` is no bound for what the model emits (its embedding may be larger: Qwen3's
+    151,936 rows for 151,669 tokens), so then only int32 is checked."""
+    if limits.vocab_size and "len(tokenizer)" not in (limits.vocab_source or ""):
+        return limits.vocab_size
+    return None
 
 
 def _prompt_of(args: Any) -> str | None:

@@ -67,6 +67,8 @@ def kombu_transport_options(prefix: str, visibility_timeout_s: float) -> dict[st
         "unacked_key": keys.unacked,
         "unacked_index_key": keys.unacked_index,
         "unacked_mutex_key": keys.unacked_mutex,
-        # A lost worker's messages are restored by our reaper, so the mutex only guards the sweep.
-        "unacked_mutex_expire": 300,
+        # A lost worker's messages are restored by our reaper, so the mutex only guards the sweep. A worker killed
+        # while it holds it blocks every sweep of the prefix until it expires: short (a sweep takes well under a
+        # second; two at once are safe: kombu restores each tag in a transaction).
+        "unacked_mutex_expire": 30,
     }
