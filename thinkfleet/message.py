@@ -227,7 +227,7 @@ class PromptTask:
     def from_args(cls, args: list[Any] | tuple[Any, ...]) -> PromptTask:
         """Decode a message's args; raises ValueError (or :class:`MessageRefused` for a bad name)."""
         if len(args) not in (9, 10):
-            raise ValueError(f"a {TASK_NAME} message has 9 or 10 args, got {len(args)}")
+            raise ValueError(f"a {TASK_NAME} message has 9 args (10 with its job generation), got {len(args)}")
         job, dataset, prompt_id, row_index, content_hash, ids_blob, sample_index, revision, overrides = args[:9]
         generation = args[9] if len(args) == 10 else ""
         if not isinstance(generation, str) or not is_plain_name(generation or "x"):

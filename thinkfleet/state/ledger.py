@@ -301,7 +301,7 @@ class Ledger:
         if self._waitaof_ok is False:
             return
         try:
-            await self.r.execute_command("WAITAOF", 1, 0, self.waitaof_ms)
+            await self.r.waitaof(1, 0, self.waitaof_ms)
             self._waitaof_ok = True
         except ResponseError as exc:
             self._waitaof_ok = False
