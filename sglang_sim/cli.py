@@ -70,8 +70,7 @@ _HELP = {
     "vocabulary size, model name, parsers and EOS ids unless given.",
     "eos_token_ids": "The model's own stop ids [the family's].",
     "normal_vocab_size": "Filler ids are drawn below this [the family's first special id].",
-    "sample_per_request": "Every request draws its own output (temperature > 0, no seed): two runs of a prompt "
-    "differ.",
+    "sample_per_request": "Every request draws its own output (temperature > 0, no seed): two runs of a prompt differ.",
 }
 _CHOICES: dict[str, Sequence[Any]] = {
     "model_family": SIM_FAMILIES,

@@ -321,6 +321,7 @@ def ids_checksums(
 
 def table_ids_checksums(table: pa.Table) -> np.ndarray:
     """:func:`ids_checksums` recomputed from a table's ``input_ids``/``output_ids`` columns."""
+
     def flat(name: str) -> tuple[np.ndarray, np.ndarray]:
         col = table[name].combine_chunks() if table.num_rows else pa.array([], TOKEN_IDS)
         offsets = col.offsets.to_numpy()
