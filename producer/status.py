@@ -122,6 +122,8 @@ class StatusReader:
             "truncated": counters.get("truncated", 0),
             "missing_think_end": counters.get("missing_think_end", 0),
             "nondeterministic_seeds": counters.get("nondeterministic_seeds", 0),  # seeded, server ignores seeds
+            # runs of paused-past-their-lease workers refused (thinkfleet/state/ledger.py): nothing of theirs stored
+            "fenced": counters.get("fenced", 0),
             "max_new_tokens": record.max_new_tokens,
             "job_file": record.job_file,  # the job file as it ran (producer submit job.yaml), else null
             "clock_warnings": clock_warnings(r, self.settings),

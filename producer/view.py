@@ -97,6 +97,14 @@ def status_view(st: dict[str, Any]) -> Group:
                 style="bold yellow",
             )
         )
+    if st.get("fenced"):
+        parts.append(
+            Text(
+                f"{st['fenced']:,} run(s) fenced: a worker paused past its lease came back after another took its "
+                "prompts over; nothing of theirs was counted (a worker that stalls that long: check its host)",
+                style="yellow",
+            )
+        )
     for w in st.get("clock_warnings") or ():
         offset = float(w["offset_s"])
         parts.append(

@@ -150,6 +150,8 @@ def test_a_worker_paused_past_its_lease_with_rows_waiting_to_commit_stores_nothi
     invariant.assert_held()
     _committed_epochs_match(client, settings, job_name)
     assert zombie.log_path.read_text(errors="replace").count("fenced:") >= 1
+    status = producer_cli(settings, "status", job_name, "--json")
+    assert json.loads(status.stdout)["fenced"] >= 1, "producer status says runs were fenced"
 
 
 def test_a_pause_between_the_claim_check_and_the_part_write_is_fenced_in_storage(
