@@ -211,3 +211,31 @@ def test_a_worker_whose_heartbeat_is_taken_stops_and_hands_everything_back(
     )
     outcome.assert_clean()
     assert pc.all(pc.equal(workers, "rescuer")).as_py(), "the worker that lost its name stored nothing"
+
+
+def test_a_dead_lifes_heartbeat_brought_back_by_a_redis_rollback_is_taken_back(
+    redis_url: str, tmp_path: Path, sim: SimulatorProcess
+) -> None:
+    # Given a running worker, whose heartbeat Redis replaces with the one an earlier life of its name wrote on
+    # another host (a rollback to an older snapshot: that life began holding the name before this one did).
+    settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    client = redis.Redis.from_url(redis_url)
+    keys = settings.keys
+    worker = WorkerProcess("rolled", fast_env(settings, sim.url, lease_s=LEASE_S), tmp_path).start()
+    try:
+        worker.wait_consuming().wait_ready(client, keys)
+        ours = json.loads(client.get(keys.heartbeat("rolled")))
+        earlier = {**ours, "host": "elsewhere", "pid": 4242, "nonce": "e" * 32, "since": ours["since"] - 600}
+        client.set(keys.heartbeat("rolled"), json.dumps(earlier), px=LEASE_S * 1000)
+        # Then its next beat takes it back, and it keeps working.
+        wait_until(
+            lambda: json.loads(client.get(keys.heartbeat("rolled")) or "{}").get("nonce") == ours["nonce"],
+            60,
+            what="the heartbeat taken back",
+        )
+        assert "taking it back" in _log(worker) and "IS HELD BY ANOTHER PROCESS" not in _log(worker)
+        job = submit_ids(settings, "rolled", make_prompts(8))
+        wait_until(lambda: job_progress(client, keys, "rolled")["done"] == 8, 120, what="8 rows")
+    finally:
+        worker.terminate()
+    check_job(settings, "rolled", job.prompts, job.sampling_params).assert_clean()

@@ -21,7 +21,10 @@ is held by another nonce tells a dead previous life from a live twin, determinis
 
 A twin that slipped past anyway (a holder paused past its lease while another process took the name) is
 caught by the compare-and-set: a running worker whose heartbeat is held by another nonce stops consuming,
-hands back everything it holds and writes nothing more under the name (:class:`GuardedLedger`).
+hands back everything it holds and writes nothing more under the name (:class:`GuardedLedger`). What it finds
+may instead be an earlier, dead life's heartbeat that a Redis rollback brought back (:func:`earlier_life`:
+its pid is gone from this host, or it began holding the name — ``since``, Redis time — before we did): that
+one is overwritten.
 """
 
 from __future__ import annotations
@@ -132,6 +135,21 @@ def previous_life(ours: dict[str, Any], theirs: dict[str, Any] | None) -> str | 
         return "our own previous life (same host, same pid)"
     if ours.get("pidns") is not None and theirs.get("pidns") == ours.get("pidns") and not _pid_runs(pid):
         return f"its pid {pid} no longer runs on this host"
+    return None
+
+
+def earlier_life(ours: dict[str, Any], theirs: dict[str, Any] | None) -> str | None:
+    """Why ``theirs``, found by a running worker's beat in place of its own heartbeat, is certainly a dead life
+    of the name and not a twin (None: it may be a live process that took the name, e.g. while we were paused
+    past our lease). Either :func:`previous_life` says so, or it began holding the name before we did
+    (``since``, Redis time): a holder older than us cannot have written after we took the name (its own
+    compare-and-set fails), so its value is back from a Redis rollback to an older snapshot."""
+    dead = previous_life(ours, theirs)
+    if dead is not None or not theirs:
+        return dead
+    mine, since = ours.get("since"), theirs.get("since")
+    if isinstance(mine, int | float) and isinstance(since, int | float) and since < mine:
+        return f"an earlier life of the name ({describe_holder(theirs)}; a Redis rollback brought it back?)"
     return None
 
 

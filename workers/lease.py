@@ -20,7 +20,8 @@ Redis (``clock_offset_s`` = host − Redis, in the heartbeat, where ``producer s
 
 The heartbeat carries who holds the worker's name (workers/identity.py) and is written only as a
 compare-and-set on the holder's nonce: a beat that finds another nonce writes nothing and reports the name
-lost (``on_lost``).
+lost (``on_lost``) — unless what it found is certainly an earlier, dead life of the name brought back by a
+Redis rollback (:func:`workers.identity.earlier_life`), which it overwrites.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import redis.asyncio as aioredis
 
 from thinkfleet.broker.transit import TransitSweeper
 from thinkfleet.keys import Keys
-from workers.identity import acquire_name, describe_holder, holder_record, parse_holder
+from workers.identity import acquire_name, describe_holder, earlier_life, holder_record, parse_holder
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,7 @@ class LeaseKeeper:
         self.clock_skewed = False
         #: Who holds our name instead of us (a beat found another nonce); None while the name is ours.
         self.lost: str | None = None
+        self._redis_now = 0.0  # Redis's time at the last write
         self._beat = client.register_script(_BEAT)
         self._unbeat = client.register_script(_UNBEAT)
         self._task: asyncio.Task[None] | None = None
@@ -165,7 +167,8 @@ class LeaseKeeper:
             ],
         )
         after = time.time()
-        self._note_clock((before + after) / 2 - float(now))
+        self._redis_now = float(now)
+        self._note_clock((before + after) / 2 - self._redis_now)
         return bool(int(written)), (found or None) if not int(written) else None
 
     def _note_clock(self, offset: float) -> None:
@@ -195,19 +198,31 @@ class LeaseKeeper:
         """At start, before anything under our name is touched: hold the name's heartbeat, or raise
         :class:`workers.identity.NameHeld` (another live process holds it). A line for the log when a dead
         previous life's heartbeat was taken over."""
-        return await acquire_name(
+        took_over = await acquire_name(
             self.worker,
             self.holder,
             lambda expected: self._write(expected, starting=True),
             self._read,
             self.lease_s,
         )
+        # When this life began holding the name, on Redis's clock: a heartbeat of an earlier ``since`` found
+        # later can only be a dead life's brought back (a Redis rollback), never a live holder's.
+        self.holder["since"] = self._redis_now
+        return took_over
 
     async def beat(self) -> bool:
         """Renew the held tags and, while the name is ours, the heartbeat. False once it is not."""
         written, found = await self._write()
         if not written and self.lost is None:
-            self.lost = describe_holder(parse_holder(found))
+            theirs = parse_holder(found)
+            earlier = earlier_life(self.holder, theirs)
+            if earlier is not None:
+                log.warning("worker name %r: its heartbeat holds %s: taking it back", self.worker, earlier)
+                written, found = await self._write(expected=found)
+                if written:
+                    return True
+                theirs = parse_holder(found)
+            self.lost = describe_holder(theirs)
             self.on_lost(self.lost)
         return written
 
