@@ -193,7 +193,9 @@ def test_plain_celery_command_runs_the_same_worker(redis_url: str, workdir: Path
         )
         try:
             identity = f"plain-{socket.gethostname()}"
-            wait_until(lambda: client.exists(settings.keys.heartbeat(identity)), 60, what="celery worker ready")
+            # Its entry in the workers hash is written with its first heartbeat once its runtime is built (the
+            # heartbeat itself exists earlier: the name is held before anything else is touched).
+            wait_until(lambda: client.hexists(settings.keys.workers, identity), 60, what="celery worker ready")
             info = json.loads(client.hget(settings.keys.workers, identity))
             assert info["max_inflight"] == 4
             job = submit_ids(settings, "plain", make_prompts(8))
