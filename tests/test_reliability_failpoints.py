@@ -27,7 +27,7 @@ from thinkfleet import failpoints
 from thinkfleet.broker.keys import kombu_transport_options
 from thinkfleet.failpoints import ACTIONS, WORKER_POINTS
 from thinkfleet.settings import Settings
-from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
+from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, job_settled, wait_until
 from thinkfleet.testing.harness import check_job, fast_env, isolated_settings, make_prompts, record_result, submit_ids
 from thinkfleet.testing.invariant_watch import InvariantWatch
 
@@ -45,20 +45,6 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimulatorProcess]:
     proc.start()
     yield proc
     proc.kill()
-
-
-def _settled(client: redis.Redis, settings: Settings, job: str) -> bool:
-    """Every prompt done, and no message or claim of the job left anywhere (redelivered copies consumed)."""
-    keys = settings.keys
-    unacked = str(kombu_transport_options(settings.key_prefix, settings.visibility_timeout_s)["unacked_key"])
-    transit = any(client.llen(k) for k in client.scan_iter(match=keys.transit("") + "*"))
-    return (
-        job_progress(client, keys, job)["done"] == PROMPTS
-        and not client.llen(settings.queue)
-        and not client.hlen(unacked)
-        and not transit
-        and not client.hlen(keys.claims(job))
-    )
 
 
 def _unsettled(client: redis.Redis, settings: Settings, job: str) -> str:
@@ -123,7 +109,7 @@ def test_a_failpoint_loses_and_duplicates_nothing(
                 name = "w2" if point in OTHER_NAME else "w1"
                 replacement = WorkerProcess(name, env, tmp_path).start()
                 workers.append(replacement)
-            return _settled(client, settings, job_name)
+            return job_settled(client, settings, job_name, PROMPTS)
 
         # 90 s once ran out under a parallel full suite (7 s alone): see the session note; 180 s keeps the check.
         try:

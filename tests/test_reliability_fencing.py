@@ -26,9 +26,8 @@ from sglang_sim.testing import SimulatorProcess
 from storage import reader
 from storage.schema import EPOCH, PROMPT_ID
 from thinkfleet import failpoints
-from thinkfleet.broker.keys import kombu_transport_options
 from thinkfleet.settings import Settings
-from thinkfleet.testing.fleet import WorkerProcess, in_flight, job_progress, wait_until
+from thinkfleet.testing.fleet import WorkerProcess, in_flight, job_progress, job_settled, wait_until
 from thinkfleet.testing.harness import (
     Outcome,
     check_job,
@@ -54,29 +53,6 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimulatorProcess]:
     proc.start()
     yield proc
     proc.kill()
-
-
-def _stopped(worker: WorkerProcess) -> bool:
-    """The process is in state T (SIGSTOPped) — read from /proc, not guessed from a sleep."""
-    assert worker.proc is not None
-    try:
-        stat = Path(f"/proc/{worker.proc.pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
-
-
-def _settled(client: redis.Redis, settings: Settings, job: str) -> bool:
-    keys = settings.keys
-    unacked = str(kombu_transport_options(settings.key_prefix, settings.visibility_timeout_s)["unacked_key"])
-    transit = any(client.llen(k) for k in client.scan_iter(match=keys.transit("") + "*"))
-    return (
-        job_progress(client, keys, job)["done"] == PROMPTS
-        and not client.llen(settings.queue)
-        and not client.hlen(unacked)
-        and not transit
-        and not client.hlen(keys.claims(job))
-    )
 
 
 def _fenced_count(client: redis.Redis, settings: Settings, job: str) -> int:
@@ -120,7 +96,7 @@ def test_a_worker_paused_past_its_lease_with_rows_waiting_to_commit_stores_nothi
         # takes over its prompts and finishes the whole job.
         assert zombie.proc is not None
         os.kill(zombie.proc.pid, signal.SIGSTOP)
-        wait_until(lambda: _stopped(zombie), 30, 0.05, what="the zombie stopped")
+        wait_until(lambda: zombie.stopped(), 30, 0.05, what="the zombie stopped")
         held = in_flight(client, keys, job_name, "zombie")
         other.start().wait_ready(client, keys)
         wait_until(lambda: job_progress(client, keys, job_name)["done"] == PROMPTS, 180, 0.1, what="all stored")
@@ -128,11 +104,10 @@ def test_a_worker_paused_past_its_lease_with_rows_waiting_to_commit_stores_nothi
         # And then it resumes: its commit finds its claims are other runs' now.
         os.kill(zombie.proc.pid, signal.SIGCONT)
         wait_until(lambda: _fenced_count(client, settings, job_name) >= 1, 120, 0.1, what="the zombie fenced")
-        wait_until(lambda: _settled(client, settings, job_name), 120, 0.1, what="every message settled")
+        wait_until(lambda: job_settled(client, settings, job_name, PROMPTS), 120, 0.1, what="every message settled")
     finally:
         invariant.stop()
-        if zombie.alive() and zombie.proc is not None:
-            os.kill(zombie.proc.pid, signal.SIGCONT)
+        zombie.cont()
         zombie.kill()
         other.kill()
     # Then every prompt is stored once, byte-exact; verify passes; storage's committed rows are Redis's.
@@ -168,7 +143,7 @@ def test_a_pause_between_the_claim_check_and_the_part_write_is_fenced_in_storage
     try:
         job = submit_ids(settings, job_name, make_prompts(PROMPTS, seed=4), max_new_tokens=256)
         invariant.start()
-        wait_until(lambda: _stopped(zombie), 120, 0.05, what="the zombie stopped at after_mark")
+        wait_until(lambda: zombie.stopped(), 120, 0.05, what="the zombie stopped at after_mark")
         # When another worker takes its prompts over after its lease and stores the whole job.
         other.start().wait_ready(client, keys)
         wait_until(lambda: job_progress(client, keys, job_name)["done"] == PROMPTS, 180, 0.1, what="all stored")
@@ -177,11 +152,10 @@ def test_a_pause_between_the_claim_check_and_the_part_write_is_fenced_in_storage
         assert zombie.proc is not None
         os.kill(zombie.proc.pid, signal.SIGCONT)
         wait_until(lambda: _fenced_count(client, settings, job_name) >= 1, 120, 0.1, what="the zombie fenced")
-        wait_until(lambda: _settled(client, settings, job_name), 120, 0.1, what="every message settled")
+        wait_until(lambda: job_settled(client, settings, job_name, PROMPTS), 120, 0.1, what="every message settled")
     finally:
         invariant.stop()
-        if zombie.alive() and zombie.proc is not None:
-            os.kill(zombie.proc.pid, signal.SIGCONT)
+        zombie.cont()
         zombie.kill()
         other.kill()
     # Then the zombie's rows are in storage but fenced: a lower epoch than the committed row of their prompt.
@@ -253,7 +227,7 @@ def test_a_paused_turn_of_a_multi_turn_job_never_changes_what_the_next_turn_was_
             )  # fmt: skip
             assert submitted.returncode == 0, submitted.stderr
             # Given the zombie stopped between its claim check and its part write.
-            wait_until(lambda: _stopped(zombie), 120, 0.05, what="the zombie stopped at after_mark")
+            wait_until(lambda: zombie.stopped(), 120, 0.05, what="the zombie stopped at after_mark")
             # When the other worker regenerates its turns (differently) and finishes every conversation.
             other.start().wait_ready(client, keys)
             wait_until(lambda: job_progress(client, keys, job_name)["done"] == total, 180, 0.1, what="all turns")

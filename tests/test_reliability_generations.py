@@ -36,15 +36,6 @@ from thinkfleet.testing.harness import (
 PROMPTS = 24
 
 
-def _stopped(worker: WorkerProcess) -> bool:
-    assert worker.proc is not None
-    try:
-        stat = Path(f"/proc/{worker.proc.pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
-
-
 def _submit(settings, job: str, generation: str, **sampling: object):
     """The job as ``producer submit`` writes it, with its record's generation, and its messages published."""
     id_job, tasks = register_ids(settings, job, make_prompts(PROMPTS, seed=11), **sampling)
@@ -72,7 +63,7 @@ def test_purge_and_resubmit_under_a_running_worker_never_mixes_generations(redis
             worker.wait_ready(client, keys)
             # Given generation 1 (budget 64) running: the worker stops itself with requests in flight.
             _old_job, old_tasks = _submit(settings, job_name, "gen1", max_new_tokens=64)
-            wait_until(lambda: _stopped(worker), 120, 0.05, what="the worker stopped mid-generation")
+            wait_until(lambda: worker.stopped(), 120, 0.05, what="the worker stopped mid-generation")
             # When the job is purged and submitted anew with budget 32, then the worker resumes.
             purged = producer_cli(settings, "purge", job_name, "--force")
             assert purged.returncode == 0, purged.stdout + purged.stderr
@@ -86,8 +77,7 @@ def test_purge_and_resubmit_under_a_running_worker_never_mixes_generations(redis
                 lambda: b"message of job generation gen1" in worker.log_path.read_bytes(), 60, 0.1, what="skipped"
             )
         finally:
-            if worker.alive() and worker.proc is not None:
-                os.kill(worker.proc.pid, signal.SIGCONT)
+            worker.cont()
             worker.terminate()
     # Then every prompt is stored once, byte-exact with generation 2's budget; verify passes.
     outcome = check_job(settings, job_name, new_job.prompts, new_job.sampling_params)

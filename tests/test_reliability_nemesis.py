@@ -21,9 +21,8 @@ import pytest
 import redis
 
 from sglang_sim.testing import SimulatorProcess
-from thinkfleet.broker.keys import kombu_transport_options
 from thinkfleet.settings import Settings
-from thinkfleet.testing.fleet import WorkerProcess, job_progress, wait_until
+from thinkfleet.testing.fleet import WorkerProcess, job_progress, job_settled, wait_until
 from thinkfleet.testing.harness import check_job, fast_env, isolated_settings, make_prompts, record_result, submit_ids
 from thinkfleet.testing.invariant_watch import InvariantWatch
 from thinkfleet.testing.services import RedisServer
@@ -61,22 +60,6 @@ def _done(client: redis.Redis, settings: Settings, job: str) -> int:
         return -1
 
 
-def _settled(client: redis.Redis, settings: Settings, job: str, prompts: int) -> bool:
-    keys = settings.keys
-    try:
-        unacked = str(kombu_transport_options(settings.key_prefix, settings.visibility_timeout_s)["unacked_key"])
-        transit = any(client.llen(k) for k in client.scan_iter(match=keys.transit("") + "*"))
-        return (
-            job_progress(client, keys, job)["done"] == prompts
-            and not client.llen(settings.queue)
-            and not client.hlen(unacked)
-            and not transit
-            and not client.hlen(keys.claims(job))
-        )
-    except redis.RedisError:
-        return False
-
-
 def run_nemesis(tmp_path: Path, seed: int, prompts: int, faults: int) -> None:
     plan = schedule(seed, faults)
     server = RedisServer(tmp_path / "redis").start()  # no AOF: a rollback loses writes, as everysec or a replica do
@@ -105,12 +88,11 @@ def run_nemesis(tmp_path: Path, seed: int, prompts: int, faults: int) -> None:
         for w in workers:  # a paused or killed worker is back before the end
             if not w.alive():
                 w.start()
-        wait_until(lambda: _settled(client, settings, job_name, prompts), 600, 0.2, what="the job settled")
+        wait_until(lambda: job_settled(client, settings, job_name, prompts), 600, 0.2, what="the job settled")
     finally:
         invariant.stop()
         for w in workers:
-            if w.alive() and w.proc is not None:
-                os.kill(w.proc.pid, signal.SIGCONT)
+            w.cont()
             w.terminate()
         sim.kill()
     try:

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -139,6 +140,21 @@ class WorkerProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def stopped(self) -> bool:
+        """The process is in state T (SIGSTOPped, e.g. by the failpoint action ``stop``), read from /proc."""
+        if self.proc is None:
+            return False
+        try:
+            stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
+        except FileNotFoundError:
+            return False
+        return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+    def cont(self) -> None:
+        """SIGCONT, if the process still exists (a test's cleanup after a pause)."""
+        if self.alive() and self.proc is not None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
     def kill(self) -> None:
         """SIGKILL: no cleanup at all (a host dying)."""
         if self.alive():
@@ -183,6 +199,26 @@ def wait_until(
             return
         time.sleep(interval_s)
     raise TimeoutError(f"{what} not reached within {timeout_s}s")
+
+
+def job_settled(client: redis.Redis, settings: Any, job: str, prompts: int) -> bool:
+    """Every prompt done, and no message or claim of the job left anywhere (redelivered copies consumed):
+    the queue, kombu's unacked hash, every transit list and the claims are empty. False while Redis is away."""
+    from thinkfleet.broker.keys import kombu_transport_options
+
+    keys = settings.keys
+    try:
+        unacked = str(kombu_transport_options(settings.key_prefix, settings.visibility_timeout_s)["unacked_key"])
+        transit = any(client.llen(k) for k in client.scan_iter(match=keys.transit("") + "*"))
+        return (
+            job_progress(client, keys, job)["done"] == prompts
+            and not client.llen(settings.queue)
+            and not client.hlen(unacked)
+            and not transit
+            and not client.hlen(keys.claims(job))
+        )
+    except redis.RedisError:
+        return False
 
 
 def job_progress(client: redis.Redis, keys: Keys, job: str) -> dict[str, int]:
