@@ -16,4 +16,3 @@ from thinkfleet.broker.keys import KombuKeys
 def unacked_index_key(prefix: str) -> str:
     """kombu's ``unacked_index`` sorted set under ``prefix``."""
     return KombuKeys(prefix).unacked_index
-
