@@ -85,10 +85,12 @@ def run_nemesis(tmp_path: Path, seed: int, prompts: int, faults: int) -> None:
             wait_until(lambda f=fault: _done(client, settings, job_name) >= f.at * prompts, 300, 0.1, what=str(fault))
             _strike(fault, workers, server, sim, settings, job_name, client)
             struck.append(f"{fault.kind}@{fault.at:.2f}")
-        for w in workers:  # a paused or killed worker is back before the end
-            if not w.alive():
-                w.start()
+        # No fault may end a worker by itself: only the schedule's kills do, and each is restarted at once.
+        dead = [w for w in workers if not w.alive()]
+        assert not dead, "a worker exited on its own:\n" + "\n".join(w.tail(60) for w in dead)
         wait_until(lambda: job_settled(client, settings, job_name, prompts), 600, 0.2, what="the job settled")
+        dead = [w for w in workers if not w.alive()]
+        assert not dead, "a worker exited on its own:\n" + "\n".join(w.tail(60) for w in dead)
     finally:
         invariant.stop()
         for w in workers:

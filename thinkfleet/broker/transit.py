@@ -124,6 +124,46 @@ class QoS(kombu_redis.QoS):
             ).execute()
         virtual.QoS.append(self, message, delivery_tag)
 
+    def ack(self, delivery_tag: Any) -> None:
+        if self._closed("ack", delivery_tag):
+            return
+        super().ack(delivery_tag)
+
+    def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
+        if self._closed("hand-back" if requeue else "reject", delivery_tag):
+            return
+        super().reject(delivery_tag, requeue)
+
+    def _closed(self, what: str, delivery_tag: Any) -> bool:
+        """The outcome of a message delivered on a channel Celery has since closed (the broker connection was lost,
+        e.g. Redis restarted, while the prompt ran): kombu would fail with no connection to use — fatally for the
+        worker. The message is still in the unacked hash, so the visibility sweep redelivers it after the lease and
+        its claim answers for it (done: skipped; handed back: run again). Logged, never fatal."""
+        channel = self.channel
+        if not getattr(channel, "closed", False) and getattr(channel, "connection", None) is not None:
+            return False
+        log.warning(
+            "%s of delivery %s skipped: its channel closed with the broker connection; the message returns from "
+            "the unacked hash after the visibility timeout", what, delivery_tag,
+        )  # fmt: skip
+        return True
+
+    def restore_unacked_once(self, stderr: Any = None) -> Any:
+        """kombu restores the delivered messages when the channel closes — also when Celery closes it because the
+        broker connection was lost (Redis restarted), and then the restore itself finds no connection
+        (``'NoneType' object has no attribute 'hostname'``), which Celery takes for an unrecoverable error: the
+        worker process exited. Those messages are in the unacked hash, so the visibility sweep restores them after
+        the lease anyway: a restore that cannot run now is logged, never fatal."""
+        try:
+            return super().restore_unacked_once(stderr)
+        except Exception as exc:  # whatever kombu's restore hits with the broker gone; the sweep has the messages
+            log.warning(
+                "could not restore %d delivered message(s) as the broker connection closed (%s: %s): they return "
+                "from the unacked hash after the visibility timeout",
+                len(self._delivered), type(exc).__name__, exc,
+            )  # fmt: skip
+            return None
+
     def restore_visible(self, start: int = 0, num: int = 10, interval: int = 10) -> None:
         self._vrestore_count += 1
         if (self._vrestore_count - 1) % (interval or 1):
