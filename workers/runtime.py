@@ -99,6 +99,9 @@ class WorkerRuntime:
             health_check_interval=30,
             retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), REDIS_RETRIES),
             retry_on_error=[RedisConnectionError, RedisTimeoutError],
+            # No CLIENT SETINFO on connect: Redis < 7.2 answers it with an error that, on a reconnect cut short
+            # (a worker resumed from a pause, its timeouts all due at once), was read as the next command's reply.
+            driver_info=None,
         )
         await self._preflight_redis()
         self.client = SGLangClient(
@@ -108,7 +111,7 @@ class WorkerRuntime:
             probe_timeout_s=s.preflight_timeout_s,
             health_probe_timeout_s=s.health_probe_timeout_s,
         )
-        self.ledger = GuardedLedger(self.redis, s.keys, self.identity, s.max_deliveries)
+        self.ledger = GuardedLedger(self.redis, s.keys, self.identity, s.max_deliveries, s.waitaof_ms)
         await self._hold_name()  # before anything under the name is touched: exit 78 if a live twin holds it
         abandoned = await self.ledger.abandon_claims()  # before this life claims anything
         if abandoned:
