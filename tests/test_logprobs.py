@@ -169,6 +169,7 @@ def test_schema_columns_and_old_parts_read_back_null(tmp_path: Path) -> None:
     new.update(output_logprobs=[-0.5] * n, top_logprob_ids=[[1, 2]] * n, top_logprobs=[[-0.5, -1.5]] * n)
     writer.write("job", "d", [new, make_row("plain", dataset="d")])
     old = rows_to_table([make_row("old", dataset="d")]).drop_columns([OUTPUT_LOGPROBS, TOP_LOGPROB_IDS, TOP_LOGPROBS])
+    old = old.replace_schema_metadata({b"thinkfleet.schema_version": b"2"})  # as a part of version 2 says
     pq.write_table(old, layout.locate(str(tmp_path)).path(writer.part_name("job", "d")))
     got = {r["prompt_id"]: r for r in read_committed(str(tmp_path), "job").to_pylist()}
     assert got["new"][OUTPUT_LOGPROBS] == [-0.5] * n and got["new"][TOP_LOGPROBS][0] == [-0.5, -1.5]

@@ -17,6 +17,7 @@ from producer.submit import SubmitOptions, submit
 from thinkfleet.broker.keys import kombu_transport_options
 from thinkfleet.message import TASK_NAME, PromptTask, pack_ids
 from thinkfleet.settings import Settings
+from thinkfleet.state.job import JobRecord
 from thinkfleet.testing.datasets import chat_rows, write_jsonl
 from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 
@@ -73,10 +74,13 @@ def test_a_real_celery_worker_accepts_fast_path_messages_byte_for_byte(redis_url
     assert redis_client.llen("echo-q") == 5
 
     tok = render.load_tokenizer(str(tok_dir))
+    generation = JobRecord.load(redis_client, settings.keys, "echo").generation  # every message carries it
+    assert generation
     expected = {}
     for i, row in enumerate(rows):
         ids = render.render_ids(tok, row["messages"][:2], None, {"thinking": True})
-        task = PromptTask("echo", "beta", f"beta/{row['id']}", i, render.content_hash(np.asarray(ids)), pack_ids(ids))
+        digest = render.content_hash(np.asarray(ids))
+        task = PromptTask("echo", "beta", f"beta/{row['id']}", i, digest, pack_ids(ids), generation=generation)
         expected[task.task_id] = task
 
     (tmp_path / "echo_app.py").write_text(ECHO_APP)

@@ -19,6 +19,7 @@ from storage.spans import compute_spans, compute_spans_batch
 from thinkfleet import kimi, profiles
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import MARKER_FIELDS, JobRecord
+from thinkfleet.state.ledger import Finalized
 from thinkfleet.testing.datasets import chat_rows, write_jsonl
 from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet.tokens import KIMI_TOKENS, SpanTokens
@@ -352,16 +353,22 @@ class _Writer:
     def write(self, *args: Any, **kwargs: Any) -> str:
         return "part"
 
+    def encode(self, *args: Any, **kwargs: Any) -> bytes:
+        return b""
+
+    def write_encoded(self, *args: Any, **kwargs: Any) -> str:
+        return "part"
+
     def exists(self, part: str) -> bool:
         return True
 
 
 class _Ledger:
-    async def mark_part(self, *args: Any) -> None:
-        return None
+    async def mark_part(self, *args: Any) -> dict[str, str]:
+        return {}  # no row fenced
 
-    async def finalize(self, job: str, dataset: str, rows: list[Any], *args: Any) -> tuple[int, bool, int, int]:
-        return len(rows), True, len(rows), len(rows)  # the Lua script says: alarm
+    async def finalize(self, job: str, dataset: str, rows: list[Any], *args: Any) -> Finalized:
+        return Finalized(len(rows), True, len(rows), len(rows), {})  # the Lua script says: alarm
 
 
 @pytest.mark.parametrize("reasoning_spans", [True, False])

@@ -308,7 +308,8 @@ def test_parts_without_the_deterministic_column_read_back_as_null(tmp_path: Path
     # A part written before the column existed (schema version 1): same rows, no `deterministic`.
     old = rows_to_table([make_row("old", dataset="d")])
     path = layout.locate(str(tmp_path)).path(writer.part_name("job", "d"))
-    pq.write_table(old.drop_columns([DETERMINISTIC]), path)
+    old = old.drop_columns([DETERMINISTIC]).replace_schema_metadata({b"thinkfleet.schema_version": b"1"})
+    pq.write_table(old, path)
     table = read_committed(str(tmp_path), "job")
     got = {r["prompt_id"]: r for r in table.to_pylist()}
     assert got["new"][DETERMINISTIC] is False and got["new"][REASONING_TOKENS] is None
