@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 
 from thinkfleet.keys import Keys
 from thinkfleet.message import PromptTask, pack_ids
-from thinkfleet.state.ledger import FinalRow, Ledger
+from thinkfleet.state.ledger import Fence, FinalRow, Ledger
 
 JOB = "j"
 PART = "file:///out/j/dataset=ds/part-1.parquet"
@@ -84,9 +84,9 @@ def test_a_retried_finalize_of_the_committed_row_is_not_fenced(redis_url: str, k
         a = await _ledger(redis_url, keys, "a")
         claim = await a.claim(JOB, "p1")
         await a.mark_part(JOB, ["p1"], PART)
-        epoch = a.epoch_of(JOB, "p1")
+        fence = a.held[(JOB, "p1")]
         assert (await a.finalize(JOB, "ds", [_row()], 100, 0.95)).new == 1
-        a.held[(JOB, "p1")] = epoch  # as it held it when it sent the first try
+        a.held[(JOB, "p1")] = fence  # as it held it when it sent the first try
         # When it finalizes the same row again: it is told the row is in, not fenced.
         again = await a.finalize(JOB, "ds", [_row(epoch=claim.epoch)], 100, 0.95)
         assert again.new == 0 and again.fenced == {}
@@ -132,7 +132,7 @@ def test_a_zombie_cannot_dead_letter_or_release_another_runs_claim(redis_url: st
         assert not await a.r.hexists(keys.dead(JOB), "p1")
         # The same name, a new life (a twin or a restart) cannot release it either: the epoch differs.
         twin = await _ledger(redis_url, keys, "b")
-        twin.held[(JOB, "p1")] = str(taken.epoch - 1)
+        twin.held[(JOB, "p1")] = Fence(str(taken.epoch - 1))
         await twin.release(JOB, "p1")
         assert await b.r.hexists(keys.claims(JOB), "p1"), "the live run's claim stays"
         assert (await b.finalize(JOB, "ds", [_row()], 100, 0.95)).new == 1

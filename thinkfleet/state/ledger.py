@@ -95,6 +95,16 @@ class FinalRow:
         return 1 if self.has_think_end else 0 if self.expects_reasoning else 2
 
 
+class Fence(NamedTuple):
+    """What this process holds of a prompt's claim: its epoch and the job record generation the run is for."""
+
+    epoch: str = ""  # a decimal string, as claim.lua minted it ('' = no claim held)
+    generation: str = ""  # '' = not recorded
+
+
+_NO_FENCE = Fence()
+
+
 class Finalized(NamedTuple):
     new: int  # rows that became done
     fire: bool  # the reasoning alarm's condition holds
@@ -136,10 +146,8 @@ class Ledger:
         self.keys = keys
         self.worker = worker
         self.max_deliveries = max_deliveries
-        #: (job, prompt id) → the epoch of the claim this process holds for it (the fence of its run).
-        self.held: dict[tuple[str, str], str] = {}
-        #: (job, prompt id) → the job record generation the held run is for ('' = not recorded).
-        self.generations: dict[tuple[str, str], str] = {}
+        #: (job, prompt id) → the fence of the claim this process holds for it.
+        self.held: dict[tuple[str, str], Fence] = {}
         #: WAITAOF after finalize (None: not tried yet; False: the server cannot, e.g. before Redis 7.2 or AOF off).
         self.waitaof_ms = waitaof_ms
         self._waitaof_ok: bool | None = None if waitaof_ms > 0 else False
@@ -190,18 +198,15 @@ class Ledger:
         if previous and state != "superseded":
             prev = json.loads(previous)
         if state in OURS:
-            self.held[(job, prompt_id)] = epoch
-            self.generations[(job, prompt_id)] = generation
+            self.held[(job, prompt_id)] = Fence(epoch, generation)
         return Claim(state, prev, int(epoch) if epoch else 0)
+
+    def _fence(self, job: str, prompt_id: str) -> Fence:
+        return self.held.get((job, prompt_id), _NO_FENCE)
 
     def _drop(self, job: str, prompt_id: str) -> None:
         """The run of the prompt ended here (finalized, fenced, released, dead-lettered): its fence goes."""
         self.held.pop((job, prompt_id), None)
-        self.generations.pop((job, prompt_id), None)
-
-    def epoch_of(self, job: str, prompt_id: str) -> str:
-        """The epoch of the claim this process holds for the prompt ('' = none)."""
-        return self.held.get((job, prompt_id), "")
 
     async def release(self, job: str, prompt_id: str) -> None:
         """Clean hand-back: drop our claim (keeping a named part, ownerless and settled)."""
@@ -214,7 +219,7 @@ class Ledger:
 
     async def _give_back(self, job: str, prompt_id: str, error: str) -> int:
         k = self.keys
-        epoch = self.held.get((job, prompt_id), "")
+        epoch = self._fence(job, prompt_id).epoch
         result = int(
             await self._release(
                 keys=[k.claims(job), k.deliveries(job), k.done(job), k.dead(job)],
@@ -231,13 +236,11 @@ class Ledger:
         k = self.keys
         args: list[Any] = [self.worker, part, f"{time.time():.6f}"]
         for pid in prompt_ids:
-            args += [pid, self.held.get((job, pid), ""), self.generations.get((job, pid), "")]
-        flat = await self._mark_part(keys=[k.claims(job), k.done(job), k.dead(job), k.job(job)], args=args)
-        fenced = _pairs(flat)
-        if fenced:
-            await self.r.hincrby(k.counters(job), "fenced", len(fenced))
-            for pid in fenced:
-                self._drop(job, pid)
+            args += [pid, *self._fence(job, pid)]
+        keys = [k.claims(job), k.done(job), k.dead(job), k.job(job), k.counters(job)]
+        fenced = _pairs(await self._mark_part(keys=keys, args=args))
+        for pid in fenced:
+            self._drop(job, pid)
         return fenced
 
     async def finalize(
@@ -269,8 +272,8 @@ class Ledger:
             else:
                 drop = json.dumps(list(turn.drop)) if turn.drop else ""
                 args += [turn.answer, turn.next_prompt_id, turn.next_hash, turn.next_message, drop]
-            epoch = self.held.get((job, row.prompt_id), "")
-            args += [epoch, str(row.epoch) if row.epoch else epoch, self.generations.get((job, row.prompt_id), "")]
+            epoch, generation = self._fence(job, row.prompt_id)
+            args += [epoch, str(row.epoch) if row.epoch else epoch, generation]
         keys = [
             k.done(job),
             k.claims(job),
@@ -287,8 +290,6 @@ class Ledger:
             keys += [queue, k.prompts(job), k.prompt_dataset(job), answers]
         new, fire, seen, miss, flat = await self._finalize(keys=keys, args=args)
         fenced = _pairs(flat)
-        if fenced:
-            await self.r.hincrby(k.counters(job), "fenced", len(fenced))
         for row in rows:
             self._drop(job, row.prompt_id)
         await self._durable()
@@ -327,7 +328,7 @@ class Ledger:
         if answer is not None:
             fields["answer"] = bounded_answer(answer)
         record = json.dumps(fields, default=repr)
-        epoch = self.held.get((job, task.prompt_id), "")
+        epoch = self._fence(job, task.prompt_id).epoch
         self._drop(job, task.prompt_id)
         result = int(
             await self._dead_letter(
@@ -350,7 +351,6 @@ class Ledger:
                 task.prompt_id,
                 epoch,
             )
-            await self.r.hincrby(k.counters(job), "fenced", 1)
         return result > 0
 
     async def abandon_claims(self, running: Callable[[str, str], bool] | None = None) -> int:

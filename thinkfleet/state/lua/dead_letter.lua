@@ -2,13 +2,16 @@
 -- KEYS: dead, claims, counters, dataset_counters, deliveries, done
 -- ARGV: prompt_id, record_json, worker, epoch (of the caller's claim; '' = refused before any claim)
 -- Returns 1 recorded, 0 already dead or done, -1 fenced: the prompt's claim is another run's now (the caller was
--- paused past its lease), which must not be ended from here.
+-- paused past its lease), which must not be ended from here (counted in the job's 'fenced' counter).
 if redis.call('SISMEMBER', KEYS[6], ARGV[1]) == 1 then return 0 end
 if ARGV[4] ~= '' then
   local cur = redis.call('HGET', KEYS[2], ARGV[1])
   if cur then
     local claim = cjson.decode(cur)
-    if claim['worker'] ~= ARGV[3] or tostring(claim['epoch']) ~= ARGV[4] then return -1 end
+    if claim['worker'] ~= ARGV[3] or tostring(claim['epoch']) ~= ARGV[4] then
+      redis.call('HINCRBY', KEYS[3], 'fenced', 1)
+      return -1
+    end
   end
 end
 redis.call('HDEL', KEYS[2], ARGV[1])

@@ -4,8 +4,9 @@
 -- that finalizes an orphan part enqueues it if nobody did).
 -- Fenced: a row is finalized only while its claim is still the caller's at the caller's epoch (claim.lua) — or,
 -- when Redis lost the claim, while nobody else finished the prompt. Any other row is *fenced*: it changes no
--- counter, no answer record, no next turn, and is returned with what holds the prompt now. The epoch of the row
--- made committed is recorded (committed_epochs); a retried finalize of that very row is not fenced.
+-- counter but the job's 'fenced' one, no answer record, no next turn, and is returned with what holds the prompt
+-- now. The epoch of the row made committed is recorded (committed_epochs); a retried finalize of that very row is
+-- not fenced.
 -- A next turn already done or dead (a re-run of turn i re-derives it) leaves done/dead before its message lands,
 -- or the claim would skip it; so do the later turns a chain that now ends here no longer derives (drop). The
 -- counters follow as requeue.lua corrects them (the next turn is of the same dataset).
@@ -77,6 +78,7 @@ for i = 6, #ARGV, 12 do
   end
   end
 end
+if #fenced > 0 then redis.call('HINCRBY', KEYS[3], 'fenced', #fenced / 2) end
 if new_rows == 0 then return {0, 0, 0, 0, fenced} end
 if undead > 0 then
   redis.call('HINCRBY', KEYS[3], 'dead', -undead)

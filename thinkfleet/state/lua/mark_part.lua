@@ -1,5 +1,5 @@
 -- Just before a part is written: each claim that is still ours, at our epoch, records the part's path.
--- KEYS: claims, done, dead, job (the record hash)
+-- KEYS: claims, done, dead, job (the record hash), counters (its 'fenced' counts the rows refused here)
 -- ARGV: worker, part, now, then per row: prompt_id, epoch (the claim's), generation (of the job record it ran for)
 -- Returns the rows that are no longer ours, as {prompt_id, what holds it now} pairs flattened: the holder's
 -- epoch, 'done' or 'dead'. Those rows must not be written (a worker paused past its lease: another run took
@@ -33,4 +33,5 @@ for i = 4, #ARGV, 3 do
     redis.call('HSET', KEYS[1], pid, cjson.encode(claim))
   end
 end
+if #fenced > 0 then redis.call('HINCRBY', KEYS[5], 'fenced', #fenced / 2) end
 return fenced
