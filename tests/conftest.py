@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from sglang_sim.testing import SimulatorProcess
 from thinkfleet.testing.services import RedisServer, service_missing
 
 RESULTS_ENV = "THINKFLEET_RELIABILITY_RESULTS"
@@ -86,6 +87,17 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
     yield redis_server.url(db)
     client.flushdb()
     client.close()
+
+
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimulatorProcess]:
+    """One fast simulator per module (400× time scale): its output depends only on the prompt and sampling params,
+    so the module's scenarios share it. A module that needs another one defines its own ``sim``."""
+    proc = SimulatorProcess("--time-scale", "400")
+    proc.log_path = str(tmp_path_factory.mktemp("sim") / "sim.log")
+    proc.start()
+    yield proc
+    proc.kill()
 
 
 @pytest.fixture

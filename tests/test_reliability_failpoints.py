@@ -37,16 +37,6 @@ PROMPTS = 16
 OTHER_NAME = {"during_generate", "after_part_write"}
 
 
-@pytest.fixture(scope="module")
-def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimulatorProcess]:
-    """One simulator for the whole matrix: its output depends only on the prompt and sampling params."""
-    proc = SimulatorProcess("--time-scale", "400")
-    proc.log_path = str(tmp_path_factory.mktemp("sim") / "sim.log")
-    proc.start()
-    yield proc
-    proc.kill()
-
-
 def _unsettled(client: redis.Redis, settings: Settings, job: str) -> str:
     """Where the job's messages and claims are when it did not settle (what the timeout names)."""
     keys = settings.keys

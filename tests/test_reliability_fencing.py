@@ -16,10 +16,8 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import redis
 
 from sglang_sim.testing import SimulatorProcess
@@ -44,15 +42,6 @@ PROMPTS = 48
 #: Short enough that the test does not wait long for the paused worker's lease to lapse; the other worker's
 #: lease may lapse too on a busy box — fencing makes that harmless, which is the point.
 LEASE = {"lease_s": 4, "reaper_interval_s": 0.5}
-
-
-@pytest.fixture(scope="module")
-def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimulatorProcess]:
-    proc = SimulatorProcess("--time-scale", "400")
-    proc.log_path = str(tmp_path_factory.mktemp("sim") / "sim.log")
-    proc.start()
-    yield proc
-    proc.kill()
 
 
 def _fenced_count(client: redis.Redis, settings: Settings, job: str) -> int:
