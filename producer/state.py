@@ -47,6 +47,8 @@ class Existing:
     done: set[str] = field(default_factory=set)  # Redis' done set
     dead: set[str] = field(default_factory=set)
     queued: set[str] = field(default_factory=set)  # on the queue or delivered and unacknowledged
+    #: prompts with a message of an earlier job generation only (workers skip those): enqueued again
+    stale: set[str] = field(default_factory=set)
     #: prompts a quarantined (damaged) part held (storage/quarantine.py)
     quarantined: set[str] = field(default_factory=set)
 
@@ -75,6 +77,11 @@ def load_existing(client: redis.Redis, settings: Settings, job: str, redis_requi
         queued = queued_prompt_ids(client, settings, job)
         again = unacked_prompt_ids(client, settings, job) | transit_prompt_ids(client, settings, job)
         existing.queued = running | queued | again
+        if existing.record is None:
+            # No record (a first submit, a purge, or a Redis that lost it): this submit mints a new generation,
+            # and workers skip every message of an earlier one (one a worker restored into the new Redis, or
+            # a purge missed). Counting them as queued would leave their prompts to no run at all.
+            existing.stale, existing.queued = existing.queued, set()
         existing.done = {m.decode() for m in client.smembers(keys.done(job))}
         existing.dead = {k.decode() for k in client.hkeys(keys.dead(job))}
     except redis.RedisError as e:

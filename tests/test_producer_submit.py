@@ -178,6 +178,27 @@ def test_queued_running_and_dead_prompts_are_not_enqueued_again(settings, redis_
     }
 
 
+def test_messages_of_an_earlier_generation_do_not_count_as_queued(settings, redis_client, tok_dir, tmp_path) -> None:
+    # Given a job whose Redis lost everything but one message a worker restored into the new, empty Redis
+    # (its queue and unacked entries come back on reconnect), and the job's record is gone.
+    path = write_jsonl(tmp_path / "alpha.jsonl", chat_rows(4, words=10))
+    submit(settings, opts([path], tok_dir))
+    before = JobRecord.load(redis_client, settings.keys, "j").generation
+    survivor = redis_client.lrange(settings.queue, -1, -1)[0]
+    unacked = kombu_transport_options(settings.key_prefix, settings.visibility_timeout_s)["unacked_key"]
+    redis_client.delete(settings.queue, settings.keys.job("j"), *redis_client.keys("tf:job:j:*"))
+    redis_client.hset(unacked, "tag-old", json.dumps([json.loads(survivor), "", settings.queue]))
+    # When the same submit runs again, under a new generation (workers skip the old generation's message).
+    report = submit(settings, opts([path], tok_dir))
+    after = JobRecord.load(redis_client, settings.keys, "j").generation
+    # Then every prompt has a message of the new generation: none is left to the stale one alone.
+    assert after != before
+    assert report.enqueued == 4 and report.datasets["alpha"].already_queued == 0
+    tasks = queued_tasks(redis_client, settings)
+    assert {t.prompt_id for t in tasks} == {f"alpha/r{i}" for i in range(4)}
+    assert {t.generation for t in tasks} == {after}
+
+
 def test_changed_content_is_detected_and_nothing_is_enqueued(settings, redis_client, tok_dir, tmp_path) -> None:
     rows = chat_rows(5, words=10)
     path = write_jsonl(tmp_path / "alpha.jsonl", rows)
