@@ -152,7 +152,7 @@ def export(
     the job's tokenizer (local files only; one that ships its own code is refused unless
     --trust-remote-code is given) and take the conversation before it from the submit manifest.
     """
-    from storage.export import ExportError, export_job
+    from storage.exports import ExportError, export_job
 
     try:
         result = export_job(

@@ -31,9 +31,9 @@ from test_storage_s3 import BUCKET, s3_endpoint  # noqa: F401 - the local S3 (mo
 
 from producer import render
 from producer.submit import SubmitOptions, submit
-from storage import export as export_module
 from storage.cli import export, report
-from storage.export import SPECFORGE_MAX_LENGTH, ExportError, export_job
+from storage.exports import SPECFORGE_MAX_LENGTH, ExportError, export_job
+from storage.exports import hf as export_module
 from storage.manifest import read_sources
 from storage.reader import read_committed
 from storage.writer import PartWriter

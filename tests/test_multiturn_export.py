@@ -13,7 +13,7 @@ from pathlib import Path
 
 from producer.render import load_tokenizer, render_ids
 from storage.conversations import ToolMarkers, output_message
-from storage.export import export_job
+from storage.exports import export_job
 from storage.reader import read_committed
 from tests import test_multiturn
 from tests.test_multiturn import CONVERSATIONS, TURNS, MultiTurnJob
@@ -95,7 +95,7 @@ def _kimi_turns() -> list[dict]:
 
 
 def test_merge_turns_masks_the_earlier_answer_where_the_template_kept_it_verbatim() -> None:
-    from storage.export import merged_table
+    from storage.exports import merged_table
     from storage.schema import rows_to_table
 
     rows = _kimi_turns()
@@ -115,7 +115,7 @@ def test_merge_turns_masks_the_earlier_answer_where_the_template_kept_it_verbati
     masked = [i for i, m in zip(rec["input_ids"], rec["loss_mask"], strict=True) if m]
     assert masked == [*out0[5:], *out1[3:]]
     # Per turn (no merge): two samples, each over its own output only.
-    from storage.export import eagle3_table
+    from storage.exports import eagle3_table
 
     per_turn = eagle3_table(table).to_pylist()
     assert [sum(r["loss_mask"]) for r in per_turn] == [len(out0), len(out1)]
@@ -164,7 +164,7 @@ def test_merge_turns_exports_one_sample_per_conversation(multiturn_job: MultiTur
     # --merge-turns is refused for the text formats.
     import pytest
 
-    from storage.export import ExportError
+    from storage.exports import ExportError
 
     with pytest.raises(ExportError, match="merge-turns"):
         export_job(run.settings, run.job, "messages", str(tmp_path / "m.jsonl"), tokenizer=str(run.tok_dir),

@@ -23,7 +23,7 @@ from producer.render import load_tokenizer, render_ids
 from sglang_sim.content import expected_generation
 from sglang_sim.testing import SimulatorProcess
 from storage.conversations import ToolMarkers, output_message
-from storage.export import export_job
+from storage.exports import export_job
 from storage.reader import read_committed
 from storage.verify import verify_job
 from thinkfleet.broker.keys import priority_list

@@ -261,7 +261,7 @@ def test_verify_catches_a_row_injected_with_a_forged_hash(
     assert result.exit_code == 1 and "HASH MISMATCH" in result.output and "p-5" in result.output
 
 
-# -- producer export: no code runs unless trusted (storage/export.py) -------------------------------------
+# -- producer export: no code runs unless trusted (storage/exports/) -------------------------------------
 def test_export_refuses_a_tokenizer_that_needs_remote_code_without_trust_remote_code(
     tmp_path: Path, redis_url: str, redis_client: redis.Redis
 ) -> None:

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from storage.cli import export
-from storage.export import ExportError, export_job
+from storage.exports import ExportError, export_job
 from storage.manifest import write_submitted
 from storage.writer import PartWriter
 from thinkfleet import kimi

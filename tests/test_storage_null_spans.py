@@ -15,7 +15,7 @@ import pytest
 from storage import reader
 from storage.checks import row_problems
 from storage.conversations import decode
-from storage.export import ExportError, export_job, load_tokenizer
+from storage.exports import ExportError, export_job, load_tokenizer
 from storage.report import summarize
 from storage.schema import REASONING_SPAN_COLUMNS, SCHEMA, rows_to_table
 from storage.spans import KIMI_TOKENS, compute_spans

@@ -1,0 +1,362 @@
+"""What every export format shares: the options, the committed rows with the filters, and the files.
+
+Filters (:class:`Rows`): ``drop_truncated`` drops rows that did not end on a stop (``finish_reason`` length or
+abort); ``min_reasoning_tokens`` drops rows with fewer reasoning tokens; turn rows past their conversation's
+chain end are skipped as superseded. ``min_reasoning_tokens`` and ``exclude_reasoning`` need to know where
+reasoning ends, so a job run with ``--no-reasoning-spans`` (null spans) is refused them. One dataset of the job
+is in memory at a time.
+
+Files (:class:`Files`): one file at ``--out``, or with ``shard_rows`` files of at most that many rows —
+``--out X.jsonl`` → ``X-00000.jsonl``, ``X-00001.jsonl``…; an ``--out`` without the format's suffix is a
+directory of ``part-00000.jsonl``…. Each file appears whole or not at all: written under a hidden temporary
+name and renamed (local), or written locally and uploaded once complete (S3). Shards a previous export left
+under the same names are removed.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import IO, ClassVar
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from storage import layout, reader
+from storage.schema import (
+    CONVERSATION_ID,
+    DATASET,
+    FINISH_REASON,
+    INPUT_IDS,
+    OUTPUT_IDS,
+    PROMPT_ID,
+    REASONING_END,
+    REASONING_START,
+    SPAN_COLUMNS,
+    TOOL_CALL_SPANS,
+)
+from thinkfleet.settings import Settings
+from thinkfleet.turns import beyond_chain_ends
+
+#: SpecForge 0.2.0's default ``data.max_length``: longer rows are cut there without a warning.
+SPECFORGE_MAX_LENGTH = 2048
+#: The shard number in file names: ``X-00000.jsonl``.
+SHARD_DIGITS = 5
+#: The stored columns every format reads (the token formats need no more).
+COLUMNS = list(dict.fromkeys([PROMPT_ID, DATASET, INPUT_IDS, OUTPUT_IDS, *SPAN_COLUMNS, FINISH_REASON]))
+
+
+class ExportError(Exception):
+    """The export cannot run as asked (no tokenizer, no source conversations, a bad option…)."""
+
+
+def need_reasoning_spans(table: pa.Table, option: str) -> None:
+    """``option`` reads where reasoning ends: refuse rows whose spans are null (``--no-reasoning-spans``)."""
+    if table.num_rows and table[REASONING_END].null_count:
+        raise ExportError(
+            f"{option} needs reasoning spans, but {table[REASONING_END].null_count} rows have none recorded "
+            "(null: the job ran with --no-reasoning-spans, so where reasoning ends is unknown) → export without "
+            f"{option}"
+        )
+
+
+@dataclass
+class ExportResult:
+    path: str  # the --out URI (a file, the directory/prefix of the shards, or the dataset directory)
+    format: str
+    rows: int  # rows written
+    files: list[str] = field(default_factory=list)  # every file written (URIs)
+    skipped: dict[str, int] = field(default_factory=dict)  # reason → rows left out
+    longest: int = 0  # longest written row, in tokens (prompt + output)
+    max_length: int | None = None  # the length limit warned about (token formats)
+    over_max_length: int = 0  # written rows longer than max_length
+    warnings: list[str] = field(default_factory=list)
+    pushed_to: str | None = None  # the Hub repo (--push-to-hub)
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """How ``export_job`` was asked to export; checked here, before anything is read."""
+
+    # which rows
+    datasets: Sequence[str] | None = None
+    drop_truncated: bool = False
+    min_reasoning_tokens: int = 0
+    # what they train on
+    exclude_reasoning: bool = False
+    merge_turns: bool = False  # eagle3/specforge: one record per conversation
+    max_length: int = SPECFORGE_MAX_LENGTH  # token formats: warn about longer rows
+    # the files
+    shard_rows: int | None = None
+    # text formats: the tokenizer that decodes the generated turn
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
+    # hf: the Hub upload
+    push_to_hub: str | None = None
+    hub_private: bool = False
+
+    def __post_init__(self) -> None:
+        if self.shard_rows is not None and self.shard_rows < 1:
+            raise ExportError(f"--shard-rows must be at least 1, got {self.shard_rows}")
+        if self.min_reasoning_tokens < 0:
+            raise ExportError(f"--min-reasoning-tokens must be 0 or more, got {self.min_reasoning_tokens}")
+        if self.max_length < 1:
+            raise ExportError(f"--max-length must be at least 1, got {self.max_length}")
+
+
+class ExportFormat:
+    """One ``--format``: its name, what it accepts, and how it writes the committed rows.
+
+    A subclass sets the class attributes and :meth:`write`; :mod:`storage.exports` registers it by name.
+    """
+
+    name: ClassVar[str]
+    #: The default ``--out`` is ``JOB-{name}{suffix}``.
+    suffix: ClassVar[str] = ".jsonl"
+    #: Takes ``--merge-turns`` (one record per conversation).
+    merges_turns: ClassVar[bool] = False
+    #: Takes ``--push-to-hub``.
+    pushes: ClassVar[bool] = False
+
+    def __init__(self, options: ExportOptions) -> None:
+        self.options = options
+
+    def check(self) -> None:
+        """Refuse what this format cannot do, before anything is read (a subclass adds its own checks)."""
+
+    def default_out(self, job: str) -> str:
+        return f"{job}-{self.name}{self.suffix}"
+
+    def write(self, result: ExportResult, loc: layout.Location, rows: Rows) -> None:
+        """Write ``rows`` under ``loc``, counting into ``result``."""
+        raise NotImplementedError
+
+
+# -- the rows ------------------------------------------------------------------------------------------------
+class Rows:
+    """The committed rows, one dataset at a time, with the filters applied and counted."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        job: str,
+        datasets: Sequence[str] | None,
+        drop_truncated: bool,
+        min_reasoning_tokens: int,
+        skipped: dict[str, int],
+    ) -> None:
+        self.settings, self.job, self.datasets = settings, job, list(datasets) if datasets else None
+        self.drop_truncated, self.min_reasoning_tokens, self.skipped = drop_truncated, min_reasoning_tokens, skipped
+        # A filter asked for is reported even when it drops nothing.
+        if drop_truncated:
+            skipped["truncated"] = 0
+        if min_reasoning_tokens:
+            skipped["short_reasoning"] = 0
+        self._superseded: set[str] | None = None
+
+    def superseded(self) -> set[str]:
+        """--turns all: the turn rows past their conversation's chain end — a stored turn whose output calls a
+        tool ends it (a re-run of an earlier turn may end it before turns stored earlier): not current, skipped
+        (``thinkfleet.turns.beyond_chain_ends``; ``producer verify`` lists them)."""
+        if self._superseded is None:
+            uri, endpoint = self.settings.output_uri, self.settings.s3_endpoint_url
+            pids: list[str] = []
+            ends: list[str] = []
+            for name in self.names():
+                table = reader.read_committed(
+                    uri, self.job, [PROMPT_ID, CONVERSATION_ID, TOOL_CALL_SPANS], [name], endpoint
+                )
+                if table.num_rows == 0 or table[CONVERSATION_ID].null_count == table.num_rows:
+                    continue
+                ids = table[PROMPT_ID].to_pylist()
+                pids += ids
+                ends += [pid for pid, calls in zip(ids, table[TOOL_CALL_SPANS].to_pylist(), strict=True) if calls]
+            self._superseded = beyond_chain_ends(pids, ends)
+        return self._superseded
+
+    def names(self) -> list[str]:
+        if self.datasets:
+            return self.datasets
+        return layout.dataset_names(layout.locate(self.settings.output_uri, self.settings.s3_endpoint_url), self.job)
+
+    def tables(self, columns: list[str], filtered: bool = True) -> Iterator[pa.Table]:
+        uri, endpoint = self.settings.output_uri, self.settings.s3_endpoint_url
+        for name in self.names():
+            table = reader.read_committed(uri, self.job, columns, [name], endpoint)
+            yield self.filter(table) if filtered else table
+
+    def filter(self, table: pa.Table) -> pa.Table:
+        keep = np.ones(table.num_rows, dtype=bool)
+        superseded = self.superseded() if PROMPT_ID in table.column_names else set()
+        if superseded:
+            gone = pc.is_in(table[PROMPT_ID], pa.array(sorted(superseded))).to_numpy(zero_copy_only=False)
+            self.skipped["superseded"] = self.skipped.get("superseded", 0) + int(gone.sum())
+            keep &= ~gone
+        if self.drop_truncated:
+            truncated = ~pc.equal(table[FINISH_REASON], "stop").to_numpy(zero_copy_only=False)
+            self.skipped["truncated"] += int(truncated.sum())
+            keep &= ~truncated
+        if self.min_reasoning_tokens:
+            need_reasoning_spans(table, "--min-reasoning-tokens")
+            reasoning = table[REASONING_END].to_numpy() - table[REASONING_START].to_numpy()
+            short = keep & (reasoning < self.min_reasoning_tokens)
+            self.skipped["short_reasoning"] += int(short.sum())
+            keep &= ~short
+        return table if keep.all() else table.filter(pa.array(keep))
+
+
+# -- files: one, or shards; local or S3 ---------------------------------------------------------------------------
+class Files:
+    """Where an export's files go: one file at ``loc.root``, or shards of at most ``shard_rows`` rows.
+
+    Every file is first written to a local temporary file: renamed into place when complete (local) or
+    uploaded then (S3), so a file is whole or absent; on an error nothing new is left behind. A ``.parquet``
+    suffix writes ``schema``'s Parquet (:meth:`write_table`), any other JSON lines (:meth:`write_lines`).
+    """
+
+    def __init__(
+        self,
+        loc: layout.Location,
+        suffix: str,
+        shard_rows: int | None,
+        result: ExportResult,
+        schema: pa.Schema | None = None,
+    ) -> None:
+        self.loc, self.suffix, self.shard_rows, self.result, self.schema = loc, suffix, shard_rows, result, schema
+        if shard_rows:
+            if loc.root.endswith(suffix):
+                self.dir, base = posixpath.split(loc.root)
+                self.stem = base[: -len(suffix)]
+            else:
+                self.dir, self.stem = loc.root, "part"
+        elif loc.is_local and os.path.isdir(loc.root):
+            raise ExportError(
+                f"--out {loc.root} is a directory: give a file name, or --shard-rows N to write shards into it"
+            )
+        self.tmpdir = tempfile.mkdtemp(prefix="thinkfleet-export-")
+        self.shard = -1
+        self.in_shard = 0
+        self.text: IO[str] | None = None
+        self.parquet: pq.ParquetWriter | None = None
+        self.tmp: str | None = None
+
+    def __enter__(self) -> Files:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        try:
+            if exc_type is None:
+                if self.tmp is None and not self.shard_rows:
+                    self._open()  # an empty export still writes its (empty) file
+                self._close()
+                if self.shard_rows:
+                    self._remove_stale()
+        finally:
+            self._abandon()
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    # -- writing --
+    def write_lines(self, lines: Iterable[str]) -> None:
+        for line in lines:
+            if self._room() == 0 or self.text is None:
+                self._next()
+            assert self.text is not None
+            self.text.write(line + "\n")
+            self.in_shard += 1
+            self.result.rows += 1
+
+    def write_table(self, table: pa.Table) -> None:
+        start = 0
+        while start < table.num_rows:
+            if self._room() == 0 or self.parquet is None:
+                self._next()
+            assert self.parquet is not None
+            take = min(self._room(), table.num_rows - start)
+            self.parquet.write_table(table.slice(start, take))
+            start += take
+            self.in_shard += take
+            self.result.rows += take
+
+    # -- shards --
+    def _room(self) -> int:
+        return self.shard_rows - self.in_shard if self.shard_rows else 1 << 62
+
+    def _next(self) -> None:
+        if self.tmp is not None:
+            self._close()
+        self._open()
+
+    def _target(self) -> str:
+        if not self.shard_rows:
+            return self.loc.root
+        return posixpath.join(self.dir, f"{self.stem}-{self.shard:0{SHARD_DIGITS}d}{self.suffix}")
+
+    def _open(self) -> None:
+        self.shard += 1
+        self.in_shard = 0
+        self.tmp = os.path.join(self.tmpdir, f"shard-{self.shard}{self.suffix}")
+        if self.suffix == ".parquet":
+            assert self.schema is not None, "a Parquet export names its schema"
+            self.parquet = pq.ParquetWriter(self.tmp, self.schema, compression="zstd")
+        else:
+            self.text = open(self.tmp, "w", encoding="utf-8")  # noqa: SIM115 - closed in _close
+
+    def _close(self) -> None:
+        if self.tmp is None:
+            return
+        if self.parquet is not None:
+            self.parquet.close()
+            self.parquet = None
+        if self.text is not None:
+            self.text.close()
+            self.text = None
+        target = self._target()
+        if self.loc.is_local:
+            move_local(self.tmp, target)
+        else:
+            upload(self.loc, self.tmp, target)
+            os.unlink(self.tmp)
+        self.result.files.append(self.loc.uri(target))
+        self.tmp = None
+
+    def _abandon(self) -> None:
+        for handle in (self.text, self.parquet):
+            if handle is not None:
+                handle.close()
+        self.text = self.parquet = None
+
+    def _remove_stale(self) -> None:
+        """Delete shards of an earlier export under the same names that this one did not write."""
+        pattern = re.compile(rf"^{re.escape(self.stem)}-\d{{{SHARD_DIGITS}}}{re.escape(self.suffix)}$")
+        written = {self.loc.path(f) for f in self.result.files}
+        for info in self.loc.fs.get_file_info(pafs.FileSelector(self.dir, allow_not_found=True)):
+            if info.type == pafs.FileType.File and pattern.match(info.base_name) and info.path not in written:
+                self.loc.fs.delete_file(info.path)
+
+
+def move_local(tmp: str, target: str) -> None:
+    """Make ``target`` appear whole: copy beside it under a hidden name, then rename over."""
+    directory, name = os.path.split(target)
+    os.makedirs(directory or ".", exist_ok=True)
+    hidden = os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        shutil.move(tmp, hidden)
+        os.replace(hidden, target)
+    except BaseException:
+        if os.path.exists(hidden):
+            os.unlink(hidden)
+        raise
+
+
+def upload(loc: layout.Location, local_path: str, path: str) -> None:
+    """One complete local file → one object (an S3 object is invisible until its upload completes)."""
+    pafs.copy_files(local_path, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=loc.fs)

@@ -1,0 +1,76 @@
+"""``--format eagle3``: token-level records, Parquet (or JSONL when ``--out`` ends in ``.jsonl``).
+
+A record is ``id``, ``dataset``, ``input_ids`` = prompt + output, ``loss_mask`` 1 over the output and 0 over
+the prompt, ``prompt_len``, ``finish_reason`` (:data:`~storage.exports.tokens.EAGLE3_SCHEMA`). The JSONL form is
+what SpecForge and speculators read (see :mod:`storage.exports.specforge`, which writes it through this class).
+``exclude_reasoning`` zeroes the mask over the reasoning block (through ``</think>``); a job run with
+``--no-reasoning-spans`` trains on the whole output. Rows longer than ``max_length`` are counted and warned about.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import ClassVar
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from storage import layout
+from storage.exports.base import COLUMNS, SPECFORGE_MAX_LENGTH, ExportFormat, ExportResult, Files, Rows
+from storage.exports.tokens import EAGLE3_SCHEMA, MERGE_COLUMNS, eagle3_table, merged_table
+
+
+class Eagle3(ExportFormat):
+    name = "eagle3"
+    suffix = ".parquet"
+    merges_turns = True
+    #: The fields of a JSONL record (``None``: every column of the records).
+    jsonl_fields: ClassVar[tuple[str, ...] | None] = None
+
+    def writes_parquet(self, loc: layout.Location) -> bool:
+        return not loc.root.endswith(".jsonl")
+
+    def keep(self, records: pa.Table, skipped: dict[str, int]) -> pa.Table:
+        """The records worth writing (a subclass drops, and counts into ``skipped``, what its readers drop)."""
+        return records
+
+    def write(self, result: ExportResult, loc: layout.Location, rows: Rows) -> None:
+        opts = self.options
+        parquet = self.writes_parquet(loc)
+        suffix = ".parquet" if parquet else ".jsonl"
+        lengths: list[np.ndarray] = []
+        with Files(loc, suffix, opts.shard_rows, result, EAGLE3_SCHEMA) as files:
+            for table in rows.tables(MERGE_COLUMNS if opts.merge_turns else COLUMNS):
+                if opts.merge_turns:
+                    records = merged_table(table, opts.exclude_reasoning, result.skipped)
+                else:
+                    records = eagle3_table(table, opts.exclude_reasoning)
+                records = self.keep(records, result.skipped)
+                lengths.append(pc.list_value_length(records["input_ids"]).to_numpy(zero_copy_only=False))
+                if parquet:
+                    files.write_table(records)
+                else:
+                    files.write_lines(_json_lines(records.select(list(self.jsonl_fields or records.column_names))))
+        self._count_lengths(result, lengths, opts.max_length)
+
+    @staticmethod
+    def _count_lengths(result: ExportResult, lengths: list[np.ndarray], max_length: int) -> None:
+        """The longest row and the rows over ``max_length``: the consumers cut those without a word."""
+        every = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
+        result.longest = int(every.max()) if len(every) else 0
+        result.max_length = max_length
+        result.over_max_length = int((every > max_length).sum())
+        if result.over_max_length:
+            result.warnings.append(
+                f"{result.over_max_length} of {result.rows} rows are longer than {max_length} tokens (longest "
+                f"{result.longest}): SpecForge cuts rows at data.max_length (default {SPECFORGE_MAX_LENGTH}) "
+                f"without a warning and speculators at --seq-length — set data.max_length={result.longest} / "
+                f"--seq-length {result.longest}, or these rows lose their tail"
+            )
+
+
+def _json_lines(table: pa.Table) -> Iterator[str]:
+    for record in table.to_pylist():
+        yield json.dumps(record, separators=(",", ":"))

@@ -1,0 +1,212 @@
+"""``--format hf``: a Hugging Face dataset (``datasets`` ``save_to_disk``; ``datasets.load_from_disk`` reads it).
+
+The ``eagle3`` columns plus every span and the provenance columns as features (:data:`HF_SCHEMA`); a job run
+with ``--no-reasoning-spans`` keeps its null spans. ``shard_rows`` becomes ``save_to_disk(num_shards=…)``.
+``--push-to-hub REPO`` also uploads it (needs a Hugging Face token), through the one seam :func:`push_dataset`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import posixpath
+import re
+import shutil
+import tempfile
+import uuid
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+
+from storage import layout
+from storage.exports.base import COLUMNS, ExportError, ExportFormat, ExportResult, Rows, upload
+from storage.exports.tokens import eagle3_table
+from storage.schema import (
+    ANSWER_END,
+    ANSWER_START,
+    CHAT_TEMPLATE_HASH,
+    COMPLETION_TOKENS,
+    CONTENT_HASH,
+    CREATED_AT,
+    DATASET,
+    FINISH_REASON,
+    HAS_THINK_END,
+    MODEL,
+    PROMPT_TOKENS,
+    REASONING_END,
+    REASONING_START,
+    REVISION,
+    ROW_INDEX,
+    SAMPLE_INDEX,
+    SAMPLING_PARAMS,
+    STOP_TOKEN,
+    TOKENIZER_FINGERPRINT,
+    TOOL_CALL_SPANS,
+    WEIGHT_VERSION,
+)
+
+HF_EXTRA = "pip install 'thinkfleet[hub]'"
+#: The ``hf`` dataset: the eagle3 columns, then the spans (offsets into the OUTPUT, i.e. into
+#: ``input_ids[prompt_len:]``) and provenance. Plain nullable Arrow types, so ``datasets`` maps them to
+#: features without a cast.
+HF_SCHEMA = pa.schema(
+    [
+        pa.field("id", pa.string()),
+        pa.field(DATASET, pa.string()),
+        pa.field("input_ids", pa.list_(pa.int32())),
+        pa.field("loss_mask", pa.list_(pa.int8())),
+        pa.field("prompt_len", pa.int32()),
+        pa.field(REASONING_START, pa.int32()),
+        pa.field(REASONING_END, pa.int32()),
+        pa.field(HAS_THINK_END, pa.bool_()),
+        pa.field(ANSWER_START, pa.int32()),
+        pa.field(ANSWER_END, pa.int32()),
+        pa.field(TOOL_CALL_SPANS, pa.list_(pa.struct([("start", pa.int32()), ("end", pa.int32())]))),
+        pa.field(STOP_TOKEN, pa.int32()),
+        pa.field(FINISH_REASON, pa.string()),
+        pa.field(PROMPT_TOKENS, pa.int32()),
+        pa.field(COMPLETION_TOKENS, pa.int32()),
+        pa.field(ROW_INDEX, pa.int64()),
+        pa.field(SAMPLE_INDEX, pa.int32()),
+        pa.field(REVISION, pa.int32()),
+        pa.field(MODEL, pa.string()),
+        pa.field(WEIGHT_VERSION, pa.string()),
+        pa.field(SAMPLING_PARAMS, pa.string()),
+        pa.field(TOKENIZER_FINGERPRINT, pa.string()),
+        pa.field(CHAT_TEMPLATE_HASH, pa.string()),
+        pa.field(CONTENT_HASH, pa.string()),
+        pa.field(CREATED_AT, pa.timestamp("us", tz="UTC")),
+    ]
+)
+_HF_PROVENANCE = [f.name for f in HF_SCHEMA][5:]
+_HF_COLUMNS = list(dict.fromkeys([*COLUMNS, *(c for c in _HF_PROVENANCE if c != "prompt_len")]))
+_REPO_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def hf_table(table: pa.Table, exclude_reasoning: bool = False) -> pa.Table:
+    """Committed rows (with :data:`_HF_COLUMNS`) → the ``hf`` dataset's columns (:data:`HF_SCHEMA`)."""
+    tokens = eagle3_table(table, exclude_reasoning)
+    columns = [tokens["id"], tokens[DATASET], tokens["input_ids"], tokens["loss_mask"], tokens["prompt_len"]]
+    columns += [table[name] for name in HF_SCHEMA.names[5:]]
+    return pa.Table.from_arrays([c.cast(f.type) for c, f in zip(columns, HF_SCHEMA, strict=True)], schema=HF_SCHEMA)
+
+
+#: The Hub upload, a seam for tests (no network here): ``push_dataset(dataset, repo, token=…, …)``.
+def push_dataset(dataset: Any, repo: str, *, token: str | None, private: bool, num_shards: int | None) -> None:
+    dataset.push_to_hub(repo, token=token, private=private, num_shards=num_shards)
+
+
+class HuggingFace(ExportFormat):
+    name = "hf"
+    suffix = ""  # a directory
+    pushes = True
+
+    hub_token: str | None = None
+
+    def check(self) -> None:
+        """Validate ``--push-to-hub`` before anything is read, and find the token to push with."""
+        repo = self.options.push_to_hub
+        if repo is None:
+            return
+        if not _REPO_ID.match(repo) or ".." in repo or repo.endswith((".", "-")):
+            raise ExportError(f"--push-to-hub {repo!r} is not a Hub repo id: use NAME or OWNER/NAME")
+        token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
+        if not token:
+            try:
+                from huggingface_hub import get_token
+
+                token = get_token()
+            except ImportError:
+                token = None
+        if not token:
+            raise ExportError(
+                "--push-to-hub needs a Hugging Face token with write access: set HF_TOKEN or run `hf auth login`"
+            )
+        self.hub_token = token
+
+    def write(self, result: ExportResult, loc: layout.Location, rows: Rows) -> None:
+        try:
+            import datasets as hf_datasets
+        except ImportError as exc:
+            raise ExportError(f"--format hf needs the Hugging Face `datasets` package: {HF_EXTRA}") from exc
+
+        quiet = hf_datasets.is_progress_bar_enabled()
+        if quiet:
+            hf_datasets.disable_progress_bars()  # stdout/stderr stay for our own report (--json)
+        try:
+            self._save(hf_datasets, result, loc, rows)
+        finally:
+            if quiet:
+                hf_datasets.enable_progress_bars()
+
+    def _save(self, hf_datasets: Any, result: ExportResult, loc: layout.Location, rows: Rows) -> None:
+        opts = self.options
+        with tempfile.TemporaryDirectory(prefix="thinkfleet-hf-") as tmp:
+            arrow_path = os.path.join(tmp, "rows.arrow")
+            with pa.OSFile(arrow_path, "wb") as sink, pa.ipc.new_stream(sink, HF_SCHEMA) as writer:
+                for table in rows.tables(_HF_COLUMNS):
+                    records = hf_table(table, opts.exclude_reasoning)
+                    writer.write_table(records)
+                    result.rows += records.num_rows
+                    if records.num_rows:
+                        longest = pc.max(pc.list_value_length(records["input_ids"])).as_py()
+                        result.longest = max(result.longest, int(longest))
+            dataset = hf_datasets.Dataset.from_file(arrow_path)  # memory-mapped: never all in memory
+            # One shard at least: datasets saves an empty dataset with none, and then cannot load it.
+            num_shards = max(1, math.ceil(result.rows / opts.shard_rows)) if opts.shard_rows else None
+            if not result.rows:
+                num_shards = 1
+            if loc.is_local:
+                result.files = _save_local_dataset(dataset, loc.root, num_shards)
+            else:
+                saved = os.path.join(tmp, "dataset")
+                dataset.save_to_disk(saved, num_shards=num_shards)
+                result.files = _upload_dataset(loc, saved)
+            if opts.push_to_hub:
+                push_dataset(
+                    dataset, opts.push_to_hub, token=self.hub_token, private=opts.hub_private, num_shards=num_shards
+                )
+                result.pushed_to = opts.push_to_hub
+            del dataset  # release the memory map before the temporary directory goes
+
+
+def _save_local_dataset(dataset: Any, path: str, num_shards: int | None) -> list[str]:
+    """``save_to_disk`` into a hidden sibling, then swap it in; an old export there is replaced whole."""
+    if os.path.exists(path) and not _is_saved_dataset(path):
+        raise ExportError(
+            f"--out {path} exists and is not a saved dataset (no state.json): choose another --out or remove it"
+        )
+    parent, name = os.path.split(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+    old = f"{tmp}-old"
+    try:
+        dataset.save_to_disk(tmp, num_shards=num_shards)
+        if os.path.exists(path):
+            os.rename(path, old)
+        os.rename(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return sorted(os.path.join(path, f) for f in os.listdir(path))
+
+
+def _is_saved_dataset(path: str) -> bool:
+    return os.path.isdir(path) and (not os.listdir(path) or os.path.exists(os.path.join(path, "state.json")))
+
+
+def _upload_dataset(loc: layout.Location, local_dir: str) -> list[str]:
+    """Upload a saved dataset under ``loc.root``: data files first, ``state.json`` last; stale shards removed."""
+    names = sorted(os.listdir(local_dir), key=lambda n: (n in ("dataset_info.json", "state.json"), n))
+    written = []
+    for name in names:
+        path = posixpath.join(loc.root, name)
+        upload(loc, os.path.join(local_dir, name), path)
+        written.append(path)
+    stale = re.compile(r"^data-\d{5}-of-\d{5}\.arrow$")
+    for info in loc.fs.get_file_info(pafs.FileSelector(loc.root, allow_not_found=True)):
+        if info.type == pafs.FileType.File and stale.match(info.base_name) and info.path not in written:
+            loc.fs.delete_file(info.path)
+    return [loc.uri(p) for p in written]
