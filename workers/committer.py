@@ -13,6 +13,11 @@ A failed commit is retried with backoff, rows kept in memory, and ``on_storage(F
 the worker's consuming gate until a commit succeeds again (``on_storage(True, None)``). Only storage (and Redis)
 failures do: a row that cannot be encoded is split off before the write (:class:`BadRow`) and its neighbours land.
 
+Post-commit hooks (workers/hooks.py, multi-turn chaining among them) are asked once per group, before its part is
+written, for their columns and for what the rows' finalize writes in its own Lua call (the next turn's message:
+exactly once, with the row's ``done``); :meth:`GroupCommitter.finalize_orphan` asks them the same for a row an
+earlier run committed and never finalized.
+
 Fencing (thinkfleet/state/ledger.py): just before each write attempt ``mark_part`` checks that every row's
 claim is still ours at its epoch; rows taken over meanwhile (this worker was paused past its lease) are not
 written, and ``finalize`` refuses any that slipped through — both end as :class:`Fenced`.
@@ -35,6 +40,7 @@ import pyarrow as pa
 from storage.writer import PartWriter
 from thinkfleet.failpoints import failpoint
 from thinkfleet.state.ledger import Finalized, FinalRow, Ledger
+from workers.hooks import CommitGroup, FinalizeWrites, PostCommitHooks, StoredRow
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +69,7 @@ class _Pending:
     dataset: str
     row: dict[str, Any]
     final: FinalRow
-    future: asyncio.Future[None] = field(repr=False)
+    future: asyncio.Future[str] = field(repr=False)  # the part that holds the row
 
 
 class GroupCommitter:
@@ -80,6 +86,7 @@ class GroupCommitter:
         max_pending: int | None = None,
         on_storage: Callable[[bool, Exception | None], None] = lambda ok, exc: None,
         retry_max_s: float = 30.0,
+        hooks: PostCommitHooks | None = None,
     ) -> None:
         self.writer = writer
         self.ledger = ledger
@@ -98,21 +105,20 @@ class GroupCommitter:
         self.retry_max_s = retry_max_s
         self._giving_up = False
         self._retry_now = asyncio.Event()
-        #: Multi-turn jobs (``workers/turns.py``): set by the runtime; None = every job is single-turn.
-        self.turns: Any = None
+        self.hooks = hooks or PostCommitHooks()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="group-commit")
 
-    async def commit(self, job: str, dataset: str, row: dict[str, Any], final: FinalRow) -> None:
-        """Returns once the row is durably stored and marked done. While storage fails it keeps waiting
-        (the commit is retried); raises :class:`StorageUnavailable` only when a drain gives up."""
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    async def commit(self, job: str, dataset: str, row: dict[str, Any], final: FinalRow) -> str:
+        """The part holding the row, once it is durably stored and marked done. While storage fails it keeps
+        waiting (the commit is retried); raises :class:`StorageUnavailable` only when a drain gives up."""
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._pending.append(_Pending(job, dataset, row, final, future))
         self._wake.set()
         if len(self._pending) >= self.early_flush_rows:
             self._urgent.set()
-        await future
+        return await future
 
     def flush_soon(self) -> None:
         """Drain: don't wait for the interval."""
@@ -151,25 +157,25 @@ class GroupCommitter:
         written = False
         encoded: memoryview | None = None
         finalized: Finalized | None = None
-        nexts: list[Any] | None = None
+        asked = False  # the hooks, once per group: their columns and finalize writes stand across retries
+        writes: FinalizeWrites | None = None
         failures = 0
         while True:
             try:
-                if nexts is None and self.turns is not None:
-                    # Turn columns before the write; the next turns from the rows as they will be stored.
-                    await self.turns.annotate(job, [i.row for i in items])
-                    nexts = await self.turns.plan(job, dataset, [i.row for i in items])
+                if not asked:
+                    writes = await self.hooks.before_write(CommitGroup(job, dataset, [i.row for i in items]))
+                    asked = True
                 if encoded is None:
-                    items, nexts, encoded = await self._encode(job, dataset, items, nexts)
+                    items, encoded = await self._encode(job, dataset, items)
                     if not items:
                         break  # every row was refused
                 if not written and not (failures and await asyncio.to_thread(self.writer.exists, part)):
                     fenced = await self.ledger.mark_part(job, [i.final.prompt_id for i in items], part)
                     failpoint("after_mark")
                     if fenced:  # paused past our lease: those rows are another run's now
-                        items, nexts = self._fenced(job, items, nexts, fenced)
+                        items = self._fenced(job, items, fenced)
                         if items:
-                            items, nexts, encoded = await self._encode(job, dataset, items, nexts)
+                            items, encoded = await self._encode(job, dataset, items)
                     if not items:
                         break  # every row is fenced
                     failpoint("before_part_write")
@@ -177,9 +183,9 @@ class GroupCommitter:
                 written = True
                 failpoint("after_part_write")
                 if finalized is None:
-                    finalized = await self._finalize(job, dataset, [i.final for i in items], nexts)
+                    finalized = await self._finalize(job, dataset, [i.final for i in items], writes)
                     if finalized.fenced:
-                        items, nexts = self._fenced(job, items, nexts, finalized.fenced)
+                        items = self._fenced(job, items, finalized.fenced)
                 failpoint("after_finalize")
                 break
             except Exception as exc:
@@ -212,11 +218,9 @@ class GroupCommitter:
             await self.on_alarm(job, finalized.seen, finalized.missing)
         for item in items:
             if not item.future.done():
-                item.future.set_result(None)
+                item.future.set_result(part)
 
-    async def _encode(
-        self, job: str, dataset: str, items: list[_Pending], nexts: list[Any] | None
-    ) -> tuple[list[_Pending], list[Any] | None, memoryview]:
+    async def _encode(self, job: str, dataset: str, items: list[_Pending]) -> tuple[list[_Pending], memoryview]:
         """The rows as Parquet bytes (in a thread: encoding is CPU). A row the schema refuses is split off
         (:class:`BadRow` for its task) and the rest encoded without it: one bad answer never holds its
         neighbours, nor closes the storage gate."""
@@ -227,8 +231,7 @@ class GroupCommitter:
                 items[n].future.set_exception(BadRow(reason))
         if bad:
             items = [items[n] for n in keep]
-            nexts = None if nexts is None else [nexts[n] for n in keep]
-        return items, nexts, data
+        return items, data
 
     def _encode_rows(
         self, job: str, dataset: str, rows: list[dict[str, Any]]
@@ -248,9 +251,7 @@ class GroupCommitter:
                 bad.append((n, f"{type(exc).__name__}: {exc}"))
         return keep, bad, self.writer.encode(job, dataset, [rows[n] for n in keep])
 
-    def _fenced(
-        self, job: str, items: list[_Pending], nexts: list[Any] | None, fenced: dict[str, str]
-    ) -> tuple[list[_Pending], list[Any] | None]:
+    def _fenced(self, job: str, items: list[_Pending], fenced: dict[str, str]) -> list[_Pending]:
         """Drop the rows whose claim is no longer ours; their tasks end as :class:`Fenced`."""
         keep: list[int] = []
         for n, item in enumerate(items):
@@ -264,25 +265,25 @@ class GroupCommitter:
             )  # fmt: skip
             if not item.future.done():
                 item.future.set_exception(Fenced(holder))
-        return [items[n] for n in keep], None if nexts is None else [nexts[n] for n in keep]
+        return [items[n] for n in keep]
 
-    async def _finalize(self, job: str, dataset: str, finals: list[FinalRow], nexts: list[Any] | None) -> Finalized:
-        if nexts is None or all(n is None for n in nexts):
+    async def _finalize(
+        self, job: str, dataset: str, finals: list[FinalRow], writes: FinalizeWrites | None
+    ) -> Finalized:
+        """Mark the rows done, and in the same Lua call write what the hooks asked for theirs (keyed by prompt id:
+        a row split off or fenced since takes its write with it)."""
+        if writes is None:
             return await self.ledger.finalize(job, dataset, finals, self.alarm_min_rows, self.alarm_share)
-        from workers.turns import answers_key
-
-        queue, answers = await self.turns.queue_for(job), answers_key(self.ledger.keys, job)
+        per_row = [writes.rows.get(f.prompt_id) for f in finals]
         return await self.ledger.finalize(
-            job, dataset, finals, self.alarm_min_rows, self.alarm_share, nexts, queue, answers
+            job, dataset, finals, self.alarm_min_rows, self.alarm_share, per_row, writes.queue, writes.records
         )
 
     async def finalize_orphan(self, job: str, dataset: str, part: str, final: FinalRow) -> Finalized:
-        """The recovery of a row committed in ``part`` but never finalized: finalize it and, for a turn of a
-        multi-turn job, enqueue the next turn computed from the stored row (as the dead run would have)."""
-        nexts = None
-        if self.turns is not None:
-            nexts = [await self.turns.plan_stored(job, dataset, part, final.prompt_id)]
-        return await self._finalize(job, dataset, [final], nexts)
+        """The recovery of a row committed in ``part`` but never finalized: finalize it with what the hooks
+        compute from the stored row (a turn's next turn: as the dead run would have written it)."""
+        writes = await self.hooks.before_orphan_finalize(StoredRow(job, dataset, part, final.prompt_id))
+        return await self._finalize(job, dataset, [final], writes)
 
     def give_up(self) -> None:
         """Draining: a commit that is failing stops retrying and hands its prompts back."""

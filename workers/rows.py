@@ -91,7 +91,7 @@ def build_row(
         "tokenizer_fingerprint": job.tokenizer_fingerprint,
         "chat_template_hash": job.chat_template_hash,
         "content_hash": task.content_hash,
-        # --turns all: filled by the committer (workers/turns.py); null for single-turn jobs
+        # --turns all: filled before the write by the TurnChaining hook (workers/turns.py); null for single-turn jobs
         "conversation_id": None,
         "turn_index": None,
         "turn_count": None,

@@ -42,13 +42,14 @@ from workers.attempts import HandBack, RequestAttempts
 from workers.client import SGLangClient
 from workers.committer import GroupCommitter
 from workers.health import HealthGate
+from workers.hooks import PostCommitHooks
 from workers.identity import GuardedLedger, NameHeld
 from workers.jobs import JobCache
 from workers.lease import HeldMessages, LeaseKeeper
 from workers.loop import EventLoopThread
 from workers.metrics import WorkerMetrics
 from workers.pipeline import PromptPipeline
-from workers.turns import TurnChainer
+from workers.turns import TurnChainer, TurnChaining
 
 log = logging.getLogger("thinkfleet.worker")
 
@@ -122,6 +123,11 @@ class WorkerRuntime:
             await asyncio.to_thread(self.writer.probe)
         except StorageNotWritable as exc:
             raise RuntimeStartError(str(exc)) from exc
+        # What hangs off a stored row, in order (workers/hooks.py): the committer and the pipeline call them.
+        self.hooks = PostCommitHooks(
+            [TurnChaining(TurnChainer(self.redis, s.keys, s, self.writer))],  # --turns all jobs
+            on_error=lambda hook, exc: self.metrics.errors.labels("post_commit_hook").inc(),
+        )
         self.committer = GroupCommitter(
             self.writer,
             self.ledger,
@@ -136,8 +142,8 @@ class WorkerRuntime:
             max_pending=early_flush_rows(s),
             on_storage=self._storage_state,
             retry_max_s=s.storage_retry_max_s,
+            hooks=self.hooks,
         )
-        self.committer.turns = TurnChainer(self.redis, s.keys, s, self.writer)  # --turns all jobs
         self.committer.start()
         self.gate = HealthGate(
             self.client,
@@ -162,6 +168,7 @@ class WorkerRuntime:
             self.attempts,
             self.metrics,
             lambda: self.draining,
+            hooks=self.hooks,
         )
         self.gate.start()
         try:

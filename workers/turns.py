@@ -10,7 +10,8 @@ checked against the job record first) and hands the message to ``Ledger.finalize
 records the answer (``answers_key``) and enqueues turn i+1 in ONE Lua call. Everything the next message holds is
 computed from stored data only (the conversation, the answers of turns < i recorded by earlier finalizes, turn
 i's row in its part), so the recovery of a worker that died between the part write and the finalize (orphan part
-→ finalize) enqueues the same turn i+1.
+→ finalize) enqueues the same turn i+1. The worker enters this module through one door, :class:`TurnChaining`, a
+post-commit hook (workers/hooks.py) whose finalize writes ride in that Lua call.
 
 The template decides what of the history it keeps: the answer always carries ``reasoning_content`` (Kimi's
 K2-Thinking template drops it for turns before the last plain assistant turn).
@@ -57,6 +58,7 @@ from thinkfleet.turns import (
     turn_messages,
     turns_meta,
 )
+from workers.hooks import CommitGroup, FinalizeWrites, PostCommitHook, StoredRow
 
 log = logging.getLogger(__name__)
 
@@ -256,6 +258,33 @@ class TurnChainer:
 
             self._envelopes[priority] = Envelope(self.settings, priority)
         return self._envelopes[priority].encode(task)
+
+
+class TurnChaining(PostCommitHook):
+    """Multi-turn chaining as a post-commit hook: a turn's row gets its turn columns before the write, and its
+    finalize records its answer and enqueues the next turn (exactly once: in the finalize's own Lua call)."""
+
+    name = "turn-chaining"
+
+    def __init__(self, chainer: TurnChainer) -> None:
+        self.chainer = chainer
+
+    async def before_write(self, group: CommitGroup) -> FinalizeWrites | None:
+        # Turn columns before the write; the next turns from the rows as they will be stored.
+        await self.chainer.annotate(group.job, group.rows)
+        return await self._writes(group.job, await self.chainer.plan(group.job, group.dataset, group.rows))
+
+    async def before_orphan_finalize(self, row: StoredRow) -> FinalizeWrites | None:
+        # The next turn from the stored row: what the run that wrote it would have enqueued.
+        return await self._writes(
+            row.job, [await self.chainer.plan_stored(row.job, row.dataset, row.part, row.prompt_id)]
+        )
+
+    async def _writes(self, job: str, nexts: list[NextTurn | None]) -> FinalizeWrites | None:
+        rows = {n.prompt_id: n for n in nexts if n is not None}
+        if not rows:
+            return None  # no turn of a multi-turn job among them: the plain finalize
+        return FinalizeWrites(await self.chainer.queue_for(job), answers_key(self.chainer.keys, job), rows)
 
 
 def _carried(record: JobRecord, dataset: str, row: dict[str, Any]) -> dict[str, Any]:
