@@ -63,6 +63,9 @@ class ServerConfig:
     #: Reported in /server_info (``enable_deterministic_inference`` and the settings it forces); the
     #: simulator's output is deterministic either way (it does not model batch-dependent sampling).
     enable_deterministic_inference: bool = False
+    #: ``--enable-metrics`` (the compose file runs it): reported in /server_info, and 0.5.9 then adds the
+    #: scheduler's timing keys to every ``meta_info``.
+    enable_metrics: bool = True
 
     # -- lifecycle and health (wall seconds) --------------------------------------------------------------
     #: Weights loading: the port refuses connections this long after start (SGLang starts uvicorn only

@@ -117,6 +117,7 @@ class CallItem:
                 cached_tokens=req.cached_tokens,
                 e2e_latency_s=req.e2e_latency_s if final else None,
                 sent_ts=time.time() if final else None,
+                in_batch=not self.call.parsed.is_single,
             ),
         }
         if self.item.return_logprob:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -617,12 +618,22 @@ def meta_info(
     sent_ts: float | None = None,
     retractions_key: str = "num_retractions",
     with_reasoning_tokens: bool = True,
+    with_cached_tokens_details: bool = False,
+    timing: bool = False,
+    in_batch: bool = False,
 ) -> dict[str, Any]:
     """``meta_info`` in ``_handle_batch_output``'s key order; ``e2e_latency`` only once finished.
 
     0.5.9: ``total_retractions`` and no ``reasoning_tokens``; 0.5.12+: ``num_retractions``; 0.5.10+:
-    ``reasoning_tokens`` (see :class:`sglang_sim.versions.VersionProfile`).
+    ``reasoning_tokens`` (see :class:`sglang_sim.versions.VersionProfile`). ``cached_tokens_details`` is
+    null (no hierarchical cache). ``timing`` (0.5.9 with ``--enable-metrics``, as compose runs it): the
+    scheduler's ``queue_time``, ``prefill_launch_delay``, ``prefill_launch_latency``, ``prefill_finished_ts``
+    in every chunk, and ``_calculate_timing_metrics``' timestamps once finished (measured against a real
+    0.5.9: tests/real_sglang). ``decode_throughput`` is left out: the real server adds it only when a token
+    reached the tokenizer manager before the last one, which depends on its batching. A request of a batch
+    (``input_ids`` a list of lists) has no ``request_sent_to_scheduler_ts``.
     """
+    now = time.time()
     meta: dict[str, Any] = {
         "id": rid,
         "finish_reason": finish_reason,
@@ -632,10 +643,21 @@ def meta_info(
     }
     if with_reasoning_tokens:
         meta["reasoning_tokens"] = reasoning_tokens
+    if timing:
+        meta |= {"queue_time": 0.0, "prefill_launch_delay": 0.0, "prefill_launch_latency": 0.0}
+        meta["prefill_finished_ts"] = now - (e2e_latency_s or 0.0)
     meta["completion_tokens"] = completion_tokens
     meta["cached_tokens"] = cached_tokens
+    if with_cached_tokens_details:
+        meta["cached_tokens_details"] = None
     if e2e_latency_s is not None:
         meta["e2e_latency"] = e2e_latency_s
+        if timing:
+            received = (sent_ts or now) - e2e_latency_s
+            meta["request_received_ts"] = received
+            if not in_batch:
+                meta["request_sent_to_scheduler_ts"] = received
+            meta |= {"decode_finished_ts": sent_ts or now, "inference_time": e2e_latency_s}
         meta["response_sent_to_client_ts"] = sent_ts
     return meta
 

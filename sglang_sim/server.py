@@ -247,6 +247,8 @@ class Simulator:
             **fields,
             retractions_key=self.profile.retractions_key,
             with_reasoning_tokens=self.profile.reasoning_tokens,
+            with_cached_tokens_details=self.profile.cached_tokens_details,
+            timing=self.profile.timing_meta_info and self.config.server.enable_metrics,
         )
 
 
@@ -345,7 +347,7 @@ def _server_args(sim: Simulator) -> dict[str, Any]:
         "reasoning_parser": server.reasoning_parser,
         "tool_call_parser": server.tool_call_parser,
         "weight_version": server.weight_version,
-        "enable_metrics": True,
+        "enable_metrics": server.enable_metrics,
         "allow_auto_truncate": False,
         "preferred_sampling_params": None,
         # --enable-deterministic-inference forces the PyTorch sampler, fa3 attention on Hopper and, with

@@ -39,6 +39,12 @@ class VersionProfile:
     #: ``/server_info`` also has launch_command, startup_time, hicache_object_layout, kv_events,
     #: frontend; ``internal_states[].memory_usage.graph`` is a per-phase dict.
     server_info_extended: bool
+    #: ``meta_info.cached_tokens_details`` (null without a hierarchical cache) after ``cached_tokens``.
+    cached_tokens_details: bool = True
+    #: With ``--enable-metrics``, ``meta_info`` carries the scheduler's timing keys (0.5.9's
+    #: ``_add_metric_if_present`` / ``_calculate_timing_metrics``; 0.5.23 reworked them into
+    #: ``req_time_stats``, not modelled).
+    timing_meta_info: bool = False
 
 
 PROFILES: dict[str, VersionProfile] = {
@@ -53,6 +59,7 @@ PROFILES: dict[str, VersionProfile] = {
         ready_route=False,
         model_info_extended=False,
         server_info_extended=False,
+        timing_meta_info=True,
     ),
     "0.5.23": VersionProfile(
         version="0.5.23",

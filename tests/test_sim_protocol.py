@@ -30,7 +30,13 @@ PROMPT = [*SYSTEM_TURN, *USER_TURN, kimi.IM_ASSISTANT, 16, kimi.IM_MIDDLE, kimi.
 META_KEYS = ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions", "reasoning_tokens"]
 #: The release these tests run (and the health round trip shortened: they poll health).
 NEW = {"sglang_version": "0.5.23", "health_min_s": 0.05}
-META_KEYS += ["completion_tokens", "cached_tokens", "e2e_latency", "response_sent_to_client_ts"]
+META_KEYS += [
+    "completion_tokens",
+    "cached_tokens",
+    "cached_tokens_details",
+    "e2e_latency",
+    "response_sent_to_client_ts",
+]
 
 
 @pytest.fixture(scope="module")

@@ -28,11 +28,17 @@ PROMPT = [kimi.IM_USER, 13, 14, kimi.IM_MIDDLE, 15, kimi.IM_END, kimi.IM_ASSISTA
 OLD, NEW = "0.5.9", "0.5.23"
 FAST = {"health_min_s": 0.05}
 #: meta_info keys of a finished non-streamed generation, in SGLang's order.
+#: As measured against a real 0.5.9 with --enable-metrics (tests/real_sglang): the scheduler's timing keys.
+TIMING = ["queue_time", "prefill_launch_delay", "prefill_launch_latency", "prefill_finished_ts"]
+FINISH_TIMING = ["request_received_ts", "request_sent_to_scheduler_ts", "decode_finished_ts", "inference_time"]
 META_KEYS = {
-    OLD: ["id", "finish_reason", "prompt_tokens", "weight_version", "total_retractions"],
+    OLD: ["id", "finish_reason", "prompt_tokens", "weight_version", "total_retractions", *TIMING],
     NEW: ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions", "reasoning_tokens"],
 }
-TAIL_KEYS = ["completion_tokens", "cached_tokens", "e2e_latency", "response_sent_to_client_ts"]
+TAIL_KEYS = {
+    OLD: ["completion_tokens", "cached_tokens", "cached_tokens_details", "e2e_latency", *FINISH_TIMING],
+    NEW: ["completion_tokens", "cached_tokens", "cached_tokens_details", "e2e_latency"],
+}
 
 
 def generate(url: str, body: dict[str, Any], timeout_s: float = 30.0) -> requests.Response:
@@ -112,7 +118,7 @@ def test_meta_info_keys_per_release(sims: dict[str, SimulatorThread], version: s
     out = generate(sims[version].url, body).json()
 
     meta = out["meta_info"]
-    assert list(meta) == META_KEYS[version] + TAIL_KEYS
+    assert list(meta) == META_KEYS[version] + TAIL_KEYS[version] + ["response_sent_to_client_ts"]
     retractions = "total_retractions" if version == OLD else "num_retractions"
     assert meta[retractions] == 0
     if version == NEW:
