@@ -149,6 +149,57 @@ def _rid_prompts(stats: dict[str, object], job: str) -> dict[str, int]:
     return counts
 
 
+def test_a_rollback_that_loses_a_finished_prompts_message_too_is_finalized_again_from_its_row(tmp_path: Path) -> None:
+    # Given one prompt claimed by a worker, a snapshot taken while it generates, and the prompt then stored,
+    # finalized and acked.
+    from thinkfleet.broker.keys import KombuKeys
+
+    server = RedisServer(tmp_path / "redis").start()
+    settings = isolated_settings(server.url(), str(tmp_path / "out"))
+    client = redis.Redis.from_url(server.url())
+    keys = settings.keys
+    started = time.monotonic()
+    try:
+        with simulator(tmp_path, "--time-scale", "1", "--per-request-tok-s", "40") as sim:
+            env = fast_env(settings, sim, max_inflight=2, request_timeout_floor_s=120)
+            worker = WorkerProcess("w1", env, tmp_path).start()
+            try:
+                worker.wait_ready(client, keys)
+                job = submit_ids(settings, "lost-msg", make_prompts(1), max_new_tokens=512)  # ~13 s to generate
+                wait_until(lambda: client.hexists(keys.claims("lost-msg"), "p00000"), 60, what="the claim")
+                before = client.lastsave()
+                client.bgsave()  # the fork is the snapshot: it holds the claim and the delivered message
+                assert not client.sismember(keys.done("lost-msg"), "p00000"), "finished before the snapshot"
+                wait_until(lambda: client.lastsave() != before, 60, what="the snapshot written")
+                wait_until(lambda: job_progress(client, keys, "lost-msg")["done"] == 1, 120, what="the row stored")
+                # When Redis comes back from that snapshot, and without the prompt's message: whatever loses it
+                # (here: the unacked record is gone), no delivery will ever run it again.
+                server.stop(kill=True)
+                server.start()
+                kombu = KombuKeys(settings.key_prefix)
+                client.delete(kombu.unacked, kombu.unacked_index, settings.queue)
+                assert json.loads(client.hget(keys.claims("lost-msg"), "p00000"))["worker"] == "w1"
+                # Then the worker that stored the row finalizes it again from that row (its claim still names it).
+                wait_until(lambda: _progress(client, keys, "lost-msg")["done"] == 1, 60, what="finalized again")
+                wait_until(lambda: not client.hlen(keys.claims("lost-msg")), 30, what="no claim left")
+            finally:
+                worker.terminate()
+        assert "finalized lost-msg/p00000 again" in worker.tail(400)
+        outcome = check_job(settings, "lost-msg", job.prompts, job.sampling_params)
+        record_result(
+            "Redis rollback that also loses a finished prompt's message",
+            outcome,
+            "BGSAVE mid-generation, the row stored and acked, Redis back from the snapshot without the message",
+            [],
+            time.monotonic() - started,
+            workers=1,
+            notes="the worker that stored the row finalizes it again from the part (it remembers its recent rows)",
+        )
+        outcome.assert_clean()
+    finally:
+        server.stop()
+
+
 def test_redis_lost_entirely_resubmit_runs_exactly_the_missing_prompts(tmp_path: Path, tok_dir: Path) -> None:
     # Given a job submitted with the real producer, half done, on a Redis without persistence.
     server = RedisServer(tmp_path / "redis").start()

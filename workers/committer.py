@@ -30,7 +30,7 @@ import contextlib
 import logging
 import random
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,8 +39,11 @@ import pyarrow as pa
 
 from storage.writer import PartWriter
 from thinkfleet.failpoints import failpoint
-from thinkfleet.state.ledger import Finalized, FinalRow, Ledger
+from thinkfleet.state.ledger import Fence, Finalized, FinalRow, Ledger
 from workers.hooks import CommitGroup, FinalizeWrites, PostCommitHooks, StoredRow
+
+#: How many finalized rows a worker remembers for :meth:`GroupCommitter.replay` (a few hundred bytes each).
+RECENT_FINALIZES = 20_000
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +109,9 @@ class GroupCommitter:
         self._giving_up = False
         self._retry_now = asyncio.Event()
         self.hooks = hooks or PostCommitHooks()
+        #: (job, prompt id) → (dataset, part, final row, its fence) of the rows this process finalized last: what
+        #: :meth:`replay` finalizes again when Redis lost that finalize (a rollback) along with the message.
+        self._recent: OrderedDict[tuple[str, str], tuple[str, str, FinalRow, Fence]] = OrderedDict()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="group-commit")
@@ -154,6 +160,8 @@ class GroupCommitter:
         write that landed before an error (the ambiguous commit) is found and only finalized, not repeated."""
         started = time.perf_counter()
         part = self.writer.part_name(job, dataset)
+        # The fences the rows run under (the finalize drops them): kept with the rows this process remembers.
+        fences = {i.final.prompt_id: self.ledger.held.get((job, i.final.prompt_id)) for i in items}
         written = False
         encoded: memoryview | None = None
         finalized: Finalized | None = None
@@ -218,6 +226,7 @@ class GroupCommitter:
             await self.on_alarm(job, finalized.seen, finalized.missing)
         for item in items:
             if not item.future.done():
+                self._remember(job, dataset, part, item.final, fences.get(item.final.prompt_id))
                 item.future.set_result(part)
 
     async def _encode(self, job: str, dataset: str, items: list[_Pending]) -> tuple[list[_Pending], memoryview]:
@@ -284,6 +293,37 @@ class GroupCommitter:
         compute from the stored row (a turn's next turn: as the dead run would have written it)."""
         writes = await self.hooks.before_orphan_finalize(StoredRow(job, dataset, part, final.prompt_id))
         return await self._finalize(job, dataset, [final], writes)
+
+    def _remember(self, job: str, dataset: str, part: str, final: FinalRow, fence: Fence | None) -> None:
+        if fence is None:
+            return
+        key = (job, final.prompt_id)
+        self._recent[key] = (dataset, part, final, fence)
+        self._recent.move_to_end(key)
+        while len(self._recent) > RECENT_FINALIZES:
+            self._recent.popitem(last=False)
+
+    async def replay(self, job: str, prompt_id: str) -> bool:
+        """Finalize again a row this process stored and finalized, whose claim Redis shows as still ours (a
+        rollback lost the finalize; the message that ran it may be lost too): True once it is done again. The
+        finalize is fenced as always (the claim must still be ours at the row's epoch), and the hooks rebuild
+        their writes from the stored row (a turn's next turn, lost with the finalize)."""
+        entry = self._recent.get((job, prompt_id))
+        if entry is None:
+            return False
+        dataset, part, final, fence = entry
+        if not await asyncio.to_thread(self.writer.exists, part):
+            return False
+        key = (job, prompt_id)
+        self.ledger.held[key] = fence  # the run's own fence again, for this one finalize
+        try:
+            finalized = await self.finalize_orphan(job, dataset, part, final)
+        finally:
+            self.ledger.held.pop(key, None)
+        if prompt_id in finalized.fenced:
+            return False
+        log.warning("finalized %s/%s again from %s: Redis had lost its finalize (a rollback?)", job, prompt_id, part)
+        return True
 
     def give_up(self) -> None:
         """Draining: a commit that is failing stops retrying and hands its prompts back."""

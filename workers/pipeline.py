@@ -212,7 +212,7 @@ class PromptPipeline:
         while True:
             await asyncio.sleep(max(0.2, self.settings.lease_s / 4))
             try:
-                strays = await self.ledger.abandon_claims(lambda job, pid: pid in self._active)
+                strays = await self.ledger.abandon_claims(lambda job, pid: pid in self._active, self.committer.replay)
                 if strays:
                     log.warning("let go of %d claims under our name that no run of ours holds (lost writes?)", strays)
             except RedisError:

@@ -45,7 +45,7 @@ import base64
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -353,7 +353,11 @@ class Ledger:
             )
         return result > 0
 
-    async def abandon_claims(self, running: Callable[[str, str], bool] | None = None) -> int:
+    async def abandon_claims(
+        self,
+        running: Callable[[str, str], bool] | None = None,
+        replay: Callable[[str, str], Awaitable[bool]] | None = None,
+    ) -> int:
         """At start: claims under our name are a previous life's (same --name, or same hostname-pid in a
         restarted container). Our fresh heartbeat would make them look alive to other workers, whose
         redelivered copies would wait on them forever, so they lose their owner (and keep their part:
@@ -361,7 +365,9 @@ class Ledger:
 
         While running, with ``running(job, prompt_id)`` (this process runs it): our claims that no run of ours
         holds are strays — Redis lost the finalize that deleted them (a rollback to an older snapshot, a
-        replica promoted behind) — and are let go the same way, so no copy waits on them."""
+        replica promoted behind) — and are let go the same way, so no copy waits on them. Before that,
+        ``replay(job, prompt_id)`` may finalize the stray again from the row this process stored (True: done,
+        not let go): the lost message that ran it may never come back, and the row is already durable."""
         abandoned = 0
         for raw_job in await self.r.smembers(self.keys.jobs):
             job = raw_job.decode(errors="replace") if isinstance(raw_job, bytes) else str(raw_job)
@@ -378,6 +384,8 @@ class Ledger:
                     if isinstance(claim, dict) and claim.get("worker") == self.worker:
                         pid = prompt_id.decode(errors="replace") if isinstance(prompt_id, bytes) else str(prompt_id)
                         if running is not None and ((job, pid) in self.held or running(job, pid)):
+                            continue
+                        if replay is not None and await replay(job, pid):
                             continue
                         orphan = json.dumps({**claim, "worker": ""})
                         keys = [self.keys.claims(job)]
