@@ -33,7 +33,7 @@ from bench.fleet import FleetConfig, run_fleet
 from bench.harness import RESULTS, code_version, loadavg, make_prompts, write_json
 from bench.report import code_stamp, table, update_section
 from sglang_sim.engine import EngineConfig
-from thinkfleet.testing.rows import PROMPT_MEDIAN, PROMPT_SIGMA
+from testing.rows import PROMPT_MEDIAN, PROMPT_SIGMA
 
 JOB = "bench-fleet"
 #: The seed's single-server figures (MISSION.md).
@@ -197,7 +197,7 @@ def seed_mean_lengths(n: int, seed: int = 11) -> np.ndarray:
 
 
 def seed_prompt_lengths(n: int, seed: int = 12) -> np.ndarray:
-    """Prompt lengths of the seed run (thinkfleet.testing.rows: lognormal, median 300, sigma 0.8)."""
+    """Prompt lengths of the seed run (testing.rows: lognormal, median 300, sigma 0.8)."""
     rng = np.random.default_rng(seed)
     return (rng.lognormal(np.log(PROMPT_MEDIAN), PROMPT_SIGMA, n).astype(np.int64) + 1).clip(1, None)
 
@@ -571,7 +571,7 @@ writes a part; and an abort of the losing request to free its slot.
 
 Lengths: the simulator's lognormal shape scaled to the seed's mean — mean {lengths["mean"]:.0f}, median
 {lengths["median"]:.0f}, {lengths["over_2000"]:.1%} over 2,000, {lengths["over_5000"]:.1%} over 5,000, capped at
-{lengths["max"]:,}. Prompts: the seed run's (thinkfleet.testing.rows: lognormal, median {PROMPT_MEDIAN}) — mean
+{lengths["max"]:,}. Prompts: the seed run's (testing.rows: lognormal, median {PROMPT_MEDIAN}) — mean
 {proj["prompt_lengths"]["mean"]:.0f} tokens, {proj["prompt_lengths"]["total"] / 1e6:.1f} M in all — prefilled at
 {proj["prefill_tok_s"]:,.0f} tok/s per host (the simulator's `prefill_tok_s`, `sglang_sim.engine.EngineConfig`; decode
 pauses while a prefill runs, as SGLang's default scheduler does). *Model* is the exact fleet model (global queue,

@@ -7,7 +7,7 @@
 Writes bench/results/producer.json and rewrites its section of BENCHMARKS.md from that JSON.
 
 Everything runs against a private ``redis-server --save ''`` on a free port (never the shared
-127.0.0.1:6379). The Kimi-shaped test tokenizer (thinkfleet.testing.tokenizer) stands in for Kimi's;
+127.0.0.1:6379). The Kimi-shaped test tokenizer (thinkfleet/demo_tokenizer.py) stands in for Kimi's;
 its ids are scattered over the full 163,584-id range, so compression is not flattered by small ids.
 
 Figures, all from one run:
@@ -45,11 +45,11 @@ from bench.report import code_stamp, table, update_section
 from producer import render
 from producer.enqueue import Stager
 from producer.submit import SubmitOptions, submit
+from testing.datasets import chat_rows, write_jsonl
+from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet.broker.envelope import Envelope
 from thinkfleet.message import TASK_NAME, PromptTask, unpack_ids
 from thinkfleet.settings import Settings
-from thinkfleet.testing.datasets import chat_rows, write_jsonl
-from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 
 
 def free_port() -> int:
@@ -193,7 +193,7 @@ Command (`--prompts 88088`, the default, takes ~25 min on the 2-vCPU VM and give
 Run {f.get("date", "?")}. {code_stamp(f.get("code"))}
 
 Data: {f["prompts"]:,} synthetic rows (system + user turn of 440 corpus words + an assistant answer the submit
-drops), rendered by the Kimi-shaped test tokenizer (`thinkfleet/testing/tokenizer.py`) standing in for
+drops), rendered by the Kimi-shaped test tokenizer (`thinkfleet/demo_tokenizer.py`) standing in for
 Kimi's: {f["prompt_tokens"]:,} prompt tokens, mean {f["mean_prompt_tokens"]:.0f} per prompt, every prompt ending in
 `<think>`. Its learned tokens are scattered over the whole 163,584-id base range, so packed-id sizes are not
 flattered by small ids. Machine: the shared 2-vCPU dev VM, {f["processes"]} render processes, 1-minute load

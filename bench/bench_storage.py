@@ -56,8 +56,8 @@ from storage.schema import (
 )
 from storage.spans import compute_spans, compute_spans_batch
 from storage.writer import PartWriter, encode_parquet
+from testing.rows import synthetic_rows
 from thinkfleet import kimi
-from thinkfleet.testing.rows import synthetic_rows
 
 
 def naive_spans(ids: list[int]) -> dict[str, Any]:

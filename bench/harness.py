@@ -28,13 +28,13 @@ import redis
 
 from producer.enqueue import Stager
 from sglang_sim.testing import SimulatorProcess, free_port, wait_for_port
+from testing.datasets import kimi_id_prompt
+from testing.fleet import WorkerProcess, register_id_job, worker_env
 from thinkfleet import kimi
 from thinkfleet.broker.envelope import Envelope
 from thinkfleet.keys import Keys
 from thinkfleet.message import PromptTask, pack_ids
 from thinkfleet.settings import Settings
-from thinkfleet.testing.datasets import kimi_id_prompt
-from thinkfleet.testing.fleet import WorkerProcess, register_id_job, worker_env
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

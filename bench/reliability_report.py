@@ -39,7 +39,7 @@ _PREVIOUS = "_previous"
 
 def code_version(root: Path = ROOT) -> str:
     """``git rev-parse HEAD``, plus "-dirty" when ``git status --porcelain`` lists anything."""
-    from thinkfleet.testing.harness import git_version
+    from testing.harness import git_version
 
     return git_version(root)
 
@@ -196,7 +196,7 @@ def render(rows: list[dict[str, Any]], runs: dict[str, Any]) -> str:
         "that the real `producer verify JOB` exits 0, and that `producer status JOB --json` counts "
         "(total/done/dead/queued/running/unaccounted) equal storage's. Some scenarios also sample the live "
         "invariant `total = done + dead + queued + running` while the faults happen "
-        "(`thinkfleet/testing/invariant_watch.py`).",
+        "(`testing/invariant_watch.py`).",
         "",
         "- **result**: pass, **FAIL** (a check failed, or the scenario did not finish: its counts are what "
         "Redis and storage held when it failed, `?` where unknown) or SKIP (not run).",

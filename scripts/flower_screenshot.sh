@@ -73,7 +73,7 @@ wait_port "$FLOWER_PORT" flower
 "$VENV/python" - "$WORK" <<'EOF'
 import json, sys
 from pathlib import Path
-from thinkfleet.testing.tokenizer import build_test_tokenizer
+from testing.tokenizer import build_test_tokenizer
 work = Path(sys.argv[1])
 build_test_tokenizer(work / "tokenizer")
 for name, count, template in (

@@ -1,16 +1,16 @@
 """Shared fixtures: a private redis-server per test session. Helpers live in the one test-support package,
-:mod:`thinkfleet.testing` (services, fleet processes, the worker harness, tokenizers, rows, datasets).
+:mod:`testing` (services, fleet processes, the worker harness, tokenizers, rows, datasets).
 
 Tests never touch the shared Redis at 127.0.0.1:6379: each session starts its own redis-server on a
 free port (so parallel runs and a developer's data stay apart) and each test gets a fresh DB.
 
 A service a test needs (redis-server, RabbitMQ) that is missing skips the test on a developer's
 machine but **fails** it under CI (``CI`` set, as CI runners do): CI must never pass by skipping.
-Use ``thinkfleet.testing.services.service_missing`` inside a test or fixture, or mark a module with
+Use ``testing.services.service_missing`` inside a test or fixture, or mark a module with
 ``needs_service``.
 
 With ``THINKFLEET_RELIABILITY_RESULTS`` set, a failed or skipped reliability test leaves an honest
-result row (``thinkfleet/testing/harness.py`` ``record_failure``/``record_skip``), even when it failed
+result row (``testing/harness.py`` ``record_failure``/``record_skip``), even when it failed
 before it could record one.
 """
 
@@ -23,7 +23,7 @@ import pytest
 import redis
 
 from sglang_sim.testing import SimulatorProcess
-from thinkfleet.testing.services import RedisServer, service_missing
+from testing.services import RedisServer, service_missing
 
 RESULTS_ENV = "THINKFLEET_RELIABILITY_RESULTS"
 
@@ -52,7 +52,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
         return
     if not (report.failed or (report.skipped and not hasattr(report, "wasxfail"))):
         return
-    from thinkfleet.testing import harness as worker_harness
+    from testing import harness as worker_harness
 
     ci = item.get_closest_marker("slow") is None
     if report.failed:

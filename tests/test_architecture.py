@@ -2,9 +2,11 @@
 
 - producer/ and workers/ are peers: neither imports the other, not even inside a function; they meet in the
   foundation package thinkfleet/.
-- thinkfleet/ imports none of the packages built on it (producer, workers, storage, sglang_sim), except its
-  test-support package thinkfleet/testing/, which drives them all; no product code imports that package (but the
-  demo, which runs the product on test tokenizers).
+- thinkfleet/, every module of it, imports none of the packages built on it (producer, workers, storage,
+  sglang_sim, bench, testing), not even inside a function; the demo's worker processes and test tokenizer live
+  in the foundation (thinkfleet/demo_fleet.py, thinkfleet/demo_tokenizer.py) for that reason.
+- testing/ (test support: services, fleet processes, the worker harness, tokenizers, rows, datasets) stands above
+  every package it uses: no product code imports it, and nothing it imports imports it back.
 - kombu is imported only by thinkfleet/broker/ (Celery itself also by the worker's workers/app.py and
   workers/tasks.py and the worker's pool workers/pool.py, and by benchmarks), and only there is kombu's key
   separator (``"\\x06\\x16"``) spelled.
@@ -22,7 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("producer", "workers", "storage", "sglang_sim", "thinkfleet", "bench")
+PACKAGES = ("producer", "workers", "storage", "sglang_sim", "thinkfleet", "bench", "testing")
+FOUNDATION = "thinkfleet/"
+#: Every package built on the foundation.
+ABOVE_FOUNDATION = frozenset(PACKAGES) - {"thinkfleet"}
+TESTING = "testing/"
 BROKER = "thinkfleet/broker/"
 #: kombu's separator between a queue and its priority step (thinkfleet/broker/keys.py: PRIORITY_SEP).
 KOMBU_SEP = "\x06\x16"
@@ -53,22 +59,25 @@ def _package_of(path: str) -> str:
     return path.rsplit("/", 1)[0].replace("/", ".")
 
 
-def _imports() -> list[Import]:
-    """Every import statement, at any depth (function bodies, ``if TYPE_CHECKING:``, try blocks)."""
+def _imports_of(path: str, tree: ast.Module) -> list[Import]:
+    """Every import statement of one file, at any depth (function bodies, ``if TYPE_CHECKING:``, try blocks)."""
     found = []
-    for path, tree in _sources():
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                found += [Import(path, node.lineno, alias.name) for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parts = _package_of(path).split(".")
-                    parts = parts[: len(parts) - (node.level - 1)]
-                    base = ".".join([*parts, base] if base else parts)
-                # ``from thinkfleet import broker`` imports thinkfleet.broker: name the submodules too.
-                found += [Import(path, node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [Import(path, node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = _package_of(path).split(".")
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join([*parts, base] if base else parts)
+            # ``from thinkfleet import broker`` imports thinkfleet.broker: name the submodules too.
+            found += [Import(path, node.lineno, f"{base}.{alias.name}") for alias in node.names]
     return found
+
+
+def _imports() -> list[Import]:
+    return [i for path, tree in _sources() for i in _imports_of(path, tree)]
 
 
 IMPORTS = _imports()
@@ -88,24 +97,43 @@ def test_workers_never_import_producer() -> None:
     assert not bad, _offending("workers/ imports producer (they meet in thinkfleet/)", bad)
 
 
-TESTING = "thinkfleet/testing/"
+def test_the_scan_sees_imports_at_any_depth() -> None:
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    import storage.reader\n"
+        "def f():\n"
+        "    from sglang_sim import content\n"
+        "class C:\n"
+        "    def g(self):\n"
+        "        try:\n"
+        "            import testing.fleet\n"
+        "        except ImportError:\n"
+        "            pass\n"
+        "from .keys import Keys\n"
+    )
+    found = {i.module for i in _imports_of("thinkfleet/x.py", ast.parse(source))}
+    assert {"storage.reader", "sglang_sim.content", "testing.fleet", "thinkfleet.keys.Keys"} <= found
 
 
 def test_foundation_imports_nothing_built_on_it() -> None:
-    above = {"producer", "workers", "storage", "sglang_sim", "bench"}
-    bad = [i for i in IMPORTS if i.path.startswith("thinkfleet/") and not i.path.startswith(TESTING) and i.top in above]
-    assert not bad, _offending("thinkfleet/ imports a package built on it", bad)
+    bad = [i for i in IMPORTS if i.path.startswith(FOUNDATION) and i.top in ABOVE_FOUNDATION]
+    assert not bad, _offending(f"{FOUNDATION} imports a package built on it", bad)
 
 
 def test_product_code_never_imports_test_support() -> None:
-    product = ("producer/", "workers/", "storage/", "sglang_sim/", "thinkfleet/")
-    exempt = (TESTING, "thinkfleet/demo.py")
-    bad = [
-        i
-        for i in IMPORTS
-        if i.path.startswith(product) and not i.path.startswith(exempt) and i.module.startswith("thinkfleet.testing")
-    ]
-    assert not bad, _offending("product code imports the test-support package", bad)
+    product = ("producer/", "workers/", "storage/", "sglang_sim/", FOUNDATION)
+    bad = [i for i in IMPORTS if i.path.startswith(product) and i.top == "testing"]
+    assert not bad, _offending(f"product code imports the test-support package {TESTING}", bad)
+
+
+def test_test_support_stands_above_everything_it_uses() -> None:
+    used = {i.top for i in IMPORTS if i.path.startswith(TESTING) and i.top in PACKAGES and i.top != "testing"}
+    bad = [i for i in IMPORTS if i.path.split("/")[0] in used and i.top == "testing"]
+    assert not bad, _offending(f"a package {TESTING} uses ({', '.join(sorted(used))}) imports it back", bad)
+    # ... and it is not built on the benchmarks (they are built on it).
+    bad = [i for i in IMPORTS if i.path.startswith(TESTING) and i.top == "bench"]
+    assert not bad, _offending(f"{TESTING} imports bench", bad)
 
 
 def test_kombu_is_imported_only_by_the_broker() -> None:
@@ -148,3 +176,16 @@ def test_importing_the_broker_loads_no_worker_runtime() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", f"importing thinkfleet.broker loaded: {out.stdout.strip()}"
+
+
+def test_importing_the_demo_loads_no_upper_floor() -> None:
+    # The demo runs workers and the simulator as subprocesses (their CLIs); in its own process it needs only
+    # the foundation, whatever a module imports at run time (importlib included).
+    code = (
+        "import sys\n"
+        "import thinkfleet.demo, thinkfleet.demo_fleet, thinkfleet.demo_tokenizer\n"
+        f"roots = {sorted(ABOVE_FOUNDATION)!r}\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in roots))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"importing thinkfleet.demo loaded: {out.stdout.strip()}"

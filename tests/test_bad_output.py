@@ -24,14 +24,8 @@ import requests
 from sglang_sim.faults import FaultConfig, FaultInjector
 from sglang_sim.generate import _prompt_key
 from sglang_sim.testing import SimulatorThread
-from thinkfleet import kimi
-from thinkfleet.broker.celery_app import send_tasks as publish
-from thinkfleet.keys import Keys
-from thinkfleet.message import PromptTask, pack_ids
-from thinkfleet.settings import Settings
-from thinkfleet.state.ledger import ANSWER_IDS_KEPT, ANSWER_MAX_CHARS, Ledger, bounded_answer
-from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress
-from thinkfleet.testing.harness import (
+from testing.fleet import WorkerProcess, dead_letters, job_progress
+from testing.harness import (
     check_job,
     fast_env,
     isolated_settings,
@@ -42,6 +36,12 @@ from thinkfleet.testing.harness import (
     sim_stats,
     simulator,
 )
+from thinkfleet import kimi
+from thinkfleet.broker.celery_app import send_tasks as publish
+from thinkfleet.keys import Keys
+from thinkfleet.message import PromptTask, pack_ids
+from thinkfleet.settings import Settings
+from thinkfleet.state.ledger import ANSWER_IDS_KEPT, ANSWER_MAX_CHARS, Ledger, bounded_answer
 from workers.attempts import RequestAttempts
 from workers.metrics import WorkerMetrics
 from workers.sglang import (

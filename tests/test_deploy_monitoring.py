@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 import yaml
 
+from testing.fleet import free_port, wait_for_port
 from tests.test_deploy_compose import REPO, command_args, dotenv, flag, load_compose
 from thinkfleet.broker.keys import kombu_transport_options
 from thinkfleet.keys import Keys
-from thinkfleet.testing.fleet import free_port, wait_for_port
 from workers.metrics import WorkerMetrics
 
 PROMETHEUS_DIR = REPO / "deploy" / "prometheus"

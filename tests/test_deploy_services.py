@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from testing.services import REDIS_SERVER, free_port, wait_for_port
 from tests.test_deploy_compose import (
     REPO,
     command_args,
@@ -38,7 +39,6 @@ from tests.test_deploy_compose import (
     duration_s,
     load_compose,
 )
-from thinkfleet.testing.services import REDIS_SERVER, free_port, wait_for_port
 
 MISSING = [m for m in ("sglang_sim.cli", "producer.cli", "storage.writer") if importlib.util.find_spec(m) is None]
 pytestmark = [
@@ -221,7 +221,7 @@ def write_dataset(path: Path, n: int, topic: str) -> Path:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    from thinkfleet.testing.tokenizer import build_test_tokenizer
+    from testing.tokenizer import build_test_tokenizer
 
     fleet = Fleet(tmp_path_factory.mktemp("fleet"))
     try:

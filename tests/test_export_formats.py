@@ -37,11 +37,11 @@ from storage.exports import hf as export_module
 from storage.manifest import read_sources
 from storage.reader import read_committed
 from storage.writer import PartWriter
+from testing.datasets import write_jsonl
+from testing.rows import make_row
+from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet import kimi
 from thinkfleet.settings import Settings
-from thinkfleet.testing.datasets import write_jsonl
-from thinkfleet.testing.rows import make_row
-from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 
 JOB = "kx"
 CONSUMERS_VENV = Path(os.environ.get("THINKFLEET_CONSUMERS_VENV", "/tmp/consumers-venv"))

@@ -20,10 +20,10 @@ from sglang_sim.content import expected_generation, expected_logprobs
 from sglang_sim.testing import create_app
 from storage.reader import read_committed
 from storage.schema import OUTPUT_LOGPROBS, SCHEMA, SCHEMA_VERSION, TOP_LOGPROB_IDS, TOP_LOGPROBS, rows_to_table
+from testing.fleet import WorkerProcess, job_progress, wait_until
+from testing.harness import fast_env, isolated_settings, make_prompts, simulator, submit_ids
+from testing.rows import make_row
 from thinkfleet.state.job import JobRecord
-from thinkfleet.testing.fleet import WorkerProcess, job_progress, wait_until
-from thinkfleet.testing.harness import fast_env, isolated_settings, make_prompts, simulator, submit_ids
-from thinkfleet.testing.rows import make_row
 from workers.sglang import LOGPROBS_KEY, ServerFault, build_request, parse_response
 
 VOCAB = 163840

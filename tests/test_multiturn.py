@@ -23,17 +23,17 @@ from producer.render import load_tokenizer, render_ids
 from sglang_sim.content import expected_generation
 from storage.conversations import ToolMarkers, output_message
 from storage.reader import raw_duplicates, read_committed
+from testing.datasets import conversation_rows, write_jsonl
+from testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
+from testing.harness import fast_env, isolated_settings, producer_cli, simulator
+from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet import failpoints
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import JobRecord
-from thinkfleet.testing.datasets import conversation_rows, write_jsonl
-from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
-from thinkfleet.testing.harness import fast_env, isolated_settings, producer_cli, simulator
-from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet.turns import plan_conversation, turn_messages
 
 if TYPE_CHECKING:
-    from thinkfleet.testing.services import RedisServer
+    from testing.services import RedisServer
 
 CONVERSATIONS = 8
 TURNS = 3

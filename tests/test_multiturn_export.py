@@ -75,8 +75,8 @@ def test_messages_of_a_later_turn_are_the_conversation_with_the_models_answers(
 def _kimi_turns() -> list[dict]:
     """Two turns as Kimi renders them: turn 1's prompt holds turn 0's answer WITHOUT its reasoning (the
     template drops reasoning before the last user turn) and with an empty ``<think></think>``."""
+    from testing.rows import make_row
     from thinkfleet import kimi
-    from thinkfleet.testing.rows import make_row
 
     think, think_end = kimi.THINK_START, kimi.THINK_END
     header = [kimi.IM_ASSISTANT, 7, kimi.IM_MIDDLE]

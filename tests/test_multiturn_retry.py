@@ -26,12 +26,12 @@ from storage.conversations import ToolMarkers, output_message
 from storage.exports import export_job
 from storage.reader import read_committed
 from storage.verify import verify_job
+from testing.datasets import conversation_rows, write_jsonl
+from testing.fleet import WorkerProcess, job_progress, wait_until
+from testing.harness import fast_env, isolated_settings, producer_cli
+from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet.broker.keys import priority_list
 from thinkfleet.state.job import JobRecord
-from thinkfleet.testing.datasets import conversation_rows, write_jsonl
-from thinkfleet.testing.fleet import WorkerProcess, job_progress, wait_until
-from thinkfleet.testing.harness import fast_env, isolated_settings, producer_cli
-from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet.turns import plan_conversation, turn_messages
 from workers.turns import TurnChainer
 

@@ -10,9 +10,9 @@ from click.testing import CliRunner
 
 from producer.cli import cli
 from producer.submit import SubmitOptions, submit
+from testing.datasets import write_jsonl
+from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet.settings import Settings
-from thinkfleet.testing.datasets import write_jsonl
-from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet.turns import answers_key
 
 
@@ -74,7 +74,7 @@ def test_status_of_a_single_turn_job_has_no_conversations(
 
 # -- producer verify -----------------------------------------------------------------------------------------
 def _turn_rows(convs: int, turns: int) -> list[dict]:
-    from thinkfleet.testing.rows import make_row
+    from testing.rows import make_row
 
     return [
         make_row(
@@ -168,9 +168,9 @@ def test_retry_of_a_dead_lettered_turn_requeues_it_and_the_chain_goes_on(redis_u
     from sglang_sim.testing import SimulatorProcess
     from storage.reader import raw_duplicates, read_committed
     from storage.verify import verify_job
+    from testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
+    from testing.harness import fast_env, isolated_settings, producer_cli
     from thinkfleet.state.job import JobRecord
-    from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
-    from thinkfleet.testing.harness import fast_env, isolated_settings, producer_cli
     from thinkfleet.turns import plan_conversation
 
     settings = isolated_settings(redis_url, str(tmp_path / "out"))

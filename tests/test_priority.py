@@ -19,6 +19,8 @@ from producer.enqueue import Stager, job_priority
 from producer.retry import _requeue
 from producer.submit import SubmitOptions, _priority
 from sglang_sim.testing import SimulatorProcess
+from testing.fleet import WorkerProcess, job_progress, wait_until
+from testing.harness import IdJob, check_job, fast_env, isolated_settings, make_prompts, register_ids
 from thinkfleet.broker.envelope import Envelope
 from thinkfleet.broker.keys import priority_list, priority_lists
 from thinkfleet.broker.queues import queue_keys
@@ -27,8 +29,6 @@ from thinkfleet.settings import Settings
 from thinkfleet.state import lifecycle as lc
 from thinkfleet.state.invariant import account
 from thinkfleet.state.job import JobRecord
-from thinkfleet.testing.fleet import WorkerProcess, job_progress, wait_until
-from thinkfleet.testing.harness import IdJob, check_job, fast_env, isolated_settings, make_prompts, register_ids
 
 SAMPLING = {"max_new_tokens": 64}
 

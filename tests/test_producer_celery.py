@@ -14,12 +14,12 @@ import pytest
 
 from producer import render
 from producer.submit import SubmitOptions, submit
+from testing.datasets import chat_rows, write_jsonl
+from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet.broker.keys import kombu_transport_options
 from thinkfleet.message import TASK_NAME, PromptTask, pack_ids
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import JobRecord
-from thinkfleet.testing.datasets import chat_rows, write_jsonl
-from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,11 +13,11 @@ from click.testing import CliRunner
 
 from producer.cli import cli
 from producer.job import JobRecord
+from testing.datasets import chat_rows, write_jsonl
+from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet import kimi
 from thinkfleet.keys import Keys
 from thinkfleet.message import PromptTask
-from thinkfleet.testing.datasets import chat_rows, write_jsonl
-from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 
 
 @pytest.fixture(scope="module")

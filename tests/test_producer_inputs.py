@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from producer.inputs import Columns, InputError, Problem, read_dataset
-from thinkfleet.testing.datasets import write_jsonl
+from testing.datasets import write_jsonl
 
 ROWS = [
     {

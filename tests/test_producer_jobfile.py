@@ -20,15 +20,15 @@ from click.testing import CliRunner
 from producer.cli import cli
 from producer.jobfile import JobFileError, load
 from storage.reader import read_committed
+from testing.corpus import synthetic_text
+from testing.datasets import chat_rows, write_jsonl
+from testing.fleet import WorkerProcess, job_progress, wait_until
+from testing.harness import STEADY_LEASE, fast_env, isolated_settings, producer_cli
+from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from tests.test_storage_s3 import BUCKET, s3_endpoint  # noqa: F401 (the moto S3 server fixture)
 from thinkfleet.keys import Keys
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import JobRecord
-from thinkfleet.testing.corpus import synthetic_text
-from thinkfleet.testing.datasets import chat_rows, write_jsonl
-from thinkfleet.testing.fleet import WorkerProcess, job_progress, wait_until
-from thinkfleet.testing.harness import STEADY_LEASE, fast_env, isolated_settings, producer_cli
-from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from workers.jobs import JobSpec
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "job.yaml"

@@ -11,10 +11,8 @@ from pathlib import Path
 import redis
 
 from sglang_sim.testing import SimulatorProcess
-from thinkfleet.settings import Settings
-from thinkfleet.state import lifecycle as lc
-from thinkfleet.testing.fleet import WorkerProcess, dead_letters, in_flight, job_progress, wait_until
-from thinkfleet.testing.harness import (
+from testing.fleet import WorkerProcess, dead_letters, in_flight, job_progress, wait_until
+from testing.harness import (
     STEADY_LEASE,
     check_job,
     fast_env,
@@ -26,7 +24,9 @@ from thinkfleet.testing.harness import (
     sim_stats,
     submit_ids,
 )
-from thinkfleet.testing.invariant_watch import InvariantWatch
+from testing.invariant_watch import InvariantWatch
+from thinkfleet.settings import Settings
+from thinkfleet.state import lifecycle as lc
 
 #: Simulated seconds per wall second: slow enough that a job of N_PROMPTS runs for tens of seconds.
 TIME_SCALE = "2"

@@ -12,10 +12,10 @@ from click.testing import CliRunner
 
 from producer.cli import EXIT_INCONSISTENT, EXIT_TIMEOUT, cli
 from producer.submit import SubmitOptions, submit
+from testing.datasets import chat_rows, write_jsonl
+from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet.broker.keys import kombu_transport_options
 from thinkfleet.settings import Settings
-from thinkfleet.testing.datasets import chat_rows, write_jsonl
-from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 
 
 @pytest.fixture
@@ -126,7 +126,7 @@ def test_wait_times_out_while_prompts_remain(job: Settings) -> None:
 
 def test_wait_returns_once_every_prompt_is_stored_or_dead(job: Settings, redis_client: redis.Redis) -> None:
     from storage.writer import PartWriter
-    from thinkfleet.testing.rows import make_row
+    from testing.rows import make_row
 
     redis_client.sadd(job.keys.done("j"), "alpha/r2", "alpha/r3")
     redis_client.hset(job.keys.dead("j"), "beta/r1", "{}")

@@ -13,12 +13,12 @@ import redis
 from producer import render
 from producer.job import JobRecord
 from producer.submit import SubmitError, SubmitOptions, submit
+from testing.datasets import chat_rows, write_jsonl
+from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet import kimi
 from thinkfleet.broker.keys import kombu_transport_options
 from thinkfleet.message import PromptTask
 from thinkfleet.settings import Settings
-from thinkfleet.testing.datasets import chat_rows, write_jsonl
-from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_a_second_identical_submit_enqueues_nothing(settings, redis_client, tok_
 def store_rows(settings: Settings, job: str, dataset: str, prompt_ids: set[str]) -> None:
     """Commit rows to real storage, as a worker's group commit would."""
     from storage.writer import PartWriter
-    from thinkfleet.testing.rows import make_row
+    from testing.rows import make_row
 
     rows = [make_row(pid, dataset=dataset, job=job) for pid in sorted(prompt_ids)]
     PartWriter(settings.output_uri, "w1").write(job, dataset, rows)

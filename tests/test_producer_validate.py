@@ -18,13 +18,13 @@ from click.testing import CliRunner
 from producer import render
 from producer.cli import cli
 from producer.submit import SubmitError, SubmitOptions, submit
+from testing.datasets import chat_rows, write_jsonl
+from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet import kimi
 from thinkfleet.keys import Keys
 from thinkfleet.message import PromptTask
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import JobRecord
-from thinkfleet.testing.datasets import chat_rows, write_jsonl
-from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 
 #: Generation budget used throughout; the long row leaves room for exactly ROOM new tokens.
 BUDGET = 100

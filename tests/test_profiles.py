@@ -16,12 +16,12 @@ from producer.submit import SubmitError, SubmitOptions, submit
 from sglang_sim.config import SimConfig
 from sglang_sim.content import ContentConfig, expected_generation
 from storage.spans import compute_spans, compute_spans_batch
+from testing.datasets import chat_rows, write_jsonl
+from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet import kimi, profiles
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import MARKER_FIELDS, JobRecord
 from thinkfleet.state.ledger import Finalized
-from thinkfleet.testing.datasets import chat_rows, write_jsonl
-from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet.tokens import KIMI_TOKENS, SpanTokens
 from workers.committer import GroupCommitter
 from workers.rows import JobFinalRow

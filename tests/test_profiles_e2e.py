@@ -14,12 +14,12 @@ import redis
 from sglang_sim.content import ContentConfig, expected_generation
 from storage.reader import read_committed
 from storage.verify import verify_job
+from testing.datasets import chat_rows, write_jsonl
+from testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
+from testing.harness import fast_env, isolated_settings, producer_cli, simulator
+from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet.profiles import PROFILES
 from thinkfleet.state.job import JobRecord
-from thinkfleet.testing.datasets import chat_rows, write_jsonl
-from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
-from thinkfleet.testing.harness import fast_env, isolated_settings, producer_cli, simulator
-from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 
 ROWS = 14
 TOOL_SHARE = "0.5"

@@ -23,9 +23,8 @@ import pytest
 import redis
 
 from sglang_sim.testing import SimulatorProcess
-from thinkfleet.broker.keys import KombuKeys
-from thinkfleet.testing.fleet import WorkerProcess, in_flight, job_progress, wait_until
-from thinkfleet.testing.harness import (
+from testing.fleet import WorkerProcess, in_flight, job_progress, wait_until
+from testing.harness import (
     check_job,
     fast_env,
     isolated_settings,
@@ -35,6 +34,7 @@ from thinkfleet.testing.harness import (
     record_result,
     submit_ids,
 )
+from thinkfleet.broker.keys import KombuKeys
 
 #: libfaketime as the Debian ``faketime`` package installs it (preloaded into the worker itself: the
 #: ``faketime`` command forks, and a SIGKILL of the wrapper would leave the worker running).

@@ -21,9 +21,8 @@ import pytest
 import redis
 
 from sglang_sim.testing import SimulatorProcess
-from thinkfleet.settings import Settings
-from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
-from thinkfleet.testing.harness import (
+from testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
+from testing.harness import (
     check_job,
     fast_env,
     isolated_settings,
@@ -32,6 +31,7 @@ from thinkfleet.testing.harness import (
     record_result,
     submit_ids,
 )
+from thinkfleet.settings import Settings
 from workers.attempts import RequestAttempts
 from workers.health import REREAD_MIN_AGE_S, HealthGate
 from workers.metrics import WorkerMetrics

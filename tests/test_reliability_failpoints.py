@@ -23,13 +23,13 @@ import pytest
 import redis
 
 from sglang_sim.testing import SimulatorProcess
+from testing.fleet import WorkerProcess, dead_letters, job_progress, job_settled, wait_until
+from testing.harness import check_job, fast_env, isolated_settings, make_prompts, record_result, submit_ids
+from testing.invariant_watch import InvariantWatch
 from thinkfleet import failpoints
 from thinkfleet.broker.keys import kombu_transport_options
 from thinkfleet.failpoints import ACTIONS, WORKER_POINTS
 from thinkfleet.settings import Settings
-from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, job_settled, wait_until
-from thinkfleet.testing.harness import check_job, fast_env, isolated_settings, make_prompts, record_result, submit_ids
-from thinkfleet.testing.invariant_watch import InvariantWatch
 
 PROMPTS = 16
 #: Kill cases whose replacement worker runs under another name (the dead one's claims then go stale
@@ -165,9 +165,9 @@ def test_submit_failing_after_staging_changes_nothing_and_the_rerun_enqueues_eac
     from producer import enqueue
     from producer import submit as submit_module
     from producer.submit import SubmitOptions, submit
+    from testing.datasets import chat_rows, write_jsonl
+    from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
     from thinkfleet.message import PromptTask
-    from thinkfleet.testing.datasets import chat_rows, write_jsonl
-    from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 
     # Given a job with 8 prompts submitted, and a second dataset of 6 new ones.
     tok = str(build_test_tokenizer(default_test_tokenizer_dir()))

@@ -23,10 +23,8 @@ import redis
 from sglang_sim.testing import SimulatorProcess
 from storage import reader
 from storage.schema import EPOCH, PROMPT_ID
-from thinkfleet import failpoints
-from thinkfleet.settings import Settings
-from thinkfleet.testing.fleet import WorkerProcess, in_flight, job_progress, job_settled, wait_until
-from thinkfleet.testing.harness import (
+from testing.fleet import WorkerProcess, in_flight, job_progress, job_settled, wait_until
+from testing.harness import (
     Outcome,
     check_job,
     fast_env,
@@ -36,7 +34,9 @@ from thinkfleet.testing.harness import (
     record_result,
     submit_ids,
 )
-from thinkfleet.testing.invariant_watch import InvariantWatch
+from testing.invariant_watch import InvariantWatch
+from thinkfleet import failpoints
+from thinkfleet.settings import Settings
 
 PROMPTS = 48
 #: Short enough that the test does not wait long for the paused worker's lease to lapse; the other worker's
@@ -184,10 +184,10 @@ def test_a_paused_turn_of_a_multi_turn_job_never_changes_what_the_next_turn_was_
     answer. The committed view must keep the answer the next turn was rendered from, before and after compact."""
     from producer.render import load_tokenizer, render_ids
     from storage.conversations import ToolMarkers, output_message
+    from testing.datasets import conversation_rows, write_jsonl
+    from testing.harness import simulator
+    from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
     from thinkfleet.state.job import JobRecord
-    from thinkfleet.testing.datasets import conversation_rows, write_jsonl
-    from thinkfleet.testing.harness import simulator
-    from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
     from thinkfleet.turns import plan_conversation, turn_messages
 
     conversations, turns = 6, 3

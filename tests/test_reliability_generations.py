@@ -20,9 +20,8 @@ from pathlib import Path
 import redis
 
 from sglang_sim.testing import SimulatorProcess
-from thinkfleet import failpoints
-from thinkfleet.testing.fleet import WorkerProcess, job_progress, wait_until
-from thinkfleet.testing.harness import (
+from testing.fleet import WorkerProcess, job_progress, wait_until
+from testing.harness import (
     _publish,
     check_job,
     fast_env,
@@ -32,6 +31,7 @@ from thinkfleet.testing.harness import (
     record_result,
     register_ids,
 )
+from thinkfleet import failpoints
 
 PROMPTS = 24
 

@@ -27,9 +27,8 @@ import redis
 
 from sglang_sim.testing import SimulatorProcess
 from storage.reader import read_committed
-from thinkfleet.broker.keys import KombuKeys
-from thinkfleet.testing.fleet import WorkerProcess, in_flight, job_progress, wait_until
-from thinkfleet.testing.harness import (
+from testing.fleet import WorkerProcess, in_flight, job_progress, wait_until
+from testing.harness import (
     check_job,
     fast_env,
     isolated_settings,
@@ -38,6 +37,7 @@ from thinkfleet.testing.harness import (
     record_result,
     submit_ids,
 )
+from thinkfleet.broker.keys import KombuKeys
 
 #: A lease long enough that a loaded box never misses a live worker's heartbeat (it beats every lease/4).
 LEASE_S = 8

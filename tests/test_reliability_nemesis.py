@@ -21,11 +21,11 @@ import pytest
 import redis
 
 from sglang_sim.testing import SimulatorProcess
+from testing.fleet import WorkerProcess, job_progress, job_settled, wait_until
+from testing.harness import check_job, fast_env, isolated_settings, make_prompts, record_result, submit_ids
+from testing.invariant_watch import InvariantWatch
+from testing.services import RedisServer
 from thinkfleet.settings import Settings
-from thinkfleet.testing.fleet import WorkerProcess, job_progress, job_settled, wait_until
-from thinkfleet.testing.harness import check_job, fast_env, isolated_settings, make_prompts, record_result, submit_ids
-from thinkfleet.testing.invariant_watch import InvariantWatch
-from thinkfleet.testing.services import RedisServer
 
 FAULTS = ("kill", "pause", "redis_rollback", "server_down", "storage_blocked")
 CI_SEED = 20

@@ -14,10 +14,8 @@ import pytest
 import redis
 
 from sglang_sim.testing import SimulatorProcess
-from thinkfleet.broker.celery_app import send_tasks as _publish
-from thinkfleet.message import PromptTask
-from thinkfleet.testing.fleet import WorkerProcess, dead_letters, free_port, job_progress, wait_until
-from thinkfleet.testing.harness import (
+from testing.fleet import WorkerProcess, dead_letters, free_port, job_progress, wait_until
+from testing.harness import (
     STEADY_LEASE,
     check_job,
     fast_env,
@@ -28,7 +26,9 @@ from thinkfleet.testing.harness import (
     sim_stats,
     submit_ids,
 )
-from thinkfleet.testing.invariant_watch import InvariantWatch
+from testing.invariant_watch import InvariantWatch
+from thinkfleet.broker.celery_app import send_tasks as _publish
+from thinkfleet.message import PromptTask
 from workers.tasks import START_FAILED_EXIT
 
 

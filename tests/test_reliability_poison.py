@@ -12,8 +12,8 @@ from pathlib import Path
 import redis
 
 from sglang_sim.testing import SimulatorProcess
-from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
-from thinkfleet.testing.harness import (
+from testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
+from testing.harness import (
     check_job,
     fast_env,
     isolated_settings,

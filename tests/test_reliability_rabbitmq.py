@@ -16,9 +16,8 @@ import pytest
 import redis
 from kombu import Connection
 
-from thinkfleet.settings import Settings
-from thinkfleet.testing.fleet import RecoveryWatch, WorkerProcess, in_flight, job_progress, wait_until
-from thinkfleet.testing.harness import (
+from testing.fleet import RecoveryWatch, WorkerProcess, in_flight, job_progress, wait_until
+from testing.harness import (
     check_job,
     fast_env,
     isolated_settings,
@@ -27,7 +26,8 @@ from thinkfleet.testing.harness import (
     simulator,
     submit_ids,
 )
-from thinkfleet.testing.services import needs_service
+from testing.services import needs_service
+from thinkfleet.settings import Settings
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
 

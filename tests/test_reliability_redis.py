@@ -16,9 +16,9 @@ import redis
 from producer import render
 from producer.job import JobRecord
 from storage.reader import stored_prompt_ids
-from thinkfleet.testing.datasets import chat_rows, write_jsonl
-from thinkfleet.testing.fleet import RecoveryWatch, WorkerProcess, in_flight, job_progress, wait_until
-from thinkfleet.testing.harness import (
+from testing.datasets import chat_rows, write_jsonl
+from testing.fleet import RecoveryWatch, WorkerProcess, in_flight, job_progress, wait_until
+from testing.harness import (
     check_job,
     fast_env,
     isolated_settings,
@@ -29,8 +29,8 @@ from thinkfleet.testing.harness import (
     simulator,
     submit_ids,
 )
-from thinkfleet.testing.services import RedisServer
-from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
+from testing.services import RedisServer
+from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 
 
 def _progress(client: redis.Redis, keys, job: str) -> dict[str, int]:

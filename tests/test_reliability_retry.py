@@ -20,12 +20,8 @@ import redis
 from producer.enqueue import Stager
 from producer.retry import retry_dead, retry_truncated
 from sglang_sim.testing import SimulatorProcess
-from thinkfleet.keys import Keys
-from thinkfleet.settings import Settings
-from thinkfleet.state.invariant import queued_prompt_ids
-from thinkfleet.state.invariant import unacked_prompt_ids as running_prompt_ids
-from thinkfleet.testing.fleet import WorkerProcess, dead_letters, in_flight, job_progress, wait_until
-from thinkfleet.testing.harness import (
+from testing.fleet import WorkerProcess, dead_letters, in_flight, job_progress, wait_until
+from testing.harness import (
     STEADY_LEASE,
     check_job,
     fast_env,
@@ -37,6 +33,10 @@ from thinkfleet.testing.harness import (
     submit_ids,
     transit_prompt_ids,
 )
+from thinkfleet.keys import Keys
+from thinkfleet.settings import Settings
+from thinkfleet.state.invariant import queued_prompt_ids
+from thinkfleet.state.invariant import unacked_prompt_ids as running_prompt_ids
 
 #: Dead letters per scenario: enough that idle workers grab some before a non-atomic retry finishes.
 N_DEAD = 40

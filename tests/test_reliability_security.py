@@ -15,10 +15,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from thinkfleet.message import TASK_NAME
-from thinkfleet.settings import Settings
-from thinkfleet.testing.fleet import WorkerProcess, job_progress, wait_until
-from thinkfleet.testing.harness import (
+from testing.fleet import WorkerProcess, job_progress, wait_until
+from testing.harness import (
     check_job,
     fast_env,
     isolated_settings,
@@ -28,7 +26,9 @@ from thinkfleet.testing.harness import (
     simulator,
     submit_ids,
 )
-from thinkfleet.testing.services import REDIS_SERVER, free_port, service_missing, wait_for_port
+from testing.services import REDIS_SERVER, free_port, service_missing, wait_for_port
+from thinkfleet.message import TASK_NAME
+from thinkfleet.settings import Settings
 from workers.app import make_app
 
 

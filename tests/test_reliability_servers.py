@@ -14,8 +14,8 @@ import pytest
 import redis
 
 from sglang_sim.testing import SimulatorProcess
-from thinkfleet.testing.fleet import RecoveryWatch, WorkerProcess, dead_letters, in_flight, job_progress, wait_until
-from thinkfleet.testing.harness import (
+from testing.fleet import RecoveryWatch, WorkerProcess, dead_letters, in_flight, job_progress, wait_until
+from testing.harness import (
     check_job,
     fast_env,
     isolated_settings,
@@ -26,7 +26,7 @@ from thinkfleet.testing.harness import (
     simulator,
     submit_ids,
 )
-from thinkfleet.testing.invariant_watch import InvariantWatch
+from testing.invariant_watch import InvariantWatch
 
 #: The issue's fault mix: 5 % 503, 1 % dropped connections, 0.5 % hangs.
 FAULT_MIX = ("--fault-503-rate", "0.05", "--fault-drop-rate", "0.01", "--fault-hang-rate", "0.005")

@@ -15,8 +15,7 @@ import pytest
 import redis
 
 from sglang_sim.testing import SimulatorProcess
-from tests.test_reliability_servers import FAULT_MIX, run_fault_mix
-from thinkfleet.testing.fleet import (
+from testing.fleet import (
     RecoveryWatch,
     WorkerProcess,
     dead_letters,
@@ -24,7 +23,7 @@ from thinkfleet.testing.fleet import (
     job_progress,
     wait_until,
 )
-from thinkfleet.testing.harness import (
+from testing.harness import (
     check_job,
     fast_env,
     isolated_settings,
@@ -34,7 +33,8 @@ from thinkfleet.testing.harness import (
     republish,
     submit_ids,
 )
-from thinkfleet.testing.services import RedisServer
+from testing.services import RedisServer
+from tests.test_reliability_servers import FAULT_MIX, run_fault_mix
 from workers.runtime import REDIS_RETRIES
 
 pytestmark = pytest.mark.slow

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import redis
 
-from thinkfleet.testing.fleet import WorkerProcess, job_progress, wait_until
-from thinkfleet.testing.harness import (
+from testing.fleet import WorkerProcess, job_progress, wait_until
+from testing.harness import (
     check_job,
     fast_env,
     isolated_settings,

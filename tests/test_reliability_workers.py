@@ -18,13 +18,8 @@ from types import SimpleNamespace
 import redis
 import redis.asyncio as aioredis
 
-from thinkfleet.broker.envelope import Envelope
-from thinkfleet.broker.keys import kombu_transport_options
-from thinkfleet.settings import Settings
-from thinkfleet.state.invariant import queued_prompt_ids
-from thinkfleet.state.ledger import Ledger
-from thinkfleet.testing.fleet import RecoveryWatch, WorkerProcess, in_flight, job_progress, wait_until
-from thinkfleet.testing.harness import (
+from testing.fleet import RecoveryWatch, WorkerProcess, in_flight, job_progress, wait_until
+from testing.harness import (
     check_job,
     fast_env,
     isolated_settings,
@@ -35,7 +30,12 @@ from thinkfleet.testing.harness import (
     submit_ids,
     transit_prompt_ids,
 )
-from thinkfleet.testing.invariant_watch import InvariantWatch
+from testing.invariant_watch import InvariantWatch
+from thinkfleet.broker.envelope import Envelope
+from thinkfleet.broker.keys import kombu_transport_options
+from thinkfleet.settings import Settings
+from thinkfleet.state.invariant import queued_prompt_ids
+from thinkfleet.state.ledger import Ledger
 from workers.runtime import WorkerRuntime
 
 

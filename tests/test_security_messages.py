@@ -30,6 +30,17 @@ from click.testing import CliRunner
 from storage.cli import export, verify
 from storage.verify import verify_job
 from storage.writer import PartWriter
+from testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
+from testing.harness import (
+    check_job,
+    fast_env,
+    isolated_settings,
+    make_prompts,
+    record_result,
+    register_ids,
+    simulator,
+)
+from testing.rows import make_row
 from thinkfleet.broker.celery_app import send_tasks as _publish
 from thinkfleet.broker.guard import CompressionRefused, refuse_compression
 from thinkfleet.keys import Keys
@@ -45,17 +56,6 @@ from thinkfleet.message import (
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import JobRecord
 from thinkfleet.state.ledger import Ledger
-from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
-from thinkfleet.testing.harness import (
-    check_job,
-    fast_env,
-    isolated_settings,
-    make_prompts,
-    record_result,
-    register_ids,
-    simulator,
-)
-from thinkfleet.testing.rows import make_row
 from workers.app import make_app
 
 #: 64 MiB of zeros: a 2 KB zstd frame, a 64 KB zlib stream.

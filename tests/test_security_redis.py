@@ -38,9 +38,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from thinkfleet.settings import Settings
-from thinkfleet.testing.fleet import WorkerProcess, in_flight, job_progress, wait_until
-from thinkfleet.testing.harness import (
+from testing.fleet import WorkerProcess, in_flight, job_progress, wait_until
+from testing.harness import (
     IdJob,
     check_job,
     fast_env,
@@ -49,7 +48,8 @@ from thinkfleet.testing.harness import (
     simulator,
     submit_ids,
 )
-from thinkfleet.testing.services import REDIS_SERVER, free_port, needs_service, wait_for_port
+from testing.services import REDIS_SERVER, free_port, needs_service, wait_for_port
+from thinkfleet.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRYPOINT = REPO / "deploy" / "head" / "redis" / "entrypoint.sh"

@@ -15,8 +15,8 @@ from storage import reader
 from storage.cli import compact
 from storage.compact import compact_job
 from storage.writer import PartWriter
+from testing.rows import make_row
 from thinkfleet.settings import Settings
-from thinkfleet.testing.rows import make_row
 
 JOB = "job"
 T0 = datetime(2025, 1, 1, tzinfo=UTC)

@@ -13,7 +13,7 @@ import pytest
 
 from storage.manifest import write_submitted
 from storage.writer import PartWriter
-from thinkfleet.testing.rows import kimi_output, kimi_prompt, make_row
+from testing.rows import kimi_output, kimi_prompt, make_row
 
 
 @pytest.fixture

@@ -27,11 +27,11 @@ from storage.manifest import write_submitted
 from storage.schema import IDS_CRC32, OUTPUT_IDS, SCHEMA, rows_to_table
 from storage.verify import verify_job
 from storage.writer import PartWriter
+from testing.rows import make_row
 from thinkfleet.keys import Keys
 from thinkfleet.message import PromptTask, content_hash
 from thinkfleet.settings import Settings
 from thinkfleet.state.invariant import queued_prompt_ids
-from thinkfleet.testing.rows import make_row
 
 JOB = "job"
 KEYS = Keys("tfd")
@@ -464,7 +464,7 @@ def s3_endpoint(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def
 
     boto3 = pytest.importorskip("boto3")
     moto_server = pytest.importorskip("moto.server")
-    from thinkfleet.testing.fleet import free_port
+    from testing.fleet import free_port
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
@@ -502,8 +502,8 @@ def test_a_resubmit_re_enqueues_a_done_prompt_whose_row_was_in_a_quarantined_par
     tmp_path: Path, redis_url: str, redis_client: redis.Redis
 ) -> None:
     from producer.submit import SubmitOptions, submit
-    from thinkfleet.testing.datasets import chat_rows, write_jsonl
-    from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
+    from testing.datasets import chat_rows, write_jsonl
+    from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 
     tok_dir = build_test_tokenizer(default_test_tokenizer_dir())
     settings = Settings(redis_url=redis_url, output_uri=str(tmp_path / "out"))

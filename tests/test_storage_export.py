@@ -16,9 +16,9 @@ from storage.cli import export
 from storage.exports import ExportError, export_job
 from storage.manifest import write_submitted
 from storage.writer import PartWriter
+from testing.rows import make_row
 from thinkfleet import kimi
 from thinkfleet.settings import Settings
-from thinkfleet.testing.rows import make_row
 
 JOB = "job"
 WORDS = 1000  # the test tokenizer knows t0…t999, three role names and Kimi's special tokens

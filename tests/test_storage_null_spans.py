@@ -20,9 +20,9 @@ from storage.report import summarize
 from storage.schema import REASONING_SPAN_COLUMNS, SCHEMA, rows_to_table
 from storage.spans import KIMI_TOKENS, compute_spans
 from storage.writer import PartWriter
+from testing.rows import make_row
 from tests.test_storage_export import JOB, _manifest, _output, _prompt, _settings, _source, tokenizer_dir
 from thinkfleet import kimi, profiles
-from thinkfleet.testing.rows import make_row
 
 __all__ = ["tokenizer_dir"]  # the module-scoped fixture, shared with test_storage_export
 

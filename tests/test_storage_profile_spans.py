@@ -11,8 +11,8 @@ import pytest
 from storage.checks import flat_ids, row_problems
 from storage.schema import rows_to_table
 from storage.spans import SpanTokens, compute_spans, compute_spans_batch, prompt_opens_reasoning, prompts_open_reasoning
+from testing.rows import make_row
 from thinkfleet import profiles
-from thinkfleet.testing.rows import make_row
 
 Q = profiles.QWEN3.reference_ids
 THINK, END_THINK, CALL, END_CALL, IM_END = (
@@ -168,7 +168,7 @@ def test_a_harmony_call_cut_before_its_call_token_is_spanned_to_the_end(
 def test_a_deepseek_tokenizer_is_detected_with_its_real_ids_and_its_think_newline_prompt_opens_reasoning() -> None:
     from transformers import AutoTokenizer
 
-    from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
+    from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 
     path = build_test_tokenizer(default_test_tokenizer_dir(family="deepseek"), family="deepseek")
     tok = AutoTokenizer.from_pretrained(str(path))

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from storage.cli import report
 from storage.report import report_job
 from storage.writer import PartWriter
+from testing.rows import kimi_output, make_row
 from thinkfleet.settings import Settings
-from thinkfleet.testing.rows import kimi_output, make_row
 
 JOB = "job"
 T0 = datetime(2025, 1, 1, tzinfo=UTC)

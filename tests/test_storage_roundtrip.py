@@ -14,8 +14,8 @@ from storage import layout, reader
 from storage.manifest import read_submitted, write_submitted
 from storage.schema import SCHEMA, rows_to_table
 from storage.writer import PartWriter
+from testing.rows import kimi_output, kimi_prompt, make_row
 from thinkfleet import kimi
-from thinkfleet.testing.rows import kimi_output, kimi_prompt, make_row
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 

@@ -13,9 +13,9 @@ from storage import reader
 from storage.compact import compact_job
 from storage.manifest import read_submitted, write_submitted
 from storage.writer import PartWriter
+from testing.fleet import free_port
+from testing.rows import make_row
 from thinkfleet.settings import Settings
-from thinkfleet.testing.fleet import free_port
-from thinkfleet.testing.rows import make_row
 
 BUCKET = "thinkfleet-test"
 

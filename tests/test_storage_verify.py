@@ -14,9 +14,9 @@ from storage.cli import verify
 from storage.manifest import write_submitted
 from storage.verify import verify_job
 from storage.writer import PartWriter
+from testing.rows import kimi_output, make_row
 from thinkfleet.keys import Keys
 from thinkfleet.settings import Settings
-from thinkfleet.testing.rows import kimi_output, make_row
 
 JOB = "job"
 KEYS = Keys("tft")

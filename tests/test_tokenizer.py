@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from testing.tokenizer import MARKER, build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet import kimi
-from thinkfleet.testing.tokenizer import MARKER, build_test_tokenizer, default_test_tokenizer_dir
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import redis
 
 from sglang_sim.content import expected_generation
 from storage.reader import raw_duplicates, read_committed
-from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
-from thinkfleet.testing.harness import (
+from testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
+from testing.harness import (
     fast_env,
     isolated_settings,
     make_prompts,

@@ -27,11 +27,8 @@ import redis
 from storage.reader import read_committed
 from storage.schema import DETERMINISTIC, REASONING_TOKENS
 from storage.writer import PartWriter
-from thinkfleet import kimi
-from thinkfleet.broker.celery_app import send_tasks as publish
-from thinkfleet.settings import Settings
-from thinkfleet.testing.fleet import WorkerProcess, dead_letters, free_port, job_progress, wait_until
-from thinkfleet.testing.harness import (
+from testing.fleet import WorkerProcess, dead_letters, free_port, job_progress, wait_until
+from testing.harness import (
     check_job,
     fast_env,
     isolated_settings,
@@ -44,7 +41,10 @@ from thinkfleet.testing.harness import (
     simulator,
     submit_ids,
 )
-from thinkfleet.testing.rows import make_row
+from testing.rows import make_row
+from thinkfleet import kimi
+from thinkfleet.broker.celery_app import send_tasks as publish
+from thinkfleet.settings import Settings
 from workers.attempts import RequestAttempts
 from workers.client import Probe
 from workers.health import HealthGate

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import redis
 
+from thinkfleet.demo_fleet import WorkerProcess, free_port, wait_for_port, worker_env
+from thinkfleet.demo_tokenizer import build_test_tokenizer
 from thinkfleet.settings import load_settings
-from thinkfleet.testing.fleet import WorkerProcess, free_port, wait_for_port, worker_env
-from thinkfleet.testing.tokenizer import build_test_tokenizer
 
 #: Kimi-K2.5's context length, served by the demo's simulator and checked by its submit.
 CONTEXT_LENGTH = 262_144

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from real_server import RealServer, ensure_environment, ensure_model
 
-from thinkfleet.testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
+from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 
 URL_ENV = "THINKFLEET_REAL_SGLANG_URL"
 

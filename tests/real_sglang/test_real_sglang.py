@@ -22,10 +22,10 @@ import redis
 from real_server import RealServer, get, post
 
 from storage.reader import raw_duplicates, read_committed
+from testing.fleet import WorkerProcess, dead_letters, job_progress, job_settled, wait_until
+from testing.harness import _publish as publish
+from testing.harness import cli_env, fast_env, isolated_settings, make_prompts, producer_cli, register_ids
 from thinkfleet import kimi
-from thinkfleet.testing.fleet import WorkerProcess, dead_letters, job_progress, job_settled, wait_until
-from thinkfleet.testing.harness import _publish as publish
-from thinkfleet.testing.harness import cli_env, fast_env, isolated_settings, make_prompts, producer_cli, register_ids
 
 #: The first test also waits for the venv (built once per lock file: minutes) and the server (a minute or more).
 pytestmark = pytest.mark.timeout(1800)

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from testing.corpus import synthetic_text
 from thinkfleet import kimi
-from thinkfleet.testing.corpus import synthetic_text
 
 
 def chat_rows(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from thinkfleet.testing.fleet import free_port, wait_for_port
+from testing.fleet import free_port, wait_for_port
 
 REDIS_SERVER = shutil.which("redis-server")
 

@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 import redis
 
+from testing.datasets import kimi_id_prompt
+from testing.fleet import free_port, register_id_job, wait_for_port, worker_env
 from thinkfleet import kimi
 from thinkfleet.broker.celery_app import send_tasks as _publish
 from thinkfleet.keys import Keys
 from thinkfleet.message import PromptTask, pack_ids
 from thinkfleet.settings import Settings
-from thinkfleet.testing.datasets import kimi_id_prompt
-from thinkfleet.testing.fleet import free_port, register_id_job, wait_for_port, worker_env
 
 
 @contextmanager
@@ -415,7 +415,7 @@ def record_failure(test: str, error: str, ci: bool = True, tb: object = None) ->
     """Called by conftest.py for a failed reliability test: the rows it wrote become failure rows; if it
     wrote none (it failed before :func:`record_result`, e.g. a ``wait_until`` timed out), a row named
     after its scenario in the previous results (else after the test) says FAIL with the counts Redis
-    and storage hold now (the job is found from a live :class:`~thinkfleet.testing.invariant_watch.InvariantWatch`,
+    and storage hold now (the job is found from a live :class:`~testing.invariant_watch.InvariantWatch`,
     or an
     :class:`IdJob` in the failing test's frames)."""
     out_dir = os.environ.get(RESULTS_ENV)
@@ -509,7 +509,7 @@ def _is_amqp(settings: Settings) -> bool:
 
 def _job_of_failure(test: str, tb: object) -> tuple[Settings, str, set[str] | None] | None:
     """The job a failed test was running: its live InvariantWatch's, else an IdJob in its frames."""
-    from thinkfleet.testing import invariant_watch as invariant
+    from testing import invariant_watch as invariant
 
     watch = invariant.current
     if watch is not None and watch.test == test:

@@ -1,11 +1,11 @@
-"""Model-shaped tokenizers built offline, for tests, benchmarks and the simulator.
+"""Model-shaped tokenizers built offline, for the demo, tests, benchmarks and the simulator.
 
 Real reasoning-model tokenizers need a download (Kimi's also ``trust_remote_code``). These load through
 ``AutoTokenizer.from_pretrained(path)`` with no network and have a real family's *layout*:
 ``build_test_tokenizer(path, family=...)`` with
 
 - ``kimi`` (default): a byte-level BPE base vocabulary of exactly 163,584 ids. The merges are learned
-  from the built-in corpus (:mod:`thinkfleet.testing.corpus`); the learned tokens are scattered over the
+  from the built-in corpus (:data:`CORPUS`); the learned tokens are scattered over the
   whole base range (seeded) and the rest is filled with decodable filler words, so token ids span 18 bits
   like Kimi's and compression figures measured with it are not flattered by small ids; Kimi's special
   tokens at their real ids 163584–163607 and ``<|reserved_token_N|>`` up to 163839 (vocab 163,840),
@@ -55,6 +55,12 @@ Real reasoning-model tokenizers need a download (Kimi's also ``trust_remote_code
   ``<think>``): what a submit of a non-reasoning model looks like.
 
 Building takes a few seconds; each directory is cached by content, so a second call is instant.
+
+Why this sits in the foundation: ``python -m thinkfleet.demo`` (a product command) renders its prompts with
+the ``kimi`` tokenizer, and the foundation imports nothing above it (tests/test_architecture.py). The builder
+needs only :mod:`thinkfleet.kimi` and the corpus it trains on (:data:`CORPUS`, kept here for that reason), so
+it lives whole in this module; the test-support package re-exports it as ``testing.tokenizer`` for the tests
+and benchmarks, and ``testing.corpus`` builds synthetic prompt text from the corpus' words.
 """
 
 from __future__ import annotations
@@ -69,7 +75,55 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from thinkfleet import kimi
-from thinkfleet.testing.corpus import CORPUS
+
+#: The built-in text the tokenizer's merges are learned from. Written for this project (no third-party text):
+#: mixed prose, arithmetic, code and a little Chinese, so the byte-level BPE learns merges for the kinds of
+#: strings prompts contain (``testing/corpus.py`` draws synthetic prompts from its words).
+CORPUS = """\
+The pipeline reads every prompt once, renders it with the model's own chat template and stores the
+exact token ids. A drafter trained on those ids learns what the target model really emits, including
+the reasoning that comes before the answer. When the reasoning is missing, the drafter cannot predict
+the thinking tokens, and the acceptance rate falls to almost nothing.
+
+Question: A train leaves the station at 9:15 and travels 240 kilometres at 80 kilometres per hour.
+When does it arrive? Answer: the trip takes 240 / 80 = 3 hours, so it arrives at 12:15.
+Question: What is the sum of the first 100 positive integers? Answer: 100 * 101 / 2 = 5050.
+Question: Solve 3x + 7 = 22. Answer: 3x = 15, therefore x = 5.
+Let f(x) = x^2 - 4x + 4. Then f(x) = (x - 2)^2, which is zero only at x = 2 and positive elsewhere.
+The probability of rolling two sixes with two fair dice is 1/36, about 2.78 percent.
+
+def fibonacci(n: int) -> list[int]:
+    \"\"\"Return the first n Fibonacci numbers.\"\"\"
+    values = [0, 1]
+    while len(values) < n:
+        values.append(values[-1] + values[-2])
+    return values[:n]
+
+for (int i = 0; i < count; ++i) {
+    total += weights[i] * inputs[i];
+}
+SELECT dataset, COUNT(*) AS prompts FROM samples WHERE finish_reason = 'stop' GROUP BY dataset;
+{"name": "get_weather", "description": "Current weather for a city", "parameters": {"type": "object",
+"properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+"required": ["city"]}}
+
+Please summarize the following article in three sentences. Explain your reasoning step by step.
+Write a short story about a lighthouse keeper who finds a message in a bottle. Translate the paragraph
+into French, then list the five most important ideas. Review this function and suggest improvements.
+You are a helpful assistant. Think carefully, check each intermediate result, and give a final answer.
+The user asked for a plan; the assistant proposed three options and compared their costs and risks.
+Historical records show that the bridge was rebuilt in 1887 after a flood destroyed the wooden span.
+Photosynthesis converts light energy, water and carbon dioxide into glucose and oxygen in chloroplasts.
+The committee will meet on Tuesday to review the budget, the schedule and the hiring plan for next year.
+
+请用三句话总结下面的文章。我们需要仔细思考每一个步骤，然后给出最终答案。
+数据集包含八万八千条提示，每条提示大约八百个词元。
+
+Wait, let me reconsider. If the queue is empty but the job is not finished, some prompts may be lost;
+the producer can re-submit the job, and only the missing prompts are enqueued again. First, check the
+counts. Second, compare them with storage. Finally, report what is missing and why. Therefore the
+answer is consistent, and no prompt is generated twice.
+"""
 
 #: Bump when the builder changes in a way the content hash below cannot see.
 BUILDER_VERSION = 1

@@ -1,0 +1,165 @@
+"""Real processes for tests and benchmarks: worker subprocesses, waits, Redis counts and recovery timing.
+
+The worker process itself (:class:`WorkerProcess`, :func:`worker_env`, :func:`free_port`,
+:func:`wait_for_port`) lives in the foundation, ``thinkfleet/demo_fleet.py``, because the demo runs it too and
+the foundation imports nothing above it; it is re-exported here so tests import every fleet helper from one place.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import redis
+
+from thinkfleet.demo_fleet import WorkerProcess, free_port, wait_for_port, worker_env
+from thinkfleet.keys import Keys
+
+__all__ = [
+    "RecoveryWatch",
+    "WorkerProcess",
+    "dead_letters",
+    "free_port",
+    "in_flight",
+    "job_progress",
+    "job_settled",
+    "register_id_job",
+    "wait_for_port",
+    "wait_until",
+    "worker_env",
+]
+
+
+def wait_until(
+    predicate: Callable[[], object], timeout_s: float, interval_s: float = 0.2, what: str = "condition"
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval_s)
+    raise TimeoutError(f"{what} not reached within {timeout_s}s")
+
+
+def job_settled(client: redis.Redis, settings: Any, job: str, prompts: int) -> bool:
+    """Every prompt done, and no message or claim of the job left anywhere (redelivered copies consumed):
+    the queue, kombu's unacked hash, every transit list and the claims are empty. False while Redis is away."""
+    from thinkfleet.broker.keys import kombu_transport_options
+
+    keys = settings.keys
+    try:
+        unacked = str(kombu_transport_options(settings.key_prefix, settings.visibility_timeout_s)["unacked_key"])
+        transit = any(client.llen(k) for k in client.scan_iter(match=keys.transit("") + "*"))
+        return (
+            job_progress(client, keys, job)["done"] == prompts
+            and not client.llen(settings.queue)
+            and not client.hlen(unacked)
+            and not transit
+            and not client.hlen(keys.claims(job))
+        )
+    except redis.RedisError:
+        return False
+
+
+def job_progress(client: redis.Redis, keys: Keys, job: str) -> dict[str, int]:
+    """done / dead / submitted counts straight from Redis."""
+    return {
+        "submitted": int(client.hlen(keys.prompts(job))),
+        "done": int(client.scard(keys.done(job))),
+        "dead": int(client.hlen(keys.dead(job))),
+    }
+
+
+def dead_letters(client: redis.Redis, keys: Keys, job: str) -> dict[str, dict[str, object]]:
+    return {k.decode(): json.loads(v) for k, v in client.hgetall(keys.dead(job)).items()}
+
+
+def in_flight(client: redis.Redis, keys: Keys, job: str, worker: str | None = None) -> set[str]:
+    """Prompt ids some worker (or ``worker``) has claimed and not yet stored (the ledger's claims hash)."""
+    if worker is None:
+        return {k.decode() for k in client.hkeys(keys.claims(job))}
+    claims = client.hgetall(keys.claims(job))
+    return {k.decode() for k, v in claims.items() if json.loads(v).get("worker") == worker}
+
+
+class RecoveryWatch:
+    """Times a fault's recovery: from :meth:`start` (the fault) until every prompt that was in flight then
+    is stored or dead-lettered, and at least one row more than at the fault is stored.
+
+    It polls from its own thread with its own client and shrugs off connection errors, so it keeps
+    timing through a Redis restart. ``seconds`` is None until recovered.
+    """
+
+    def __init__(self, redis_url: str, keys: Keys, job: str, label: str = "", interval_s: float = 0.1) -> None:
+        self.redis_url = redis_url
+        self.keys = keys
+        self.job = job
+        self.label = label
+        self.interval_s = interval_s
+        self.seconds: float | None = None
+        self.pending: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, pending: set[str] | None = None) -> RecoveryWatch:
+        """Call right before injecting the fault; ``pending`` defaults to the prompts in flight now."""
+        client = redis.Redis.from_url(self.redis_url)
+        self.pending = set(pending) if pending is not None else in_flight(client, self.keys, self.job)
+        self._done_at_start = int(client.scard(self.keys.done(self.job)))
+        self._started = time.monotonic()
+        self._thread = threading.Thread(target=self._run, args=(client,), name=f"recovery-{self.label}", daemon=True)
+        self._thread.start()
+        return self
+
+    def _recovered(self, client: redis.Redis) -> bool:
+        done = {m.decode() for m in client.smembers(self.keys.done(self.job))}
+        dead = {k.decode() for k in client.hkeys(self.keys.dead(self.job))}
+        return self.pending <= done | dead and len(done) > self._done_at_start
+
+    def _run(self, client: redis.Redis) -> None:
+        while not self._stop.is_set():
+            try:
+                if self._recovered(client):
+                    self.seconds = time.monotonic() - self._started
+                    return
+            except redis.RedisError:
+                pass
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> float | None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        return self.seconds
+
+
+def register_id_job(
+    client: redis.Redis,
+    keys: Keys,
+    job: str,
+    prompts: Mapping[str, list[int]],
+    sampling_params: Mapping[str, object],
+    dataset: str,
+    fingerprint: str,
+) -> None:
+    """The job record and prompt hashes, as ``producer submit`` writes them, for a job given as token ids
+    (no tokenizer): the content hash of prompt ``p`` is ``h-p``."""
+    from thinkfleet import kimi
+
+    record = {
+        "name": job,
+        "sampling_params": dict(sampling_params),
+        "tokenizer_fingerprint": fingerprint,
+        "chat_template_hash": fingerprint,
+        "think_start_id": kimi.THINK_START,
+        "think_end_id": kimi.THINK_END,
+    }
+    if sampling_params.get("logprobs") is not None:  # --logprobs K: the record's field, as submit writes it
+        record["logprobs"] = sampling_params["logprobs"]
+    client.hset(keys.job(job), mapping={k: json.dumps(v) for k, v in record.items()})
+    client.sadd(keys.jobs, job)
+    client.hset(keys.prompts(job), mapping={pid: f"h-{pid}" for pid in prompts})
+    client.hset(keys.prompt_dataset(job), mapping=dict.fromkeys(prompts, dataset))

@@ -1,1 +1,0 @@
-"""Helpers for tests, benchmarks and demos (no test framework imports here)."""
