@@ -32,7 +32,6 @@ from bench.harness import (
     RESULTS,
     CpuMeter,
     PoolProcess,
-    RedisProcess,
     Sampler,
     bench_settings,
     code_version,
@@ -58,6 +57,7 @@ from bench.harness import (
     write_json,
 )
 from bench.report import code_stamp, table, update_section
+from testing.redis_process import RedisProcess
 from thinkfleet.settings import Settings
 from workers.runtime import early_flush_rows
 
@@ -71,7 +71,7 @@ GOAL_MS = 3.0
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     redis_proc = RedisProcess(workdir / "redis").start()
     client = redis_proc.client()
-    settings = bench_settings(redis_proc.url, str(workdir / "out")).with_overrides(max_inflight=args.bound)
+    settings = bench_settings(redis_proc.url(), str(workdir / "out")).with_overrides(max_inflight=args.bound)
     keys = settings.keys
     sims = start_sims(3, sim_args(args.time_scale, max_running=args.bound))
     workers: list[Any] = []
@@ -254,7 +254,7 @@ def profile_worker(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """A second, shorter run of the worker alone under py-spy (GIL holder only, non-blocking)."""
     redis_proc = RedisProcess(workdir / "redis-profile").start()
     client = redis_proc.client()
-    settings = bench_settings(redis_proc.url, str(workdir / "out-profile"))
+    settings = bench_settings(redis_proc.url(), str(workdir / "out-profile"))
     sims = start_sims(1, sim_args(args.time_scale, max_running=args.bound))
     workers: list[Any] = []
     folded = workdir / "worker.folded"

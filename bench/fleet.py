@@ -22,7 +22,6 @@ from bench.harness import (
     PER_REQUEST_TOK_S,
     CpuMeter,
     PoolProcess,
-    RedisProcess,
     Sampler,
     bench_settings,
     commandstats,
@@ -45,6 +44,7 @@ from bench.harness import (
     wait_for,
     worker_metrics_ports,
 )
+from testing.redis_process import RedisProcess
 
 
 @dataclass
@@ -63,7 +63,7 @@ def run_fleet(cfg: FleetConfig, prompts: dict[str, list[int]], order: list[str],
     workdir = Path(tempfile.mkdtemp(prefix=f"bench-fleet-{cfg.hosts}-"))
     redis_proc = RedisProcess(workdir / "redis").start()
     client = redis_proc.client()
-    settings = bench_settings(redis_proc.url, str(workdir / "out"))
+    settings = bench_settings(redis_proc.url(), str(workdir / "out"))
     keys = settings.keys
     speeds = cfg.host_speed or (1.0,) * cfg.hosts
 

@@ -27,7 +27,7 @@ import numpy as np
 import redis
 
 from producer.enqueue import Stager
-from sglang_sim.testing import SimulatorProcess, free_port, wait_for_port
+from sglang_sim.testing import SimulatorProcess
 from testing.datasets import kimi_id_prompt
 from testing.fleet import WorkerProcess, register_id_job, worker_env
 from thinkfleet import kimi
@@ -146,56 +146,6 @@ class CpuMeter:
 
 
 # -- Redis ---------------------------------------------------------------------------------------------------
-class RedisProcess:
-    """A private redis-server (no persistence) the benchmark owns."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> RedisProcess:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise SystemExit("redis-server is not installed (apt-get install redis-server)")
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        args = [
-            binary,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(self.workdir),
-            "--logfile",
-            str(self.workdir / "redis.log"),
-        ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for_port(self.port)
-        return self
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.url)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
-
-
 def commandstats(client: redis.Redis) -> dict[str, dict[str, float]]:
     """INFO commandstats as {command: {calls, usec, ...}}."""
     raw = client.info("commandstats")

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.harness import RedisProcess, bench_settings, commit, make_prompts, stage
+from bench.harness import bench_settings, commit, make_prompts, stage
+from testing.redis_process import RedisProcess
 
 
 def redis_benchmark_ops(port: int, requests: int = 100_000, clients: int = 50) -> dict[str, float]:
@@ -88,7 +89,7 @@ def enqueue_rate(prompts: int = 88_088, seed: int = 5) -> dict[str, Any]:
     proc = RedisProcess(workdir).start()
     try:
         client = proc.client()
-        settings = bench_settings(proc.url, str(workdir / "out"))
+        settings = bench_settings(proc.url(), str(workdir / "out"))
         data = make_prompts(prompts, seed=seed)
         before = int(client.info("memory")["used_memory"])
         t = time.perf_counter()

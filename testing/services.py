@@ -6,15 +6,14 @@
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 
-from testing.fleet import free_port, wait_for_port
-
-REDIS_SERVER = shutil.which("redis-server")
+# Re-exported for the tests that start a redis-server of their own (TLS, ACLs): one place says where it is.
+from testing.fleet import free_port as free_port
+from testing.fleet import wait_for_port as wait_for_port
+from testing.redis_process import REDIS_SERVER as REDIS_SERVER
+from testing.redis_process import RedisProcess
 
 
 def in_ci() -> bool:
@@ -34,49 +33,9 @@ def needs_service(available: bool, reason: str) -> pytest.MarkDecorator:
     return pytest.mark.thinkfleet_service(available=available, reason=reason)
 
 
-class RedisServer:
-    """A redis-server subprocess we own (so we may flush it, restart it, or kill it)."""
+class RedisServer(RedisProcess):
+    """A redis-server subprocess a test owns (so it may flush it, restart it, or kill it); a missing
+    redis-server skips the test, or fails it under CI."""
 
-    def __init__(self, workdir: Path, port: int | None = None, appendonly: bool = False) -> None:
-        self.workdir = workdir
-        self.port = port or free_port()
-        self.appendonly = appendonly
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> RedisServer:
-        if REDIS_SERVER is None:
-            service_missing("redis-server is not installed")
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        args = [
-            REDIS_SERVER,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--dir",
-            str(self.workdir),
-            "--databases",
-            "64",
-            "--logfile",
-            str(self.workdir / "redis.log"),
-        ]
-        if self.appendonly:
-            args += ["--appendonly", "yes", "--appendfsync", "always"]
-        else:
-            args += ["--appendonly", "no"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for_port(self.port)
-        return self
-
-    def stop(self, kill: bool = False) -> None:
-        if self.proc and self.proc.poll() is None:
-            if kill:
-                self.proc.kill()
-            else:
-                self.proc.terminate()
-            self.proc.wait(timeout=10)
-
-    def url(self, db: int = 0) -> str:
-        return f"redis://127.0.0.1:{self.port}/{db}"
+    def missing(self) -> None:
+        service_missing("redis-server is not installed")
