@@ -60,7 +60,9 @@ case "$cmd" in
     py=$(ensure_env "${4:-0.5.9}")
     # torch_native attention, no CUDA graphs, a 64k-token KV pool (else it takes 2 GB). Keep the warm-up:
     # without it the first forward takes ~28 s and /health answers 503 meanwhile.
-    SGLANG_USE_CPU_ENGINE=1 exec "$py" -m sglang.launch_server --model-path "$2" --device cpu \
+    # A guest on a shared test box: one OpenMP thread, below the other tests' priority (THINKFLEET_REAL_SGLANG_NICE).
+    OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} SGLANG_USE_CPU_ENGINE=1 exec nice -n "${THINKFLEET_REAL_SGLANG_NICE:-10}" \
+      "$py" -m sglang.launch_server --model-path "$2" --device cpu \
       --attention-backend torch_native --disable-cuda-graph --host 127.0.0.1 --port "$3" \
       --mem-fraction-static 0.1 --max-total-tokens 65536 ${THINKFLEET_REAL_SGLANG_ARGS:-}
     ;;

@@ -364,6 +364,8 @@ class _Writer:
 
 
 class _Ledger:
+    held: dict[tuple[str, str], Any] = {}  # noqa: RUF012 — the fences of claims held (none here)
+
     async def mark_part(self, *args: Any) -> dict[str, str]:
         return {}  # no row fenced
 
