@@ -38,15 +38,17 @@ def _generations_per_prompt(sim: str, job: str) -> dict[str, int]:
 
 
 def test_prompt_redelivered_past_the_visibility_timeout_is_stored_once(redis_url: str, tmp_path: Path) -> None:
-    # Given a worker with a long lease, busy with generations of ~3 s, and a second worker with a 1 s lease
-    # whose kombu sweep restores every message not renewed within 1 s.
+    # Given a worker with a long lease, busy with generations of ~13 s (longer than a second worker takes to start
+    # on a loaded box: with ~3 s ones the job was done before the sweeper joined, and nothing was redelivered),
+    # and a second worker with a 1 s lease whose kombu sweep restores every message not renewed within 1 s.
     settings = isolated_settings(redis_url, str(tmp_path / "out"))
     client = redis.Redis.from_url(redis_url)
     keys = settings.keys
     started = time.monotonic()
-    with simulator(tmp_path, "--time-scale", "4") as sim:
-        holder = WorkerProcess("holder", fast_env(settings, sim, max_inflight=6, lease_s=60), tmp_path).start()
-        sweeper = WorkerProcess("sweeper", fast_env(settings, sim, max_inflight=2, lease_s=1), tmp_path)
+    with simulator(tmp_path, "--time-scale", "1") as sim:
+        slow = {"request_timeout_floor_s": 120}  # the generations outlast FAST_WORKER's 5 s request deadline
+        holder = WorkerProcess("holder", fast_env(settings, sim, max_inflight=6, lease_s=60, **slow), tmp_path).start()
+        sweeper = WorkerProcess("sweeper", fast_env(settings, sim, max_inflight=2, lease_s=1, **slow), tmp_path)
         try:
             holder.wait_ready(client, keys)
             job = submit_ids(settings, "vis", make_prompts(12), max_new_tokens=512)
