@@ -54,7 +54,9 @@ def test_worker_killed_three_times_loses_and_duplicates_nothing(redis_url: str, 
         try:
             victim.wait_ready(client, keys)
             survivor.wait_ready(client, keys)
-            job = submit_ids(settings, "kill3", make_prompts(90))
+            # 150 prompts: after the third kill there is still work for the restarted victim to be busy with,
+            # however slowly it restarts on a loaded box (with 90, the survivor could finish the job first).
+            job = submit_ids(settings, "kill3", make_prompts(150))
             invariant.start()  # every prompt stays somewhere while workers die
             # When the victim is killed with work in flight, three times, and restarted each time.
             for threshold in (10, 35, 60):
@@ -63,7 +65,7 @@ def test_worker_killed_three_times_loses_and_duplicates_nothing(redis_url: str, 
                 watches.append(RecoveryWatch(redis_url, keys, "kill3", "sigkill").start())
                 victim.kill()
                 victim.start().wait_ready(client, keys)
-            wait_until(lambda: job_progress(client, keys, "kill3")["done"] == 90, 240, what="90 rows")
+            wait_until(lambda: job_progress(client, keys, "kill3")["done"] == 150, 240, what="150 rows")
         finally:
             invariant.stop()
             victim.kill()
