@@ -364,7 +364,8 @@ class _Writer:
 
 
 class _Ledger:
-    held: dict[tuple[str, str], Any] = {}  # noqa: RUF012 — the fences of claims held (none here)
+    def fence(self, job: str, prompt_id: str) -> None:
+        return None  # no claim held here
 
     async def mark_part(self, *args: Any) -> dict[str, str]:
         return {}  # no row fenced

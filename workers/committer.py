@@ -161,7 +161,7 @@ class GroupCommitter:
         started = time.perf_counter()
         part = self.writer.part_name(job, dataset)
         # The fences the rows run under (the finalize drops them): kept with the rows this process remembers.
-        fences = {i.final.prompt_id: self.ledger.held.get((job, i.final.prompt_id)) for i in items}
+        fences = {i.final.prompt_id: self.ledger.fence(job, i.final.prompt_id) for i in items}
         written = False
         encoded: memoryview | None = None
         finalized: Finalized | None = None
@@ -314,12 +314,8 @@ class GroupCommitter:
         dataset, part, final, fence = entry
         if not await asyncio.to_thread(self.writer.exists, part):
             return False
-        key = (job, prompt_id)
-        self.ledger.held[key] = fence  # the run's own fence again, for this one finalize
-        try:
+        with self.ledger.rearmed(job, prompt_id, fence):  # the run's own fence again, for this one finalize
             finalized = await self.finalize_orphan(job, dataset, part, final)
-        finally:
-            self.ledger.held.pop(key, None)
         if prompt_id in finalized.fenced:
             return False
         log.warning("finalized %s/%s again from %s: Redis had lost its finalize (a rollback?)", job, prompt_id, part)

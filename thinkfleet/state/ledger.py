@@ -42,10 +42,11 @@ regenerated.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -203,6 +204,19 @@ class Ledger:
 
     def _fence(self, job: str, prompt_id: str) -> Fence:
         return self.held.get((job, prompt_id), _NO_FENCE)
+
+    def fence(self, job: str, prompt_id: str) -> Fence | None:
+        """The fence this process holds for the prompt's claim (None when it holds none)."""
+        return self.held.get((job, prompt_id))
+
+    @contextlib.contextmanager
+    def rearmed(self, job: str, prompt_id: str, fence: Fence) -> Iterator[None]:
+        """Hold ``fence`` again for one call (a finalize replayed from a row this process stored under it)."""
+        self.held[(job, prompt_id)] = fence
+        try:
+            yield
+        finally:
+            self.held.pop((job, prompt_id), None)
 
     def _drop(self, job: str, prompt_id: str) -> None:
         """The run of the prompt ended here (finalized, fenced, released, dead-lettered): its fence goes."""
