@@ -149,9 +149,14 @@ def _rid_prompts(stats: dict[str, object], job: str) -> dict[str, int]:
     return counts
 
 
-def test_a_rollback_that_loses_a_finished_prompts_message_too_is_finalized_again_from_its_row(tmp_path: Path) -> None:
+@pytest.mark.parametrize("claim_in_snapshot", [True, False], ids=["claim-kept", "claim-lost-too"])
+def test_a_rollback_that_loses_a_finished_prompts_message_too_is_finalized_again_from_its_row(
+    tmp_path: Path, claim_in_snapshot: bool
+) -> None:
     # Given one prompt claimed by a worker, a snapshot taken while it generates, and the prompt then stored,
-    # finalized and acked.
+    # finalized and acked. (claim-lost-too: the snapshot was taken before the claim — the message already
+    # delivered, so in kombu's unacked hash — and the ack of the stored row landed on the restored Redis, deleting
+    # that entry: no claim names the worker and no message is left. Seen in the nemesis, seed 20.)
     from thinkfleet.broker.keys import KombuKeys
 
     server = RedisServer(tmp_path / "redis").start()
@@ -179,7 +184,10 @@ def test_a_rollback_that_loses_a_finished_prompts_message_too_is_finalized_again
                 kombu = KombuKeys(settings.key_prefix)
                 client.delete(kombu.unacked, kombu.unacked_index, settings.queue)
                 assert json.loads(client.hget(keys.claims("lost-msg"), "p00000"))["worker"] == "w1"
-                # Then the worker that stored the row finalizes it again from that row (its claim still names it).
+                if not claim_in_snapshot:
+                    client.hdel(keys.claims("lost-msg"), "p00000")
+                # Then the worker that stored the row finalizes it again from that row (its claim still names it;
+                # or, with no claim left, its finalize mark in Redis is older than its latest finalize).
                 wait_until(lambda: _progress(client, keys, "lost-msg")["done"] == 1, 60, what="finalized again")
                 wait_until(lambda: not client.hlen(keys.claims("lost-msg")), 30, what="no claim left")
             finally:
@@ -187,9 +195,11 @@ def test_a_rollback_that_loses_a_finished_prompts_message_too_is_finalized_again
         assert "finalized lost-msg/p00000 again" in worker.tail(400)
         outcome = check_job(settings, "lost-msg", job.prompts, job.sampling_params)
         record_result(
-            "Redis rollback that also loses a finished prompt's message",
+            "Redis rollback that also loses a finished prompt's message"
+            + ("" if claim_in_snapshot else " and its claim"),
             outcome,
-            "BGSAVE mid-generation, the row stored and acked, Redis back from the snapshot without the message",
+            "BGSAVE mid-generation, the row stored and acked, Redis back from the snapshot without the message"
+            + ("" if claim_in_snapshot else " and the claim"),
             [],
             time.monotonic() - started,
             workers=1,

@@ -78,6 +78,12 @@ class Keys:
         """HASH of per-dataset counters (submitted, done, dead, output_tokens)."""
         return f"{self.prefix}:job:{job}:ds:{dataset}"
 
+    def finalize_marks(self, job: str) -> str:
+        """HASH worker → ``nonce:seq`` of its process's latest finalize (finalize.lua writes it in the same call):
+        a worker that finds an older mark of its own knows Redis lost finalizes it made (a rollback) and
+        finalizes its recent rows again (``Ledger.lost_finalizes``, ``GroupCommitter.recheck``)."""
+        return f"{self.prefix}:job:{job}:finalize_marks"
+
     def worker_counters(self, job: str) -> str:
         """HASH worker → output tokens for this job (per-host throughput in status)."""
         return f"{self.prefix}:job:{job}:worker_tokens"

@@ -321,6 +321,20 @@ class GroupCommitter:
         log.warning("finalized %s/%s again from %s: Redis had lost its finalize (a rollback?)", job, prompt_id, part)
         return True
 
+    async def recheck(self, job: str) -> int:
+        """Redis lost finalizes of ours for ``job`` (:meth:`Ledger.lost_finalizes`): finalize again every row this
+        process remembers that Redis now shows neither done nor dead — also where the rollback took the claim with
+        it (claimed after the snapshot) and the message is gone too (its ack landed on the restored Redis): then
+        no claim names us for ``abandon_claims`` to find, and no delivery would ever run the prompt again. Each
+        finalize is fenced as always (a prompt another worker claimed since is theirs). Returns how many."""
+        pids = [pid for (j, pid) in list(self._recent) if j == job]
+        again = 0
+        for pid in await self.ledger.unresolved(job, pids):
+            if await self.replay(job, pid):
+                again += 1
+        await self.ledger.remark(job)
+        return again
+
     def give_up(self) -> None:
         """Draining: a commit that is failing stops retrying and hands its prompts back."""
         self._giving_up = True

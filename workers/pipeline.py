@@ -215,6 +215,12 @@ class PromptPipeline:
                 strays = await self.ledger.abandon_claims(lambda job, pid: pid in self._active, self.committer.replay)
                 if strays:
                     log.warning("let go of %d claims under our name that no run of ours holds (lost writes?)", strays)
+                for job in self.ledger.marked_jobs():
+                    if await self.ledger.lost_finalizes(job):
+                        again = await self.committer.recheck(job)
+                        log.warning(
+                            "Redis lost finalizes of ours for job %s (a rollback?): %d finalized again", job, again
+                        )
             except RedisError:
                 pass
             for job, prompt_id in list(self._unreleased):

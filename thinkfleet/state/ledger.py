@@ -46,6 +46,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -152,6 +153,12 @@ class Ledger:
         #: WAITAOF after finalize (None: not tried yet; False: the server cannot, e.g. before Redis 7.2 or AOF off).
         self.waitaof_ms = waitaof_ms
         self._waitaof_ok: bool | None = None if waitaof_ms > 0 else False
+        #: This process's finalize marks (finalize.lua writes ``nonce:seq`` under our name in finalize_marks): the
+        #: nonce tells our marks from an earlier life's, ``_marked[job]`` is the seq of our latest finalize of the
+        #: job that Redis answered — a mark found below it means Redis lost finalizes (:meth:`lost_finalizes`).
+        self._mark_nonce = uuid.uuid4().hex[:12]
+        self._mark_seq = 0
+        self._marked: dict[str, int] = {}
         self._claim = client.register_script(lua("claim"))
         self._mark_part = client.register_script(lua("mark_part"))
         self._release = client.register_script(lua("release"))
@@ -302,12 +309,55 @@ class Ledger:
         ]
         if any(t is not None for t in turns or []):
             keys += [queue, k.prompts(job), k.prompt_dataset(job), answers]
+        self._mark_seq += 1
+        seq = self._mark_seq
+        keys.append(k.finalize_marks(job))
+        args.append(f"{self._mark_nonce}:{seq}")
         new, fire, seen, miss, flat = await self._finalize(keys=keys, args=args)
+        self._marked[job] = max(self._marked.get(job, 0), seq)
         fenced = _pairs(flat)
         for row in rows:
             self._drop(job, row.prompt_id)
         await self._durable()
         return Finalized(int(new), bool(fire), int(seen), int(miss), fenced)
+
+    def marked_jobs(self) -> list[str]:
+        """The jobs this process has finalized rows of (whose marks :meth:`lost_finalizes` can check)."""
+        return list(self._marked)
+
+    async def lost_finalizes(self, job: str) -> bool:
+        """True when Redis has lost finalizes this process made for ``job``: our mark there is older than our
+        latest finalize it answered, or gone (a rollback to an older snapshot, a replica promoted behind — both
+        lose a suffix of the writes, so a lost finalize always takes the latest mark with it)."""
+        seq = self._marked.get(job)
+        if seq is None:
+            return False
+        raw = await self.r.hget(self.keys.finalize_marks(job), self.worker)
+        text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw or "")
+        nonce, _, found = text.partition(":")
+        return nonce != self._mark_nonce or not found.isdigit() or int(found) < seq
+
+    async def remark(self, job: str) -> None:
+        """After the rows a rollback lost were finalized again: our mark says so, and :meth:`lost_finalizes` is
+        False until Redis loses writes again."""
+        seq = self._marked.get(job)
+        if seq is not None:
+            await self.r.hset(self.keys.finalize_marks(job), self.worker, f"{self._mark_nonce}:{seq}")
+
+    async def unresolved(self, job: str, prompt_ids: list[str]) -> list[str]:
+        """Of ``prompt_ids``, those neither done nor dead (one pipelined round trip per 500)."""
+        out: list[str] = []
+        for start in range(0, len(prompt_ids), 500):
+            chunk = prompt_ids[start : start + 500]
+            async with self.r.pipeline(transaction=False) as p:
+                for pid in chunk:
+                    p.sismember(self.keys.done(job), pid)
+                    p.hexists(self.keys.dead(job), pid)
+                flags = await p.execute()
+            out += [
+                pid for pid, done, dead in zip(chunk, flags[::2], flags[1::2], strict=True) if not done and not dead
+            ]
+        return out
 
     async def _durable(self) -> None:
         """WAITAOF: wait until Redis fsynced the finalize to its AOF (``appendfsync everysec`` loses up to a second

@@ -12,12 +12,14 @@
 -- counters follow as requeue.lua corrects them (the next turn is of the same dataset).
 -- KEYS: done, claims, counters, dataset_counters, worker_counters, timeline, deliveries, dead, committed_epochs,
 --       job (the record hash), and only when a row carries an answer or a next turn: queue, prompts,
---       prompt_dataset, answers
+--       prompt_dataset, answers; last of all, always: finalize_marks
 -- ARGV: worker, now, alarm_min_rows, alarm_missing_share, dataset, then per row: prompt_id, tokens, think_end
 --       ('1' closed reasoning, '0' expected to and did not, '2' not expected to reason: not watched by the alarm),
 --       truncated, answer ('' = none), next_prompt_id ('' = none), next_content_hash, next_message,
 --       drop (JSON list of turn prompt ids, '' = none), the claim's epoch, the row's own epoch (an orphan's part
---       row was written under an earlier claim), the generation of the job record it ran for ('' = not recorded)
+--       row was written under an earlier claim), the generation of the job record it ran for ('' = not recorded);
+--       last of all, always: the caller's finalize mark ('nonce:seq', written to finalize_marks under the worker: a
+--       worker that later finds an older mark there knows Redis lost finalizes of its own, Ledger.lost_finalizes)
 -- Returns {new rows, alarm fires, alarm rows seen, of them missing, {fenced prompt_id, holder, ...}}
 local new_rows, tokens, think, trunc, expected = 0, 0, 0, 0, 0
 local undone, undead = 0, 0
@@ -44,7 +46,8 @@ local function holder(pid, e, row_e, gen)
   if gen ~= '' and redis.call('HGET', KEYS[10], 'generation') ~= '"' .. gen .. '"' then return 'generation' end
   return nil
 end
-for i = 6, #ARGV, 12 do
+redis.call('HSET', KEYS[#KEYS], ARGV[1], ARGV[#ARGV])
+for i = 6, #ARGV - 1, 12 do
   local pid = ARGV[i]
   local held = holder(pid, ARGV[i + 9], ARGV[i + 10], ARGV[i + 11])
   if held and held ~= 'ours' then
