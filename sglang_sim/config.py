@@ -95,7 +95,8 @@ class ServerConfig:
     #: without ``--context-length`` does (the effective length is /v1/models ``max_model_len``).
     report_context_length: bool = True
     tp_size: int = 8
-    #: KV-cache capacity reported by /server_info (not enforced).
+    #: KV-cache capacity reported by /server_info and /v1/loads (enforced only with the engine's
+    #: ``kv_capacity_tokens``, which sets it when it is not given).
     max_total_num_tokens: int = 1_200_000
     reasoning_parser: str | None = "kimi_k2"
     tool_call_parser: str | None = "kimi_k2"
@@ -152,6 +153,8 @@ class SimConfig:
             kwargs["think_end"] = not kwargs.pop("no_think_end")
         if "slow_start_s" in kwargs:  # the old name of warmup_s
             kwargs.setdefault("warmup_s", kwargs.pop("slow_start_s"))
+        if kwargs.get("kv_capacity_tokens") is not None:  # the enforced pool is the one reported
+            kwargs.setdefault("max_total_num_tokens", kwargs["kv_capacity_tokens"])
         family = kwargs.get("model_family")
         if family and family != "kimi":  # --model-family: the served model's vocabulary, name and parsers
             for key, value in FAMILY_SERVER_DEFAULTS.get(family, {}).items():

@@ -40,6 +40,21 @@ class SimMetrics:
         self.gen_throughput = gauge("sglang:gen_throughput", "The generation throughput (token/s).")
         self.cache_hit_rate = gauge("sglang:cache_hit_rate", "The prefix cache hit rate.")
         self.context_len = gauge("sglang:context_len", "The context length.")
+        self.num_used_tokens = gauge("sglang:num_used_tokens", "The number of used tokens.")
+        self.token_usage = gauge("sglang:token_usage", "The token usage.")
+        self.max_total_num_tokens = gauge(
+            "sglang:max_total_num_tokens", "Maximum total number of tokens in the KV cache pool."
+        )
+        self.new_token_ratio = gauge("sglang:new_token_ratio", "The new token ratio.")
+        self.num_retracted_reqs = gauge("sglang:num_retracted_reqs", "The number of retracted requests.")
+        # SGLang 0.5.9's metrics/collector.py names (prometheus_client adds the _total of a counter).
+        self.retracted_total = counter("sglang:num_retracted_requests", "Total number of retracted requests.")
+        self.retracted_input_tokens = counter(
+            "sglang:num_retracted_input_tokens", "Total number of retracted input tokens."
+        )
+        self.retracted_output_tokens = counter(
+            "sglang:num_retracted_output_tokens", "Total number of retracted output tokens."
+        )
         self.prompt_tokens = counter("sglang:prompt_tokens_total", "Number of prefill tokens processed.")
         self.generation_tokens = counter("sglang:generation_tokens_total", "Number of generation tokens processed.")
         self.cached_tokens = counter("sglang:cached_tokens_total", "Number of cached prompt tokens.")
@@ -64,9 +79,20 @@ class SimMetrics:
             self.num_aborted.inc()
         self.e2e_latency.observe(e2e_s)
 
-    def render(self, engine: Engine, context_len: int) -> bytes:
+    def observe_retraction(self, input_tokens: int, output_tokens: int) -> None:
+        self.retracted_total.inc()
+        self.retracted_input_tokens.inc(input_tokens)
+        self.retracted_output_tokens.inc(output_tokens)
+
+    def render(self, engine: Engine, context_len: int, max_total_num_tokens: int = 0) -> bytes:
         """Prometheus text exposition, gauges refreshed from the engine."""
         stats = engine.stats
+        used = engine.used_tokens
+        self.num_used_tokens.set(int(used))
+        self.max_total_num_tokens.set(max_total_num_tokens)
+        self.token_usage.set(used / max_total_num_tokens if max_total_num_tokens else 0.0)
+        self.new_token_ratio.set(engine.new_token_ratio)
+        self.num_retracted_reqs.set(stats.last_retracted_reqs)
         self.num_running_reqs.set(engine.num_running)
         self.num_queue_reqs.set(engine.num_waiting)
         self.gen_throughput.set(engine.gen_throughput_tok_s())

@@ -31,6 +31,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
@@ -667,3 +668,81 @@ def abort_reason(message: str, status_code: int | None = None, waiting: bool = F
     if waiting:
         return {"type": "abort", "message": message}
     return {"type": "abort", "message": message, "status_code": status_code, "err_type": None}
+
+
+# -- load (GET /get_load, GET /v1/loads) -----------------------------------------------------------------
+def get_load_body(running: int, waiting: int, num_tokens: int) -> list[dict[str, Any]]:
+    """0.5.9's deprecated ``/get_load``: one ``GetLoadReqOutput`` per DP rank, dataclass fields in order
+    (``BaseReq``'s ``rid`` and ``http_worker_ipc`` first, both null; ``dp_rank`` null without DP).
+    ``num_reqs`` counts running + waiting, and ``num_tokens`` adds the waiting requests' lengths to the
+    KV tokens in use (``scheduler_metrics_mixin.get_load``)."""
+    return [
+        {
+            "rid": None,
+            "http_worker_ipc": None,
+            "dp_rank": None,
+            "num_reqs": running + waiting,
+            "num_waiting_reqs": waiting,
+            "num_tokens": num_tokens,
+            "ts_tic": time.perf_counter(),
+        }
+    ]
+
+
+def v1_loads_body(
+    *,
+    version: str,
+    running: int,
+    waiting: int,
+    used_tokens: int,
+    max_total_num_tokens: int,
+    gen_throughput: float,
+    cache_hit_rate: float,
+    max_running_requests: int,
+    retracted: int,
+    token_capacity: int,
+) -> dict[str, Any]:
+    """0.5.9's ``/v1/loads`` (``entrypoints/v1_loads.py``, default ``include=all``): per DP rank a
+    ``GetLoadsReqOutput`` without its null fields (``dp_rank`` is null without DP, so absent) nor
+    ``timestamp``, plus ``num_total_reqs``; then the aggregate. ``utilization`` is 0 unless the server
+    was given an SLO bound (``max_running_requests_under_SLO``); ``speculative`` and ``lora`` are null
+    (absent) without speculative decoding or LoRA; ``queues.retracted`` is the last retraction's count."""
+    usage = round(used_tokens / max_total_num_tokens, 4) if max_total_num_tokens > 0 else 0.0
+    load = {
+        "num_running_reqs": running,
+        "num_waiting_reqs": waiting,
+        "num_used_tokens": used_tokens,
+        "max_total_num_tokens": max_total_num_tokens,
+        "token_usage": usage,
+        "gen_throughput": round(gen_throughput, 2),
+        "cache_hit_rate": round(cache_hit_rate, 4),
+        "utilization": 0.0,
+        "max_running_requests": max_running_requests,
+        "memory": {"weight_gb": 68.5, "kv_cache_gb": 52.3, "graph_gb": 1.6, "token_capacity": token_capacity},
+        "disaggregation": {
+            "mode": "null",
+            "prefill_prealloc_queue_reqs": 0,
+            "prefill_inflight_queue_reqs": 0,
+            "decode_prealloc_queue_reqs": 0,
+            "decode_transfer_queue_reqs": 0,
+            "decode_retracted_queue_reqs": 0,
+            "kv_transfer_speed_gb_s": 0.0,
+            "kv_transfer_latency_ms": 0.0,
+        },
+        "queues": {"waiting": waiting, "grammar": 0, "paused": 0, "retracted": retracted},
+        "num_total_reqs": running + waiting,
+    }
+    return {
+        "timestamp": datetime.now(UTC).isoformat(),
+        "version": version,
+        "dp_rank_count": 1,
+        "loads": [load],
+        "aggregate": {
+            "total_running_reqs": running,
+            "total_waiting_reqs": waiting,
+            "total_reqs": running + waiting,
+            "avg_token_usage": usage,
+            "avg_throughput": round(gen_throughput, 2),
+            "avg_utilization": 0.0,
+        },
+    }

@@ -2,8 +2,9 @@
 
 Native SGLang routes: ``/generate`` (see :mod:`sglang_sim.generate`), ``/health``,
 ``/health_generate``, ``/model_info`` (+ ``/get_model_info``), ``/server_info`` (+
-``/get_server_info``), ``/v1/models``, ``/flush_cache``, ``/abort_request``, ``/metrics``, and
-``/ready`` where the imitated release has it. Shapes follow ``--sglang-version``
+``/get_server_info``), ``/v1/models``, ``/flush_cache``, ``/abort_request``, ``/metrics``, the load
+endpoints ``/v1/loads`` and (deprecated in 0.5.9) ``/get_load``, and ``/ready`` where the imitated
+release has it. Shapes follow ``--sglang-version``
 (:mod:`sglang_sim.versions`).
 
 Lifecycle, as a real server's: the port opens only after ``load_s`` (the CLI binds late); for
@@ -38,6 +39,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -46,7 +48,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from sglang_sim import protocol
 from sglang_sim.config import SimConfig
-from sglang_sim.engine import Engine
+from sglang_sim.engine import Engine, SimRequest
 from sglang_sim.faults import FaultInjector
 from sglang_sim.generate import SIM_KEY, Call, CallItem, handle_generate
 from sglang_sim.metrics import CallStats, SimMetrics
@@ -55,6 +57,9 @@ from sglang_sim.text import TextCodec
 from sglang_sim.versions import VersionProfile
 
 logger = logging.getLogger("sglang_sim")
+
+#: Retraction counts kept per rid for ``meta_info`` (the oldest are forgotten beyond this many).
+RETRACTED_RIDS_KEPT = 50_000
 
 
 class SimClock:
@@ -104,6 +109,9 @@ class Simulator:
         lag_s = None if server.max_tick_lag_ms is None else server.max_tick_lag_ms / 1000.0
         self.clock = SimClock(server.time_scale, lag_s)
         self.engine = Engine(config.engine, self.clock.now_s)
+        self.engine.on_retract = self._on_retract
+        #: rid → times the scheduler retracted it (``meta_info``'s retraction count; only retracted rids).
+        self.retracted: OrderedDict[str, int] = OrderedDict()
         self.codec = TextCodec(server.tokenizer)
         self.faults = FaultInjector(config.faults)
         self.metrics = SimMetrics(server.model_name)
@@ -241,15 +249,26 @@ class Simulator:
                 call.drop()
         self.engine.abort(abort_all=True)
 
+    def _on_retract(self, req: SimRequest) -> None:
+        self.retracted[req.rid] = req.retractions
+        self.retracted.move_to_end(req.rid)
+        while len(self.retracted) > RETRACTED_RIDS_KEPT:
+            self.retracted.popitem(last=False)
+        self.metrics.observe_retraction(req.prompt_tokens, req.resumed_tokens)
+
     def meta_info(self, **fields: Any) -> dict[str, Any]:
-        """``protocol.meta_info`` with this release's keys."""
-        return protocol.meta_info(
+        """``protocol.meta_info`` with this release's keys (and the rid's retraction count)."""
+        meta = protocol.meta_info(
             **fields,
             retractions_key=self.profile.retractions_key,
             with_reasoning_tokens=self.profile.reasoning_tokens,
             with_cached_tokens_details=self.profile.cached_tokens_details,
             timing=self.profile.timing_meta_info and self.config.server.enable_metrics,
         )
+        retractions = self.retracted.get(fields.get("rid", ""), 0)
+        if retractions and self.profile.retractions_key in meta:
+            meta[self.profile.retractions_key] = retractions
+        return meta
 
 
 # -- routes ------------------------------------------------------------------------------------------
@@ -494,8 +513,38 @@ async def abort_request(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     sim = _sim(request)
     sim.engine.advance()
-    body = sim.metrics.render(sim.engine, sim.config.server.context_length)
+    body = sim.metrics.render(sim.engine, sim.config.server.context_length, sim.config.server.max_total_num_tokens)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def get_load(request: web.Request) -> web.Response:
+    """0.5.9's deprecated ``/get_load`` (``num_tokens``: KV in use plus the waiting requests' lengths)."""
+    sim = _sim(request)
+    sim.engine.advance()
+    engine = sim.engine
+    tokens = int(engine.used_tokens) + engine.waiting_tokens()
+    return web.json_response(protocol.get_load_body(engine.num_running, engine.num_waiting, tokens))
+
+
+async def v1_loads(request: web.Request) -> web.Response:
+    """``/v1/loads``: the scheduler's load per DP rank (one here) and the aggregate."""
+    sim = _sim(request)
+    sim.engine.advance()
+    engine, stats, server = sim.engine, sim.engine.stats, sim.config.server
+    hit = stats.cached_tokens_total / stats.prompt_tokens_total if stats.prompt_tokens_total else 0.0
+    body = protocol.v1_loads_body(
+        version=sim.profile.version,
+        running=engine.num_running,
+        waiting=engine.num_waiting,
+        used_tokens=int(engine.used_tokens),
+        max_total_num_tokens=server.max_total_num_tokens,
+        gen_throughput=engine.gen_throughput_tok_s(),
+        cache_hit_rate=hit,
+        max_running_requests=engine.config.max_running_requests,
+        retracted=stats.last_retracted_reqs,
+        token_capacity=server.max_total_num_tokens,
+    )
+    return web.json_response(body)
 
 
 async def control_faults(request: web.Request) -> web.Response:
@@ -601,6 +650,8 @@ def create_app(config: SimConfig | None = None) -> web.Application:
     app.router.add_route("*", "/flush_cache", flush_cache)
     app.router.add_post("/abort_request", abort_request)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/get_load", get_load)
+    app.router.add_get("/v1/loads", v1_loads)
     app.router.add_route("*", "/control/faults", control_faults)
     app.router.add_post("/control/outage", control_outage)
     app.router.add_post("/control/health_delay", control_health_delay)
@@ -623,7 +674,7 @@ def describe(config: SimConfig) -> str:
     return (
         f"sglang-sim serving {server.model_name} on http://{server.host}:{server.port} "
         f"(sglang {server.sglang_version}, time_scale={server.time_scale:g}, "
-        f"max_running={engine.max_running_requests}, "
+        f"max_running={engine.max_running_requests}, kv_capacity={engine.kv_capacity_tokens or 'unlimited'}, "
         f"decode={engine.decode_tok_s:g} tok/s, per_request={engine.per_request_tok_s:g} tok/s, "
         f"faults={_active_faults(config)})"
     )
