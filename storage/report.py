@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from storage import reader
+from storage import layout, stream
 from storage.schema import (
     COMPLETION_TOKENS,
     CONVERSATION_ID,
@@ -36,6 +36,7 @@ from storage.schema import (
     PROMPT_TOKENS,
     REASONING_END,
     REASONING_START,
+    SCHEMA,
     TOOL_CALL_SPANS,
     TURN_COUNT,
     TURN_INDEX,
@@ -68,7 +69,12 @@ MAX_TIMELINE_POINTS = 120
 
 def report_job(settings: Settings, job: str, out_dir: str | None = None) -> tuple[dict[str, Any], list[str]]:
     """Compute the summary; with ``out_dir``, also write report.png and report.html there."""
-    table = reader.read_committed(settings.output_uri, job, _COLUMNS, s3_endpoint_url=settings.s3_endpoint_url)
+    # Scalar columns only, streamed (storage/stream.py): memory ~ the job's per-prompt numbers, not its rows.
+    loc = layout.locate(settings.output_uri, settings.s3_endpoint_url)
+    tables = list(stream.committed_batches(loc, job, _COLUMNS, memory_bytes=stream.memory_bytes_of(settings)))
+    schema = pa.schema([SCHEMA.field(c) for c in _COLUMNS])
+    table = pa.Table.from_batches([b for t in tables for b in t.to_batches()], schema=schema).combine_chunks()
+    del tables
     from storage import jobstate
 
     state = jobstate.load_job_state(settings, job, timeout_s=2.0)

@@ -35,10 +35,11 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from storage import jobstate, layout, quarantine, reader
+from storage import jobstate, layout, quarantine, reader, stream
 from storage.checks import CHECK_COLUMNS, ThinkingStats, flat_ids, row_problems
 from storage.manifest import read_submitted
 from storage.schema import (
@@ -161,8 +162,21 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
     else:
         report.notes.append("no submitted set in Redis or in the storage manifest: nothing to check against")
 
-    turn_columns = [CONVERSATION_ID, TURN_INDEX, TURN_COUNT]
-    keys = reader.read_keys(uri, job, columns=[DATASET, CONTENT_HASH, *turn_columns], s3_endpoint_url=endpoint)
+    # The keys of every stored row, then the committed rows' columns batch by batch (storage/stream.py): memory
+    # stays within the storage_memory_mb setting whatever the job's size.
+    tokens = jobstate.span_tokens(state.record)
+    expected = _reasoning_expected(state.record, tokens)
+    for attempt in range(stream.REPLANS):
+        plan = stream.plan(
+            loc, job, None, _KEY_COLUMNS, columns=_ROW_COLUMNS, memory_bytes=stream.memory_bytes_of(settings)
+        )
+        try:
+            checked = _check_rows(plan, tokens, expected, submitted)
+            break
+        except stream.PlanStale:  # a part changed under the read (a compaction): read the job again
+            if attempt == stream.REPLANS - 1:
+                raise
+    keys = plan.tagged()
     report.stored_rows = keys.num_rows
     dups = reader.duplicate_rows(keys)
     dup_counts = Counter(dups[PROMPT_ID].to_pylist())
@@ -172,7 +186,7 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
     report.fenced_rows = fenced.num_rows
     report.fenced = sorted(set(fenced[PROMPT_ID].to_pylist()))
 
-    winners = keys.take(reader.winner_indices(keys))
+    winners = plan.winners
     stored_ids = winners[PROMPT_ID].to_pylist()
     stored = set(stored_ids)
     report.committed = len(stored)
@@ -190,22 +204,12 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
         )
     report.permanent_failures = sorted(dead - stored)
 
-    tokens = jobstate.span_tokens(state.record)
-    expected = _reasoning_expected(state.record, tokens)
-    thinking = ThinkingStats()
-    tool_rows: set[str] = set()  # multi-turn rows whose output calls a tool (a chain end, without Redis)
-    stored_datasets = sorted(set(pc.unique(winners[DATASET]).to_pylist())) if winners.num_rows else []
-    for dataset in stored_datasets:  # one dataset in memory at a time
-        table = reader.read_committed(uri, job, [*CHECK_COLUMNS, CONTENT_HASH, IDS_CRC32], [dataset], endpoint)
-        problems, stats = row_problems(table, tokens, expected)
-        report.malformed.update(problems)
-        thinking.add(stats)
-        report.hash_mismatch.extend(hash_mismatches(table, submitted))
-        report.checksum_mismatch.extend(checksum_mismatches(table))
-        calls = table[TOOL_CALL_SPANS].to_pylist()
-        tool_rows.update(pid for pid, c in zip(table[PROMPT_ID].to_pylist(), calls, strict=True) if c)
-    report.hash_mismatch.sort()
-    report.checksum_mismatch.sort()
+    malformed, thinking, tool_rows = checked.malformed, checked.thinking, checked.tool_rows
+    # In the order a dataset-by-dataset read in prompt_id order gave (the text report lists the first ones).
+    dataset_of = dict(zip(stored_ids, winners[DATASET].to_pylist(), strict=True))
+    report.malformed = {pid: malformed[pid] for pid in sorted(malformed, key=lambda p: (str(dataset_of.get(p)), p))}
+    report.hash_mismatch = sorted(checked.hash_mismatch)
+    report.checksum_mismatch = sorted(checked.checksum_mismatch)
     ends = _chain_ends(settings, job) if state.redis_ok else None
     chain_ends = tool_rows if ends is None else ends
     superseded = beyond_chain_ends(stored | set(submitted), chain_ends)
@@ -225,6 +229,37 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
     report.per_dataset = _per_dataset(report, sub_dataset, winners)
     report.quarantined = _quarantined(loc, job, damaged, stored, report)
     return report
+
+
+_KEY_COLUMNS = [DATASET, CONTENT_HASH, CONVERSATION_ID, TURN_INDEX, TURN_COUNT]
+_ROW_COLUMNS = [*CHECK_COLUMNS, CONTENT_HASH, IDS_CRC32]
+
+
+@dataclass
+class _RowChecks:
+    """What the per-row checks found over the committed rows (any order)."""
+
+    malformed: dict[str, list[str]] = field(default_factory=dict)
+    thinking: ThinkingStats = field(default_factory=ThinkingStats)
+    hash_mismatch: list[str] = field(default_factory=list)
+    checksum_mismatch: list[str] = field(default_factory=list)
+    tool_rows: set[str] = field(default_factory=set)  # multi-turn rows whose output calls a tool (a chain end)
+
+
+def _check_rows(plan: stream.Plan, tokens: SpanTokens, expected: bool, submitted: dict[str, str]) -> _RowChecks:
+    """Every committed row's checks, a batch of rows at a time; raises ``stream.PlanStale``."""
+    out = _RowChecks()
+    for table in stream.winner_batches(plan, _ROW_COLUMNS):
+        problems, stats = row_problems(table, tokens, expected)
+        out.malformed.update(problems)
+        out.thinking.add(stats)
+        out.hash_mismatch.extend(hash_mismatches(table, submitted))
+        out.checksum_mismatch.extend(checksum_mismatches(table))
+        calls = pc.list_value_length(table[TOOL_CALL_SPANS]).to_numpy(zero_copy_only=False) > 0
+        if calls.any():
+            pids = table[PROMPT_ID].to_pylist()
+            out.tool_rows.update(pids[i] for i in np.flatnonzero(calls).tolist())
+    return out
 
 
 def _quarantined(

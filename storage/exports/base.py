@@ -3,8 +3,9 @@
 Filters (:class:`Rows`): ``drop_truncated`` drops rows that did not end on a stop (``finish_reason`` length or
 abort); ``min_reasoning_tokens`` drops rows with fewer reasoning tokens; turn rows past their conversation's
 chain end are skipped as superseded. ``min_reasoning_tokens`` and ``exclude_reasoning`` need to know where
-reasoning ends, so a job run with ``--no-reasoning-spans`` (null spans) is refused them. One dataset of the job
-is in memory at a time.
+reasoning ends, so a job run with ``--no-reasoning-spans`` (null spans) is refused them. The rows come a batch at
+a time, dataset by dataset and in prompt_id order within one (:func:`storage.stream.committed_batches`): memory
+is bounded by the ``storage_memory_mb`` setting, not by the job.
 
 Files (:class:`Files`): one file at ``--out``, or with ``shard_rows`` files of at most that many rows —
 ``--out X.jsonl`` → ``X-00000.jsonl``, ``X-00001.jsonl``…; an ``--out`` without the format's suffix is a
@@ -31,7 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from storage import layout, reader
+from storage import layout, stream
 from storage.schema import (
     CONVERSATION_ID,
     DATASET,
@@ -41,6 +42,7 @@ from storage.schema import (
     PROMPT_ID,
     REASONING_END,
     REASONING_START,
+    SCHEMA,
     SPAN_COLUMNS,
     TOOL_CALL_SPANS,
 )
@@ -168,31 +170,90 @@ class Rows:
         tool ends it (a re-run of an earlier turn may end it before turns stored earlier): not current, skipped
         (``thinkfleet.turns.beyond_chain_ends``; ``producer verify`` lists them)."""
         if self._superseded is None:
-            uri, endpoint = self.settings.output_uri, self.settings.s3_endpoint_url
             pids: list[str] = []
             ends: list[str] = []
             for name in self.names():
-                table = reader.read_committed(
-                    uri, self.job, [PROMPT_ID, CONVERSATION_ID, TOOL_CALL_SPANS], [name], endpoint
-                )
-                if table.num_rows == 0 or table[CONVERSATION_ID].null_count == table.num_rows:
-                    continue
-                ids = table[PROMPT_ID].to_pylist()
-                pids += ids
-                ends += [pid for pid, calls in zip(ids, table[TOOL_CALL_SPANS].to_pylist(), strict=True) if calls]
+                pids_of, ends_of = self._turns_of(name)
+                pids += pids_of
+                ends += ends_of
             self._superseded = beyond_chain_ends(pids, ends)
         return self._superseded
+
+    def _turns_of(self, dataset: str) -> tuple[list[str], list[str]]:
+        """(turn prompt ids, those whose output calls a tool) of a dataset; nothing more is read when no
+        committed row has a conversation (a single-turn job: the keys say so)."""
+        columns = [PROMPT_ID, CONVERSATION_ID, TOOL_CALL_SPANS]
+        for _ in range(stream.REPLANS):
+            plan = stream.plan(self.loc, self.job, [dataset], [CONVERSATION_ID], columns=columns,
+                               memory_bytes=self.memory_bytes)  # fmt: skip
+            if plan.winners.num_rows == 0 or plan.winners[CONVERSATION_ID].null_count == plan.winners.num_rows:
+                return [], []
+            pids: list[str] = []
+            ends: list[str] = []
+            try:
+                for table in stream.winner_batches(plan, columns, self.memory_bytes):
+                    table = table.filter(pc.is_valid(table[CONVERSATION_ID]))
+                    ids = table[PROMPT_ID].to_pylist()
+                    pids += ids
+                    calls = table[TOOL_CALL_SPANS].to_pylist()
+                    ends += [pid for pid, c in zip(ids, calls, strict=True) if c]
+            except stream.PlanStale:
+                continue
+            return pids, ends
+        raise ExportError(f"the parts of {self.job}/{dataset} kept changing while they were read: export again")
 
     def names(self) -> list[str]:
         if self.datasets:
             return self.datasets
-        return layout.dataset_names(layout.locate(self.settings.output_uri, self.settings.s3_endpoint_url), self.job)
+        return layout.dataset_names(self.loc, self.job)
 
-    def tables(self, columns: list[str], filtered: bool = True) -> Iterator[pa.Table]:
-        uri, endpoint = self.settings.output_uri, self.settings.s3_endpoint_url
+    @property
+    def loc(self) -> layout.Location:
+        return layout.locate(self.settings.output_uri, self.settings.s3_endpoint_url)
+
+    @property
+    def memory_bytes(self) -> int:
+        return stream.memory_bytes_of(self.settings)
+
+    def committed(
+        self,
+        columns: list[str],
+        datasets: list[str],
+        *,
+        batch_share: int = 8,
+        merge_turns: bool = False,
+        group_turns: bool = False,
+    ) -> Iterator[pa.Table]:
+        """The committed rows of ``datasets`` in prompt_id order, in tables of ``1 / batch_share`` of the memory
+        setting (estimated). ``group_turns``: a conversation's turns stay in one table. ``merge_turns``: also,
+        rows of no conversation first (--merge-turns writes them before the merged records, as when a dataset
+        was one table)."""
+        memory = self.memory_bytes
+        extra = {"group_by": CONVERSATION_ID} if group_turns or merge_turns else {}
+        if merge_turns:
+            extra["order"] = _singles_first
+            extra["order_columns"] = [CONVERSATION_ID]
+        empty = True
+        for table in stream.committed_batches(
+            self.loc, self.job, columns, datasets, memory_bytes=memory, batch_bytes=max(1, memory // batch_share),
+            **extra,  # type: ignore[arg-type]
+        ):  # fmt: skip
+            empty = False
+            yield table
+        if empty:  # a dataset with no committed row still yields its (empty) table, as one table per dataset did
+            yield pa.schema([SCHEMA.field(c) for c in columns]).empty_table()
+
+    def dataset_tables(
+        self, columns: list[str], filtered: bool = True, **how: object
+    ) -> Iterator[tuple[str, Iterator[pa.Table]]]:
+        """(dataset, its tables) for every dataset in turn (see :meth:`committed` for ``how``)."""
         for name in self.names():
-            table = reader.read_committed(uri, self.job, columns, [name], endpoint)
-            yield self.filter(table) if filtered else table
+            tables = self.committed(columns, [name], **how)  # type: ignore[arg-type]
+            yield name, (self.filter(t) for t in tables) if filtered else tables
+
+    def tables(self, columns: list[str], filtered: bool = True, **how: object) -> Iterator[pa.Table]:
+        for _, tables in self.dataset_tables(columns, filtered, **how):
+            yield from tables
 
     def filter(self, table: pa.Table) -> pa.Table:
         keep = np.ones(table.num_rows, dtype=bool)
@@ -230,6 +291,7 @@ class Files:
         shard_rows: int | None,
         result: ExportResult,
         schema: pa.Schema | None = None,
+        row_group_bytes: int = stream.DEFAULT_MEMORY_BYTES // 4,
     ) -> None:
         self.loc, self.suffix, self.shard_rows, self.result, self.schema = loc, suffix, shard_rows, result, schema
         if shard_rows:
@@ -248,6 +310,10 @@ class Files:
         self.text: IO[str] | None = None
         self.parquet: pq.ParquetWriter | None = None
         self.tmp: str | None = None
+        #: Rows held for the next row group, and the most held (a quarter of the memory setting, by default).
+        self._held: list[pa.Table] = []
+        self._held_bytes = 0
+        self.row_group_bytes = row_group_bytes
 
     def __enter__(self) -> Files:
         return self
@@ -275,16 +341,28 @@ class Files:
             self.result.rows += 1
 
     def write_table(self, table: pa.Table) -> None:
+        """Rows into the Parquet file(s). They are held until :meth:`end_table`, the shard's end or
+        ``row_group_bytes`` (estimated): one row group per dataset and shard, as a whole-dataset write gave — the
+        same bytes — unless a dataset outgrows the memory setting."""
         start = 0
         while start < table.num_rows:
             if self._room() == 0 or self.parquet is None:
                 self._next()
             assert self.parquet is not None
             take = min(self._room(), table.num_rows - start)
-            self.parquet.write_table(table.slice(start, take))
+            self._held.append(table.slice(start, take))
+            self._held_bytes += self._held[-1].nbytes
+            if self._held_bytes >= self.row_group_bytes:
+                self.end_table()
             start += take
             self.in_shard += take
             self.result.rows += take
+
+    def end_table(self) -> None:
+        """Write the rows held as one row group (the end of a dataset, a shard, or of the memory share)."""
+        if self._held and self.parquet is not None:
+            self.parquet.write_table(pa.concat_tables(self._held).combine_chunks())
+        self._held, self._held_bytes = [], 0
 
     # -- shards --
     def _room(self) -> int:
@@ -313,6 +391,7 @@ class Files:
     def _close(self) -> None:
         if self.tmp is None:
             return
+        self.end_table()
         if self.parquet is not None:
             self.parquet.close()
             self.parquet = None
@@ -329,6 +408,7 @@ class Files:
         self.tmp = None
 
     def _abandon(self) -> None:
+        self._held, self._held_bytes = [], 0
         for handle in (self.text, self.parquet):
             if handle is not None:
                 handle.close()
@@ -341,6 +421,12 @@ class Files:
         for info in self.loc.fs.get_file_info(pafs.FileSelector(self.dir, allow_not_found=True)):
             if info.type == pafs.FileType.File and pattern.match(info.base_name) and info.path not in written:
                 self.loc.fs.delete_file(info.path)
+
+
+def _singles_first(winners: pa.Table) -> np.ndarray:
+    """Winners (prompt_id order) → rows of no conversation first, then the turn rows, each in prompt_id order."""
+    turns = winners[CONVERSATION_ID].is_valid().to_numpy(zero_copy_only=False)
+    return np.lexsort((np.arange(len(turns)), turns))
 
 
 def move_local(tmp: str, target: str) -> None:

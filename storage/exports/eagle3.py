@@ -41,18 +41,22 @@ class Eagle3(ExportFormat):
         parquet = self.writes_parquet(loc)
         suffix = ".parquet" if parquet else ".jsonl"
         lengths: list[np.ndarray] = []
-        with Files(loc, suffix, opts.shard_rows, result, EAGLE3_SCHEMA) as files:
-            for table in rows.tables(MERGE_COLUMNS if opts.merge_turns else COLUMNS):
-                if opts.merge_turns:
-                    records = merged_table(table, opts.exclude_reasoning, result.skipped)
-                else:
-                    records = eagle3_table(table, opts.exclude_reasoning)
-                records = self.keep(records, result.skipped)
-                lengths.append(pc.list_value_length(records["input_ids"]).to_numpy(zero_copy_only=False))
-                if parquet:
-                    files.write_table(records)
-                else:
-                    files.write_lines(_json_lines(records.select(list(self.jsonl_fields or records.column_names))))
+        columns = MERGE_COLUMNS if opts.merge_turns else COLUMNS
+        with Files(loc, suffix, opts.shard_rows, result, EAGLE3_SCHEMA, rows.memory_bytes // 4) as files:
+            for _, tables in rows.dataset_tables(columns, merge_turns=opts.merge_turns):
+                for table in tables:
+                    if opts.merge_turns:
+                        records = merged_table(table, opts.exclude_reasoning, result.skipped)
+                    else:
+                        records = eagle3_table(table, opts.exclude_reasoning)
+                    records = self.keep(records, result.skipped)
+                    lengths.append(pc.list_value_length(records["input_ids"]).to_numpy(zero_copy_only=False))
+                    if parquet:
+                        files.write_table(records)
+                    else:
+                        fields = list(self.jsonl_fields or records.column_names)
+                        files.write_lines(_json_lines(records.select(fields)))
+                files.end_table()  # a dataset's rows are one row group, as when a dataset was read whole
         self._count_lengths(result, lengths, opts.max_length)
 
     @staticmethod
@@ -71,6 +75,11 @@ class Eagle3(ExportFormat):
             )
 
 
+#: Rows turned into Python objects at once for JSON (an id is ~36 bytes as a Python int, 4 in Arrow).
+_JSON_SLICE_ROWS = 1024
+
+
 def _json_lines(table: pa.Table) -> Iterator[str]:
-    for record in table.to_pylist():
-        yield json.dumps(record, separators=(",", ":"))
+    for start in range(0, table.num_rows, _JSON_SLICE_ROWS):
+        for record in table.slice(start, _JSON_SLICE_ROWS).to_pylist():
+            yield json.dumps(record, separators=(",", ":"))

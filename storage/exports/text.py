@@ -65,7 +65,9 @@ class TextFormat(ExportFormat):
         _check_sources(rows, sources, convs)
         markers = conversations.ToolMarkers.of(record)
         with Files(loc, ".jsonl", opts.shard_rows, result) as files:
-            for table in rows.tables(_TEXT_COLUMNS, filtered=False):
+            # A conversation's turns in one table (a later turn's history is decoded from the earlier ones); small
+            # tables, since each becomes Python objects.
+            for table in rows.tables(_TEXT_COLUMNS, filtered=False, batch_share=64, group_turns=True):
                 if opts.exclude_reasoning:
                     need_reasoning_spans(table, "--exclude-reasoning")
                 everything = table.to_pylist()
