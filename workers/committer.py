@@ -332,7 +332,6 @@ class GroupCommitter:
         for pid in await self.ledger.unresolved(job, pids):
             if await self.replay(job, pid):
                 again += 1
-        await self.ledger.remark(job)
         return again
 
     def give_up(self) -> None:

@@ -218,9 +218,12 @@ class PromptPipeline:
                 for job in self.ledger.marked_jobs():
                     if await self.ledger.lost_finalizes(job):
                         again = await self.committer.recheck(job)
+                        dead = await self.ledger.redo_dead_letters(job)
+                        await self.ledger.remark(job)
                         log.warning(
-                            "Redis lost finalizes of ours for job %s (a rollback?): %d finalized again", job, again
-                        )
+                            "Redis lost writes of ours for job %s (a rollback?): %d finalized again, %d dead-lettered "
+                            "again", job, again, dead,
+                        )  # fmt: skip
             except RedisError:
                 pass
             for job, prompt_id in list(self._unreleased):

@@ -47,6 +47,7 @@ import json
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -116,6 +117,8 @@ class Finalized(NamedTuple):
 
 
 #: A dead letter's ``answer``: at most this many output ids, and this many characters of JSON in all.
+#: How many of its latest dead letters a worker remembers, to record again those a Redis rollback lost.
+RECENT_DEAD_LETTERS = 5_000
 ANSWER_IDS_KEPT = 4096
 ANSWER_MAX_CHARS = 65_536
 
@@ -159,6 +162,8 @@ class Ledger:
         self._mark_nonce = uuid.uuid4().hex[:12]
         self._mark_seq = 0
         self._marked: dict[str, int] = {}
+        #: Our latest dead letters (job, prompt id) → (dataset, record, epoch), for :meth:`redo_dead_letters`.
+        self._recent_dead: OrderedDict[tuple[str, str], tuple[str, str, str]] = OrderedDict()
         self._claim = client.register_script(lua("claim"))
         self._mark_part = client.register_script(lua("mark_part"))
         self._release = client.register_script(lua("release"))
@@ -309,10 +314,9 @@ class Ledger:
         ]
         if any(t is not None for t in turns or []):
             keys += [queue, k.prompts(job), k.prompt_dataset(job), answers]
-        self._mark_seq += 1
-        seq = self._mark_seq
+        seq, mark = self._next_mark()
         keys.append(k.finalize_marks(job))
-        args.append(f"{self._mark_nonce}:{seq}")
+        args.append(mark)
         new, fire, seen, miss, flat = await self._finalize(keys=keys, args=args)
         self._marked[job] = max(self._marked.get(job, 0), seq)
         fenced = _pairs(flat)
@@ -320,6 +324,10 @@ class Ledger:
             self._drop(job, row.prompt_id)
         await self._durable()
         return Finalized(int(new), bool(fire), int(seen), int(miss), fenced)
+
+    def _next_mark(self) -> tuple[int, str]:
+        self._mark_seq += 1
+        return self._mark_seq, f"{self._mark_nonce}:{self._mark_seq}"
 
     def marked_jobs(self) -> list[str]:
         """The jobs this process has finalized rows of (whose marks :meth:`lost_finalizes` can check)."""
@@ -378,7 +386,6 @@ class Ledger:
         """Record a permanent failure; the record keeps the whole message so `producer retry` can resend it,
         and ``answer`` (what the server sent, e.g. for ``bad_output``; bounded by :func:`bounded_answer`)
         under ``"answer"``. False when the prompt was already dead or done (nothing changed)."""
-        k = self.keys
         job, dataset = task.job, task.dataset
         fields: dict[str, Any] = {
             "error_class": error_class,
@@ -394,19 +401,12 @@ class Ledger:
         record = json.dumps(fields, default=repr)
         epoch = self._fence(job, task.prompt_id).epoch
         self._drop(job, task.prompt_id)
-        result = int(
-            await self._dead_letter(
-                keys=[
-                    k.dead(job),
-                    k.claims(job),
-                    k.counters(job),
-                    k.dataset_counters(job, dataset),
-                    k.deliveries(job),
-                    k.done(job),
-                ],
-                args=[task.prompt_id, record, self.worker, epoch],
-            )
-        )
+        result = await self._write_dead_letter(job, dataset, task.prompt_id, record, epoch)
+        if result > 0:
+            self._recent_dead[(job, task.prompt_id)] = (dataset, record, epoch)
+            self._recent_dead.move_to_end((job, task.prompt_id))
+            while len(self._recent_dead) > RECENT_DEAD_LETTERS:
+                self._recent_dead.popitem(last=False)
         if result < 0:
             log.warning(
                 "fenced: dead letter %s of %s/%s refused: its claim (epoch %s) was taken over by another run",
@@ -416,6 +416,28 @@ class Ledger:
                 epoch,
             )
         return result > 0
+
+    async def _write_dead_letter(self, job: str, dataset: str, prompt_id: str, record: str, epoch: str) -> int:
+        k = self.keys
+        seq, mark = self._next_mark()
+        keys = [k.dead(job), k.claims(job), k.counters(job), k.dataset_counters(job, dataset), k.deliveries(job)]
+        keys += [k.done(job), k.finalize_marks(job)]
+        result = int(await self._dead_letter(keys=keys, args=[prompt_id, record, self.worker, epoch, mark]))
+        self._marked[job] = max(self._marked.get(job, 0), seq)
+        return result
+
+    async def redo_dead_letters(self, job: str) -> int:
+        """Redis lost writes of ours (:meth:`lost_finalizes`): record again each of our recent dead letters of
+        ``job`` that Redis now shows neither dead nor done — its message was acked, so nothing else would. Fenced
+        as the first time (a claim another run holds now is theirs). Returns how many."""
+        pids = [pid for (j, pid) in list(self._recent_dead) if j == job]
+        again = 0
+        for pid in await self.unresolved(job, pids):
+            dataset, record, epoch = self._recent_dead[(job, pid)]
+            if await self._write_dead_letter(job, dataset, pid, record, epoch) > 0:
+                log.warning("dead-lettered %s/%s again: Redis had lost its dead letter (a rollback?)", job, pid)
+                again += 1
+        return again
 
     async def abandon_claims(
         self,

@@ -1,8 +1,10 @@
 -- Record a permanent failure (exactly once per prompt: a second dead letter changes no counter).
--- KEYS: dead, claims, counters, dataset_counters, deliveries, done
--- ARGV: prompt_id, record_json, worker, epoch (of the caller's claim; '' = refused before any claim)
+-- KEYS: dead, claims, counters, dataset_counters, deliveries, done, and from a worker finalize_marks
+-- ARGV: prompt_id, record_json, worker, epoch (of the caller's claim; '' = refused before any claim), the caller's
+--       mark ('nonce:seq', as finalize.lua writes it: a worker that finds an older one knows Redis lost it)
 -- Returns 1 recorded, 0 already dead or done, -1 fenced: the prompt's claim is another run's now (the caller was
 -- paused past its lease), which must not be ended from here (counted in the job's 'fenced' counter).
+if KEYS[7] then redis.call('HSET', KEYS[7], ARGV[3], ARGV[5]) end  -- a worker's (producer cancel passes none)
 if redis.call('SISMEMBER', KEYS[6], ARGV[1]) == 1 then return 0 end
 if ARGV[4] ~= '' then
   local cur = redis.call('HGET', KEYS[2], ARGV[1])
