@@ -14,6 +14,7 @@ from typing import Any
 import click
 import redis
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from thinkfleet.settings import Settings
@@ -55,12 +56,16 @@ def make_commands(common_options: Callable[..., Any]) -> list:
             click.echo(json.dumps([j.to_dict() for j in jobs]))
             return
         table = Table("job", "state", "done", "dead", "total", "progress", "age", "priority")
+        table.columns[0].no_wrap = True  # a job name is copied into the next command: never cut or wrapped
         for j in jobs:
             progress = f"{100.0 * (j.done + j.dead) / j.total:.1f}%" if j.total else "-"
             table.add_row(
                 j.job, j.state, f"{j.done:,}", f"{j.dead:,}", f"{j.total:,}", progress, _age(j.age_s), str(j.priority)
             )
-        Console().print(table)
+        console = Console()
+        # Wider than the terminal (or rich's 80 columns when piped) rather than an ellipsis in a name.
+        width = Measurement.get(console, console.options.update(width=10_000), table).maximum
+        (Console(width=width) if width > console.width else console).print(table)
 
     @click.command("pause")
     @click.argument("job")

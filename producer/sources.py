@@ -165,7 +165,7 @@ def _import_datasets() -> Any:
     except ImportError as e:
         raise InputError(
             "reading a Hugging Face dataset (a hub id or a save_to_disk directory) needs the `datasets` "
-            "package: pip install 'thinkfleet[hub]'"
+            "package: in the checkout, `.venv/bin/pip install -e '.[hub]'`"
         ) from e
     return datasets
 

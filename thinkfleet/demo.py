@@ -20,12 +20,17 @@ import redis
 
 from thinkfleet.demo_fleet import WorkerProcess, free_port, wait_for_port, worker_env
 from thinkfleet.demo_tokenizer import build_test_tokenizer
-from thinkfleet.settings import load_settings
+from thinkfleet.settings import Settings, load_settings
 
 #: Kimi-K2.5's context length, served by the demo's simulator and checked by its submit.
 CONTEXT_LENGTH = 262_144
 
 DATA_DIR = Path(__file__).parent / "data"
+
+#: The demo's own key prefix and queue (unless THINKFLEET_KEY_PREFIX / THINKFLEET_QUEUE say otherwise): run on
+#: a head node, whose Redis answers at the default URL, its workers must not consume the real job's queue.
+DEMO_KEY_PREFIX = "tfdemo"
+DEMO_QUEUE = "thinkfleet-demo"
 
 
 def _redis_answers(url: str) -> bool:
@@ -107,8 +112,18 @@ def _producer(env: dict[str, str], *args: str, check: bool = True) -> int:
     return code
 
 
+def demo_settings() -> Settings:
+    """The environment's settings, with the demo's own key prefix and queue where the environment names none."""
+    overrides = {}
+    if "THINKFLEET_KEY_PREFIX" not in os.environ:
+        overrides["key_prefix"] = DEMO_KEY_PREFIX
+    if "THINKFLEET_QUEUE" not in os.environ:
+        overrides["queue"] = DEMO_QUEUE
+    return load_settings(**overrides)
+
+
 def main() -> None:
-    settings = load_settings()
+    settings = demo_settings()
     workdir = Path(os.environ.get("THINKFLEET_DEMO_DIR", ".demo")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     output_uri = settings.output_uri

@@ -60,7 +60,7 @@ def _load(source: str, trust_remote_code: bool) -> Any:
     except Exception as e:
         hint = (
             "pass a local directory with the tokenizer files, or fetch it once with "
-            f"`huggingface-cli download {source}` (submit never downloads)"
+            f"`hf download {source}` (submit never downloads)"
         )
         if "trust_remote_code" in str(e) and not trust_remote_code:
             hint = "this tokenizer ships its own code (Kimi's does): add --trust-remote-code"

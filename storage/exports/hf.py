@@ -47,7 +47,9 @@ from storage.schema import (
     WEIGHT_VERSION,
 )
 
-HF_EXTRA = "pip install 'thinkfleet[hub]'"
+#: How to add the ``hub`` extra — in a clone (the README's install) the extra is named by the checkout, not by
+#: the distribution name, which is not on PyPI.
+HF_EXTRA = "in the checkout, `.venv/bin/pip install -e '.[hub]'`"
 #: The ``hf`` dataset: the eagle3 columns, then the spans (offsets into the OUTPUT, i.e. into
 #: ``input_ids[prompt_len:]``) and provenance. Plain nullable Arrow types, so ``datasets`` maps them to
 #: features without a cast.
