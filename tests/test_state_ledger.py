@@ -167,3 +167,34 @@ def test_dead_letter_is_recorded_once(redis_url: str, keys: Keys) -> None:
         assert int(await a.r.hget(keys.counters(JOB), "dead")) == 1
 
     run(scenario())
+
+
+def test_a_rollback_of_our_terminal_writes_is_seen_by_our_mark_and_dead_letters_are_recorded_again(
+    redis_url: str, keys: Keys
+) -> None:
+    async def scenario() -> None:
+        # Given a worker that finalized one prompt and dead-lettered another, and Redis's state saved after the first.
+        a = await _ledger(redis_url, keys, "a")
+        assert not await a.lost_finalizes(JOB), "nothing written yet: nothing to have lost"
+        assert (await a.claim(JOB, "p1")).state == "new"
+        await a.finalize(JOB, "ds", [FinalRow("p1", 5, True, False)], 100, 0.95)
+        assert not await a.lost_finalizes(JOB)
+        saved = await a.r.hget(keys.finalize_marks(JOB), "a")
+        assert (await a.claim(JOB, "p2")).state == "new"
+        assert await a.dead_letter(_task("p2"), "bad_output", "the row cannot be stored", 1)
+        assert not await a.lost_finalizes(JOB)
+        # When Redis comes back from that state: the dead letter, the claim and the mark after it are gone.
+        await a.r.hdel(keys.dead(JOB), "p2")
+        await a.r.hset(keys.finalize_marks(JOB), "a", saved)
+        # Then the worker's mark is older than its latest write: it knows, and records the dead letter again.
+        assert await a.lost_finalizes(JOB)
+        assert await a.unresolved(JOB, ["p1", "p2"]) == ["p2"]
+        assert await a.redo_dead_letters(JOB) == 1
+        assert json.loads(await a.r.hget(keys.dead(JOB), "p2"))["error_class"] == "bad_output"
+        await a.remark(JOB)
+        assert not await a.lost_finalizes(JOB)
+        # And another life under the same name (another nonce) never takes its mark for ours.
+        b = Ledger(a.r, keys, "a")
+        assert not await b.lost_finalizes(JOB), "b finalized nothing of this job"
+
+    run(scenario())
