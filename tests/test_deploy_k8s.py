@@ -1,0 +1,206 @@
+"""deploy/k8s/: the Kubernetes manifests are valid Kubernetes, and their numbers agree with the worker's.
+
+Every document of the base is validated (strict: an unknown field fails) against the Kubernetes OpenAPI
+schemas ``kubernetes-validate`` ships (offline; the newest version it has). With ``kubectl`` installed
+(its built-in kustomize), the example overlay is rendered — with secrets made by ``deploy/make-secrets.sh``
+in a copy of the tree — and every rendered document is validated too, and every ConfigMap and Secret a pod
+names exists in the render. Without kubectl that test skips with the reason.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.test_deploy_compose import HAND_BACK_MARGIN_S, setting_env_names
+from thinkfleet.settings import Settings
+
+REPO = Path(__file__).resolve().parent.parent
+K8S = REPO / "deploy" / "k8s"
+BASE = K8S / "base"
+KUBECTL = shutil.which("kubectl")
+#: The Kubernetes version validated against: the newest whose schemas kubernetes-validate ships.
+K8S_VERSION = kubernetes_validate.utils.latest_version()
+
+
+def base_documents() -> list[dict[str, Any]]:
+    """Every document of every resource file the base kustomization lists, in order."""
+    kustomization = yaml.safe_load((BASE / "kustomization.yaml").read_text())
+    docs = []
+    for name in kustomization["resources"]:
+        docs += [d for d in yaml.safe_load_all((BASE / name).read_text()) if d]
+    return docs
+
+
+def named(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    [doc] = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+def container(pod_spec: dict[str, Any], name: str) -> dict[str, Any]:
+    [c] = [c for c in pod_spec["containers"] if c["name"] == name]
+    return c
+
+
+def env_of(c: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
+
+
+def generated_literals(name: str) -> dict[str, str]:
+    """The literals of one of the base's configMapGenerator entries."""
+    kustomization = yaml.safe_load((BASE / "kustomization.yaml").read_text())
+    [gen] = [g for g in kustomization["configMapGenerator"] if g["name"] == name]
+    return dict(item.split("=", 1) for item in gen["literals"])
+
+
+def validate(doc: dict[str, Any]) -> None:
+    try:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        pytest.fail(f"{doc['kind']}/{doc['metadata']['name']}: {e.message} at {list(e.path)}", pytrace=False)
+
+
+# -- valid Kubernetes ----------------------------------------------------------------------------------
+
+
+def test_every_base_manifest_matches_the_kubernetes_schema() -> None:
+    docs = base_documents()
+    kinds = {d["kind"] for d in docs}
+    assert {"StatefulSet", "Service", "Deployment", "PodDisruptionBudget", "Job", "PersistentVolumeClaim"} <= kinds
+    for doc in docs:
+        validate(doc)
+
+
+def test_a_manifest_with_an_unknown_field_is_refused() -> None:
+    """The validator is strict: a misspelt field fails (so the test above proves something)."""
+    pdb = dict(named(base_documents(), "PodDisruptionBudget", "inference"))
+    pdb["spec"] = {**pdb["spec"], "maxUnavailible": 1}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(pdb, K8S_VERSION, strict=True)
+
+
+@pytest.mark.skipif(KUBECTL is None, reason="kubectl (its built-in kustomize) is not installed")
+def test_the_example_overlay_renders_to_valid_kubernetes_with_every_reference_resolved(tmp_path: Path) -> None:
+    # A copy of the tree (the overlay reads deploy/head/redis/ next to it), with the secrets an operator makes.
+    for part in ("k8s", "head", "make-secrets.sh"):
+        src = REPO / "deploy" / part
+        dst = tmp_path / "deploy" / part
+        if src.is_dir():
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("secrets"))
+        else:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(src, dst)
+    overlay = tmp_path / "deploy" / "k8s" / "overlays" / "example"
+    subprocess.run(["sh", str(tmp_path / "deploy" / "make-secrets.sh"), str(overlay / "secrets")], check=True)
+    (overlay / "secrets" / "flower_basic_auth").write_text("admin:" + "x" * 32)
+    out = subprocess.run(
+        [KUBECTL, "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(overlay)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    for doc in docs:
+        assert doc["metadata"].get("namespace", "thinkfleet") == "thinkfleet" or doc["kind"] == "Namespace"
+        validate(doc)
+    have = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in {"StatefulSet", "Deployment"}]
+    pods += [d["spec"]["template"]["spec"] for d in docs if d["kind"] == "Job"]
+    for pod in pods:
+        refs = [("Secret", v["secret"]["secretName"]) for v in pod.get("volumes", []) if "secret" in v]
+        refs += [("ConfigMap", v["configMap"]["name"]) for v in pod.get("volumes", []) if "configMap" in v]
+        for c in pod["containers"]:
+            refs += [("ConfigMap", e["configMapRef"]["name"]) for e in c.get("envFrom", [])]
+            for e in c.get("env", []):
+                source = e.get("valueFrom", {})
+                if "configMapKeyRef" in source:
+                    refs.append(("ConfigMap", source["configMapKeyRef"]["name"]))
+                if "secretKeyRef" in source:
+                    refs.append(("Secret", source["secretKeyRef"]["name"]))
+        missing = [ref for ref in refs if ref not in have]
+        assert not missing, f"referenced but not rendered: {missing}"
+    # Each password file a pod names is in the Secret it mounts (the keys are the file names).
+    inference = named(docs, "StatefulSet", "inference")["spec"]["template"]["spec"]
+    worker = container(inference, "worker")
+    [secret_volume] = [v for v in inference["volumes"] if v["name"] == "secrets"]
+    secret = named(docs, "Secret", secret_volume["secret"]["secretName"])
+    for var in ("THINKFLEET_REDIS_PASSWORD_FILE", "THINKFLEET_SIGNING_KEY_FILE"):
+        assert Path(env_of(worker)[var]).name in secret["data"], var
+    assert named(docs, "StatefulSet", "inference")["spec"]["replicas"] == 4
+
+
+# -- the numbers agree with the worker's -------------------------------------------------------------
+
+
+def test_inference_pod_grace_covers_the_workers_drain_and_sglang_outlives_it() -> None:
+    pod = named(base_documents(), "StatefulSet", "inference")["spec"]["template"]["spec"]
+    grace_s = float(generated_literals("thinkfleet")["THINKFLEET_SHUTDOWN_GRACE_S"])
+    assert grace_s == Settings.model_fields["shutdown_grace_s"].default
+    termination_s = pod["terminationGracePeriodSeconds"]
+    assert termination_s >= grace_s + HAND_BACK_MARGIN_S
+    # SGLang's preStop keeps the server up until the worker exits, at most DRAIN_WAIT_S: long enough for the
+    # drain and the hand-back, and inside the pod's grace so the SIGKILL never cuts the hand-back short.
+    sglang = container(pod, "sglang")
+    drain_wait_s = float(env_of(sglang)["DRAIN_WAIT_S"])
+    assert grace_s + HAND_BACK_MARGIN_S <= drain_wait_s < termination_s
+    pre_stop = "\n".join(sglang["lifecycle"]["preStop"]["exec"]["command"])
+    assert "DRAIN_WAIT_S" in pre_stop and "9464" in pre_stop  # it waits on the worker's metrics port
+
+
+def test_inference_pod_is_one_gpu_node_with_sglang_and_its_worker_on_localhost() -> None:
+    docs = base_documents()
+    sts = named(docs, "StatefulSet", "inference")
+    pod = sts["spec"]["template"]["spec"]
+    sglang, worker = container(pod, "sglang"), container(pod, "worker")
+    # One pod per node: required anti-affinity on the hostname, GPU nodes only, all of a node's GPUs.
+    [anti] = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert anti["topologyKey"] == "kubernetes.io/hostname"
+    assert anti["labelSelector"]["matchLabels"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    assert pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert sglang["resources"]["limits"]["nvidia.com/gpu"] >= 1
+    # Ready only when the model answers a real generation.
+    assert sglang["readinessProbe"]["httpGet"]["path"] == "/health_generate"
+    assert sglang["startupProbe"]["httpGet"]["path"] == "/health_generate"
+    # The worker talks to the server on the pod's localhost, on the port the server listens on.
+    args = " ".join(sglang["args"])
+    port = re.search(r"--port (\d+)", args).group(1)  # type: ignore[union-attr]
+    assert "--host 127.0.0.1" in args
+    assert env_of(worker)["THINKFLEET_SGLANG_URL"] == f"http://127.0.0.1:{port}"
+    # The worker's identity is the pod's stable name; every THINKFLEET_* it is given is a real setting.
+    assert env_of(worker)["THINKFLEET_WORKER_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    given = set(env_of(worker)) | set(generated_literals("thinkfleet"))
+    assert {name for name in given if name.startswith("THINKFLEET_")} <= setting_env_names()
+    # A PodDisruptionBudget covers exactly these pods.
+    pdb = named(docs, "PodDisruptionBudget", "inference")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    assert pdb["spec"]["maxUnavailable"] == 1
+
+
+def test_redis_keeps_its_aof_on_a_persistent_volume_and_renders_the_acl_per_role() -> None:
+    sts = named(base_documents(), "StatefulSet", "redis")
+    redis = container(sts["spec"]["template"]["spec"], "redis")
+    args = redis["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"
+    assert args[args.index("--appendfsync") + 1] == "everysec"
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
+    data_dir = args[args.index("--dir") + 1]
+    [claim] = sts["spec"]["volumeClaimTemplates"]
+    mounts = {m["mountPath"]: m["name"] for m in redis["volumeMounts"]}
+    assert mounts[data_dir] == claim["metadata"]["name"]
+    assert redis["command"][-1].endswith("/entrypoint.sh")  # deploy/head/redis/entrypoint.sh: ACL users
+    clients = [
+        env_of(c)["THINKFLEET_REDIS_URL"]
+        for d in base_documents()
+        if d["kind"] in {"StatefulSet", "Deployment", "Job"}
+        for c in d["spec"]["template"]["spec"]["containers"]
+        if "THINKFLEET_REDIS_URL" in env_of(c)
+    ]
+    assert sorted(re.match(r"redis://(\w+)@", url).group(1) for url in clients) == ["flower", "producer", "worker"]  # type: ignore[union-attr]
