@@ -39,9 +39,9 @@ from producer.jobfile import load as load_job_file
 from producer.jobfile import resolved as resolved_job_file
 from producer.lifecycle import make_commands as make_lifecycle_commands
 from producer.retry import retry
-from producer.status import DEFAULT_WINDOW_S, StatusReader, confirm_stored, format_duration
+from producer.status import DEFAULT_WINDOW_S, CheckClock, StatusReader, confirm_stored, format_duration
 from producer.submit import SubmitError, SubmitOptions, submit
-from producer.view import status_view, submit_report
+from producer.view import status_line, status_view, submit_report
 from thinkfleet.cli import STATE, settings_options
 from thinkfleet.profiles import FAMILIES
 from thinkfleet.settings import Settings
@@ -332,10 +332,32 @@ def _with_progress(console: Console, settings: Settings, opts: SubmitOptions) ->
 @click.option("--watch", is_flag=True, help="Live view until the job finishes (Ctrl-C to leave).")
 @click.option("--interval", default=2.0, show_default=True, help="Seconds between refreshes with --watch.")
 @click.option("--window", default=DEFAULT_WINDOW_S, show_default=True, help="Seconds of the current rates.")
+@click.option(
+    "--deep",
+    is_flag=True,
+    help="Look for every prompt where it is (queue, workers, sets): finds lost prompts, costs Redis a scan of the "
+    "queue; checks (and repairs) the counters a plain status reads.",
+)
+@click.option(
+    "--check-every",
+    "check_every_s",
+    default=300.0,
+    show_default=True,
+    help="With --watch: seconds between full checks (at most 1 % of Redis's time).",
+)
 @common_options
-def status_cmd(job: str, as_json: bool, watch: bool, interval: float, window: float, settings: Settings) -> None:
+def status_cmd(
+    job: str,
+    as_json: bool,
+    watch: bool,
+    interval: float,
+    window: float,
+    deep: bool,
+    check_every_s: float,
+    settings: Settings,
+) -> None:
     """Queued / running / done / dead counts per dataset, rates, ETA and the reasoning alarm of JOB."""
-    reader = StatusReader(redis.Redis.from_url(settings.redis_url), settings, job, window)
+    reader = StatusReader(_redis(settings), settings, job, window, deep=deep)
     if as_json and not watch:
         click.echo(json.dumps(reader.read()))
         return
@@ -343,18 +365,44 @@ def status_cmd(job: str, as_json: bool, watch: bool, interval: float, window: fl
     if not watch:
         console.print(status_view(reader.read()))
         return
+    clock = CheckClock(check_every_s)
     try:
+        if not console.is_terminal or as_json:
+            # Redirected (a file, a pipe, a log): a live view writes nothing until it ends; a line per refresh.
+            while True:
+                st = _checked_read(reader, clock)
+                click.echo(json.dumps(st) if as_json else status_line(st))
+                sys.stdout.flush()
+                if st.get("finished"):
+                    return
+                time.sleep(interval)
         with Live(status_view(reader.read()), console=console, refresh_per_second=4) as live:
             while True:
-                st = reader.read()
+                st = _checked_read(reader, clock)
                 live.update(status_view(st))
-                if as_json:
-                    click.echo(json.dumps(st))
                 if st.get("finished"):
                     return
                 time.sleep(interval)
     except KeyboardInterrupt:
         pass
+
+
+def _redis(settings: Settings) -> redis.Redis:
+    """The producer's client: one connection at a time is all status and wait use (a bounded pool)."""
+    return redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(
+        settings.redis_url, max_connections=settings.producer_redis_connections, timeout=60
+    ))  # fmt: skip
+
+
+def _checked_read(reader: StatusReader, clock: CheckClock) -> dict[str, Any]:
+    """A counters read, or a full check when it is due (``clock``); the clock learns what the check cost."""
+    if not clock.due():
+        return reader.read()
+    started = time.monotonic()
+    st = reader.read(deep=True)
+    # a prompt found in no place is looked for again soon (it may have been in motion), else after every_s
+    clock.ran(time.monotonic() - started, soon_s=min(clock.every_s, 30.0) if st.get("unaccounted") else None)
+    return st
 
 
 @cli.command("wait")
@@ -369,19 +417,37 @@ def status_cmd(job: str, as_json: bool, watch: bool, interval: float, window: fl
     show_default=True,
     help="Exit 3 when prompts stay unaccounted (in no queue, worker, done or dead set) this many seconds.",
 )
+@click.option(
+    "--check-every",
+    "check_every_s",
+    default=300.0,
+    show_default=True,
+    help="Seconds between full checks for lost prompts on a large job (at most 1 % of Redis's time; a small "
+    "job is checked at every poll).",
+)
 @common_options
 def wait_cmd(
-    job: str, timeout_s: float | None, interval: float, as_json: bool, lost_after_s: float, settings: Settings
+    job: str,
+    timeout_s: float | None,
+    interval: float,
+    as_json: bool,
+    lost_after_s: float,
+    check_every_s: float,
+    settings: Settings,
 ) -> None:
     """Block until every prompt of JOB is stored or dead-lettered (exit 0); 124 on timeout; 3 when
-    prompts are lost (unaccounted for --lost-after seconds) or done in Redis but missing from storage."""
-    client = redis.Redis.from_url(settings.redis_url)
+    prompts are lost (unaccounted for --lost-after seconds) or done in Redis but missing from storage.
+
+    Each poll reads counters (constant memory, O(1) of the queue); the places of pending prompts are scanned
+    by a full check every --check-every seconds (every poll for a small job)."""
+    client = _redis(settings)
     reader = StatusReader(client, settings, job)
+    clock = CheckClock(min(check_every_s, lost_after_s))
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     err = Console(stderr=True)
     unaccounted_since: float | None = None
     while True:
-        st = reader.read()
+        st = _checked_read(reader, clock)
         if st.get("unaccounted"):
             unaccounted_since = unaccounted_since or time.monotonic()
             if time.monotonic() - unaccounted_since >= lost_after_s:
@@ -392,21 +458,20 @@ def wait_cmd(
                     f"they are lost. `producer submit` with the same inputs re-enqueues exactly those."
                 )
                 sys.exit(EXIT_INCONSISTENT)
-        else:
-            unaccounted_since = None
+        elif st.get("unaccounted") == 0:
+            unaccounted_since = None  # a scan found every prompt (a counters read, null, says nothing)
         if not st.get("exists"):
             _emit(st, as_json)
             err.print(f"[bold red]error:[/] job {job!r} has no record in Redis; submit it first")
             sys.exit(1)
         if st["finished"]:
-            done = {m.decode() for m in client.smembers(settings.keys.done(job))}
-            missing = confirm_stored(settings, job, done)
-            st["missing_from_storage"] = len(missing)
+            missing, examples = confirm_stored(settings, job, client)
+            st["missing_from_storage"] = missing
             _emit(st, as_json)
             if missing:
                 err.print(
-                    f"[bold red]{len(missing)} prompt(s) are done in Redis but not in storage[/] "
-                    f"(e.g. {sorted(missing)[:3]}); run `producer verify {job}`"
+                    f"[bold red]{missing} prompt(s) are done in Redis but not in storage[/] "
+                    f"(e.g. {examples}); run `producer verify {job}`"
                 )
                 sys.exit(EXIT_INCONSISTENT)
             return

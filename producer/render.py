@@ -18,6 +18,7 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,8 @@ from thinkfleet.tokens import SpanTokens
 
 #: Conversations per task sent to a pool process (big enough to amortize IPC, small for a smooth bar).
 DEFAULT_BATCH = 64
+#: Batches read ahead per render process (keeps every core busy; bounds what a submit holds in memory).
+WINDOW_PER_PROCESS = 4
 THINK_START = "<think>"
 THINK_END = "</think>"
 #: Job-record field → Kimi's marker token (kept for old callers; the markers of a job come from its
@@ -362,6 +365,7 @@ class RenderPool:
         self.tok = tok
         self.processes = max(1, processes or os.cpu_count() or 1)
         self._pool = None
+        self._closing = False
         if self.processes > 1:
             gc.freeze()  # forked children would otherwise copy every page the GC touches
             method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
@@ -374,14 +378,27 @@ class RenderPool:
     def render(
         self, items: Iterable[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]], batch_size: int = DEFAULT_BATCH
     ) -> Iterator[list[Result]]:
-        """Results per batch, in input order."""
+        """Results per batch, in input order. At most :data:`WINDOW_PER_PROCESS` batches per process are read
+        ahead of the caller: the pool's feeder thread would otherwise read the whole dataset into memory."""
         batches = _chunks(items, batch_size)
         if self._pool is None:
             yield from map(_render_batch, batches)
-        else:
-            yield from self._pool.imap(_render_batch, batches, chunksize=1)
+            return
+        slots = threading.Semaphore(WINDOW_PER_PROCESS * self.processes)
+
+        def gated() -> Iterator[list[Any]]:
+            for batch in batches:
+                while not slots.acquire(timeout=0.2):
+                    if self._closing:  # close() joins the feeder thread: it must not wait for a slot forever
+                        return
+                yield batch
+
+        for result in self._pool.imap(_render_batch, gated(), chunksize=1):
+            slots.release()
+            yield result
 
     def close(self) -> None:
+        self._closing = True
         if self._pool is not None:
             self._pool.terminate()
             self._pool.join()

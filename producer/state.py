@@ -11,6 +11,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,8 @@ BREAK_LOCK_MIN_AGE_S = 60
 CHUNK = 5000
 #: Take prompts out of ``done`` (thinkfleet/state/lua/requeue.lua).
 _REQUEUE = lua("requeue")
+#: Return stored prompts to ``done``, counted (thinkfleet/state/lua/refill_done.lua).
+_REFILL = lua("refill_done")
 
 
 class StateError(Exception):
@@ -115,7 +118,7 @@ def quarantined_prompt_ids(settings: Settings, job: str) -> set[str]:
     return read_quarantined(settings.output_uri, job, settings.s3_endpoint_url)
 
 
-def write_manifest(settings: Settings, job: str, rows: list[dict[str, Any]]) -> None:
+def write_manifest(settings: Settings, job: str, rows: Sequence[dict[str, Any]]) -> None:
     """Tell storage what was submitted (``verify`` finds missing prompts against it, even without Redis),
     with each prompt's source ``messages``/``tools`` when the rows carry them (``export --format messages``)."""
     try:
@@ -234,40 +237,128 @@ def break_lock(
 
 
 # -- the commit -----------------------------------------------------------------------------------------------
+#: A submit's staged prompt hashes outlive a crashed submit by this long (as its staged messages do).
+STAGING_TTL_S = 24 * 3600
+#: Fields per HSET while staging.
+STAGE_FIELDS = 2000
+
+# Merge a staged hash into its target inside the commit's MULTI: RENAME when the target does not exist (a first
+# submit: O(1)), else HSCAN the staged hash a slice at a time into the target. PERSIST drops the staging TTL.
+_MERGE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('EXISTS', KEYS[2]) == 0 then
+  redis.call('RENAME', KEYS[1], KEYS[2])
+  redis.call('PERSIST', KEYS[2])
+  return 1
+end
+local cursor = '0'
+repeat
+  local r = redis.call('HSCAN', KEYS[1], cursor, 'COUNT', 1000)
+  cursor = r[1]
+  if #r[2] > 0 then redis.call('HSET', KEYS[2], unpack(r[2])) end
+until cursor == '0'
+redis.call('DEL', KEYS[1])
+return 2
+"""
+
+
+class PromptStager:
+    """A submit's prompt hashes (prompt_id → content hash, prompt_id → dataset), written to private hashes as
+    the prompts are rendered and merged into the job's by :func:`commit` — so a submit holds a chunk of them in
+    memory, not the job, and a failed submit leaves nothing in the job's hashes (the staged ones expire)."""
+
+    def __init__(self, client: redis.Redis, settings: Settings, job: str) -> None:
+        token = uuid.uuid4().hex[:12]
+        self.client = client
+        self.prompts_key = settings.keys.staging_prompts(job, token)
+        self.datasets_key = settings.keys.staging_datasets(job, token)
+        self._hashes: dict[str, str] = {}
+        self._datasets: dict[str, str] = {}
+        self._merge = client.register_script(_MERGE)
+
+    def add(self, prompt_id: str, content_hash: str, dataset: str) -> None:
+        self._hashes[prompt_id] = content_hash
+        self._datasets[prompt_id] = dataset
+        if len(self._hashes) >= STAGE_FIELDS:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._hashes:
+            return
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.hset(self.prompts_key, mapping=self._hashes)
+            pipe.hset(self.datasets_key, mapping=self._datasets)
+            pipe.expire(self.prompts_key, STAGING_TTL_S)
+            pipe.expire(self.datasets_key, STAGING_TTL_S)
+            pipe.execute()
+        self._hashes, self._datasets = {}, {}
+
+    def commit(self, pipe: redis.client.Pipeline, settings: Settings, job: str) -> None:
+        """Queue on ``pipe`` (the commit's MULTI) the merge of the staged hashes into the job's."""
+        self.flush()
+        self._merge(keys=[self.prompts_key, settings.keys.prompts(job)], client=pipe)
+        self._merge(keys=[self.datasets_key, settings.keys.prompt_dataset(job)], client=pipe)
+
+    def discard(self) -> None:
+        self._hashes, self._datasets = {}, {}
+        self.client.delete(self.prompts_key, self.datasets_key)
+
+
 def commit(
     client: redis.Redis,
     settings: Settings,
     record: JobRecord,
-    rows: list[dict[str, Any]],
+    prompts: PromptStager,
     existing: Existing,
     stager: Stager,
+    revived: list[tuple[str, str]] = (),  # type: ignore[assignment]
+    dataset_hint: dict[str, str] | None = None,
 ) -> None:
-    """One MULTI: prompt hashes, job record, counters, done-cache refill, and the staged messages → queue.
+    """One MULTI: prompt hashes (staged), job record, counters, done-cache refill, and the staged messages →
+    queue. ``revived``: (prompt_id, dataset) of this submit's prompts that were done but lost with a damaged part;
+    ``dataset_hint``: the dataset of stored prompts this submit saw (Redis may have lost their prompt_dataset).
 
     Workers read the job record before their first message of the job, so both land together.
     """
     keys, job = settings.keys, record.name
     with client.pipeline(transaction=True) as pipe:
-        for start in range(0, len(rows), CHUNK):
-            chunk = rows[start : start + CHUNK]
-            pipe.hset(keys.prompts(job), mapping={r["prompt_id"]: r["content_hash"] for r in chunk})
-            pipe.hset(keys.prompt_dataset(job), mapping={r["prompt_id"]: r["dataset"] for r in chunk})
-        # done caches storage: refill it after a Redis loss. A stored prompt with a message queued
-        # (a `retry --truncated` revision) is not done until that revision is stored.
+        prompts.commit(pipe, settings, job)
+        # done caches storage: refill it after a Redis loss, the counters following (refill_done.lua). A stored
+        # prompt with a message queued (a `retry --truncated` revision) is not done until that revision is stored.
         newly_known = sorted(existing.stored - existing.done - existing.queued - existing.dead)
+        hint = dataset_hint or {}
         for start in range(0, len(newly_known), CHUNK):
-            pipe.sadd(keys.done(job), *newly_known[start : start + CHUNK])
+            chunk = newly_known[start : start + CHUNK]
+            _refill_done(pipe, settings, job, [(p, hint.get(p) or existing.datasets.get(p) or "?") for p in chunk])
         # ... and is wrong about prompts whose row was in a damaged part: this submit enqueues them again.
-        dataset_of = {r["prompt_id"]: r["dataset"] for r in rows}
-        revived = sorted(existing.lost & dataset_of.keys())
+        revived = sorted(revived)
         for start in range(0, len(revived), CHUNK):
-            _take_out_of_done(pipe, settings, job, [(p, dataset_of[p]) for p in revived[start : start + CHUNK]])
+            _take_out_of_done(pipe, settings, job, revived[start : start + CHUNK])
         record.save(pipe, keys)
         for name, count in record.datasets.items():
             pipe.hset(keys.dataset_counters(job, name), "submitted", count)
         pipe.hset(keys.counters(job), "submitted", record.prompts)
         stager.commit(pipe)
         pipe.execute()
+
+
+def _refill_done(pipe: redis.client.Pipeline, settings: Settings, job: str, prompts: list[tuple[str, str]]) -> None:
+    """Queue on ``pipe`` the return of stored ``prompts`` ((prompt_id, dataset)) to the done set, the job's and
+    their datasets' counters following (thinkfleet/state/lua/refill_done.lua)."""
+    keys = settings.keys
+    datasets = list(dict.fromkeys(d for _, d in prompts))
+    index = {name: i + 1 for i, name in enumerate(datasets)}
+    args: list[str | int] = []
+    for pid, dataset in prompts:
+        args += [pid, index[dataset]]
+    pipe.eval(
+        _REFILL,
+        2 + len(datasets),
+        keys.done(job),
+        keys.counters(job),
+        *[keys.dataset_counters(job, name) for name in datasets],
+        *args,
+    )
 
 
 def _take_out_of_done(

@@ -1,11 +1,19 @@
 """``producer status`` / ``producer wait``: progress of a job from what workers write to Redis.
 
-Counts come from where each prompt really is (``thinkfleet.state.invariant.account``), so they stay right
-through redeliveries: done = the ``done`` SET, dead = the ``dead`` HASH, running = delivered (kombu's
-unacked hash, a worker's transit list, or claimed by a live worker), queued = a message on the queue, and
-**unaccounted** = submitted but in none of those places — a lost prompt, which nothing will ever store
-(before this count existed, a loss showed as "queued" forever over an empty queue). The queue is scanned
-by a Lua script that returns only task ids, so a large queue costs Redis time, not network.
+Two ways to count, one answer:
+
+- **counters** (the default, O(1) of the queue and of the job): total, done and dead are the sizes of the job's
+  sets and its datasets' counters, which every transition keeps (:mod:`thinkfleet.state.counters`); running =
+  prompts claimed by a live worker (the claims hash: as many as the fleet has in flight); queued = the rest.
+  Where a pending prompt *is* — on the queue, or nowhere (lost) — is not known here: ``unaccounted`` is 0 once
+  every prompt is done or dead, else null, and ``checked`` carries the verdict of the last full check.
+- **deep** (``--deep``, the periodic check of ``wait``/``--watch``, and whenever the broker holds at most
+  :data:`AUTO_DEEP_MESSAGES` messages and the job :data:`AUTO_DEEP_PROMPTS` prompts, where the scan costs a few
+  milliseconds): every prompt is looked for where it really is (``thinkfleet.state.invariant.account``): done =
+  the ``done`` SET, dead = the ``dead`` HASH, running = delivered (kombu's unacked hash, a worker's transit
+  list, or claimed by a live worker), queued = a message on the queue, and **unaccounted** = in none of those
+  places — a lost prompt, which nothing will ever store. The queue is scanned by a Lua script that returns only
+  task ids. A deep read also checks the counters against the sets (repairing drift) and records its verdict.
 
 With a non-Redis broker (RabbitMQ) queued and running messages cannot be seen: running = live claims,
 queued = the rest, and ``unaccounted`` is None.
@@ -23,9 +31,11 @@ from typing import Any
 import redis
 
 from producer.job import JobRecord
+from thinkfleet.broker.keys import KombuKeys
 from thinkfleet.broker.queues import queue_length
 from thinkfleet.settings import Settings
-from thinkfleet.state.invariant import NotObservable, account, live_claims
+from thinkfleet.state.counters import check_counters, last_check, read_counts, record_check
+from thinkfleet.state.invariant import NotObservable, account, broker_client, live_claims
 
 #: Unaccounted prompt ids listed in the status (the count is always complete).
 UNACCOUNTED_IDS = 20
@@ -34,71 +44,60 @@ STATES = ("total", "queued", "running", "done", "dead", "unaccounted")
 
 #: Window of the "current" rates (and so of the ETA).
 DEFAULT_WINDOW_S = 60.0
+#: A read scans every prompt's place by itself when the broker holds at most this many messages (queue lists,
+#: parked, unacked) and the job at most AUTO_DEEP_PROMPTS prompts: the scan then costs Redis a few ms.
+AUTO_DEEP_MESSAGES = 2000
+AUTO_DEEP_PROMPTS = 2000
+#: Claimed prompt ids per HMGET of their datasets (a counters read with several datasets).
+_CLAIM_CHUNK = 1000
 
 
 @dataclass
 class StatusReader:
-    """Reads a job's status; caches the prompt → dataset map (it only changes on submit)."""
+    """Reads a job's status: from counters (:meth:`read`), or by scanning every prompt's place (``deep``)."""
 
     client: redis.Redis
     settings: Settings
     job: str
     window_s: float = DEFAULT_WINDOW_S
-    _dataset_of: dict[str, str] | None = None
-    _dataset_of_count: int = -1
+    #: scan on every read (``status --deep``)
+    deep: bool = False
     _last: tuple[float, dict[str, int]] | None = field(default=None, repr=False)
 
-    def dataset_of(self) -> dict[str, str]:
-        key = self.settings.keys.prompt_dataset(self.job)
-        count = self.client.hlen(key)
-        if self._dataset_of is None or count != self._dataset_of_count:
-            raw = self.client.hgetall(key)
-            self._dataset_of = {k.decode(): v.decode() for k, v in raw.items()}
-            self._dataset_of_count = count
-        return self._dataset_of
-
-    def read(self) -> dict[str, Any]:
+    def read(self, deep: bool | None = None) -> dict[str, Any]:
+        """The job's status; ``deep`` True/False forces or forbids the full scan (None: :attr:`deep`, or the
+        scan when it is cheap)."""
         keys, job, r = self.settings.keys, self.job, self.client
         record = JobRecord.load(r, keys, job)
         now = time.time()
         if record is None:
             return {"job": job, "exists": False, "finished": False, "at": now}
-        dataset_of = self.dataset_of()
-        submitted = set(dataset_of)
         try:
-            acc = account(r, self.settings, job, submitted=submitted)
-            state_of, unaccounted_ids = acc.state_of, sorted(acc.unaccounted)
-            observable = True
+            broker = broker_client(r, self.settings)
         except NotObservable:
-            # RabbitMQ: its queue is invisible. Live claims are running, the rest is presumed queued.
-            done = {m.decode() for m in r.smembers(keys.done(job))}
-            dead = {k.decode() for k in r.hkeys(keys.dead(job))}
-            running = live_claims(r, self.settings, job)
-
-            def state_of(pid: str) -> str:
-                return "done" if pid in done else "dead" if pid in dead else "running" if pid in running else "queued"
-
-            unaccounted_ids, observable = [], False
-        datasets: dict[str, dict[str, int]] = {}
-        for pid, ds in dataset_of.items():
-            d = datasets.setdefault(ds, dict.fromkeys(STATES, 0))
-            d["total"] += 1
-            d[state_of(pid)] += 1
-        totals: dict[str, Any] = {s: sum(d[s] for d in datasets.values()) for s in STATES}
-        if not observable:
-            totals["unaccounted"] = None
-            for d in datasets.values():
-                d.pop("unaccounted")
+            broker = None
+        if deep is None:
+            deep = self.deep or self._cheap(broker, record)
+        counts = read_counts(r, keys, job, sorted(record.datasets))
+        if deep:
+            totals, datasets, unaccounted_ids, observable = self._deep(broker)
+        else:
+            totals, datasets = self._from_counters(counts, broker is not None)
+            unaccounted_ids, observable = [], broker is not None
         counters = {k.decode(): int(float(v)) for k, v in r.hgetall(keys.counters(job)).items()}
         workers = {k.decode(): int(float(v)) for k, v in r.hgetall(keys.worker_counters(job)).items()}
-        rates = self._rates(now, counters, workers)
-        mean_out = counters.get("output_tokens", 0) / counters["done"] if counters.get("done") else None
         remaining = totals["total"] - totals["done"] - totals["dead"]
+        finished = remaining == 0 and totals["total"] > 0
+        rates = self._rates(now, counters, workers, finished)
+        mean_out = counters.get("output_tokens", 0) / counters["done"] if counters.get("done") else None
         tok_s = rates["output_tokens_per_s"]
         eta = remaining * mean_out / tok_s if remaining and mean_out and tok_s else (0.0 if not remaining else None)
         alarm_raw = r.get(keys.alarm(job))
         raw_state = r.get(keys.job_state(job))  # producer pause/cancel (thinkfleet/state/lifecycle.py)
-        state = raw_state.decode() if raw_state else ("finished" if remaining == 0 and totals["total"] else "active")
+        state = raw_state.decode() if raw_state else ("finished" if finished else "active")
+        checked = last_check(r, keys, job)
+        if checked is not None:
+            checked["age_s"] = round(max(0.0, now - float(checked.get("at") or now)), 1)
         return {
             "job": job,
             "exists": True,
@@ -108,9 +107,12 @@ class StatusReader:
             "parked": int(r.llen(keys.parked(job))),
             **totals,
             "remaining": remaining,
-            "finished": remaining == 0 and totals["total"] > 0,
+            "finished": finished,
             "unaccounted_ids": unaccounted_ids[:UNACCOUNTED_IDS],
             "invariant_observable": observable,
+            # how the counts were made: "deep" (every prompt's place scanned) or "counters" (O(1) of the queue)
+            "mode": "deep" if deep else "counters",
+            "checked": checked,  # the last full check's verdict (status --deep, wait, --watch), else null
             "datasets": dict(sorted(datasets.items())),
             "rates": rates,
             "workers": rates.pop("workers"),
@@ -128,13 +130,93 @@ class StatusReader:
             "job_file": record.job_file,  # the job file as it ran (producer submit job.yaml), else null
             "clock_warnings": clock_warnings(r, self.settings),
             "clock_skew_warn_s": self.settings.clock_skew_warn_s,
-            **self._turns(counters),
+            **self._turns(counters, deep),
         }
 
-    def _turns(self, counters: dict[str, int]) -> dict[str, Any]:
+    def _cheap(self, broker: redis.Redis | None, record: JobRecord) -> bool:
+        """Whether a full scan costs Redis only a few ms: few prompts, few messages on the broker."""
+        if (
+            record.prompts > AUTO_DEEP_PROMPTS
+            or self.client.hlen(self.settings.keys.prompts(self.job)) > AUTO_DEEP_PROMPTS
+        ):
+            return False
+        if broker is None:
+            return True
+        return broker_messages(broker, self.settings, self.job) <= AUTO_DEEP_MESSAGES
+
+    def _from_counters(self, counts: Any, observable: bool) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        """Counts from the counters; running = live claims (read per dataset when there are several)."""
+        claimed = live_claims(self.client, self.settings, self.job)
+        running_of: dict[str, int] = {}
+        names = list(counts.datasets)
+        if len(names) == 1:
+            running_of[names[0]] = len(claimed)
+        elif claimed:
+            ids = sorted(claimed)
+            key = self.settings.keys.prompt_dataset(self.job)
+            for start in range(0, len(ids), _CLAIM_CHUNK):
+                for ds in self.client.hmget(key, ids[start : start + _CLAIM_CHUNK]):
+                    name = ds.decode() if ds is not None else "?"
+                    running_of[name] = running_of.get(name, 0) + 1
+
+        def row(total: int, done: int, dead: int, running: int) -> dict[str, Any]:
+            running = min(running, max(0, total - done - dead))
+            out: dict[str, Any] = {"total": total, "queued": max(0, total - done - dead - running),
+                                   "running": running, "done": done, "dead": dead}  # fmt: skip
+            if observable:
+                # known without a scan only once nothing is pending: null = not looked for (status --deep)
+                out["unaccounted"] = 0 if total - done - dead <= 0 else None
+            return out
+
+        datasets = {
+            name: row(d["total"], d["done"], d["dead"], running_of.get(name, 0)) for name, d in counts.datasets.items()
+        }
+        totals = row(counts.total, counts.done, counts.dead, len(claimed))
+        if not observable:
+            totals["unaccounted"] = None
+        return totals, datasets
+
+    def _deep(self, broker: redis.Redis | None) -> tuple[dict[str, Any], dict[str, dict[str, Any]], list[str], bool]:
+        """Every prompt looked for where it is (the live invariant); checks the counters and records the verdict."""
+        keys, job, r = self.settings.keys, self.job, self.client
+        dataset_of = {k.decode(): v.decode() for k, v in r.hgetall(keys.prompt_dataset(job)).items()}
+        submitted = set(dataset_of)
+        started = time.monotonic()
+        if broker is not None:
+            acc = account(r, self.settings, job, submitted=submitted, broker=broker)
+            state_of, unaccounted_ids = acc.state_of, sorted(acc.unaccounted)
+        else:
+            # RabbitMQ: its queue is invisible. Live claims are running, the rest is presumed queued.
+            done = {m.decode() for m in r.smembers(keys.done(job))}
+            dead = {k.decode() for k in r.hkeys(keys.dead(job))}
+            running = live_claims(r, self.settings, job)
+
+            def state_of(pid: str) -> str:
+                return "done" if pid in done else "dead" if pid in dead else "running" if pid in running else "queued"
+
+            unaccounted_ids = []
+        datasets: dict[str, dict[str, Any]] = {}
+        for pid, ds in dataset_of.items():
+            d = datasets.setdefault(ds, dict.fromkeys(STATES, 0))
+            d["total"] += 1
+            d[state_of(pid)] += 1
+        totals: dict[str, Any] = {s: sum(d[s] for d in datasets.values()) for s in STATES}
+        if broker is None:
+            totals["unaccounted"] = None
+            for d in datasets.values():
+                d.pop("unaccounted")
+        drift = check_counters(r, keys, job, sorted(datasets))
+        record_check(r, keys, job, {
+            "unaccounted": totals["unaccounted"], "unaccounted_ids": unaccounted_ids[:UNACCOUNTED_IDS],
+            "counter_drift": drift.drift, "repaired": drift.repaired, "took_s": round(time.monotonic() - started, 3),
+        })  # fmt: skip
+        return totals, datasets, unaccounted_ids, broker is not None
+
+    def _turns(self, counters: dict[str, int], deep: bool = True) -> dict[str, Any]:
         """--turns all: ``conversations`` {total, complete, in_progress, cut_at_tool, chain_ended, dead} and
         ``turns`` {enqueued, done}, from the job hash's ``turns`` field, the ``turns_enqueued`` counter (later
-        turns the workers enqueued), the done set, the dead letters and the answers hash. {} for other jobs."""
+        turns the workers enqueued), the done set, the dead letters and the answers hash. {} for other jobs.
+        Not ``deep``: only what sizes and counters say (complete/in progress/ended/dead need the scan: null)."""
         from thinkfleet.turns import (
             TURNS_FIELD,
             answers_key,
@@ -149,6 +231,17 @@ class StatusReader:
         meta = turns_meta(r.hget(keys.job(job), TURNS_FIELD))
         if not regenerates_all_turns(meta):
             return {}
+        if not deep:
+            total = max(int(r.hlen(conversations_key(keys, job))), int(meta.get("conversations") or 0))
+            unknown = dict.fromkeys(("complete", "in_progress", "chain_ended", "dead"))
+            return {
+                "conversations": {"total": total, **unknown, "cut_at_tool": int(meta.get("cut_at_tool") or 0)},
+                "turns": {
+                    "planned": int(meta.get("turns") or 0),
+                    "enqueued": total + counters.get("turns_enqueued", 0),
+                    "done": int(r.scard(keys.done(job))),  # every prompt of a --turns all job is a turn
+                },
+            }
         done = {m.decode() for m in r.smembers(keys.done(job))}
         dead = {k.decode() for k in r.hkeys(keys.dead(job))}
         ended: set[str] = set()
@@ -185,9 +278,12 @@ class StatusReader:
             },
         }
 
-    def _rates(self, now: float, counters: dict[str, int], workers: dict[str, int]) -> dict[str, Any]:
+    def _rates(
+        self, now: float, counters: dict[str, int], workers: dict[str, int], finished: bool = False
+    ) -> dict[str, Any]:
         tl = self.settings.keys.timeline(self.job)
         first = self.client.zrange(tl, 0, 0, withscores=True)
+        last = self.client.zrange(tl, -1, -1, withscores=True) if finished else []
         recent = self.client.zrangebyscore(tl, now - self.window_s, "+inf")
         rows = tokens = 0
         for member in recent:
@@ -196,7 +292,9 @@ class StatusReader:
             tokens += int(t)
         started = first[0][1] if first else None
         span = min(self.window_s, now - started) if started else 0.0
-        elapsed = now - started if started else 0.0
+        # A finished job's overall rates are over its run, not until now: elapsed stops at its last commit.
+        end = last[0][1] if last else now
+        elapsed = end - started if started else 0.0
         out: dict[str, Any] = {
             "window_s": self.window_s,
             "prompts_per_s": round(rows / span, 3) if span > 0 else 0.0,
@@ -219,6 +317,16 @@ class StatusReader:
             per_worker[name] = entry
         out["workers"] = per_worker
         return out
+
+
+def broker_messages(broker: redis.Redis, settings: Settings, job: str) -> int:
+    """Messages a full scan would read: the queue's lists (all priorities), the job's parked list and kombu's
+    unacked hash (O(1) each)."""
+    with broker.pipeline(transaction=False) as p:
+        p.llen(settings.keys.parked(job))
+        p.hlen(KombuKeys(settings.key_prefix).unacked)
+        parked, unacked = p.execute()
+    return queue_length(broker, settings.queue) + int(parked) + int(unacked)
 
 
 def clock_warnings(client: redis.Redis, settings: Settings) -> list[dict[str, Any]]:
@@ -252,15 +360,60 @@ def _json_or_text(raw: bytes | None) -> Any:
         return raw.decode(errors="replace")
 
 
-def confirm_stored(settings: Settings, job: str, done: set[str]) -> set[str]:
-    """Prompt ids Redis calls done that storage does not hold (empty = consistent)."""
-    from producer.state import stored_prompt_ids
+#: Done prompt ids per SSCAN round trip of the final storage check.
+_DONE_CHUNK = 5000
 
+
+def confirm_stored(settings: Settings, job: str, client: redis.Redis, examples: int = 3) -> tuple[int, list[str]]:
+    """How many prompt ids Redis calls done that storage does not hold (0 = consistent), with a few of them.
+
+    Both sides stay Arrow arrays (tens of bytes an id, no Python object per prompt): storage's committed ids from
+    the streaming reader's first pass (:func:`storage.stream.plan`, keys only), the done set SSCANned a chunk at
+    a time."""
     try:
-        import storage.reader  # noqa: F401
-    except ImportError:
-        return set()
-    return done - stored_prompt_ids(settings, job)
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        from storage import layout
+        from storage.stream import plan
+    except ImportError:  # storage not installed: Redis' done set is all we know
+        return 0, []
+    stored = plan(layout.locate(settings.output_uri, settings.s3_endpoint_url), job).winners.column("prompt_id")
+    chunks, batch = [], []
+    for member in client.sscan_iter(settings.keys.done(job), count=_DONE_CHUNK):
+        batch.append(member.decode())
+        if len(batch) >= _DONE_CHUNK:
+            chunks.append(pa.array(batch, pa.string()))
+            batch = []
+    chunks.append(pa.array(batch, pa.string()))
+    done = pa.chunked_array(chunks, pa.string())
+    if not len(done):
+        return 0, []
+    stored_ids = stored.combine_chunks() if isinstance(stored, pa.ChunkedArray) else stored
+    absent = pc.invert(pc.is_in(done, value_set=stored_ids.cast(pa.string())))
+    missing = done.filter(absent)
+    return len(missing), sorted(missing.slice(0, examples).to_pylist())
+
+
+@dataclass
+class CheckClock:
+    """When ``wait``/``--watch`` run their next full check: every ``every_s``, and never more often than
+    keeps the scan under ``max_share`` of Redis's time (a check that took t s waits t ÷ max_share)."""
+
+    every_s: float = 300.0
+    max_share: float = 0.01
+    next_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.next_at = time.monotonic() + self.every_s
+
+    def due(self) -> bool:
+        return time.monotonic() >= self.next_at
+
+    def ran(self, took_s: float, soon_s: float | None = None) -> None:
+        """A check took ``took_s``; the next one after ``soon_s`` (default ``every_s``), bounded by the share."""
+        wait_s = self.every_s if soon_s is None else soon_s
+        self.next_at = time.monotonic() + max(wait_s, took_s / self.max_share)
 
 
 def format_duration(seconds: float | None) -> str:

@@ -12,6 +12,12 @@ Order of work (each step says why):
 5. Any problem without ``--skip-invalid``: drop the staging list and fail, naming file:line and the fix.
 6. Write the storage manifest, then one MULTI: prompt hashes, job record, counters, and the move of
    the staged messages onto the queue.
+
+Memory stays flat with the dataset's size: the inputs are read lazily and rendered a bounded window of batches at
+a time (:meth:`render.RenderPool.render`); each prompt's message and its prompt hashes are staged in Redis as they
+come (:class:`producer.state.PromptStager`), and its manifest row is spooled to a local temporary file
+(:class:`_ManifestSpool`), written to storage in chunks once the submit has no problem. What a re-submit reads of
+the job (:func:`producer.state.load_existing`) is the one part that grows with it.
 """
 
 from __future__ import annotations
@@ -20,19 +26,24 @@ import collections
 import dataclasses
 import inspect
 import json
+import pickle
+import tempfile
 import time
 import uuid
+from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import redis
 
 from producer import render
 from producer.enqueue import Stager
 from producer.inputs import Columns, Dataset, InputError, Problem, Prompt, iter_prompts, open_dataset
 from producer.report import (
+    HASH_ENTRY_OVERHEAD_B,
     DatasetReport,
     SubmitReport,
     estimate_redis_bytes,
@@ -41,7 +52,15 @@ from producer.report import (
     projected_wall_s,
     think_warnings,
 )
-from producer.state import Existing, StateError, SubmitLock, commit, load_existing, write_manifest
+from producer.state import (
+    Existing,
+    PromptStager,
+    StateError,
+    SubmitLock,
+    commit,
+    load_existing,
+    write_manifest,
+)
 from thinkfleet import profiles
 from thinkfleet.broker.envelope import Envelope
 from thinkfleet.failpoints import failpoint
@@ -184,24 +203,33 @@ def submit(settings: Settings, opts: SubmitOptions, on_progress: ProgressFn | No
         datasets = _open_all(opts, settings)
         if opts.dry_run:
             existing = load_existing(client, settings, opts.job, redis_required=False)
-            collector = _run(opts, settings, pool, info, limits, datasets, existing, problems, None, on_progress)
+            collector = _run(opts, settings, pool, info, limits, datasets, existing, problems, None, None, on_progress)
+            collector.spool.close()
         else:
             with SubmitLock(client, settings, opts.job):
                 existing = load_existing(client, settings, opts.job)
                 stager = Stager(client, settings.keys, opts.job, settings.queue, _priority(opts, existing.record))
+                prompts = PromptStager(client, settings, opts.job)
+                collector = None
                 try:
                     collector = _run(
-                        opts, settings, pool, info, limits, datasets, existing, problems, stager, on_progress
+                        opts, settings, pool, info, limits, datasets, existing, problems, stager, prompts, on_progress
                     )
-                    write_manifest(settings, opts.job, collector.rows)
+                    collector.spool.write(settings, opts.job)
                     record = _job_record(opts, info, existing, collector, problems)
                     if opts.turns == "all":  # before the commit: workers read it once turn 0 is queued
                         _write_conversations(client, settings, opts, collector)
                     failpoint("submit_after_stage")
-                    commit(client, settings, record, collector.rows, existing, stager)
+                    commit(
+                        client, settings, record, prompts, existing, stager, collector.revived, collector.stored_hint
+                    )
                 except BaseException:
                     stager.discard()
+                    prompts.discard()
                     raise
+                finally:
+                    if collector is not None:
+                        collector.spool.close()
     except StateError as e:
         raise SubmitError(str(e)) from e
     finally:
@@ -297,6 +325,7 @@ def _run(
     existing: Existing,
     problems: list[Problem],
     stager: Stager | None,
+    prompts: PromptStager | None,
     on_progress: ProgressFn | None,
 ) -> _Collector:
     """Render everything; stage the messages of prompts that are new. Fails (nothing staged stays) on problems."""
@@ -308,6 +337,7 @@ def _run(
     collector = _Collector(
         opts, existing, params, problems, Envelope(settings, _priority(opts, existing.record)), limits, pool.tok, inputs
     )
+    collector.prompt_stager = prompts
     feed = _Feed(opts, inputs, problems)
     collector.feed = feed
     for results in pool.render(feed):
@@ -466,8 +496,17 @@ class _Collector:
         self.inputs = {inp.dataset.name: inp for inp in inputs}
         self.finished = existing.finished
         self.reports: dict[str, DatasetReport] = collections.defaultdict(DatasetReport)
-        self.rows: list[dict[str, Any]] = []  # manifest rows: every valid prompt of this submission
-        self.lengths: list[int] = []
+        #: manifest rows (every valid prompt of this submission), spooled to a local file until the submit commits
+        self.spool = _ManifestSpool()
+        self.prompt_stager: PromptStager | None = None  # where the prompt hashes go (None: a dry run)
+        self.lengths = array("I")  # prompt lengths in tokens (4 bytes a prompt)
+        self.new_per_dataset: collections.Counter[str] = collections.Counter()  # prompts new to the job
+        self.new_prompt_tokens = 0
+        self.hash_bytes = 0  # what the prompt hashes will cost Redis (the report's estimate)
+        self.kept_conversations: set[str] = set()  # --turns all: conversations with a valid turn 0
+        self.revived: list[tuple[str, str]] = []  # (prompt_id, dataset): done, but lost with a damaged part
+        self.lost = existing.lost
+        self.stored_hint: dict[str, str] = {}  # dataset of stored prompts (the done refill after a Redis loss)
         self.message_bytes = self.enqueued = self.tokens_enqueued = 0
         self.not_ending = self.changed = self.batch_tokens = 0
         self.first_not_ending: str | None = None
@@ -522,10 +561,10 @@ class _Collector:
                 continue
             report.prompts += 1
             report.prompt_tokens += n_tokens
-            self.rows.append({"prompt_id": pid, "dataset": dataset, "row_index": prompt.row_index,
-                              "sample_index": k, "content_hash": digest, "prompt_tokens": n_tokens,
-                              # the source conversation, kept in the manifest for `export --format messages`
-                              "messages": prompt.messages, "tools": prompt.tools})  # fmt: skip
+            self._row({"prompt_id": pid, "dataset": dataset, "row_index": prompt.row_index,
+                       "sample_index": k, "content_hash": digest, "prompt_tokens": n_tokens,
+                       # the source conversation, kept in the manifest for `export --format messages`
+                       "messages": prompt.messages, "tools": prompt.tools})  # fmt: skip
             if pid in self.finished:
                 report.already_done += 1
             elif pid in self.existing.dead:
@@ -541,16 +580,83 @@ class _Collector:
                 )
         return tasks
 
+    def _row(self, row: dict[str, Any]) -> None:
+        """A valid prompt of this submission: spooled for the manifest, its hashes staged, its numbers kept."""
+        pid, dataset = row["prompt_id"], row["dataset"]
+        self.spool.add(row)
+        if self.prompt_stager is not None:
+            self.prompt_stager.add(pid, row["content_hash"], dataset)
+        self.hash_bytes += 2 * (len(pid) + HASH_ENTRY_OVERHEAD_B) + 16 + len(dataset)
+        if pid not in self.existing.datasets:
+            self.new_per_dataset[dataset] += 1
+        if pid not in self.existing.hashes:
+            self.new_prompt_tokens += row["prompt_tokens"]
+        if pid in self.lost:
+            self.revived.append((pid, dataset))
+        if pid in self.existing.stored:
+            self.stored_hint[pid] = dataset
+        if self.opts.turns == "all":
+            from thinkfleet.turns import split_turn_id
+
+            self.kept_conversations.add(split_turn_id(pid)[0])  # type: ignore[index]
+
+
+class _ManifestSpool:
+    """Manifest rows kept in a local temporary file (pickled chunks) until the submit is sure to commit, then
+    written to storage a chunk per manifest file: memory holds one chunk, not the submission."""
+
+    #: Rows per chunk (and per manifest file).
+    CHUNK = 50_000
+
+    def __init__(self) -> None:
+        # closed by close() (the submit's finally), not a with-block: the spool lives across the render loop
+        self._file = tempfile.TemporaryFile(prefix="thinkfleet-manifest-")  # noqa: SIM115
+        self._chunk: list[dict[str, Any]] = []
+        self.rows = 0
+
+    def add(self, row: dict[str, Any]) -> None:
+        self._chunk.append(row)
+        self.rows += 1
+        if len(self._chunk) >= self.CHUNK:
+            self._dump()
+
+    def _dump(self) -> None:
+        if self._chunk:
+            pickle.dump(self._chunk, self._file, protocol=pickle.HIGHEST_PROTOCOL)
+            self._chunk = []
+
+    def chunks(self) -> Iterator[list[dict[str, Any]]]:
+        self._dump()
+        self._file.seek(0)
+        while True:
+            try:
+                yield pickle.load(self._file)  # our own file, written above: trusted
+            except EOFError:
+                return
+
+    def write(self, settings: Settings, job: str) -> None:
+        """Every row to storage's manifest, one file per chunk (a submission of no rows writes one empty file)."""
+        wrote = False
+        for chunk in self.chunks():
+            write_manifest(settings, job, chunk)
+            wrote = True
+        if not wrote:
+            write_manifest(settings, job, [])
+
+    def close(self) -> None:
+        self._chunk = []
+        self._file.close()
+
 
 def _write_conversations(client: redis.Redis, settings: Settings, opts: SubmitOptions, collector: _Collector) -> None:
     """--turns all: every conversation of the job (workers render its later turns from it) and the job hash's
     ``turns`` field (the mode, the conversations, their turns, how many a tool call cut short)."""
-    from thinkfleet.turns import conversations_key, split_turn_id
+    from thinkfleet.turns import conversations_key
 
     feed = collector.feed
     assert feed is not None
     key = conversations_key(settings.keys, opts.job)
-    kept = {split_turn_id(r["prompt_id"])[0] for r in collector.rows}  # type: ignore[index]
+    kept = collector.kept_conversations
     convs = {c: json.dumps(v, ensure_ascii=False) for c, v in feed.conversations.items() if c in kept}
     items = list(convs.items())
     with client.pipeline(transaction=False) as pipe:
@@ -582,17 +688,14 @@ def _job_record(
     collector: _Collector,
     problems: list[Problem],
 ) -> JobRecord:
-    dataset_of = dict(existing.datasets)
-    dataset_of.update((r["prompt_id"], r["dataset"]) for r in collector.rows)
-    per_dataset: dict[str, int] = {}
-    for name in dataset_of.values():
-        per_dataset[name] = per_dataset.get(name, 0) + 1
+    per_dataset: collections.Counter[str] = collections.Counter(existing.datasets.values())
+    per_dataset.update(collector.new_per_dataset)  # the job's prompts and this submit's new ones, per dataset
     now = time.time()
     record = existing.record or JobRecord(name=opts.job, created_at=now)
     record.generation = collector.generation
     record.datasets = dict(sorted(per_dataset.items()))
-    record.prompts = len(dataset_of)
-    record.prompt_tokens += sum(r["prompt_tokens"] for r in collector.rows if r["prompt_id"] not in existing.hashes)
+    record.prompts = sum(per_dataset.values())
+    record.prompt_tokens += collector.new_prompt_tokens
     record.samples = opts.samples
     record.tokenizer = opts.tokenizer
     record.tokenizer_fingerprint = info.fingerprint
@@ -690,8 +793,8 @@ def _report(
         datasets=c.reports,
         enqueued=c.enqueued,
         prompt_tokens_enqueued=c.tokens_enqueued,
-        lengths=length_stats(c.lengths),
-        estimated_redis_bytes=estimate_redis_bytes(c.message_bytes, c.enqueued, c.rows),
+        lengths=_length_stats(c.lengths),
+        estimated_redis_bytes=estimate_redis_bytes(c.message_bytes, c.enqueued, []) + c.hash_bytes,
         projected_wall_s=projected_wall_s(prompts, opts.mean_output_tokens, opts.hosts, opts.server_tok_s),
         warnings=warnings,
         problems=problems,
@@ -700,3 +803,18 @@ def _report(
         tokenizer_fingerprint=info.fingerprint,
         prompt_ends_with_think_start=info.think_start_id is not None and c.not_ending == 0,
     )
+
+
+def _length_stats(lengths: array) -> dict[str, float]:
+    """:func:`producer.report.length_stats` of a packed array, without a Python int per prompt."""
+    if not lengths:
+        return length_stats([])
+    a = np.sort(np.frombuffer(lengths, dtype=np.uint32))
+    return {
+        "count": int(a.size),
+        "min": int(a[0]),
+        "median": float(np.median(a)) if a.size % 2 == 0 else int(a[a.size // 2]),
+        "mean": round(float(a.mean()), 1),
+        "p99": int(a[min(a.size - 1, int(0.99 * a.size))]),
+        "max": int(a[-1]),
+    }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from rich.console import Group
@@ -157,13 +158,15 @@ def status_view(st: dict[str, Any]) -> Group:
                 border_style="red",
             )
         )
+    if st.get("mode") == "counters" and st.get("unaccounted") is None and st.get("invariant_observable"):
+        parts.append(Text(_check_line(st.get("checked")), style="dim"))
     if st.get("conversations"):
         c, t = st["conversations"], st["turns"]
         parts.append(
             Text(
-                f"conversations (--turns all): {c['complete']:,}/{c['total']:,} complete, {c['in_progress']:,} in "
-                f"progress, {c['chain_ended']:,} ended at a tool call, {c.get('dead', 0):,} stopped at a dead turn, "
-                f"{c['cut_at_tool']:,} cut at a dataset tool call   turns: {t['done']:,} done of "
+                f"conversations (--turns all): {_n(c['complete'])}/{c['total']:,} complete, {_n(c['in_progress'])} "
+                f"in progress, {_n(c['chain_ended'])} ended at a tool call, {_n(c.get('dead', 0))} stopped at a dead "
+                f"turn, {c['cut_at_tool']:,} cut at a dataset tool call   turns: {t['done']:,} done of "
                 f"{t['enqueued']:,} enqueued ({t.get('planned', 0):,} planned)"
             )
         )
@@ -190,3 +193,33 @@ def status_view(st: dict[str, Any]) -> Group:
     if st.get("finished"):
         parts.append(Text("finished: every prompt is stored or dead-lettered", style="bold green"))
     return Group(*parts)
+
+
+def _n(value: int | None) -> str:
+    """A count, or — where only a full scan knows it (``status --deep``)."""
+    return "—" if value is None else f"{value:,}"
+
+
+def _check_line(checked: dict[str, Any] | None) -> str:
+    """What a counters read says about prompts in no place: the last full check's verdict."""
+    head = "counted from counters (O(1) of the queue); where pending prompts are is scanned by --deep"
+    if not checked:
+        return head + " — no full check yet"
+    lost = checked.get("unaccounted")
+    verdict = "none unaccounted" if not lost else f"{lost:,} unaccounted"
+    return f"{head} — last full check {format_duration(checked.get('age_s'))} ago: {verdict}"
+
+
+def status_line(st: dict[str, Any]) -> str:
+    """One plain line of a job's status, for ``status --watch`` into a file or a pipe (no live view there)."""
+    if not st.get("exists"):
+        return f"job {st['job']}: no record in Redis"
+    r = st["rates"]
+    lost = st.get("unaccounted")
+    return (
+        f"{time.strftime('%H:%M:%S', time.localtime(st['at']))} job {st['job']} {st.get('state', '')}: "
+        f"{st['done'] + st['dead']:,}/{st['total']:,} finished (done {st['done']:,}, dead {st['dead']:,}, "
+        f"running {st['running']:,}, queued {st['queued']:,}, unaccounted {_n(lost) if lost is not None else '—'}) "
+        f"{r['prompts_per_s']:.2f} prompts/s {r['output_tokens_per_s']:,.0f} tokens/s "
+        f"ETA {format_duration(st['eta_s'])}"
+    )

@@ -9,6 +9,9 @@ A background thread checks ``thinkfleet.state.invariant.account`` every ``interv
 client. ``account`` already re-checks a prompt it found nowhere; a violation counts only when the same
 prompt is unaccounted on two consecutive successful samples (a Redis error breaks the chain, so a
 restart in the middle of a scenario is not a violation — but a prompt still missing afterwards is).
+
+Each sample also checks the counters ``producer status`` reads (:func:`thinkfleet.state.counters.check_counters`,
+no repair) against the sets: a drift seen on two consecutive samples during which nothing moved fails too.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 import redis
 
 from thinkfleet.settings import Settings
+from thinkfleet.state.counters import check_counters
 from thinkfleet.state.invariant import account, broker_client
 
 #: The watch of the test now running (the failure hook in conftest.py reads its last counts).
@@ -44,6 +48,9 @@ class InvariantWatch:
     errors: int = 0
     last_error: str = ""
     last_counts: dict[str, int] = field(default_factory=dict)
+    #: counter drifts (dataset → {field: counter − set}) seen on two consecutive samples with nothing moving
+    counter_drifts: list[dict[str, dict[str, int]]] = field(default_factory=list)
+    _drift: dict[str, dict[str, int]] | None = field(default=None, repr=False)
     test: str = ""  # the pytest node id that started it
     crashed: str = ""  # what ended the sampling thread other than stop() (assert_held fails on it)
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -73,6 +80,11 @@ class InvariantWatch:
         acc = account(client, self.settings, self.job, broker=broker)
         self.samples += 1
         self.last_counts = acc.counts()
+        checked = check_counters(client, self.settings.keys, self.job, repair=False)
+        if not checked.moving:
+            if checked.drift and checked.drift == self._drift:
+                self.counter_drifts.append(checked.drift)
+            self._drift = checked.drift
         return acc.unaccounted
 
     def _run(self) -> None:
@@ -115,6 +127,10 @@ class InvariantWatch:
     def assert_held(self) -> None:
         assert self.samples > 0, f"the invariant was never sampled ({self.errors} errors, last: {self.last_error})"
         assert not self.crashed, f"the watch of {self.job!r} died after {self.samples} samples: {self.crashed}"
+        assert not self.counter_drifts, (
+            f"the counters of job {self.job!r} disagree with its sets (counter − set, per dataset): "
+            f"{self.counter_drifts[0]} ({len(self.counter_drifts)} sample(s))"
+        )
         if self.violations:
             first = self.violations[0]
             raise AssertionError(

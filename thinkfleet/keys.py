@@ -75,8 +75,15 @@ class Keys:
         return f"{self.prefix}:job:{job}:counters"
 
     def dataset_counters(self, job: str, dataset: str) -> str:
-        """HASH of per-dataset counters (submitted, done, dead, output_tokens)."""
+        """HASH of per-dataset counters (submitted, done, dead, output_tokens), kept by the transitions that move
+        a prompt (finalize, dead_letter, requeue, refill_done): ``producer status`` counts per dataset from them."""
         return f"{self.prefix}:job:{job}:ds:{dataset}"
+
+    def checked(self, job: str) -> str:
+        """STRING: JSON of the job's last full consistency check {at, unaccounted, unaccounted_ids, drift, …}
+        (``producer status --deep``, ``wait``/``--watch``'s periodic one; thinkfleet/state/counters.py): what a
+        plain ``status``, which reads only counters, reports about prompts in no place."""
+        return f"{self.prefix}:job:{job}:checked"
 
     def finalize_marks(self, job: str) -> str:
         """HASH worker → ``nonce:seq`` of its process's latest finalize (finalize.lua writes it in the same call):
@@ -103,6 +110,14 @@ class Keys:
     def staging(self, job: str, token: str) -> str:
         """LIST with TTL: a submit's messages before they are moved onto the queue all at once."""
         return f"{self.prefix}:job:{job}:staging:{token}"
+
+    def staging_prompts(self, job: str, token: str) -> str:
+        """HASH with TTL: a submit's prompt_id → content hash before its commit merges it into ``prompts``."""
+        return f"{self.prefix}:job:{job}:staging:{token}:prompts"
+
+    def staging_datasets(self, job: str, token: str) -> str:
+        """HASH with TTL: a submit's prompt_id → dataset before its commit merges it into ``prompt_dataset``."""
+        return f"{self.prefix}:job:{job}:staging:{token}:datasets"
 
     def job_state(self, job: str) -> str:
         """STRING: the job's lifecycle state, ``paused`` or ``cancelled`` (absent = active), set by

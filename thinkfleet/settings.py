@@ -19,6 +19,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from thinkfleet.keys import DEFAULT_PREFIX, Keys
 
+#: Connections of a worker's Redis pool beyond one per request and commit thread: its own loops (lease renewal,
+#: transit and visibility sweeps, the committer, health probes, metrics) and a reconnect's overlap.
+REDIS_SPARE_CONNECTIONS = 32
 #: Shortest Redis password accepted for a Redis that is not on loopback (`openssl rand -hex 24` makes 48).
 MIN_REDIS_PASSWORD_LEN = 16
 _PASSWORD_FIX = (
@@ -179,6 +182,19 @@ class Settings(BaseSettings):
         at most this many messages that are not yet sending.
         """
         return max(4, self.max_inflight // 4)
+
+    @property
+    def worker_redis_connections(self) -> int:
+        """Connections a worker's Redis pool may hold at once: one per request in flight (each runs its own
+        claim, mark_part, finalize or release), one per commit-headroom thread, and REDIS_SPARE_CONNECTIONS for
+        the process's own loops (lease, sweeper, committer, health). redis-py's asyncio pool allows 100 by default
+        and refuses the 101st ("Too many connections"): fewer than the seed's --max-inflight 128 needed."""
+        return self.max_inflight + self.commit_headroom + REDIS_SPARE_CONNECTIONS
+
+    @property
+    def producer_redis_connections(self) -> int:
+        """Connections ``producer status``/``wait`` may hold: they run one command at a time."""
+        return 4
 
     @property
     def message_byte_limit(self) -> int:

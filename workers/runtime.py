@@ -56,6 +56,8 @@ log = logging.getLogger("thinkfleet.worker")
 #: Retries of one Redis command on a lost connection (0.05 s doubling to 2 s: ≈ 30 s in all), so a Redis
 #: restart doesn't throw away finished generations; past that the prompt is handed back.
 REDIS_RETRIES = 20
+#: A Redis command waits this long for a free pooled connection before it fails (the pool is sized to the work).
+REDIS_POOL_WAIT_S = 30.0
 #: Seconds between checks for cancelled jobs among this worker's in-flight requests (producer cancel).
 CANCEL_WATCH_S = 1.0
 
@@ -65,6 +67,24 @@ __all__ = ["HandBack", "RuntimeStartError", "WorkerRuntime", "current_runtime", 
 
 class RuntimeStartError(RuntimeError):
     """The worker cannot run (Redis, storage, metrics or settings): it must not consume anything."""
+
+
+def worker_redis(settings: Settings) -> aioredis.Redis:
+    """The worker's Redis client. Its pool is sized to the work (``Settings.worker_redis_connections``) and waits
+    for a free connection rather than refusing one: redis-py's default pool (100, then "Too many connections",
+    each a prompt handed back) is smaller than the default in-flight bound of 150."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        settings.redis_url,
+        max_connections=settings.worker_redis_connections,
+        timeout=REDIS_POOL_WAIT_S,
+        health_check_interval=30,
+        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), REDIS_RETRIES),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        # No CLIENT SETINFO on connect: Redis < 7.2 answers it with an error that, on a reconnect cut short
+        # (a worker resumed from a pause, its timeouts all due at once), was read as the next command's reply.
+        driver_info=None,
+    )
+    return aioredis.Redis.from_pool(pool)
 
 
 class WorkerRuntime:
@@ -95,15 +115,7 @@ class WorkerRuntime:
     # -- lifecycle ----------------------------------------------------------------------------------
     async def _astart(self) -> None:
         s = self.settings
-        self.redis = aioredis.from_url(
-            s.redis_url,
-            health_check_interval=30,
-            retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), REDIS_RETRIES),
-            retry_on_error=[RedisConnectionError, RedisTimeoutError],
-            # No CLIENT SETINFO on connect: Redis < 7.2 answers it with an error that, on a reconnect cut short
-            # (a worker resumed from a pause, its timeouts all due at once), was read as the next command's reply.
-            driver_info=None,
-        )
+        self.redis = worker_redis(s)
         await self._preflight_redis()
         self.client = SGLangClient(
             s.sglang_url,

@@ -71,6 +71,11 @@ for i = 6, #ARGV - 1, 12 do
     if ARGV[i + 5] ~= '' then
       take_out(ARGV[i + 5])
       redis.call('HSET', KEYS[12], ARGV[i + 5], ARGV[i + 6])
+      -- a turn new to the job counts as submitted (status reads the counters, thinkfleet/state/counters.py)
+      if redis.call('HEXISTS', KEYS[13], ARGV[i + 5]) == 0 then
+        redis.call('HINCRBY', KEYS[3], 'submitted', 1)
+        redis.call('HINCRBY', KEYS[4], 'submitted', 1)
+      end
       redis.call('HSET', KEYS[13], ARGV[i + 5], ARGV[5])
       redis.call('RPUSH', KEYS[11], ARGV[i + 7])
       redis.call('HINCRBY', KEYS[3], 'turns_enqueued', 1)
