@@ -44,8 +44,10 @@ def run(cmd: str, uri: str, job: str, out: str, settings: object | None = None) 
         from thinkfleet.settings import Settings
 
         settings = Settings(output_uri=uri, key_prefix=f"scale-{uuid.uuid4().hex[:8]}")
+    import storage
+
     started = time.perf_counter()
-    result: dict[str, object] = {"cmd": cmd}
+    result: dict[str, object] = {"cmd": cmd, "code": os.path.dirname(os.path.dirname(storage.__file__))}
     if cmd == "verify":
         from storage.verify import verify_job
 
