@@ -10,6 +10,12 @@ client. ``account`` already re-checks a prompt it found nowhere; a violation cou
 prompt is unaccounted on two consecutive successful samples (a Redis error breaks the chain, so a
 restart in the middle of a scenario is not a violation — but a prompt still missing afterwards is).
 
+A Redis that comes back from an older snapshot (its ``run_id`` changed) really has lost where some prompts are:
+only the workers that finished them know, until their next check finds their own finalize marks older than
+their latest finalize (``Ledger.lost_finalizes``, every ``lease_s / 4``) and finalizes them again. For
+``restart_grace_s`` after such a restart (default: three leases) a prompt unaccounted is *excused* (counted in
+:attr:`excused`), not a violation; one still unaccounted after that is.
+
 Each sample also checks the counters ``producer status`` reads (:func:`thinkfleet.state.counters.check_counters`,
 no repair) against the sets: a drift seen on two consecutive samples during which nothing moved fails too.
 """
@@ -53,6 +59,8 @@ class InvariantWatch:
     _drift: dict[str, dict[str, int]] | None = field(default=None, repr=False)
     test: str = ""  # the pytest node id that started it
     crashed: str = ""  # what ended the sampling thread other than stop() (assert_held fails on it)
+    restart_grace_s: float | None = None  # None: 3 × lease_s
+    excused: set[str] = field(default_factory=set)  # unaccounted only within the grace after a Redis restart
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
     _thread: threading.Thread | None = field(default=None, repr=False)
 
@@ -98,10 +106,17 @@ class InvariantWatch:
         client = redis.Redis.from_url(self.settings.redis_url, socket_timeout=10)
         broker = broker_client(client, self.settings)
         previous: tuple[float, set[str]] | None = None
+        grace = self.restart_grace_s if self.restart_grace_s is not None else 3 * self.settings.lease_s
+        run_id: str | None = None
+        grace_until = 0.0
         try:
             while not self._stop.is_set():
                 at = time.time()
                 try:
+                    server = self._run_id(client)
+                    if run_id is not None and server is not None and server != run_id:
+                        grace_until = at + grace  # a restarted Redis: maybe from an older snapshot
+                    run_id = server
                     missing = self.sample(client, broker)
                 except redis.RedisError as exc:  # Redis restarting: no sample, and no chain across the gap
                     self.errors += 1
@@ -110,7 +125,9 @@ class InvariantWatch:
                 else:
                     if previous is not None:
                         persisting = missing & previous[1]
-                        if persisting:
+                        if persisting and at < grace_until:
+                            self.excused |= persisting
+                        elif persisting:
                             self.violations.append(Violation(sorted(persisting), previous[0], at))
                     previous = (at, missing)
                 self._stop.wait(self.interval_s)
@@ -118,6 +135,14 @@ class InvariantWatch:
             client.close()
             if broker is not client:
                 broker.close()
+
+    @staticmethod
+    def _run_id(client: redis.Redis) -> str | None:
+        """The server's ``run_id`` (new at every start); None where this user may not run INFO (an ACL user)."""
+        try:
+            return str(client.info("server").get("run_id", ""))
+        except redis.ResponseError:
+            return None
 
     @property
     def lost(self) -> set[str]:
