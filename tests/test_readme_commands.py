@@ -1,0 +1,413 @@
+"""The front door: every command README.md shows, as a new user would meet it in a fresh clone.
+
+The repository is cloned (``git clone`` of HEAD into a temp dir: only what is committed, as a user gets it;
+``THINKFLEET_FRONT_DOOR_SOURCE=worktree`` copies the working tree's tracked and unignored files instead, to
+check a change before committing it). The clone reuses this checkout's ``.venv`` through a symlink — a fresh
+install is what ``scripts/test.sh`` and CI do anyway, and installing into the shared venv here would re-point
+its editable install — and has itself first on ``PYTHONPATH``, so every command runs the clone's code.
+
+Every shell command of README's ```bash blocks is then checked, in README's order, the cheapest way that still
+runs it (README's own order matters: ``cp .env.example .env`` comes before the compose command that reads it):
+
+- ``producer SUB …``: parsed by the clone's real click command (unknown flags, bad choices, missing arguments
+  fail), without running it — the job names and model paths are examples;
+- ``python -m MOD …``: the module's ``--help`` from the clone, and every ``--flag`` used is one it lists;
+- ``pytest PATH…``: every path matches in the clone and every ``-m`` marker is registered;
+- ``bash``/``sh SCRIPT …``: the script exists and parses (``bash -n``), a subcommand is one it handles;
+  ``deploy/make-secrets.sh`` runs for real, as do ``cp``, ``mkdir`` and ``printf``;
+- ``docker compose``, ``sbatch``: the files they name exist (and parse); ``kubectl kustomize`` renders for real
+  where kubectl is installed (every document then validated against Kubernetes' schemas), ``kubectl apply``
+  needs a cluster and is accepted; ``jq`` only after ``--json``; SpecForge's and speculators' own commands are
+  third-party and accepted as such.
+
+A program with no checker fails the test: a new kind of README command gets one here. The demo itself
+(``bash scripts/demo.sh``) parses here; running it from a fresh clone, with its own fresh ``.venv``, takes a few
+minutes and is the slow test at the end (``.venv/bin/pytest tests/test_readme_commands.py -m slow``).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SOURCE_ENV = "THINKFLEET_FRONT_DOOR_SOURCE"
+#: Third-party trainers README shows how to feed; not ours to run.
+EXTERNAL = {"specforge", "speculators"}
+#: Cheap, local commands run for real in the clone.
+REAL = {"cp", "mkdir", "printf"}
+SEPARATORS = {"&&", "||", "|", ";"}
+#: Exit 0 when the module named by argv[1] can be imported (from the clone).
+FIND_MODULE = "import importlib.util as u, sys; sys.exit(u.find_spec(sys.argv[1]) is None)"
+
+
+@dataclass
+class Command:
+    line: str  # the README line, continuations joined, as a shell would read it
+    argv: list[str]  # one simple command of it (split at && || | ;), leading VAR=value assignments dropped
+    after: str | None  # the separator before it ("|" for the right side of a pipe)
+    previous: list[str]  # the simple command before it on the line
+
+
+def readme_commands(readme: Path) -> list[Command]:
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", readme.read_text(), re.S):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|")
+            lexer.whitespace_split = True
+            tokens = list(lexer)
+            if not tokens:
+                continue
+            segments: list[tuple[str | None, list[str]]] = [(None, [])]
+            for token in tokens:
+                if token in SEPARATORS:
+                    segments.append((token, []))
+                else:
+                    segments[-1][1].append(token)
+            previous: list[str] = []
+            for after, argv in segments:
+                while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", argv[0]):
+                    argv = argv[1:]
+                out.append(Command(line.strip(), argv, after, previous))
+                previous = argv
+    return out
+
+
+# -- the clone -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    root = tmp_path_factory.mktemp("front-door") / "thinkfleet"
+    if os.environ.get(SOURCE_ENV) == "worktree":
+        files = (
+            subprocess.run(
+                ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True, check=True
+            )
+            .stdout.decode()
+            .split("\0")
+        )
+        for name in filter(None, files):
+            src = REPO / name
+            if src.is_file():
+                (root / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, root / name)
+    else:
+        subprocess.run(["git", "clone", "--quiet", str(REPO), str(root)], check=True)
+    (root / ".venv").symlink_to(REPO / ".venv")
+    yield root
+
+
+def clone_env(root: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("THINKFLEET_")}
+    env["PATH"] = f"{root / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = str(root)  # before the venv's editable finder (a meta-path hook appended after it)
+    return env
+
+
+#: Parses each argv with the clone's own producer CLI (click's make_context: options, choices, arguments),
+#: invoking nothing. One process for all of them.
+PARSE_PRODUCER = r"""
+import json, sys
+import click
+from producer.cli import cli as main  # the console script's group (main() just calls it)
+results = []
+for argv in json.load(sys.stdin):
+    try:
+        with main.make_context("producer", list(argv), resilient_parsing=False) as ctx:
+            args = [*ctx._protected_args, *ctx.args]
+            name, cmd, rest = main.resolve_command(ctx, args)
+            with cmd.make_context(name, rest, parent=ctx):
+                pass
+        results.append(None)
+    except click.ClickException as e:
+        results.append(e.format_message())
+print(json.dumps(results))
+"""
+
+
+class FrontDoor:
+    """Checks README's commands in the clone (see the module docstring), collecting what fails."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.env = clone_env(root)
+        self.problems: list[str] = []
+        self.producer: list[Command] = []
+        self.help_text: dict[str, str] = {}
+        self.ran: list[str] = []
+
+    def fail(self, cmd: Command, why: str) -> None:
+        self.problems.append(f"{cmd.line!r}: {why}")
+
+    def sh(self, text: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", "-c", text], cwd=self.root, env=self.env, capture_output=True, text=True, timeout=timeout_s
+        )
+
+    def check(self, cmd: Command) -> None:
+        if not cmd.argv:
+            return
+        program, args = cmd.argv[0], cmd.argv[1:]
+        checker = {
+            "producer": self.check_producer,
+            ".venv/bin/python": self.check_python,
+            ".venv/bin/pytest": self.check_pytest,
+            "bash": self.check_script,
+            "sh": self.check_script,
+            "docker": self.check_docker,
+            "sbatch": self.check_sbatch,
+            "kubectl": self.check_kubectl,
+            "jq": self.check_jq,
+        }.get(program)
+        if program in REAL:
+            self.run_real(cmd)
+        elif program in EXTERNAL:
+            return
+        elif checker is None:
+            self.fail(cmd, f"no checker for {program!r} in tests/test_readme_commands.py")
+        else:
+            checker(cmd, args)
+
+    def run_real(self, cmd: Command) -> None:
+        # A line of only real commands runs whole (redirections and $(…) as written); else this command alone.
+        if cmd.line in self.ran:
+            return
+        whole = all(c.argv and c.argv[0] in REAL for c in self.by_line.get(cmd.line, []))
+        text = cmd.line if whole else shlex.join(cmd.argv)
+        if whole:
+            self.ran.append(cmd.line)
+        done = self.sh(text)
+        if done.returncode != 0:
+            self.fail(cmd, f"rc {done.returncode}: {done.stderr.strip()[-500:]}")
+
+    def check_producer(self, cmd: Command, args: list[str]) -> None:
+        self.producer.append(cmd)
+
+    def finish_producer(self) -> None:
+        if not self.producer:
+            return
+        done = subprocess.run(
+            [str(self.root / ".venv" / "bin" / "python"), "-c", PARSE_PRODUCER],
+            input=json.dumps([c.argv[1:] for c in self.producer]),
+            cwd=self.root,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if done.returncode != 0:
+            self.problems.append(f"the producer CLI did not load from the clone: {done.stderr[-2000:]}")
+            return
+        for cmd, error in zip(self.producer, json.loads(done.stdout), strict=True):
+            if error:
+                self.fail(cmd, f"producer refuses it: {error}")
+
+    def check_python(self, cmd: Command, args: list[str]) -> None:
+        if args[:1] != ["-m"] or len(args) < 2:
+            self.fail(cmd, "expected `.venv/bin/python -m MODULE …`")
+            return
+        module = args[1]
+        if not args[2:]:
+            done = self.sh(f".venv/bin/python -c {shlex.quote(FIND_MODULE)} {shlex.quote(module)}")
+            if done.returncode != 0:
+                self.fail(cmd, f"no module {module} in the clone")
+            return  # nothing to parse, and running it is the benchmark itself
+        if module not in self.help_text:
+            done = self.sh(f".venv/bin/python -m {shlex.quote(module)} --help")
+            if done.returncode != 0:
+                self.fail(cmd, f"`python -m {module} --help`: rc {done.returncode}: {done.stderr[-500:]}")
+                return
+            self.help_text[module] = done.stdout
+        for flag in (a.split("=")[0] for a in args[2:] if a.startswith("--")):
+            if not re.search(rf"{re.escape(flag)}\b", self.help_text[module]):
+                self.fail(cmd, f"`python -m {module}` has no {flag}")
+
+    def check_pytest(self, cmd: Command, args: list[str]) -> None:
+        markers = (self.root / "pyproject.toml").read_text()
+        for i, arg in enumerate(args):
+            if arg == "-m":
+                if not re.search(rf'"{re.escape(args[i + 1])}:', markers):
+                    self.fail(cmd, f"marker {args[i + 1]!r} is not registered")
+            elif not arg.startswith("-") and (i == 0 or args[i - 1] != "-m") and not glob.glob(str(self.root / arg)):
+                self.fail(cmd, f"{arg} matches nothing in the clone")
+
+    def check_script(self, cmd: Command, args: list[str]) -> None:
+        script = self.root / args[0]
+        if not script.is_file():
+            self.fail(cmd, f"{args[0]} is not in the clone")
+            return
+        done = self.sh(f"bash -n {shlex.quote(args[0])}")
+        if done.returncode != 0:
+            self.fail(cmd, f"{args[0]} does not parse: {done.stderr}")
+        if args[0] == "deploy/make-secrets.sh":
+            self.run_real(cmd)  # cheap, and what the next commands need
+        elif (
+            args[0] == "scripts/real_sglang.sh"
+            and len(args) > 1
+            and not re.search(rf"^\s*{re.escape(args[1])}\)", script.read_text(), re.M)
+        ):
+            self.fail(cmd, f"{args[0]} has no subcommand {args[1]!r}")
+
+    def check_docker(self, cmd: Command, args: list[str]) -> None:
+        if args[:1] != ["compose"]:
+            self.fail(cmd, "expected `docker compose …`")
+            return
+        files = [args[i + 1] for i, a in enumerate(args) if a in {"-f", "--env-file"}] or ["docker-compose.yml"]
+        for name in files:
+            if not (self.root / name).is_file():
+                self.fail(cmd, f"{name} is not in the clone (yet: README's earlier commands make it?)")
+
+    def check_sbatch(self, cmd: Command, args: list[str]) -> None:
+        script = self.root / args[-1]
+        if not script.is_file() or "#SBATCH" not in script.read_text():
+            self.fail(cmd, f"{args[-1]} is no sbatch script in the clone")
+            return
+        done = self.sh(f"bash -n {shlex.quote(args[-1])}")
+        if done.returncode != 0:
+            self.fail(cmd, f"{args[-1]} does not parse: {done.stderr}")
+
+    def check_kubectl(self, cmd: Command, args: list[str]) -> None:
+        if args[:3] == ["apply", "-f", "-"] and cmd.after == "|":
+            return  # needs a cluster; what it is fed is rendered and validated below
+        if args[:1] != ["kustomize"]:
+            self.fail(cmd, "expected `kubectl kustomize …` or `… | kubectl apply -f -`")
+            return
+        target = self.root / args[-1]
+        if not (target / "kustomization.yaml").is_file():
+            self.fail(cmd, f"{args[-1]} has no kustomization.yaml")
+            return
+        if shutil.which("kubectl") is None:
+            return  # rendering is tests/test_deploy_k8s.py's, which says when kubectl is missing
+        done = self.sh(shlex.join(cmd.argv))
+        if done.returncode != 0:
+            self.fail(cmd, f"rc {done.returncode}: {done.stderr[-1000:]}")
+            return
+        import kubernetes_validate
+        import yaml
+
+        version = kubernetes_validate.utils.latest_version()
+        for doc in filter(None, yaml.safe_load_all(done.stdout)):
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                self.fail(cmd, f"{doc['kind']}/{doc['metadata']['name']}: {e.message}")
+
+    def check_jq(self, cmd: Command, args: list[str]) -> None:
+        if cmd.after != "|" or "--json" not in cmd.previous:
+            self.fail(cmd, "jq reads only a --json command's output")
+
+    def run(self, commands: list[Command]) -> None:
+        self.by_line: dict[str, list[Command]] = {}
+        for c in commands:
+            self.by_line.setdefault(c.line, []).append(c)
+        for c in commands:
+            self.check(c)
+        self.finish_producer()
+
+
+def test_every_readme_command_works_in_a_fresh_clone(clone: Path) -> None:
+    commands = readme_commands(clone / "README.md")
+    programs = {c.argv[0] for c in commands if c.argv}
+    assert {"producer", "bash"} <= programs, programs
+    door = FrontDoor(clone)
+    door.run(commands)
+    assert not door.problems, "\n".join(door.problems)
+
+
+def test_the_checker_refuses_a_flag_the_producer_does_not_have(clone: Path) -> None:
+    """The producer parse is real: a misspelt flag fails (so the test above proves something)."""
+    readme = clone.parent / "README-bad.md"
+    readme.write_text("```bash\nproducer status k25 --jsno\nproducer frobnicate k25\n```\n")
+    door = FrontDoor(clone)
+    door.run(readme_commands(readme))
+    assert len(door.problems) == 2, door.problems
+    assert "--jsno" in door.problems[0] and "frobnicate" in door.problems[1]
+
+
+def test_readme_says_how_to_reach_producer_before_its_first_bare_command(clone: Path) -> None:
+    text = (clone / "README.md").read_text()
+    first_bare = re.search(r"^producer ", text, re.M)
+    assert first_bare, "README shows no producer command"
+    assert "source .venv/bin/activate" in text[: first_bare.start()]
+    assert ".venv/bin/pip install -e '.[hub]'" in text  # export --format hf needs the hub extra
+
+
+# -- the front door's fixes ---------------------------------------------------------------------------
+
+
+def test_producer_jobs_never_cuts_a_job_name(redis_url: str, tmp_path: Path) -> None:
+    from testing.fleet import register_id_job
+    from testing.harness import isolated_settings
+    from thinkfleet.settings import Settings
+
+    settings: Settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    name = "k25-eagle3-" + "x" * 90 + "-end"
+    import redis
+
+    register_id_job(redis.Redis.from_url(redis_url), settings.keys, name, {"p0": [1, 2]}, {}, "d", "fp")
+    env = {
+        **os.environ,
+        "THINKFLEET_REDIS_URL": redis_url,
+        "THINKFLEET_KEY_PREFIX": settings.key_prefix,
+        "THINKFLEET_QUEUE": settings.queue,
+        "COLUMNS": "80",  # a terminal of 80 columns, or a pipe (rich then assumes 80)
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "producer.cli", "jobs"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert name in done.stdout, done.stdout
+
+
+def test_the_demo_keeps_to_its_own_prefix_and_queue(monkeypatch: pytest.MonkeyPatch) -> None:
+    from thinkfleet.demo import DEMO_KEY_PREFIX, DEMO_QUEUE, demo_settings
+    from thinkfleet.settings import Settings
+
+    monkeypatch.delenv("THINKFLEET_KEY_PREFIX", raising=False)
+    monkeypatch.delenv("THINKFLEET_QUEUE", raising=False)
+    settings = demo_settings()
+    defaults = Settings.model_fields
+    assert (settings.key_prefix, settings.queue) == (DEMO_KEY_PREFIX, DEMO_QUEUE)
+    assert settings.key_prefix != defaults["key_prefix"].default and settings.queue != defaults["queue"].default
+    monkeypatch.setenv("THINKFLEET_KEY_PREFIX", "mine")
+    monkeypatch.setenv("THINKFLEET_QUEUE", "myqueue")
+    assert (demo_settings().key_prefix, demo_settings().queue) == ("mine", "myqueue")  # asked for: honoured
+
+
+def test_install_hints_name_commands_that_exist() -> None:
+    import tomllib
+
+    from storage.exports.hf import HF_EXTRA
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    [extra] = re.findall(r"pip install -e '\.\[(\w+)\]'", HF_EXTRA)
+    assert "datasets" in " ".join(extras[extra])
+    template = (REPO / "thinkfleet" / "template.py").read_text()
+    assert "huggingface-cli" not in template and "`hf download" in template
+    hf = REPO / ".venv" / "bin" / "hf"
+    done = subprocess.run([str(hf), "download", "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.slow
+def test_the_demo_runs_from_a_fresh_clone_with_its_own_venv(tmp_path: Path, redis_url: str) -> None:
+    """README's first command exactly as written, in a fresh clone that builds its own .venv (needs PyPI)."""
+    root = tmp_path / "thinkfleet"
+    subprocess.run(["git", "clone", "--quiet", str(REPO), str(root)], check=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("THINKFLEET_") and k != "VIRTUAL_ENV"}
+    env["THINKFLEET_REDIS_URL"] = redis_url  # the session's private Redis, not whatever answers on 6379
+    done = subprocess.run(["bash", "scripts/demo.sh"], cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "verify" in done.stdout and "Parquet:" in done.stdout
