@@ -75,6 +75,16 @@ def redis_cpu_s(client: redis.Redis) -> float:
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
+def idle_cpu_s_per_s(client: redis.Redis, seconds: float = 3.0) -> float:
+    """The server's own CPU rate with no client working (serverCron, the probes themselves): subtracted from a
+    command's measured CPU over its wall time, so what is left is what the command cost."""
+    cpu0 = redis_cpu_s(client)
+    commandstats_usec(client)
+    time.sleep(seconds)
+    commandstats_usec(client)
+    return (redis_cpu_s(client) - cpu0) / seconds
+
+
 def commandstats_usec(client: redis.Redis) -> tuple[int, int]:
     """(calls, usec) over every command so far."""
     calls = usec = 0
@@ -175,8 +185,9 @@ async def _progress(settings: Settings, n: int, generation: str, prompt_tokens: 
 
 
 # -- timing the commands --------------------------------------------------------------------------------------
-def _run_cli(settings: Settings, *args: str, stop_after_s: float | None = None) -> dict[str, Any]:
-    """Run ``python -m producer.cli ARGS``; returns wall time, peak RSS, Redis CPU and commandstats spent."""
+def _run_cli(settings: Settings, *args: str, stop_after_s: float | None = None, idle: float = 0.0) -> dict[str, Any]:
+    """Run ``python -m producer.cli ARGS``; returns wall time, peak RSS, Redis CPU (less ``idle`` CPU/s × wall)
+    and commandstats spent."""
     client = redis.Redis.from_url(settings.redis_url)
     cpu0, (calls0, usec0) = redis_cpu_s(client), commandstats_usec(client)
     started = time.monotonic()
@@ -199,32 +210,81 @@ def _run_cli(settings: Settings, *args: str, stop_after_s: float | None = None) 
         "wall_s": round(wall, 3),
         "rc": os.waitstatus_to_exitcode(status),
         "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
-        "redis_cpu_ms": round((cpu1 - cpu0) * 1e3, 2),
+        "redis_cpu_ms": round(max(0.0, cpu1 - cpu0 - idle * wall) * 1e3, 2),
         "redis_commands": calls1 - calls0,
         "redis_command_usec": usec1 - usec0,
         "stdout": out[0] if out else "",  # the caller takes what it needs (pop) before the figures are kept
     }
 
 
+def measure_reads(settings: Settings, idle: float, reads: int = 20) -> dict[str, Any]:
+    """``StatusReader.read()`` in this process (no interpreter start, no imports): the part that scales."""
+    from producer.status import StatusReader
+
+    client = redis.Redis.from_url(settings.redis_url)
+    reader = StatusReader(client, settings, JOB)
+    reader.read()  # scripts registered, connection open
+    walls = []
+    cpu0, (calls0, usec0) = redis_cpu_s(client), commandstats_usec(client)
+    started = time.monotonic()
+    for _ in range(reads):
+        t = time.perf_counter()
+        st = reader.read()
+        walls.append(time.perf_counter() - t)
+    wall = time.monotonic() - started
+    cpu1, (calls1, usec1) = redis_cpu_s(client), commandstats_usec(client)
+    client.close()
+    return {
+        "mode": st["mode"],
+        "read_ms_median": round(float(np.median(walls)) * 1e3, 2),
+        "redis_cpu_ms_per_read": round(max(0.0, cpu1 - cpu0 - idle * wall) / reads * 1e3, 3),
+        "redis_commands_per_read": round((calls1 - calls0 - 2) / reads, 1),
+        "redis_command_usec_per_read": round((usec1 - usec0) / reads, 1),
+    }
+
+
 def measure_commands(settings: Settings) -> dict[str, Any]:
-    status = [_run_cli(settings, "status", JOB, "--json") for _ in range(3)]
+    client = redis.Redis.from_url(settings.redis_url)
+    idle = idle_cpu_s_per_s(client)
+    client.close()
+    reads = measure_reads(settings, idle)
+    status = [_run_cli(settings, "status", JOB, "--json", idle=idle) for _ in range(3)]
     for s in status:
         st = json.loads(s.pop("stdout"))
         s["mode"] = st["mode"]
-    deep = _run_cli(settings, "status", JOB, "--json", "--deep")
+    deep = _run_cli(settings, "status", JOB, "--json", "--deep", idle=idle)
     deep_st = json.loads(deep.pop("stdout"))
     deep["unaccounted"] = deep_st["unaccounted"]
-    wait = _run_cli(settings, "wait", JOB, "--timeout", str(WATCH_S), "--interval", "2", "--json")
+    wait = _run_cli(settings, "wait", JOB, "--timeout", str(WATCH_S), "--interval", "2", "--json", idle=idle)
     wait["mode"] = json.loads(wait.pop("stdout").strip().splitlines()[-1])["mode"]
-    watch = _run_cli(settings, "status", JOB, "--watch", "--interval", "2", stop_after_s=WATCH_S)
+    watch = _run_cli(settings, "status", JOB, "--watch", "--interval", "2", stop_after_s=WATCH_S, idle=idle)
+    # the periodic check wait and --watch run (every 300 s at most 1 % of Redis): its cost, in constant memory
+    check = _run_cli(settings, "wait", JOB, "--timeout", "1", "--check-every", "0", "--interval", "2", "--json",
+                     idle=idle)  # fmt: skip
+    check_st = json.loads(check.pop("stdout").strip().splitlines()[-1])
+    check["unaccounted"] = (check_st.get("checked") or {}).get("unaccounted")  # the check's verdict, recorded
     watch["lines"] = len([line for line in watch.pop("stdout").splitlines() if line.strip()])
     best = min(status, key=lambda s: s["wall_s"])
     return {
+        "idle_redis_cpu_ms_per_s": round(idle * 1e3, 3),
+        "read": reads,
+        "check": check,
         "status": {**best, "redis_cpu_ms_median": float(np.median([s["redis_cpu_ms"] for s in status]))},
         "status_deep": deep,
         "wait": {**wait, "redis_core_share": round(wait["redis_cpu_ms"] / 1e3 / wait["wall_s"], 4)},
         "watch": {**watch, "redis_core_share": round(watch["redis_cpu_ms"] / 1e3 / watch["wall_s"], 4)},
     }
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
 
 
 def _tree_rss_mb(pid: int) -> float:
@@ -266,11 +326,11 @@ def measure_submit(settings: Settings, n: int, workdir: Path, processes: int) ->
     started = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "producer.cli", *args], env=cli_env(settings),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    peak, samples = 0.0, []
+    peak, own_peak, samples = 0.0, 0.0, []
     while proc.poll() is None:
-        rss = _tree_rss_mb(proc.pid)
-        peak = max(peak, rss)
-        samples.append((round(time.monotonic() - started, 1), round(rss, 1)))
+        rss, own = _tree_rss_mb(proc.pid), _rss_mb(proc.pid)
+        peak, own_peak = max(peak, rss), max(own_peak, own)
+        samples.append((round(time.monotonic() - started, 1), round(rss, 1), round(own, 1)))
         time.sleep(0.5)
     err = proc.stderr.read() if proc.stderr else ""
     client = redis.Redis.from_url(settings.redis_url)
@@ -283,8 +343,13 @@ def measure_submit(settings: Settings, n: int, workdir: Path, processes: int) ->
         "wall_s": round(time.monotonic() - started, 1),
         "peak_tree_rss_mb": round(peak, 1),
         # flat = the RSS of the last third of the run is no higher than in the middle third
-        "rss_mid_third_mb": max((r for _t, r in samples[third : 2 * third]), default=0.0),
-        "rss_last_third_mb": max((r for _t, r in samples[2 * third :]), default=0.0),
+        "rss_mid_third_mb": max((r for _t, r, _o in samples[third : 2 * third]), default=0.0),
+        "rss_last_third_mb": max((r for _t, r, _o in samples[2 * third :]), default=0.0),
+        # the producer process alone (the render pool's children share its pages: the tree counts them twice)
+        "producer_peak_rss_mb": round(own_peak, 1),
+        "producer_rss_mid_third_mb": max((o for _t, _r, o in samples[third : 2 * third]), default=0.0),
+        "producer_rss_last_third_mb": max((o for _t, _r, o in samples[2 * third :]), default=0.0),
+        "rss_samples": samples[:: max(1, len(samples) // 40)],
         "processes": processes,
         "queue_after": queued,
         "stderr_tail": err[-300:],
@@ -351,42 +416,56 @@ def markdown(r: dict[str, Any]) -> str:
     rows = []
     sizes = r["sizes"]
     for n, f in sizes.items():
-        st, dp, w, wa = f["status"], f["status_deep"], f["wait"], f["watch"]
+        st, rd, dp, ck, w, wa = f["status"], f["read"], f["status_deep"], f["check"], f["wait"], f["watch"]
         rows.append([f"{int(n):,}", f"{st['wall_s']:.2f} s / {st['peak_rss_mb']:.0f} MB",
-                     f"{st['redis_cpu_ms_median']:.1f} ms ({st['redis_command_usec'] / 1e3:.2f} ms in commands)",
+                     f"{rd['read_ms_median']:.1f} ms / {rd['redis_cpu_ms_per_read']:.2f} ms "
+                     f"({rd['redis_command_usec_per_read'] / 1e3:.2f} ms in {rd['redis_commands_per_read']:.0f} cmds)",
                      f"{dp['wall_s']:.1f} s / {dp['redis_cpu_ms']:,.0f} ms",
-                     f"{w['peak_rss_mb']:.0f} MB, {w['redis_core_share']:.2%}",
+                     f"{ck['redis_cpu_ms']:,.0f} ms / {ck['peak_rss_mb']:.0f} MB",
+                     f"{w['peak_rss_mb']:.0f} MB / {w['redis_core_share']:.2%}",
                      f"{wa['redis_core_share']:.2%} ({wa['lines']} lines)",
                      f"{f['state']['redis_bytes_per_prompt']:,} B",
                      f"{f['progress']['ledger_redis_cpu_us_per_prompt']:.0f} µs"])  # fmt: skip
     body = [code_stamp(r.get("code")), "",
-            "`.venv/bin/python -m bench.bench_scale --prompts 88088 1000000` — synthetic jobs built through the "
-            "producer's staging/commit and a real ledger (half stored, 1 % dead, 256 running, the rest queued); "
-            "commands run as subprocesses against a private redis-server. Redis time = the server's CPU (INFO "
-            "cpu) over the call; in commands = INFO commandstats usec.", "",
-            table(["prompts", "status (wall / peak RSS)", "status Redis time", "status --deep (wall / Redis)",
-                   "wait (RSS, Redis share)", "--watch 2 s (Redis share)", "Redis / prompt",
-                   "ledger Redis CPU / prompt"], rows)]  # fmt: skip
+            "`.venv/bin/python -m bench.bench_scale --prompts 88088 1000000 --submit` — synthetic jobs (256-token "
+            "prompts) built through the producer's staging and commit and a real ledger (half stored, 1 % dead, 256 "
+            "running, the rest queued), against a private redis-server. CLI figures are `python -m producer.cli` "
+            "subprocesses, interpreter start and imports included (≈ 0.7 s of CPU here, most of a status call's "
+            "wall); *read* is `StatusReader.read()` in process, the part that scales. Redis CPU = the server's "
+            "(INFO cpu) over the call less its idle rate; *cmds* = INFO commandstats. *Check* = the periodic "
+            "check `wait`/`--watch` run (places counted in Redis, counters checked), here forced once.", "",
+            table(["prompts", "status CLI (wall / RSS)", "status read (wall / Redis CPU)",
+                   "status --deep (wall / Redis CPU)", "check (Redis CPU / RSS)", "wait 2 s (RSS / Redis share)",
+                   "--watch 2 s (Redis share)", "Redis / prompt", "ledger Redis CPU / prompt"], rows)]  # fmt: skip
     if len(sizes) >= 2:
         small, big = (sizes[k] for k in sorted(sizes, key=int)[:: len(sizes) - 1])
 
-        def x(path: tuple[str, str]) -> float:
-            return big[path[0]][path[1]] / max(1e-6, small[path[0]][path[1]])
+        def x(a: str, b: str) -> float:
+            return big[a][b] / max(1e-6, small[a][b])
 
-        body += ["", f"Growth ×{big['prompts'] / small['prompts']:.1f} prompts → status Redis time "
-                 f"×{x(('status', 'redis_cpu_ms_median')):.2f}, status wall ×{x(('status', 'wall_s')):.2f}, wait "
-                 f"RSS ×{x(('wait', 'peak_rss_mb')):.2f}; the full scan (--deep) Redis time "
-                 f"×{x(('status_deep', 'redis_cpu_ms')):.1f}."]  # fmt: skip
+        body += ["", f"Growth ×{big['prompts'] / small['prompts']:.1f} prompts → status read Redis CPU "
+                 f"×{x('read', 'redis_cpu_ms_per_read'):.2f} (in commands "
+                 f"×{x('read', 'redis_command_usec_per_read'):.2f}), "
+                 f"status CLI wall ×{x('status', 'wall_s'):.2f}, wait RSS ×{x('wait', 'peak_rss_mb'):.2f}; the "
+                 f"full scan (--deep) Redis CPU ×{x('status_deep', 'redis_cpu_ms'):.1f}, the periodic check "
+                 f"×{x('check', 'redis_cpu_ms'):.1f}."]  # fmt: skip
     subs = [(n, f["submit"]) for n, f in sizes.items() if "submit" in f]
     if subs:
-        body += ["", table(["rows", "producer submit wall", "peak tree RSS", "RSS mid / last third", "rc"],
-                           [[f"{int(n):,}", f"{s['wall_s']:.0f} s", f"{s['peak_tree_rss_mb']:.0f} MB",
-                             f"{s['rss_mid_third_mb']:.0f} / {s['rss_last_third_mb']:.0f} MB", s["rc"]]
-                            for n, s in subs])]  # fmt: skip
+        body += ["", "`producer submit` of a JSONL of short chats (the test tokenizer, `--processes 2`): RSS of the "
+                 "producer process alone, and of its whole tree (the render children share its pages, so the tree "
+                 "counts them more than once), in the middle and the last third of the run.", "",
+                 table(["rows", "wall", "producer RSS peak (mid / last third)", "tree RSS peak (mid / last third)",
+                        "rc"],
+                       [[f"{int(n):,}", f"{s['wall_s']:.0f} s",
+                         f"{s['producer_peak_rss_mb']:.0f} MB ({s['producer_rss_mid_third_mb']:.0f} / "
+                         f"{s['producer_rss_last_third_mb']:.0f})",
+                         f"{s['peak_tree_rss_mb']:.0f} MB ({s['rss_mid_third_mb']:.0f} / {s['rss_last_third_mb']:.0f})",
+                         s["rc"]] for n, s in subs])]  # fmt: skip
     c = r.get("ceiling", {})
     if c.get("hosts_one_core"):
         body += ["", f"Redis ceiling: a real fleet costs Redis {c['fleet_redis_cpu_ms_per_prompt']:.3f} ms of CPU per "
-                 f"completed prompt (bench/results/fleet.json: kombu delivery and acks, claim/finalize, heartbeats); "
+                 "completed prompt (bench/results/fleet.json: kombu delivery and acks, claim/finalize, heartbeats; "
+                 f"of it the ledger's claim + finalize measured here: {c['ledger_cpu_ms_per_prompt']:.3f} ms); "
                  f"a `wait` and a `status --watch` running all along take {c['watchers_core_share']:.2%} of the core. "
                  f"One Redis core then serves ≈ {c['prompts_per_s_one_core']:,} prompts/s, i.e. ≈ "
                  f"**{c['hosts_one_core']:,} hosts** at the seed's {SEED_HOST_PROMPTS_S} prompts/s each "

@@ -39,7 +39,14 @@ from producer.jobfile import load as load_job_file
 from producer.jobfile import resolved as resolved_job_file
 from producer.lifecycle import make_commands as make_lifecycle_commands
 from producer.retry import retry
-from producer.status import DEFAULT_WINDOW_S, CheckClock, StatusReader, confirm_stored, format_duration
+from producer.status import (
+    DEFAULT_WINDOW_S,
+    CheckClock,
+    StatusReader,
+    checked_status,
+    confirm_stored,
+    format_duration,
+)
 from producer.submit import SubmitError, SubmitOptions, submit
 from producer.view import status_line, status_view, submit_report
 from thinkfleet.cli import STATE, settings_options
@@ -395,11 +402,15 @@ def _redis(settings: Settings) -> redis.Redis:
 
 
 def _checked_read(reader: StatusReader, clock: CheckClock) -> dict[str, Any]:
-    """A counters read, or a full check when it is due (``clock``); the clock learns what the check cost."""
+    """A counters read, with the full check when it is due (``clock``): the number of prompts in no place, counted
+    in Redis (constant memory here, :func:`thinkfleet.state.places.check_places`), and the counters checked against
+    the sets; the clock learns what the check cost."""
     if not clock.due():
         return reader.read()
     started = time.monotonic()
-    st = reader.read(deep=True)
+    st = reader.read()
+    if st.get("exists") and st.get("mode") != "deep":
+        st = checked_status(reader, st)
     # a prompt found in no place is looked for again soon (it may have been in motion), else after every_s
     clock.ran(time.monotonic() - started, soon_s=min(clock.every_s, 30.0) if st.get("unaccounted") else None)
     return st

@@ -30,12 +30,14 @@ from typing import Any
 
 import redis
 
+from producer.bounds import inflight_bounds
 from producer.job import JobRecord
 from thinkfleet.broker.keys import KombuKeys
 from thinkfleet.broker.queues import queue_length
 from thinkfleet.settings import Settings
 from thinkfleet.state.counters import check_counters, last_check, read_counts, record_check
 from thinkfleet.state.invariant import NotObservable, account, broker_client, live_claims
+from thinkfleet.state.places import check_places
 
 #: Unaccounted prompt ids listed in the status (the count is always complete).
 UNACCOUNTED_IDS = 20
@@ -129,6 +131,7 @@ class StatusReader:
             "max_new_tokens": record.max_new_tokens,
             "job_file": record.job_file,  # the job file as it ran (producer submit job.yaml), else null
             "clock_warnings": clock_warnings(r, self.settings),
+            "inflight_bounds": inflight_bounds(r, self.settings),  # producer/bounds.py
             "clock_skew_warn_s": self.settings.clock_skew_warn_s,
             **self._turns(counters, deep),
         }
@@ -317,6 +320,32 @@ class StatusReader:
             per_worker[name] = entry
         out["workers"] = per_worker
         return out
+
+
+def checked_status(reader: StatusReader, st: dict[str, Any]) -> dict[str, Any]:
+    """``st`` (a counters read) with the full check's verdict: unaccounted prompts counted in constant memory
+    (:func:`thinkfleet.state.places.check_places`; the full scan where that cannot run), the counters checked and
+    repaired, the verdict recorded for plain ``status`` calls."""
+    keys, job, r = reader.settings.keys, reader.job, reader.client
+    places = check_places(r, reader.settings, job)
+    if places is None:  # RabbitMQ, or a broker in another Redis: the scan that holds the sets
+        return reader.read(deep=True)
+    drift = check_counters(r, keys, job, sorted(st["datasets"]))
+    verdict = {
+        "unaccounted": places.unaccounted,
+        "unaccounted_ids": places.unaccounted_ids,
+        "counter_drift": drift.drift,
+        "repaired": drift.repaired,
+        "took_s": places.took_s,
+    }
+    record_check(r, keys, job, verdict)
+    return {
+        **st,
+        "queued": max(0, st["queued"] - places.unaccounted),  # a counters read counts lost prompts as queued
+        "unaccounted": places.unaccounted,
+        "unaccounted_ids": places.unaccounted_ids,
+        "checked": {**verdict, "at": time.time(), "age_s": 0.0},
+    }
 
 
 def broker_messages(broker: redis.Redis, settings: Settings, job: str) -> int:

@@ -605,8 +605,10 @@ class _ManifestSpool:
     """Manifest rows kept in a local temporary file (pickled chunks) until the submit is sure to commit, then
     written to storage a chunk per manifest file: memory holds one chunk, not the submission."""
 
-    #: Rows per chunk (and per manifest file).
-    CHUNK = 50_000
+    #: Rows held in memory before they are spooled to the file (a few MB with their source messages).
+    CHUNK = 5_000
+    #: Rows per manifest file written to storage (the write holds this many, and their Arrow table, at once).
+    FILE_ROWS = 25_000
 
     def __init__(self) -> None:
         # closed by close() (the submit's finally), not a with-block: the spool lives across the render loop
@@ -635,13 +637,17 @@ class _ManifestSpool:
                 return
 
     def write(self, settings: Settings, job: str) -> None:
-        """Every row to storage's manifest, one file per chunk (a submission of no rows writes one empty file)."""
+        """Every row to storage's manifest, :data:`FILE_ROWS` per file (a submission of no rows writes one empty
+        file, as a submit always wrote one)."""
+        rows: list[dict[str, Any]] = []
         wrote = False
         for chunk in self.chunks():
-            write_manifest(settings, job, chunk)
-            wrote = True
-        if not wrote:
-            write_manifest(settings, job, [])
+            rows += chunk
+            if len(rows) >= self.FILE_ROWS:
+                write_manifest(settings, job, rows)
+                rows, wrote = [], True
+        if rows or not wrote:
+            write_manifest(settings, job, rows)
 
     def close(self) -> None:
         self._chunk = []

@@ -26,6 +26,7 @@ from producer.submit import SubmitOptions, submit
 from testing.datasets import chat_rows, write_jsonl
 from testing.harness import isolated_settings
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
+from thinkfleet.broker.keys import KombuKeys
 from thinkfleet.broker.queues import decode_message
 from thinkfleet.message import PromptTask
 from thinkfleet.settings import Settings
@@ -222,3 +223,42 @@ def test_wait_checks_the_done_set_against_storage_a_chunk_at_a_time(job: Setting
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     assert '"missing_from_storage": 0' in result.output
+
+
+def test_the_place_check_finds_what_the_scan_finds_holding_no_set(job: Settings, redis_client: redis.Redis) -> None:
+    from thinkfleet.state.invariant import account
+    from thinkfleet.state.places import check_places
+
+    r, k = redis_client, job.keys
+    raws = {decode_message(m).prompt_id: m for m in r.lrange(job.queue, 0, -1)}
+    pids = sorted(raws)
+    # Given one prompt delivered (unacked), one popped into a worker's transit list, one done, two lost.
+    unacked = KombuKeys(job.key_prefix).unacked
+    r.lrem(job.queue, 1, raws[pids[0]])
+    r.hset(unacked, "tag-1", json.dumps([json.loads(raws[pids[0]]), "", job.queue]))
+    r.lrem(job.queue, 1, raws[pids[1]])
+    r.rpush(k.transit("w9"), raws[pids[1]])
+    r.sadd(k.done(JOB), pids[2])
+    for pid in pids[3:5]:
+        r.lrem(job.queue, 1, raws[pid])
+    # When the place check counts in Redis, it finds exactly what the full scan finds.
+    found = check_places(r, job, JOB)
+    assert found is not None
+    assert found.unaccounted == 2 and found.unaccounted_ids == sorted(account(r, job, JOB).unaccounted)
+    assert found.passes == 2 and not list(r.scan_iter(match=f"{job.key_prefix}:job:{JOB}:check:*"))
+
+
+def test_wait_on_a_large_job_finds_a_lost_prompt_by_its_periodic_check(
+    job: Settings, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import producer.status as status
+
+    monkeypatch.setattr(status, "AUTO_DEEP_MESSAGES", 0)  # read from counters, as a job of 88k prompts is
+    raw = next(m for m in redis_client.lrange(job.queue, 0, -1) if decode_message(m).prompt_id == "alpha/r3")
+    redis_client.lrem(job.queue, 1, raw)
+    args = ["wait", JOB, "--lost-after", "0.3", "--check-every", "0.1", "--interval", "0.1", "--timeout", "60",
+            "--redis-url", job.redis_url, "--key-prefix", job.key_prefix, "--queue", job.queue]  # fmt: skip
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 3, result.output
+    assert "alpha/r3" in result.output and "re-enqueues" in result.output
+    assert last_check(redis_client, job.keys, JOB)["unaccounted"] == 1  # type: ignore[index]

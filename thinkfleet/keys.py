@@ -91,6 +91,11 @@ class Keys:
         finalizes its recent rows again (``Ledger.lost_finalizes``, ``GroupCommitter.recheck``)."""
         return f"{self.prefix}:job:{job}:finalize_marks"
 
+    def check_seen(self, job: str, token: str) -> str:
+        """SET with TTL: the job's prompt ids a running place check found on the queue, delivered or claimed
+        (thinkfleet/state/places.py); deleted when the check ends."""
+        return f"{self.prefix}:job:{job}:check:{token}"
+
     def worker_counters(self, job: str) -> str:
         """HASH worker → output tokens for this job (per-host throughput in status)."""
         return f"{self.prefix}:job:{job}:worker_tokens"
