@@ -190,6 +190,14 @@ def status_view(st: dict[str, Any]) -> Group:
                 name, f"{w['output_tokens']:,}", f"{w['avg_tokens_per_s']:,.0f}", "—" if now is None else f"{now:,.0f}"
             )
         parts.append(wt)
+    if st.get("inflight_bounds"):  # each host's in-flight bound (workers/adaptive.py) and why it last moved
+        bt = Table(title="in-flight bound per worker")
+        for col in ("worker", "host", "mode", "bound / cap", "why it last moved"):
+            bt.add_column(col, justify="right" if col == "bound / cap" else "left")
+        for name, b in st["inflight_bounds"].items():
+            bound = f"{b.get('bound')} / {b.get('cap')}"
+            bt.add_row(name, str(b.get("host") or "?"), str(b.get("mode")), bound, str(b.get("reason") or ""))
+        parts.append(bt)
     if st.get("finished"):
         parts.append(Text("finished: every prompt is stored or dead-lettered", style="bold green"))
     return Group(*parts)

@@ -38,6 +38,13 @@ _HELP = {
     "per_request_tok_s": "Decode speed cap of one request (tokens per simulated second).",
     "prefill_tok_s": "Prefill speed of uncached prompt tokens per simulated second.",
     "time_scale": "Simulated seconds per wall second (1000 turns 57 h into ~3.4 min).",
+    "step_fixed_s": "Per-step cost model: a decode step of n requests takes this + n * --step-per-request-s "
+    "(simulated s; unset: the per-request cap model of --decode-tok-s / --per-request-tok-s).",
+    "step_per_request_s": "Per-request part of a decode step (simulated s); throughput saturates at its inverse.",
+    "kv_capacity_tokens": "Enforce a KV pool of this many tokens (0.5.9's admission, new_token_ratio and "
+    "retraction); also what /server_info and /v1/loads report as max_total_num_tokens. Unset: unlimited.",
+    "slowdown_at_s": "From this simulated second on, steps and prefill take --slowdown-factor times as long.",
+    "slowdown_factor": "How much slower the server gets at --slowdown-at-s (2: half the speed).",
     "tool_call_share": "Share of outputs that end in a native tool call.",
     "think_end": "Close the reasoning (</think>; harmony: <|end|>); --no-think-end reproduces the seed's "
     "empty-reasoning bug.",

@@ -118,6 +118,8 @@ FAST_WORKER = {
     "request_timeout_floor_s": 5,
     "request_min_decode_tok_s": 2000,
     "shutdown_grace_s": 2,
+    # Tests that count requests in flight want exactly the bound they set (tests/test_adaptive.py runs auto).
+    "inflight_mode": "fixed",
 }
 
 #: For scenarios in which no worker dies, is paused or must lose its lease: a lease no stall of a busy box

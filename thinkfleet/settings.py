@@ -50,7 +50,21 @@ class Settings(BaseSettings):
     queue: str = Field("thinkfleet", description="Celery queue the prompts travel on.")
 
     # -- worker: concurrency ------------------------------------------------------------------------
-    max_inflight: int = Field(150, ge=1, description="Requests in flight to the local SGLang server.")
+    max_inflight: int = Field(
+        512,
+        ge=1,
+        description="Requests in flight to the local SGLang server: the upper cap of the adaptive bound "
+        "(inflight_mode auto), or the bound itself (fixed). It also sizes Celery's prefetch and the connection pools.",
+    )
+    inflight_mode: str = Field(
+        "auto",
+        pattern="^(auto|fixed)$",
+        description="auto: the bound starts from the server's max_running_requests (/server_info) and follows its "
+        "load (/v1/loads, /metrics; workers/adaptive.py), never above max_inflight; fixed: max_inflight.",
+    )
+    inflight_interval_s: float = Field(
+        5.0, gt=0, description="inflight_mode auto: seconds between two decisions on the bound (4 load reads each)."
+    )
     worker_name: str | None = Field(None, description="Worker identity; default hostname-pid.")
     metrics_port: int = Field(
         0, ge=0, description="Prometheus port of this worker; 0 picks a free one (registered in Redis)."

@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from typing import Any
 log = logging.getLogger("thinkfleet.worker")
 
 __all__ = [
+    "REASON_KINDS",
     "ControllerConfig",
     "InflightController",
     "LoadSample",
@@ -48,12 +50,18 @@ __all__ = [
     "Move",
     "ResizableLimiter",
     "ServerLimits",
+    "bound_info",
+    "inflight_watcher",
+    "limits_from",
     "parse_load",
     "parse_retractions",
 ]
 
 #: Seconds between two reads of the server's load (and at most one decision per read).
 DEFAULT_INTERVAL_S = 5.0
+#: Tokens a reasoning request holds in the KV cache on average over its life (a 1-2k prompt and a
+#: 6-8k output, half of it generated): the start is ``max_total_num_tokens`` / this.
+START_TOKENS_PER_REQUEST = 8192
 #: ``/metrics`` counter of retracted requests (SGLang 0.5.9 metrics/collector.py, ``--enable-metrics``).
 RETRACTIONS_METRIC = "sglang:num_retracted_requests_total"
 _RETRACTIONS_RE = re.compile(r"^sglang:num_retracted_requests_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
@@ -85,6 +93,18 @@ class LoadSample:
     retractions_total: int | None = None
 
 
+#: Why the bound moved, as few kinds (the Prometheus label; ``reason`` has the figures).
+REASON_KINDS = (
+    "fixed",  # THINKFLEET_INFLIGHT_MODE=fixed: the bound is THINKFLEET_MAX_INFLIGHT
+    "server_limits",  # (re)started from /server_info
+    "server_full",  # the server queues some of ours: what it runs plus a short queue
+    "server_takes_all",  # the server admits everything: offer more
+    "server_slots",  # max_running_requests
+    "cap",  # THINKFLEET_MAX_INFLIGHT
+    "retraction_storm",
+)
+
+
 @dataclass(frozen=True)
 class Move:
     """A change of the bound and why (what ``producer status`` and Grafana show)."""
@@ -93,6 +113,7 @@ class Move:
     old: int
     new: int
     reason: str
+    kind: str = "server_limits"
 
 
 @dataclass
@@ -111,6 +132,11 @@ class ControllerConfig:
     #: What the server can run is averaged over this many seconds, plus this many standard deviations.
     smoothing_s: float = 300.0
     margin_sd: float = 1.5
+    #: A fast mean (over ``fast_smoothing_s``) this share away from the slow one for this many decisions
+    #: in a row is a lasting change: the slow mean jumps to it (a tenant arrived, the server restarted).
+    fast_smoothing_s: float = 20.0
+    shift_share: float = 0.35
+    shift_intervals: int = 4
     #: Retractions in one interval beyond ``max(storm_min, storm_share * running)`` are a storm: x storm_cut.
     storm_min: int = 5
     storm_share: float = 0.10
@@ -137,6 +163,9 @@ class _Window:
     inflight: float = 0.0
     running: float = 0.0
     waiting: float = 0.0
+    #: Ours running, per sample: the queue is FIFO over every client's requests, so ours wait in it in
+    #: proportion to our share (summed per sample: a mean of ratios, not a ratio of means across a move).
+    ours_running: float = 0.0
     used: float = 0.0
     used_n: int = 0
     capacity: int | None = None
@@ -146,6 +175,8 @@ class _Window:
         self.inflight += s.inflight
         self.running += s.running
         self.waiting += s.waiting
+        at_server = s.running + s.waiting
+        self.ours_running += min(s.inflight, s.inflight * s.running / at_server) if at_server else 0.0
         if s.used_tokens is not None:
             self.used += s.used_tokens
             self.used_n += 1
@@ -168,30 +199,44 @@ class InflightController:
         self.limits = ServerLimits()
         self.bound = cap
         self.reason = "not started: the cap (THINKFLEET_MAX_INFLIGHT)"
+        self.kind = "cap"
         self.moves: deque[Move] = deque(maxlen=history)
         self._window: _Window | None = None
         self._retractions_seen: int | None = None
+        self._reset = False
         self._estimate: float | None = None  # requests of ours the server can run (EWMA) and its variance
         self._variance = 0.0
+        self._fast = 0.0
+        self._shifted = 0
+        self._rising = 0
 
     # -- what the caller tells it ------------------------------------------------------------------
     def reset(self, limits: ServerLimits, t_s: float) -> Move | None:
         """Start from the server's limits: ``min(cap, max_running_requests)`` (a new or restarted server)."""
         self.limits = limits
+        self._reset = True
         self._window = None
         self._retractions_seen = None
         self._estimate = None
-        start = self.cap
-        why = f"the cap {self.cap} (the server reports no max_running_requests)"
+        start, kind, why = self.cap, "cap", f"the cap {self.cap} (the server reports no limits)"
+        parts = []
         if limits.max_running_requests is not None:
-            start = min(self.cap, limits.max_running_requests)
-            why = f"server limits: max_running_requests={limits.max_running_requests}, cap {self.cap}" + (
-                f", max_total_num_tokens={limits.max_total_num_tokens}" if limits.max_total_num_tokens else ""
-            )
-        return self._move(t_s, start, why, force=True)
+            start = min(start, limits.max_running_requests)
+            parts.append(f"max_running_requests={limits.max_running_requests}")
+        if limits.max_total_num_tokens:
+            # What its KV holds of requests of START_TOKENS_PER_REQUEST: a start near the KV bound, so
+            # the first minutes do not fill the server's queue (requests sent are never taken back).
+            start = min(start, max(1, limits.max_total_num_tokens // START_TOKENS_PER_REQUEST))
+            parts.append(f"max_total_num_tokens={limits.max_total_num_tokens} (/{START_TOKENS_PER_REQUEST})")
+        if parts:
+            kind, why = "server_limits", f"server limits: {', '.join(parts)}, cap {self.cap}"
+        return self._move(t_s, start, why, kind, force=True)
 
     def observe(self, sample: LoadSample) -> Move | None:
-        """Take one read of the load; once an interval is complete, decide (a :class:`Move`, or None)."""
+        """Take one read of the load; once an interval is complete, decide (a :class:`Move`, or None).
+        Reads before the first :meth:`reset` (the server's limits not read yet) are ignored."""
+        if not self._reset:
+            return None
         window = self._window
         if window is None:
             self._window = window = _Window(sample.t_s)
@@ -220,20 +265,19 @@ class InflightController:
         if retracted > max(c.storm_min, c.storm_share * max(running, 1.0)):
             self._estimate = None  # what the server held is no guide now
             new = int(bound * c.storm_cut)
-            return self._move(t_s, new, f"retraction storm: {retracted} retracted in {c.interval_s:g}s")
-        target, why = self._target(w, inflight, running, waiting)
+            why = f"retraction storm: {retracted} retracted in {c.interval_s:g}s"
+            return self._move(t_s, new, why, "retraction_storm")
+        target, kind, why = self._target(w, inflight, running, waiting)
         if retracted:
             why += f"; {retracted} retracted (no storm)"
         if abs(target - bound) <= max(1.0, c.deadband_share * bound):
             return None
         if target > bound:
-            if inflight < c.saturated_share * bound:
-                return None  # the work does not fill the bound: a higher one would say nothing
             step = min(max(1.0, c.max_rise_share * bound), c.gain * (target - bound))
-            return self._move(t_s, round(bound + max(1.0, step)), why)
-        return self._move(t_s, round(bound - max(1.0, c.gain * (bound - target))), why)
+            return self._move(t_s, round(bound + max(1.0, step)), why, kind)
+        return self._move(t_s, round(bound - max(1.0, c.gain * (bound - target))), why, kind)
 
-    def _target(self, w: _Window, inflight: float, running: float, waiting: float) -> tuple[float, str]:
+    def _target(self, w: _Window, inflight: float, running: float, waiting: float) -> tuple[float, str, str]:
         """What the server can run of ours (smoothed, plus its spread) and a short queue; and why.
 
         SGLang's own admission keeps the batch inside its KV (its reservation, then retraction of the
@@ -244,35 +288,56 @@ class InflightController:
         standard deviations instead of every swing; a lasting change moves the mean within a minute."""
         c = self.config
         others = max(0.0, running + waiting - inflight)  # other clients' requests at the same server
-        ours_running = max(0.0, min(inflight, running - others))
+        ours_running = w.ours_running / w.n
         allowance = max(c.queue_min, c.queue_share * ours_running)
         full = waiting > 0.5 * allowance  # it holds some back: what runs is what it can run
+        if not full and inflight < c.saturated_share * self.bound:
+            # It runs all we send and we send less than the bound (too few prompts, between jobs): that says
+            # nothing of its capacity, so neither the estimate nor the bound moves.
+            return float(self.bound), "server_takes_all", f"the work does not fill the bound ({inflight:.0f})"
         seen = ours_running if full else inflight + max(allowance, c.max_rise_share * inflight)
-        alpha = min(1.0, c.interval_s / c.smoothing_s)
-        if self._estimate is None:
-            self._estimate, self._variance = seen, 0.0
-        else:
-            delta = seen - self._estimate
-            self._estimate += alpha * delta
-            self._variance = (1 - alpha) * (self._variance + alpha * delta * delta)
+        self._track(seen, rising=not full)
+        assert self._estimate is not None
         can_run = self._estimate + c.margin_sd * self._variance**0.5
         usage = f", KV {w.used / w.used_n / w.capacity:.0%}" if w.capacity and w.used_n else ""
         load = f"{running:.0f} running, {waiting:.0f} waiting{usage}"
-        candidates = [
-            (can_run + allowance, f"server {'full' if full else 'takes all'}: {load}; runs ~{can_run:.0f} of ours")
-        ]
-        candidates.append((float(self.cap), f"the cap {self.cap}"))
+        kind, name = ("server_full", "full") if full else ("server_takes_all", "takes all")
+        candidates = [(can_run + allowance, kind, f"server {name}: {load}; runs ~{can_run:.0f} of ours")]
+        candidates.append((float(self.cap), "cap", f"the cap {self.cap}"))
         slots = self.limits.max_running_requests
         if slots is not None:
-            candidates.append((slots + allowance - others, f"server slots: max_running_requests={slots}"))
-        return min(candidates, key=lambda tw: tw[0])
+            why = f"server slots: max_running_requests={slots}"
+            candidates.append((slots + allowance - others, "server_slots", why))
+        return min(candidates, key=lambda candidate: candidate[0])
 
-    def _move(self, t_s: float, new: int, reason: str, force: bool = False) -> Move | None:
+    def _track(self, seen: float, rising: bool) -> None:
+        """Fold one interval's "runs this many of ours" into the slow mean and variance, and into a fast
+        mean; a fast mean away from the slow one by ``shift_share`` for ``shift_intervals`` decisions is a
+        lasting change (a tenant, a restart with other limits), not a swing: the slow mean jumps to it."""
+        c = self.config
+        if self._estimate is None:
+            self._estimate, self._variance, self._fast, self._shifted = seen, 0.0, seen, 0
+            return
+        # It took everything twice in a row: its capacity is at least that, so the mean rises at the fast pace
+        # (one interval with an empty queue happens in a steady KV-bound server too: that one is not enough).
+        self._rising = self._rising + 1 if rising else 0
+        fast = self._rising >= 2 and seen > self._estimate
+        alpha = min(1.0, c.interval_s / (c.fast_smoothing_s if fast else c.smoothing_s))
+        delta = seen - self._estimate
+        self._estimate += alpha * delta
+        self._variance = (1 - alpha) * (self._variance + alpha * delta * delta)
+        self._fast += min(1.0, c.interval_s / c.fast_smoothing_s) * (seen - self._fast)
+        away = abs(self._fast - self._estimate) > c.shift_share * max(self._estimate, 1.0)
+        self._shifted = self._shifted + 1 if away else 0
+        if self._shifted >= c.shift_intervals:
+            self._estimate, self._variance, self._shifted = self._fast, 0.0, 0
+
+    def _move(self, t_s: float, new: int, reason: str, kind: str, force: bool = False) -> Move | None:
         new = max(self.config.min_bound, min(self.cap, new))
         if new == self.bound and not force:
             return None
-        move = Move(t_s, self.bound, new, reason)
-        self.bound, self.reason = new, reason
+        move = Move(t_s, self.bound, new, reason, kind)
+        self.bound, self.reason, self.kind = new, reason, kind
         self.moves.append(move)
         return move
 
@@ -440,3 +505,44 @@ class LoadWatcher:
         if move.old != move.new:
             log.info("in-flight bound %d -> %d: %s", move.old, move.new, move.reason)
         self.on_move(move)
+
+
+# -- wiring (workers/runtime.py) ---------------------------------------------------------------------------
+def limits_from(info: Any) -> ServerLimits:
+    """The limits a :class:`workers.sglang.ServerInfo` read (None: nothing read yet)."""
+    if info is None:
+        return ServerLimits()
+    return ServerLimits(
+        getattr(info, "effective_max_running_requests", None),
+        getattr(info, "max_total_num_tokens", None),
+        getattr(info, "context_length", None),
+    )
+
+
+def inflight_watcher(
+    settings: Any,
+    client: Any,
+    limiter: ResizableLimiter,
+    inflight: Callable[[], int],
+    on_move: Callable[[Move], None],
+) -> LoadWatcher | None:
+    """The worker's :class:`LoadWatcher` over its SGLang client (None with ``inflight_mode=fixed``)."""
+    if settings.inflight_mode != "auto":
+        return None
+
+    async def get_text(path: str) -> str:
+        status, body = await client.get(path)
+        if status != 200:
+            raise RuntimeError(f"GET {path} -> {status}")
+        return body.decode("utf-8", "replace")
+
+    controller = InflightController(settings.max_inflight, ControllerConfig(interval_s=settings.inflight_interval_s))
+    return LoadWatcher(controller, limiter, client.get_json, get_text, inflight, time.monotonic, on_move)
+
+
+def bound_info(watcher: LoadWatcher | None, settings: Any) -> dict[str, Any]:
+    """What the heartbeat publishes of the bound (``producer status`` shows it)."""
+    if watcher is None:
+        return {"inflight_mode": "fixed", "inflight_bound": settings.max_inflight, "inflight_reason": "fixed"}
+    c = watcher.controller
+    return {"inflight_mode": "auto", "inflight_bound": c.bound, "inflight_reason": c.reason, "inflight_kind": c.kind}

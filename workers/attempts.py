@@ -27,6 +27,7 @@ from thinkfleet.message import PromptTask
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import DEFAULT_MAX_NEW_TOKENS
 from thinkfleet.state.lifecycle import CANCELLED_CLASS
+from workers.adaptive import ResizableLimiter
 from workers.client import SGLangClient
 from workers.health import HealthGate
 from workers.metrics import WorkerMetrics
@@ -55,7 +56,8 @@ class RequestAttempts:
         self.metrics = metrics
         self._draining = draining
         self._on_idle = on_idle  # nothing in flight any more (the queue ran dry): commit the last rows now
-        self.semaphore = asyncio.Semaphore(settings.max_inflight)
+        # The in-flight bound: max_inflight, or (inflight_mode auto) what workers/adaptive.py resizes it to.
+        self.semaphore = ResizableLimiter(settings.max_inflight)
         #: Requests in flight: request → (job, rid); a drain or a job's cancel cancels them.
         self.inflight: dict[asyncio.Future[Any], tuple[str, str]] = {}
         #: Jobs seen cancelled (producer cancel): no further attempt is sent for them.

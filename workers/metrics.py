@@ -7,6 +7,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, start_http_server
 
+from workers.adaptive import REASON_KINDS
+
 log = logging.getLogger(__name__)
 
 
@@ -16,8 +18,24 @@ class WorkerMetrics:
         r = self.registry
         self.port: int | None = None
         self.inflight = Gauge("thinkfleet_inflight_requests", "Requests in flight to SGLang", registry=r)
-        self.bound = Gauge("thinkfleet_inflight_bound", "Configured THINKFLEET_MAX_INFLIGHT", registry=r)
+        self.bound = Gauge(
+            "thinkfleet_inflight_bound",
+            "The in-flight bound now (auto: chosen from the server's load; fixed: THINKFLEET_MAX_INFLIGHT)",
+            registry=r,
+        )
         self.bound.set(max_inflight)
+        self.bound_cap = Gauge("thinkfleet_inflight_cap", "THINKFLEET_MAX_INFLIGHT: the bound's upper cap", registry=r)
+        self.bound_cap.set(max_inflight)
+        self.bound_reason = Enum(
+            "thinkfleet_inflight_bound_reason",
+            "Why the in-flight bound last moved (workers/adaptive.py REASON_KINDS)",
+            states=list(REASON_KINDS),
+            registry=r,
+        )
+        self.bound_reason.state("cap")
+        self.bound_moves = Counter(
+            "thinkfleet_inflight_bound_moves", "Moves of the in-flight bound, by reason", ["reason"], registry=r
+        )
         self.inflight_seconds = Counter(
             "thinkfleet_inflight_seconds", "Integral of in-flight requests over time (occupancy)", registry=r
         )
@@ -91,6 +109,12 @@ class WorkerMetrics:
         now = time.monotonic()
         self.inflight_seconds.inc(self._inflight * (now - self._since))
         self._since = now
+
+    def note_bound(self, bound: int, kind: str) -> None:
+        """The in-flight bound moved (or was set) to ``bound`` for a reason of ``kind``."""
+        self.bound.set(bound)
+        self.bound_reason.state(kind if kind in REASON_KINDS else "cap")
+        self.bound_moves.labels(kind).inc()
 
     def request_started(self) -> None:
         self._accumulate()

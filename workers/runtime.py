@@ -38,6 +38,7 @@ from thinkfleet.broker.visibility import unacked_index_key
 from thinkfleet.message import PromptTask
 from thinkfleet.settings import Settings
 from thinkfleet.state.lifecycle import CANCELLED
+from workers.adaptive import Move, bound_info, inflight_watcher, limits_from
 from workers.attempts import HandBack, RequestAttempts
 from workers.client import SGLangClient
 from workers.committer import GroupCommitter
@@ -160,7 +161,7 @@ class WorkerRuntime:
         self.gate = HealthGate(
             self.client,
             s.health_interval_s,
-            s.max_inflight,
+            s.max_inflight if s.inflight_mode == "fixed" else 0,  # auto starts within the server's slots
             on_down=self._server_down,
             on_up=self._server_up,
             metrics=self.metrics,
@@ -168,6 +169,11 @@ class WorkerRuntime:
         self.attempts = RequestAttempts(
             s, self.client, self.gate, self.metrics, lambda: self.draining, on_idle=self.committer.flush_soon
         )
+        # inflight_mode auto: the bound follows the server (reset from its limits whenever the gate opens).
+        inflight = lambda: len(self.attempts.inflight)  # noqa: E731
+        self.adaptive = inflight_watcher(s, self.client, self.attempts.semaphore, inflight, self._bound_moved)
+        if self.adaptive is None:
+            self.metrics.bound_reason.state("fixed")
         self.pipeline = PromptPipeline(
             s,
             self.identity,
@@ -191,6 +197,7 @@ class WorkerRuntime:
             "host": socket.gethostname(),
             "sglang_url": s.sglang_url,
             "max_inflight": s.max_inflight,
+            **bound_info(self.adaptive, s),
             "metrics_port": port,
             "started_at": time.time(),
         }
@@ -198,6 +205,8 @@ class WorkerRuntime:
         if not await self.lease.beat():
             raise RuntimeStartError(f"worker name {self.identity!r} was taken by {self.lease.lost} while it started")
         self.lease.start()
+        if self.adaptive is not None:
+            self.adaptive.start()
         self._release_task = asyncio.get_running_loop().create_task(self.pipeline.release_later(), name="release-later")
         self._cancel_watch = asyncio.get_running_loop().create_task(self._watch_cancels(), name="watch-cancels")
         log.info(
@@ -312,7 +321,17 @@ class WorkerRuntime:
 
     def _server_up(self) -> None:
         self.metrics.healthy.set(1)
+        if self.adaptive is not None:  # a new or restarted server: start again from its limits
+            self.adaptive.reset(limits_from(self.gate.info))
         self._sync_consuming()
+
+    def _bound_moved(self, move: Move) -> None:
+        """Publish a move of the in-flight bound: Prometheus and the heartbeat's info (producer status)."""
+        self.metrics.note_bound(move.new, move.kind)
+        info = getattr(getattr(self, "lease", None), "info", None)
+        if info is not None:
+            info.update(bound_info(self.adaptive, self.settings))
+
 
     def _storage_state(self, ok: bool, exc: Exception | None) -> None:
         """The committer's verdict: a failed commit closes the consuming gate until one succeeds."""
@@ -361,6 +380,8 @@ class WorkerRuntime:
             self._release_task.cancel()
             self._cancel_watch.cancel()
             await self.lease.stop()
+            if self.adaptive is not None:
+                await self.adaptive.stop()
             await self.gate.stop()
             await self.client.close()
             await self.redis.aclose()

@@ -481,6 +481,7 @@ class ServerInfo:
     vocab_size: int | None = None
     max_req_input_len: int | None = None
     deterministic: bool | None = None  # --enable-deterministic-inference (sampling_seed is honoured)
+    max_total_num_tokens: int | None = None  # the KV pool, tokens (the adaptive in-flight bound reads it)
 
     @property
     def context_check_inclusive(self) -> bool:
@@ -534,6 +535,9 @@ def parse_server_info(
         vocab_size=_positive_int(model_info.get("vocab_size"), server_info.get("vocab_size"), state0.get("vocab_size")),
         max_req_input_len=_positive_int(server_info.get("max_req_input_len"), state0.get("max_req_input_len")),
         deterministic=deterministic if isinstance(deterministic, bool) else None,
+        max_total_num_tokens=_positive_int(
+            server_info.get("max_total_num_tokens"), (state0.get("memory_usage") or {}).get("token_capacity")
+        ),
     )
 
 

@@ -1,0 +1,280 @@
+"""The in-flight bound chosen from the server (workers/adaptive.py).
+
+The controller is pure: these tests feed it server limits and load samples on their own clock and read its
+moves (no wall clock, no I/O). The limiter is the asyncio side the request attempts hold. The last test runs
+a real worker in ``inflight_mode=auto`` against the simulator over HTTP, through a server restart."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import redis
+
+from producer.bounds import inflight_bounds
+from testing.fleet import WorkerProcess, free_port, job_progress, wait_for_port, wait_until
+from testing.harness import fast_env, isolated_settings, make_prompts, submit_ids
+from workers.adaptive import (
+    START_TOKENS_PER_REQUEST,
+    ControllerConfig,
+    InflightController,
+    LoadSample,
+    ResizableLimiter,
+    ServerLimits,
+    parse_load,
+    parse_retractions,
+)
+
+INTERVAL_S = 5.0
+#: Samples per decision, as the worker's watcher reads (every interval / 4).
+READS = 4
+
+
+class Feed:
+    """Drives a controller the way the worker's watcher does: READS samples per interval."""
+
+    def __init__(self, controller: InflightController) -> None:
+        self.controller = controller
+        self.t_s = 0.0
+        self.retractions = 0
+        self.bounds: list[int] = []
+
+    def interval(self, running: float, waiting: float, inflight: float | None = None, retracted: int = 0) -> None:
+        """One interval in which the server runs ``running`` and queues ``waiting`` (of every client)."""
+        self.retractions += retracted
+        for _ in range(READS):
+            self.read(int(running), int(waiting), self.controller.bound if inflight is None else int(inflight))
+        self.bounds.append(self.controller.bound)
+
+    def full(self, runs: float) -> None:
+        """An interval in which the server runs at most ``runs`` of ours and queues the rest of the bound."""
+        for _ in range(READS):
+            bound = self.controller.bound
+            self.read(int(min(runs, bound)), int(max(0.0, bound - runs)), bound)
+        self.bounds.append(self.controller.bound)
+
+    def read(self, running: int, waiting: int, inflight: int) -> None:
+        self.t_s += INTERVAL_S / READS
+        self.controller.observe(LoadSample(self.t_s, inflight, running, waiting, None, None, self.retractions))
+
+
+def started(cap: int = 512, slots: int | None = 256, kv: int | None = None) -> Feed:
+    controller = InflightController(cap, ControllerConfig(interval_s=INTERVAL_S))
+    controller.reset(ServerLimits(slots, kv, 262_144), 0.0)
+    return Feed(controller)
+
+
+# -- start -------------------------------------------------------------------------------------------------
+def test_the_bound_starts_from_the_servers_limits_and_never_above_the_cap() -> None:
+    assert started(cap=512, slots=256).controller.bound == 256
+    assert started(cap=100, slots=256).controller.bound == 100
+    assert started(cap=512, slots=None).controller.bound == 512  # a server that reports nothing: the cap
+    kv = started(cap=512, slots=256, kv=600_000).controller
+    assert kv.bound == 600_000 // START_TOKENS_PER_REQUEST  # what its KV holds of ~8k-token requests
+    assert kv.kind == "server_limits" and "max_running_requests=256" in kv.reason
+
+
+def test_a_restarted_server_starts_the_bound_again_from_its_new_limits() -> None:
+    feed = started(slots=256)
+    for _ in range(30):
+        feed.full(runs=200)
+    feed.controller.reset(ServerLimits(64, None, None), feed.t_s)
+    assert feed.controller.bound == 64 and feed.controller.moves[-1].kind == "server_limits"
+
+
+# -- steering ----------------------------------------------------------------------------------------------
+def test_a_full_server_brings_the_bound_down_to_what_it_runs_plus_a_short_queue_and_holds_it() -> None:
+    # Given a server that runs 50 whatever it is sent (its KV is full)
+    feed = started(slots=512)
+    # When the worker offers it more for two minutes
+    for _ in range(24):
+        feed.full(runs=50)
+    # Then the bound comes down to 50 plus a queue of a few, and stays there
+    assert 50 < feed.controller.bound <= 50 + 8
+    assert feed.controller.kind == "server_full"
+    moves_before = len(feed.controller.moves)
+    for _ in range(60):
+        feed.full(runs=50)
+    assert len(feed.controller.moves) == moves_before  # steady server, steady bound
+
+
+def test_a_server_that_takes_everything_is_offered_more_up_to_its_slots_and_the_cap() -> None:
+    # Given a bound started low (a small KV estimate) on a server that admits all it gets
+    feed = started(cap=512, slots=100, kv=20 * START_TOKENS_PER_REQUEST)
+    assert feed.controller.bound == 20
+    # When every request runs at once, interval after interval
+    for _ in range(60):
+        bound = feed.controller.bound
+        feed.interval(running=bound, waiting=0)
+    # Then the bound rose to the server's slots plus a short queue, never above it
+    assert 100 < feed.controller.bound <= 100 + 8
+    assert max(feed.bounds) <= 108
+    capped = started(cap=60, slots=100, kv=20 * START_TOKENS_PER_REQUEST)
+    for _ in range(60):
+        capped.interval(running=capped.controller.bound, waiting=0)
+    assert 57 <= capped.controller.bound <= 60 and max(capped.bounds) <= 60  # within the dead band of the cap
+
+
+def test_a_bound_the_work_does_not_fill_is_not_raised() -> None:
+    feed = started(cap=512, slots=400, kv=100 * START_TOKENS_PER_REQUEST)
+    for _ in range(30):
+        feed.interval(running=40, waiting=0, inflight=40)  # only 40 prompts to send
+    assert feed.controller.bound <= 100
+
+
+def test_a_retraction_storm_cuts_the_bound_and_a_few_retractions_do_not() -> None:
+    feed = started(slots=512)
+    for _ in range(30):
+        feed.full(runs=100)
+    before = feed.controller.bound
+    feed.interval(running=100, waiting=feed.controller.bound - 100, retracted=3)
+    assert feed.controller.kind != "retraction_storm"
+    feed.interval(running=100, waiting=feed.controller.bound - 100, retracted=40)
+    assert feed.controller.kind == "retraction_storm"
+    assert feed.controller.bound == int(before * 0.85)
+
+
+def test_a_retraction_counter_that_went_back_is_a_restart_not_a_storm() -> None:
+    feed = started(slots=512)
+    feed.retractions = 1000
+    for _ in range(4):
+        feed.full(runs=100)
+    feed.retractions = 0  # the server restarted: its counters start again
+    feed.full(runs=100)
+    assert all(move.kind != "retraction_storm" for move in feed.controller.moves)
+
+
+def test_swings_of_what_the_server_runs_are_damped_in_the_bound() -> None:
+    # Given a KV-bound server whose batch swings between 70 and 130 (its requests' lengths vary), a random walk
+    rng = random.Random(3)
+    feed = started(slots=512)
+    runs, walk = 100.0, []
+    for _ in range(360):  # half an hour
+        runs = min(130.0, max(70.0, runs + rng.gauss(0, 4)))
+        walk.append(runs)
+        feed.full(runs=runs)
+    # Then over the last quarter of an hour the bound swings clearly less than the batch it follows
+    bound, batch = feed.bounds[-180:], walk[-180:]
+    bound_cv = statistics.pstdev(bound) / statistics.fmean(bound)
+    assert bound_cv < 0.8 * statistics.pstdev(batch) / statistics.fmean(batch)
+    assert bound_cv < 0.1
+
+
+def test_a_lasting_halving_of_what_the_server_runs_moves_the_bound_within_a_minute() -> None:
+    # Given a steady server running 120 of ours
+    feed = started(slots=512)
+    for _ in range(120):
+        feed.full(runs=120)
+    steady = feed.controller.bound
+    # When another tenant takes half of it
+    for _ in range(12):  # one minute
+        feed.full(runs=60)
+    # Then the bound has come most of the way down to 60 plus a short queue
+    assert feed.controller.bound < steady - 0.6 * (steady - 60)
+
+
+# -- wire --------------------------------------------------------------------------------------------------
+def test_load_and_retractions_are_read_from_0_5_9s_endpoints() -> None:
+    v1 = {
+        "loads": [
+            {"num_running_reqs": 7, "num_waiting_reqs": 2, "num_used_tokens": 900, "max_total_num_tokens": 10_000}
+        ]
+    }
+    assert parse_load(v1) == (7, 2, 900, 10_000)
+    legacy = [{"rid": None, "dp_rank": None, "num_reqs": 9, "num_waiting_reqs": 2, "num_tokens": 1234, "ts_tic": 1.0}]
+    assert parse_load(legacy) == (7, 2, None, None)
+    assert parse_load({"detail": "Not Found"}) is None
+    text = 'sglang:num_retracted_requests_total{model_name="m"} 12.0\nsglang:num_retracted_reqs{model_name="m"} 1.0\n'
+    assert parse_retractions(text) == 12
+    assert parse_retractions("sglang:num_running_reqs 3\n") is None
+
+
+# -- the limiter -------------------------------------------------------------------------------------------
+def test_the_limiter_holds_the_bound_and_follows_a_resize_as_holders_release() -> None:
+    async def scenario() -> list[int]:
+        limiter = ResizableLimiter(2)
+        held: list[int] = []
+        await limiter.acquire()
+        await limiter.acquire()
+        third = asyncio.ensure_future(limiter.acquire())
+        await asyncio.sleep(0)
+        held.append(limiter.held)  # 2: the third waits
+        limiter.resize(3)
+        await asyncio.sleep(0)
+        held.append(limiter.held)  # 3: the raise let it in
+        assert third.done()
+        limiter.resize(1)  # lowered: nobody is cancelled, newcomers wait until the holders go below it
+        fourth = asyncio.ensure_future(limiter.acquire())
+        await asyncio.sleep(0)
+        for _ in range(2):
+            limiter.release()
+        await asyncio.sleep(0)
+        held.append(limiter.held)  # 1: still over the new limit, the fourth waits
+        assert not fourth.done()
+        limiter.release()
+        await asyncio.sleep(0)
+        held.append(limiter.held)  # 1: the fourth got in
+        assert fourth.done()
+        cancelled = asyncio.ensure_future(limiter.acquire())
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        limiter.release()
+        await asyncio.sleep(0)
+        held.append(limiter.held)  # 0: a cancelled waiter takes no slot
+        return held
+
+    assert asyncio.run(scenario()) == [2, 3, 1, 1, 0]
+
+
+# -- a real worker -----------------------------------------------------------------------------------------
+def _sim(port: int, log: Path, *args: str) -> subprocess.Popen[bytes]:
+    out = open(log, "ab")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sglang_sim.cli", "--port", str(port), "--time-scale", "400", *args],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
+    wait_for_port(port, 30)
+    return proc
+
+
+def test_an_auto_worker_bounds_itself_by_the_server_and_starts_again_after_its_restart(
+    redis_url: str, tmp_path: Path
+) -> None:
+    settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    client = redis.Redis.from_url(redis_url)
+    port = free_port()
+    sim_url = f"http://127.0.0.1:{port}"
+    sim = _sim(port, tmp_path / "sim.log", "--max-running-requests", "12")
+    env = fast_env(settings, sim_url, max_inflight=40, inflight_mode="auto", inflight_interval_s=0.5)
+    worker = WorkerProcess("auto", env, tmp_path).start()
+
+    def info() -> dict[str, object]:
+        raw = client.hget(settings.keys.workers, worker.name)
+        return json.loads(raw) if raw else {}
+
+    try:
+        worker.wait_ready(client, settings.keys)
+        job = submit_ids(settings, "auto", make_prompts(120))
+        # Given a server with 12 slots: the bound is what it runs plus a short queue, under the cap of 40
+        wait_until(lambda: info().get("inflight_mode") == "auto" and 12 <= int(info()["inflight_bound"]) <= 16, 60)
+        assert info()["inflight_reason"]
+        # And producer status shows it per worker (producer/bounds.py reads what the heartbeat publishes)
+        shown = inflight_bounds(client, settings)[worker.name]
+        assert shown["mode"] == "auto" and shown["cap"] == 40 and shown["reason"]
+        # When the server restarts with 3 slots
+        sim.kill()
+        sim.wait(10)
+        sim = _sim(port, tmp_path / "sim.log", "--max-running-requests", "3")
+        # Then the bound starts again from the new limits, and the job still completes
+        wait_until(lambda: int(info().get("inflight_bound", 99)) <= 3 + 4, 60, what="bound from the new limits")
+        wait_until(lambda: job_progress(client, settings.keys, "auto")["done"] == len(job.prompts), 120)
+    finally:
+        worker.terminate()
+        sim.kill()
+        sim.wait(10)
