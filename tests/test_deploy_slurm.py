@@ -416,3 +416,36 @@ def test_slurm_array_job_survives_scancel_and_time_limit_exactly_once(slurm: Slu
 
 def producer_wait(settings: Settings, job: str) -> subprocess.CompletedProcess[str]:
     return producer_cli(settings, "wait", job, "--timeout", "120", timeout_s=150)
+
+
+@pytest.mark.slow
+def test_slurm_one_element_over_two_nodes_drains_every_node(
+    slurm: SlurmCluster, redis_url: str, tmp_path: Path
+) -> None:
+    """``--nodes=2``: one srun task per node, each its own worker; the graceful cancel reaches every node's
+    task (srun itself would kill the step on SIGTERM, so the script signals the step's tasks instead)."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    tag = os.urandom(4).hex()
+    env = {
+        **SIM_ENV,
+        "THINKFLEET_HOME": str(REPO),
+        "THINKFLEET_REDIS_URL": redis_url,
+        "THINKFLEET_KEY_PREFIX": f"t{tag}",
+        "THINKFLEET_QUEUE": f"q{tag}",
+        "THINKFLEET_OUTPUT_URI": str(tmp_path / "out"),
+    }
+    out = slurm.run(
+        "sbatch", "--parsable", "--gres=none", "--mem=0", "--array=0", "--nodes=2",
+        f"--output={logs}/%A_%a.out", str(SLURM_DIR / "thinkfleet.sbatch"), env=env,
+    )  # fmt: skip
+    array = out.strip().split(";")[0]
+    client = redis.Redis.from_url(redis_url)
+    workers_key = Settings(key_prefix=f"t{tag}").keys.workers
+    _wait_for("a worker on each node", lambda: len(client.hkeys(workers_key)) == 2, 90, slurm, logs)
+    assert {k.decode() for k in client.hkeys(workers_key)} == {f"n1-{array}_0", f"n2-{array}_0"}
+    slurm.run("scancel", "--batch", "--signal=TERM", f"{array}_0")
+    _wait_for("the element to end", lambda: not slurm.queued(), 60, slurm, logs)
+    log = (logs / f"{array}_0.out").read_text()
+    assert log.count("worker exited (rc 0)") == 2, log  # both drained and exited by themselves
+    assert "node.sh exited (rc 0)" in log, log
