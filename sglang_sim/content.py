@@ -37,6 +37,9 @@ How an output is built:
    ␠<|constrain|> json<|message|> ARGS… <|call|> 200012``. ``think_end=False`` never closes the reasoning
    (no ``</think>``; harmony: the analysis message runs to ``<|return|>``). Filler ids come from
    [0, the family's first special id).
+   With ``tool_catalogue`` (:mod:`sglang_sim.tools`; Kimi and Qwen3) each call's ids between its markers are a
+   catalogue call drawn by the same RNG — a real name and JSON arguments in the family's native form, a share of
+   them malformed (``malformed_tool_call_share``) — instead of filler; several calls per turn as above.
 6. SGLang's finish rules are then applied in its order (``schedule_batch.Req.check_finished``): length
    first (``len == max_new_tokens`` → ``{"type":"length"}``), then a token in ``stop_token_ids`` ∪ the
    model's EOS set → ``{"type":"stop","matched":id}`` with the id *included*; ``ignore_eos`` disables
@@ -52,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from sglang_sim.tools import ToolCatalogue, load_catalogue
 from thinkfleet import kimi, profiles
 
 #: SGLang's default when a request sends no ``max_new_tokens`` (sampling_params.py).
@@ -153,6 +157,11 @@ class ContentConfig:
     #: Share of tool calls that go from reasoning straight into 163595, without 163607.
     tool_call_direct_share: float = 0.25
     max_tool_calls: int = 3
+    #: A JSON file of calls pre-tokenized in the family's native form (:mod:`sglang_sim.tools`): calls then decode
+    #: to a real name and arguments (agentic jobs match them by name). None: filler between real markers.
+    tool_catalogue: str | None = None
+    #: Share of catalogue calls whose arguments are cut in half (not JSON).
+    malformed_tool_call_share: float = 0.0
 
     #: Every request draws its own output (as sampling at temperature > 0 without a fixed seed does): two runs of
     #: one prompt differ. Off: the output depends on (input ids, seed) only, so tests check rows byte for byte.
@@ -173,6 +182,11 @@ class ContentConfig:
         return VOCABULARIES[self.model_family]
 
     @property
+    def catalogue(self) -> ToolCatalogue | None:
+        """The loaded :attr:`tool_catalogue` (None without one)."""
+        return load_catalogue(self.tool_catalogue) if self.tool_catalogue else None
+
+    @property
     def think_end_id(self) -> int:
         """The id SGLang's ``reasoning_tokens`` counts up to (the family's reasoning end)."""
         return self.vocabulary.think_end
@@ -191,7 +205,10 @@ class ContentConfig:
             raise ValueError("need 4 <= min_length_tokens <= max_length_tokens")
         if not 0.0 < self.reasoning_share_min <= self.reasoning_share_max <= 0.9:
             raise ValueError("need 0 < reasoning_share_min <= reasoning_share_max <= 0.9")
-        for name in ("tool_call_share", "tool_call_direct_share"):
+        if self.tool_catalogue and self.catalogue is not None and self.catalogue.family != self.model_family:
+            found = self.catalogue.family
+            raise ValueError(f"tool_catalogue {self.tool_catalogue} is for {found}, not {self.model_family}")
+        for name in ("tool_call_share", "tool_call_direct_share", "malformed_tool_call_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1]")
         if self.max_tool_calls < 1:
@@ -396,16 +413,26 @@ def _plan_tool_call(rng: np.random.Generator, config: ContentConfig, reasoning: 
     specials.append((position, kimi.TOOL_CALLS_SECTION_BEGIN))
     position += 1
     calls = 1 + int(rng.binomial(config.max_tool_calls - 1, 0.2))
-    for _ in range(calls):
+    catalogue = config.catalogue
+    for k in range(calls):
         specials.append((position, kimi.TOOL_CALL_BEGIN))
-        position += 1 + int(rng.integers(4, 10))  # ids of "functions.get_weather:0"
-        specials.append((position, kimi.TOOL_CALL_ARGUMENT_BEGIN))
-        position += 1 + int(rng.integers(8, 81))  # ids of the JSON arguments
+        if catalogue is not None:  # "functions.NAME:k" <|tool_call_argument_begin|> ARGS, decodable
+            position = _place(specials, position + 1, catalogue.draw(rng, k, config.malformed_tool_call_share))
+        else:
+            position += 1 + int(rng.integers(4, 10))  # ids of "functions.get_weather:0"
+            specials.append((position, kimi.TOOL_CALL_ARGUMENT_BEGIN))
+            position += 1 + int(rng.integers(8, 81))  # ids of the JSON arguments
         specials.append((position, kimi.TOOL_CALL_END))
         position += 1
     specials.append((position, kimi.TOOL_CALLS_SECTION_END))
     specials.append((position + 1, kimi.IM_END))
     return _Plan(position + 2, specials, tool_call=True)
+
+
+def _place(specials: list[tuple[int, int]], position: int, body: list[int]) -> int:
+    """Put a catalogue call's ids at ``position`` onward; the position after them."""
+    specials.extend((position + j, token) for j, token in enumerate(body))
+    return position + len(body)
 
 
 def _natural(rng: np.random.Generator, config: ContentConfig, least_reasoning: int) -> tuple[int, int]:
@@ -437,12 +464,16 @@ def _plan_think(rng: np.random.Generator, config: ContentConfig, opened: bool, c
             specials.append((position, v.tool_section[0]))
             position += 1
         calls = 1 + int(rng.binomial(config.max_tool_calls - 1, 0.2))
+        catalogue = config.catalogue
         for k in range(calls):
             specials.append((position, v.tool_call[0]))
-            if v.tool_sep is not None:  # "function" / "get_weather\n", then the separator
-                position += 1 + int(rng.integers(1, 6))
-                specials.append((position, v.tool_sep))
-            position += 1 + int(rng.integers(12, 90))  # the arguments (Qwen3: '\n{"name": …, "arguments": {…}}\n')
+            if catalogue is not None:  # Qwen3: '\n{"name": NAME, "arguments": ARGS}\n', decodable
+                position = _place(specials, position + 1, catalogue.draw(rng, k, config.malformed_tool_call_share))
+            else:
+                if v.tool_sep is not None:  # "function" / "get_weather\n", then the separator
+                    position += 1 + int(rng.integers(1, 6))
+                    specials.append((position, v.tool_sep))
+                position += 1 + int(rng.integers(12, 90))  # the arguments (Qwen3: '\n{"name": …, "arguments": {…}}\n')
             specials.append((position, v.tool_call[1]))
             position += 1 + (k < calls - 1 and v.tool_section is None)  # a "\n" between bare calls
         if v.tool_section is not None:

@@ -1,0 +1,134 @@
+"""Decodable tool calls for the simulator: a *tool catalogue* of calls pre-tokenized in a family's native form.
+
+The simulator has no tokenizer, so without a catalogue the ids inside a tool call are filler: the markers are
+real (spans, parsers and chaining see a call), but the name and arguments decode to noise. An agentic job
+(``tool_results: replay|executor``) matches calls by function name and feeds back results, so it needs calls a
+tokenizer decodes to a real name and JSON arguments. :func:`build_catalogue` encodes a few tools with the job's
+tokenizer, once, into a JSON file; ``sglang-sim --tool-catalogue FILE`` (``ContentConfig.tool_catalogue``) then
+draws each call from it (which tool, by the output's own RNG: still a pure function of the prompt and seed).
+
+What one call's body is (the ids between the family's call-begin and call-end markers, both excluded):
+
+- ``kimi``: ``functions.NAME:IDX`` ``<|tool_call_argument_begin|>`` ``ARGS`` (IDX: the call's index in its turn);
+- ``qwen3``: ``\\n{"name": NAME, "arguments": ARGS}\\n`` (Qwen3's call is a JSON object, no argument marker).
+
+A *malformed* call (``ContentConfig.malformed_tool_call_share``) has its arguments cut in half: not JSON, as a
+model that loses its way mid-call emits. A call cut by ``max_new_tokens`` needs nothing here (the output is a
+prefix of the uncut one).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from thinkfleet import kimi
+
+#: Families whose calls a catalogue can hold (the others' calls stay filler between real markers).
+CATALOGUE_FAMILIES = ("kimi", "qwen3")
+#: Calls per turn a catalogue is built for (Kimi's header carries the index).
+MAX_CALLS_PER_TURN = 8
+
+#: The demo's and tests' tools: a calculator and a lookup over a local file (docs/examples/agentic/).
+DEFAULT_TOOLS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("calculator", {"expression": "240 / 80"}),
+    ("lookup", {"key": "bridge"}),
+    ("calculator", {"expression": "100 * 101 / 2"}),
+)
+
+
+@dataclass(frozen=True)
+class ToolCatalogue:
+    """Per tool variant: its name, its arguments and its bodies (well-formed and malformed) per call index."""
+
+    family: str
+    names: tuple[str, ...]
+    arguments: tuple[str, ...]
+    bodies: tuple[tuple[tuple[int, ...], ...], ...]  # [variant][call index] → ids
+    malformed: tuple[tuple[tuple[int, ...], ...], ...]
+
+    def draw(self, rng: np.random.Generator, index: int, malformed_share: float) -> list[int]:
+        """One call's body: a variant drawn by ``rng``, malformed with probability ``malformed_share``."""
+        variant = int(rng.integers(len(self.names)))
+        broken = rng.random() < malformed_share
+        table = self.malformed if broken else self.bodies
+        return list(table[variant][min(index, MAX_CALLS_PER_TURN - 1)])
+
+
+def call_body_text(family: str, name: str, arguments: str, index: int) -> tuple[str, str]:
+    """(text before the argument marker, text after it) of one call; Qwen3 has no marker: ("", the whole body)."""
+    if family == "kimi":
+        return f"functions.{name}:{index}", arguments
+    if family == "qwen3":
+        try:
+            args: Any = json.loads(arguments)
+        except ValueError:  # malformed: the cut arguments as text, the object left unclosed
+            return "", '\n{"name": "' + name + '", "arguments": ' + arguments + "\n"
+        return "", "\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n"
+    raise ValueError(f"a tool catalogue holds calls of {', '.join(CATALOGUE_FAMILIES)}, not {family!r}")
+
+
+def build_catalogue(
+    tok: Any, family: str, tools: Sequence[tuple[str, dict[str, Any]]] = DEFAULT_TOOLS
+) -> dict[str, Any]:
+    """The catalogue of ``tools`` (name, arguments) encoded with ``tok`` (the job's tokenizer), as JSON data."""
+    if family not in CATALOGUE_FAMILIES:
+        raise ValueError(f"a tool catalogue holds calls of {', '.join(CATALOGUE_FAMILIES)}, not {family!r}")
+
+    def encode(text: str) -> list[int]:
+        return list(tok(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    def body(name: str, arguments: str, index: int) -> list[int]:
+        header, rest = call_body_text(family, name, arguments, index)
+        if family == "kimi":
+            return [*encode(header), kimi.TOOL_CALL_ARGUMENT_BEGIN, *encode(rest)]
+        return encode(rest)
+
+    entries = []
+    for name, args in tools:
+        text = json.dumps(args, ensure_ascii=False)
+        cut = text[: max(1, len(text) // 2)]
+        entries.append(
+            {
+                "name": name,
+                "arguments": text,
+                "bodies": [body(name, text, i) for i in range(MAX_CALLS_PER_TURN)],
+                "malformed": [body(name, cut, i) for i in range(MAX_CALLS_PER_TURN)],
+            }
+        )
+    return {"family": family, "tools": entries}
+
+
+def write_catalogue(
+    path: str | Path, tok: Any, family: str, tools: Sequence[tuple[str, dict[str, Any]]] = DEFAULT_TOOLS
+) -> Path:
+    """:func:`build_catalogue` written to ``path`` (what ``sglang-sim --tool-catalogue`` reads)."""
+    out = Path(path)
+    out.write_text(json.dumps(build_catalogue(tok, family, tools)))
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def load_catalogue(path: str) -> ToolCatalogue:
+    """The catalogue at ``path`` (cached: every generation of a server reads the same one)."""
+    data = json.loads(Path(path).read_text())
+    tools = data.get("tools") or []
+    if not tools:
+        raise ValueError(f"tool catalogue {path}: no tools")
+
+    def table(key: str) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        return tuple(tuple(tuple(int(t) for t in ids) for ids in entry[key]) for entry in tools)
+
+    return ToolCatalogue(
+        str(data.get("family") or "kimi"),
+        tuple(str(e["name"]) for e in tools),
+        tuple(str(e["arguments"]) for e in tools),
+        table("bodies"),
+        table("malformed"),
+    )
