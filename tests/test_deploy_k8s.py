@@ -166,12 +166,18 @@ def test_inference_pod_is_one_gpu_node_with_sglang_and_its_worker_on_localhost()
     assert anti["labelSelector"]["matchLabels"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
     assert pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert sglang["resources"]["limits"]["nvidia.com/gpu"] >= 1
-    # Ready only when the model answers a real generation.
-    assert sglang["readinessProbe"]["httpGet"]["path"] == "/health_generate"
-    assert sglang["startupProbe"]["httpGet"]["path"] == "/health_generate"
-    # The worker talks to the server on the pod's localhost, on the port the server listens on.
     args = " ".join(sglang["args"])
     port = re.search(r"--port (\d+)", args).group(1)  # type: ignore[union-attr]
+    # Ready only when the model answers a real generation (exec probes: SGLang listens on the pod's loopback).
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        [script] = [a for a in sglang[probe]["exec"]["command"] if a.endswith(".py")]
+        [mount] = [m for m in sglang["volumeMounts"] if script.startswith(m["mountPath"] + "/")]
+        [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert volume["configMap"]["name"] == "thinkfleet-sglang-probe"
+    probe_code = (BASE / "health.py").read_text()
+    assert f"127.0.0.1:{port}/health_generate" in probe_code
+    assert sglang["readinessProbe"]["timeoutSeconds"] > 80  # the probe's own timeout, inside the kubelet's
+    # The worker talks to the server on the pod's localhost, on the port the server listens on.
     assert "--host 127.0.0.1" in args
     assert env_of(worker)["THINKFLEET_SGLANG_URL"] == f"http://127.0.0.1:{port}"
     # The worker's identity is the pod's stable name; every THINKFLEET_* it is given is a real setting.
