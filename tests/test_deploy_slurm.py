@@ -266,8 +266,9 @@ def test_slurm_drain_fits_in_the_time_limit_warning() -> None:
     assert grace_s == Settings.model_fields["shutdown_grace_s"].default
     assert int(signal_opt.group(1)) >= grace_s + HAND_BACK_MARGIN_S
     assert "--requeue" in options  # a preempted element comes back and joins again
-    # The documented default KillWait (30 s) covers the drain of a plain scancel too.
-    assert grace_s + HAND_BACK_MARGIN_S - 5 <= 30, "a plain scancel's SIGKILL would land mid hand-back"
+    # A plain scancel's SIGKILL comes after the cluster's KillWait (30 s by default, under the drain's needs):
+    # deploy/README.md tells the operator the bound.
+    assert f"Keep `KillWait` ≥ the grace + {HAND_BACK_MARGIN_S:.0f} s" in (REPO / "deploy" / "README.md").read_text()
 
 
 def test_slurm_scripts_parse() -> None:

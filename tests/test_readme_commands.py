@@ -33,6 +33,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -48,6 +49,8 @@ EXTERNAL = {"specforge", "speculators"}
 #: Cheap, local commands run for real in the clone.
 REAL = {"cp", "mkdir", "printf"}
 SEPARATORS = {"&&", "||", "|", ";"}
+#: pytest options that take the next argument as their value (so it is no test path).
+PYTEST_VALUE_OPTIONS = {"-m", "-k", "-p", "-n", "-c", "-o", "--basetemp", "--durations", "--timeout"}
 #: Exit 0 when the module named by argv[1] can be imported (from the clone).
 FIND_MODULE = "import importlib.util as u, sys; sys.exit(u.find_spec(sys.argv[1]) is None)"
 
@@ -236,11 +239,13 @@ class FrontDoor:
 
     def check_pytest(self, cmd: Command, args: list[str]) -> None:
         markers = (self.root / "pyproject.toml").read_text()
-        for i, arg in enumerate(args):
-            if arg == "-m":
-                if not re.search(rf'"{re.escape(args[i + 1])}:', markers):
-                    self.fail(cmd, f"marker {args[i + 1]!r} is not registered")
-            elif not arg.startswith("-") and (i == 0 or args[i - 1] != "-m") and not glob.glob(str(self.root / arg)):
+        rest = iter(args)
+        for arg in rest:
+            if arg in PYTEST_VALUE_OPTIONS:
+                value = next(rest, "")
+                if arg == "-m" and not re.search(rf'"{re.escape(value)}:', markers):
+                    self.fail(cmd, f"marker {value!r} is not registered")
+            elif not arg.startswith("-") and not glob.glob(str(self.root / arg.split("::")[0])):
                 self.fail(cmd, f"{arg} matches nothing in the clone")
 
     def check_script(self, cmd: Command, args: list[str]) -> None:
@@ -402,12 +407,24 @@ def test_install_hints_name_commands_that_exist() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # building the venv from PyPI is most of it (~5 min here), then the demo (~1.5 min)
 def test_the_demo_runs_from_a_fresh_clone_with_its_own_venv(tmp_path: Path, redis_url: str) -> None:
     """README's first command exactly as written, in a fresh clone that builds its own .venv (needs PyPI)."""
     root = tmp_path / "thinkfleet"
     subprocess.run(["git", "clone", "--quiet", str(REPO), str(root)], check=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("THINKFLEET_") and k != "VIRTUAL_ENV"}
     env["THINKFLEET_REDIS_URL"] = redis_url  # the session's private Redis, not whatever answers on 6379
-    done = subprocess.run(["bash", "scripts/demo.sh"], cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+    # Its own session, so a timeout stops the demo's workers and simulator too (they are its children).
+    proc = subprocess.Popen(
+        ["bash", "scripts/demo.sh"], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=1400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "verify" in done.stdout and "Parquet:" in done.stdout
