@@ -331,3 +331,30 @@ def test_a_storage_failure_does_not_throw_away_generations(redis_url: str, tmp_p
     assert int(sim_stats(sim.url)["completed"]) - before == 16, "a failed commit regenerated rows"
     assert len(list(tmp_path.glob("failpoint-before_part_write-*"))) == 3
     check_job(settings, "keeprows", job.prompts, job.sampling_params).assert_clean()
+
+
+def test_a_worker_started_while_redis_restarts_waits_for_it_and_then_serves(tmp_path: Path, sim) -> None:
+    # Given a queued job on a private Redis, which then goes down (the head node restarting).
+    from testing.services import RedisServer
+
+    server = RedisServer(tmp_path / "redis").start()
+    settings = isolated_settings(server.url(), str(tmp_path / "out"))
+    client = redis.Redis.from_url(server.url())
+    try:
+        job = submit_ids(settings, "late-redis", make_prompts(4), max_new_tokens=64)
+        client.save()  # the restart brings the job back
+        server.stop()
+        # When a worker starts while Redis is unreachable.
+        worker = WorkerProcess("late", fast_env(settings, sim.url), tmp_path).start()
+        try:
+            wait_until(lambda: "not reachable yet" in worker.log_path.read_text(), 120, what="the worker waiting")
+            assert worker.alive(), worker.tail(40)
+            # Then once Redis is back, it starts and stores the whole job (nothing consumed before).
+            server.start()
+            worker.wait_ready(client, settings.keys, timeout_s=120)
+            wait_until(lambda: job_progress(client, settings.keys, "late-redis")["done"] == 4, 120, what="the job")
+        finally:
+            worker.terminate()
+        check_job(settings, "late-redis", job.prompts, job.sampling_params).assert_clean()
+    finally:
+        server.stop()

@@ -93,6 +93,12 @@ class Settings(BaseSettings):
     # -- worker: durability -------------------------------------------------------------------------
     lease_s: float = Field(60.0, gt=0, description="A silent worker's prompts are re-run by others after this long.")
     reaper_interval_s: float = Field(5.0, gt=0, description="How often live workers look for dead ones.")
+    redis_start_wait_s: float = Field(
+        60.0,
+        ge=0,
+        description="How long a starting worker waits for an unreachable Redis (the head node restarting) before "
+        "it exits naming the cause; a refused password or certificate stops it at once.",
+    )
     clock_skew_warn_s: float = Field(
         5.0,
         gt=0,

@@ -18,6 +18,7 @@ process under its name while it runs stops consuming and hands back all it holds
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import socket
 import threading
@@ -28,8 +29,8 @@ from urllib.parse import urlsplit, urlunsplit
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import AuthenticationError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from storage.writer import PartWriter, StorageNotWritable
@@ -269,12 +270,27 @@ class WorkerRuntime:
         self.gate.wake_waiters()
 
     async def _preflight_redis(self) -> None:
-        """One PING with no retries: a wrong URL or password must stop the worker now, by name."""
+        """PING before anything else: a wrong password or certificate stops the worker now, by name; an unreachable
+        Redis (the head node restarting, say) is waited for up to ``redis_start_wait_s``, then stops it the same
+        way — a worker started during a Redis restart must not exit for it."""
         s = self.settings
         s.require_safe_redis_password(RuntimeStartError)  # placeholder or short password for a remote Redis
         probe = aioredis.from_url(s.redis_url, socket_connect_timeout=10, socket_timeout=10)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + s.redis_start_wait_s
         try:
-            await probe.ping()
+            for attempt in itertools.count():
+                try:
+                    await probe.ping()
+                    return
+                except RedisError as exc:
+                    if not _may_come_up(exc) or loop.time() >= deadline:
+                        raise
+                    log.warning(
+                        "Redis at %s not reachable yet (%s: %s): retrying, up to %.0f s more",
+                        _redact(s.redis_url), type(exc).__name__, exc, deadline - loop.time(),
+                    )  # fmt: skip
+                    await asyncio.sleep(min(2.0, 0.2 * 2**attempt))
         except RedisError as exc:
             hint = (
                 "check the password in THINKFLEET_REDIS_URL (redis://:PASSWORD@host:port/db)"
@@ -483,3 +499,12 @@ def get_runtime(settings: Settings, identity: str) -> WorkerRuntime:
 
 def current_runtime() -> WorkerRuntime | None:
     return _runtime
+
+
+def _may_come_up(exc: Exception) -> bool:
+    """An error an unreachable Redis gives (refused, reset, timed out, unknown host) — not a refused password,
+    ACL or certificate, which waiting cannot fix."""
+    if isinstance(exc, AuthenticationError) or not isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+        return False
+    text = str(exc).lower()
+    return not any(word in text for word in ("auth", "wrongpass", "noperm", "certificate", "ssl", "tls"))
