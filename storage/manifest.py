@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
@@ -117,6 +118,33 @@ def read_sources(
             if messages is not None and (wanted is None or name in wanted):
                 found[(pid, digest)] = (messages, tools)
     return found
+
+
+class SourceLookup:
+    """:func:`read_sources` for a batch of prompts at a time: the text exports look up each batch's conversations
+    (manifest row groups pruned by their ``prompt_id`` statistics, only matching rows decoded), so what is held is
+    a batch's sources, never the whole job's. The same answer as :func:`read_sources` for those prompts."""
+
+    def __init__(
+        self, output_uri: str, job: str, datasets: Sequence[str] | None = None, s3_endpoint_url: str | None = None
+    ) -> None:
+        self.loc = layout.locate(output_uri, s3_endpoint_url)
+        self.files = _manifest_files(self.loc, job)
+        self.wanted = set(datasets) if datasets is not None else None
+
+    def get(self, prompt_ids: Sequence[str]) -> dict[tuple[str, str], tuple[str | None, str | None]]:
+        columns = [PROMPT_ID, DATASET, CONTENT_HASH, SOURCE_MESSAGES, SOURCE_TOOLS]
+        found: dict[tuple[str, str], tuple[str | None, str | None]] = {}
+        if not len(prompt_ids):
+            return found
+        wanted = pc.field(PROMPT_ID).isin(pa.array(list(dict.fromkeys(prompt_ids)), pa.string()))
+        for path in self.files:  # sorted by time: later submits overwrite
+            dataset = ds.dataset(path, schema=SOURCE_SCHEMA, format="parquet", filesystem=self.loc.fs)
+            table = dataset.to_table(columns=columns, filter=wanted)
+            for pid, name, digest, messages, tools in zip(*(table[c].to_pylist() for c in columns), strict=True):
+                if messages is not None and (self.wanted is None or name in self.wanted):
+                    found[(pid, digest)] = (messages, tools)
+        return found
 
 
 def _manifest_files(loc: layout.Location, job: str) -> list[str]:

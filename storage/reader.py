@@ -239,7 +239,22 @@ def _tagged(loc: layout.Location, path: str, batch: pa.RecordBatch, schema: pa.S
     return pa.RecordBatch.from_arrays([*batch.columns, part], schema=schema)
 
 
+#: Parts one scan covers. A scan holds the decoded footer of every part it covers until it ends (~100 kB for a
+#: part of this schema): over 10k parts at once that alone is a GB.
+_SCAN_PARTS = 256
+
+
 def _read_parts(
+    loc: layout.Location, paths: list[str], columns: Sequence[str], damaged: list[str] | None, *, keep: bool = True
+) -> list[tuple[str, list[pa.RecordBatch]]]:
+    """:func:`_read_some` over ``paths``, :data:`_SCAN_PARTS` of them at a time."""
+    out: list[tuple[str, list[pa.RecordBatch]]] = []
+    for start in range(0, len(paths), _SCAN_PARTS):
+        out.extend(_read_some(loc, paths[start : start + _SCAN_PARTS], columns, damaged, keep=keep))
+    return out
+
+
+def _read_some(
     loc: layout.Location, paths: list[str], columns: Sequence[str], damaged: list[str] | None, *, keep: bool = True
 ) -> list[tuple[str, list[pa.RecordBatch]]]:
     """The batches of every part in ``paths`` that is not damaged, page checksums verified (``keep=False``: only

@@ -63,7 +63,9 @@ _SIZE_KEYS = (PROMPT_TOKENS, COMPLETION_TOKENS)
 #: Times an ordered read plans again when a part vanished or was found damaged between its passes.
 REPLANS = 3
 #: Parts whose keys are read in one scan (the scan decodes them in parallel; the tables are compacted after).
-_KEY_SCAN_PARTS = 4096
+_KEY_SCAN_PARTS = 1024
+#: Most parts read in one group of the second pass (their footers and batches are held until the group is done).
+_GROUP_PARTS = 1024
 #: Estimated bytes of a row's non-id columns (names, hashes, sampling params, spans) when all are read.
 _ROW_FIXED_BYTES = 400
 #: --logprobs K: the K the estimate assumes for the top-logprob columns (their K is not among the keys).
@@ -261,7 +263,7 @@ def winner_batches(
     for n, part in enumerate(wanted.tolist()):
         group.append(part)
         size += part_bytes[part]
-        if size >= group_target or n == len(wanted) - 1:
+        if size >= group_target or len(group) >= _GROUP_PARTS or n == len(wanted) - 1:
             yield _read_group(p, group, columns, w_part, w_row, w_rank)
             group, size = [], 0.0
 

@@ -33,7 +33,7 @@ GOLDEN_SHORT = {
     "export-eagle3-jsonl": "71171855431d8c2f05faa53765ccc0a3cdfc82063960f5c8de57854784029fa6",
     "export-specforge": "a3b919299d9cfc73fa28f526a1fcfaab228f6ac0ca1e6c4fbc4385d10c86445b",
     "export-hf": "ed771274180a3741f39590cb9f8e6497e120176c6f73b468655b96831294c7c9",
-    "compact": "ad200bb602703e694aa012c4e12d3f166f74d966f60972c66c9865e6fb93ae10",
+    "compact": "4cbd1fea23e583eebc7f2593615dea682accf496df4c86ffb2933caf95c146f6",
 }
 #: … on write_job(…, 1200 prompts, 9 rows a part, 20x longer outputs).
 GOLDEN_LONG = {
@@ -43,7 +43,7 @@ GOLDEN_LONG = {
     "export-eagle3-jsonl": "0ad8e94caf38f755489573fc3e64f8e0f5ac39471ba380936ba23137f17e6d4f",
     "export-specforge": "dc1aea2182f0707405bc2039e6038cfd24a2ad1b8dac207ff84c61b0e2947b9f",
     "export-hf": "26c9c74a282839718134a1700da2e220aeffd5f53158b70bb3cf958ffd9cbf85",
-    "compact": "7fc963a79077e57efe87dfb47fb244d28c0f24f5159dbd3352546d364ae6a56c",
+    "compact": "45fe5cf9ae240c372c0f7d612cfeea24a6a91c52b1711f7f7a7cd690825949ba",
 }
 
 
