@@ -131,7 +131,8 @@ class CallItem:
     def _with_logprobs(self, meta: dict[str, Any], ids: list[int]) -> dict[str, Any]:
         """``meta`` with the logprob keys where ``_handle_batch_output`` puts them (before
         ``completion_tokens``), as ``convert_logprob_style`` shapes them: triples ``[logprob, id, text|null]``.
-        ``logprob_start_len`` -1 → one input position (the last prompt id, logprob null)."""
+        ``logprob_start_len`` -1 → one input position (the last prompt id, logprob null); 0.5.23: none (its
+        scheduler starts at ``len(input_ids)``), plus ``output_token_logprobs_length``, before ``reasoning_tokens``."""
         item, sim = self.item, self.call.sim
         k = item.top_logprobs_num
         if self._logprobs is None:
@@ -145,17 +146,21 @@ class CallItem:
         def triple(value: float | None, token: int) -> list[Any]:
             return [value, token, sim.codec.decode([token], None, False, True) if text else None]
 
+        v0523 = sim.profile.meta_info_layout == "0.5.23"
+        with_input = bool(item.input_ids) and not v0523
         keys: dict[str, Any] = {
-            "input_token_logprobs": [triple(None, item.input_ids[-1])] if item.input_ids else [],
+            "input_token_logprobs": [triple(None, item.input_ids[-1])] if with_input else [],
             "output_token_logprobs": [triple(v, t) for v, t in zip(chosen, ids, strict=False)],
         }
+        if v0523:
+            keys["output_token_logprobs_length"] = len(keys["output_token_logprobs"])
         if k > 0:
             assert top is not None
-            keys["input_top_logprobs"] = [None] if item.input_ids else []
+            keys["input_top_logprobs"] = [None] if with_input else []
             keys["output_top_logprobs"] = [[triple(v, t) for v, t in alts] for alts in top[: len(ids)]]
         out: dict[str, Any] = {}
         for key, value in meta.items():
-            if key == "completion_tokens":
+            if key == ("reasoning_tokens" if v0523 else "completion_tokens"):
                 out.update(keys)
             out[key] = value
         return out

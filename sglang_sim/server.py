@@ -264,6 +264,7 @@ class Simulator:
             with_reasoning_tokens=self.profile.reasoning_tokens,
             with_cached_tokens_details=self.profile.cached_tokens_details,
             timing=self.profile.timing_meta_info and self.config.server.enable_metrics,
+            layout=self.profile.meta_info_layout,
         )
         retractions = self.retracted.get(fields.get("rid", ""), 0)
         if retractions and self.profile.retractions_key in meta:
@@ -334,6 +335,7 @@ async def model_info(request: web.Request) -> web.Response:
         "model_type": "kimi_k25",
         "architectures": ["KimiK25ForConditionalGeneration"],
     }
+    info |= {"embedding": protocol.embedding_plan_0_5_23()} if sim.profile.model_info_extended else {}
     return web.json_response(info)
 
 
@@ -397,7 +399,7 @@ async def server_info(request: web.Request) -> web.Response:
     if extended:
         internal |= {
             "world_size": server.tp_size,
-            "startup_time": sim.startup_time,
+            "startup_time": protocol.startup_time_0_5_23(server.load_s, tokenizer=False),
             "effective_max_running_requests_per_dp": engine.max_running_requests,
             "last_gen_throughput": sim.engine.gen_throughput_tok_s(),
             "memory_usage": {
@@ -422,7 +424,7 @@ async def server_info(request: web.Request) -> web.Response:
         }
     info: dict[str, Any] = dict(args)
     if extended:
-        info["launch_command"] = None
+        info["launch_command"] = protocol.launch_command()
     info |= {
         "status": "ready",
         "max_total_num_tokens": server.max_total_num_tokens,
@@ -430,7 +432,7 @@ async def server_info(request: web.Request) -> web.Response:
     }
     if extended:
         info |= {
-            "startup_time": sim.startup_time,
+            "startup_time": protocol.startup_time_0_5_23(server.load_s, tokenizer=True),
             "hicache_object_layout": {
                 "enabled": False,
                 "backend": None,

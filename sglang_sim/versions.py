@@ -42,9 +42,12 @@ class VersionProfile:
     #: ``meta_info.cached_tokens_details`` (null without a hierarchical cache) after ``cached_tokens``.
     cached_tokens_details: bool = True
     #: With ``--enable-metrics``, ``meta_info`` carries the scheduler's timing keys (0.5.9's
-    #: ``_add_metric_if_present`` / ``_calculate_timing_metrics``; 0.5.23 reworked them into
-    #: ``req_time_stats``, not modelled).
+    #: ``_add_metric_if_present`` / ``_calculate_timing_metrics``; 0.5.23's ``convert_to_output_meta_info`` of
+    #: ``observability/req_time_stats.py``, flat keys of other names).
     timing_meta_info: bool = False
+    #: Which release's ``meta_info`` keys ``protocol.meta_info`` writes: "0.5.9", or "0.5.23" (also
+    #: ``weight_versions``, ``dp_rank``, ``cached_tokens_details`` a dict once a prefix was cached).
+    meta_info_layout: str = "0.5.9"
 
 
 PROFILES: dict[str, VersionProfile] = {
@@ -72,6 +75,8 @@ PROFILES: dict[str, VersionProfile] = {
         ready_route=True,
         model_info_extended=True,
         server_info_extended=True,
+        timing_meta_info=True,
+        meta_info_layout="0.5.23",
     ),
 }
 

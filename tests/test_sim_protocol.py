@@ -27,14 +27,23 @@ USER_TURN = [kimi.IM_USER, 13, 14, kimi.IM_MIDDLE, 15, kimi.IM_END]
 #: A Kimi-K2.5 thinking-mode prompt: it ends with <think>, so the output starts inside reasoning.
 PROMPT = [*SYSTEM_TURN, *USER_TURN, kimi.IM_ASSISTANT, 16, kimi.IM_MIDDLE, kimi.THINK_START]
 #: meta_info keys in SGLang's order (tokenizer_manager._handle_batch_output).
-META_KEYS = ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions", "reasoning_tokens"]
+META_KEYS = ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions"]
+#: 0.5.23 with --enable-metrics (the simulator's default), as measured against a real one (tests/real_sglang).
+META_KEYS += ["storage_prefetch_wait", "storage_staging_wait", "forward_entry_time", "prefill_finished_time"]
+META_KEYS += ["queue_time", "reasoning_tokens"]
 #: The release these tests run (and the health round trip shortened: they poll health).
 NEW = {"sglang_version": "0.5.23", "health_min_s": 0.05}
 META_KEYS += [
     "completion_tokens",
     "cached_tokens",
+    "weight_versions",
     "cached_tokens_details",
+    "dp_rank",
     "e2e_latency",
+    "request_received_ts",
+    "first_token_latency",
+    "api_server_dispatch_finish_ts",
+    "request_finished_ts",
     "response_sent_to_client_ts",
 ]
 
@@ -298,6 +307,7 @@ def test_info_endpoints_have_sglangs_keys(sim: SimulatorThread) -> None:
             "has_audio_understanding",
             "model_type",
             "architectures",
+            "embedding",
         }
         assert info["weight_version"] == "w7"
     for path in ("/server_info", "/get_server_info"):

@@ -31,14 +31,22 @@ FAST = {"health_min_s": 0.05}
 #: As measured against a real 0.5.9 with --enable-metrics (tests/real_sglang): the scheduler's timing keys.
 TIMING = ["queue_time", "prefill_launch_delay", "prefill_launch_latency", "prefill_finished_ts"]
 FINISH_TIMING = ["request_received_ts", "request_sent_to_scheduler_ts", "decode_finished_ts", "inference_time"]
+#: …and against a real 0.5.23 (flat keys of observability/req_time_stats.py).
+TIMING_NEW = ["storage_prefetch_wait", "storage_staging_wait", "forward_entry_time", "prefill_finished_time"]
+TIMING_NEW += ["queue_time"]
+FINISH_TIMING_NEW = ["request_received_ts", "first_token_latency", "api_server_dispatch_finish_ts"]
+FINISH_TIMING_NEW += ["request_finished_ts"]
 META_KEYS = {
     OLD: ["id", "finish_reason", "prompt_tokens", "weight_version", "total_retractions", *TIMING],
-    NEW: ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions", "reasoning_tokens"],
+    NEW: ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions", *TIMING_NEW, "reasoning_tokens"],
 }
 TAIL_KEYS = {
     OLD: ["completion_tokens", "cached_tokens", "cached_tokens_details", "e2e_latency", *FINISH_TIMING],
-    NEW: ["completion_tokens", "cached_tokens", "cached_tokens_details", "e2e_latency"],
-}
+    NEW: [
+        "completion_tokens", "cached_tokens", "weight_versions", "cached_tokens_details", "dp_rank", "e2e_latency",
+        *FINISH_TIMING_NEW,
+    ],
+}  # fmt: skip
 
 
 def generate(url: str, body: dict[str, Any], timeout_s: float = 30.0) -> requests.Response:
@@ -478,6 +486,7 @@ MODEL_INFO_KEYS = {
         "has_audio_understanding",
         "model_type",
         "architectures",
+        "embedding",
     ],
 }
 

@@ -1,8 +1,9 @@
 """A real SGLang server for the real-SGLang tier: built, started, killed and restarted as a test needs.
 
 The environment and the model come from ``scripts/real_sglang.sh`` (its lock file, its stand-ins, its model
-builder); this module only runs them. ``THINKFLEET_REAL_SGLANG_URL`` points the tier at a server someone else
-runs (a GPU host): then nothing is built, and the tests that kill or restart the server skip, saying so.
+builder); this module only runs them. ``THINKFLEET_REAL_SGLANG_VERSION`` picks the release (0.5.9, the deployed
+one, by default; 0.5.23, the current one). ``THINKFLEET_REAL_SGLANG_URL`` points the tier at a server someone
+else runs (a GPU host): then nothing is built, and the tests that kill or restart the server skip, saying so.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "real_sglang.sh"
 #: Weights loading, then the warm-up forward: 45–90 s on a quiet 2-core box. Far more under load.
 START_TIMEOUT_S = float(os.environ.get("THINKFLEET_REAL_SGLANG_START_S", "600"))
+#: The release the tier runs (a lock file scripts/real_sglang/sglang-VERSION.lock) and compares the simulator's
+#: profile of that release with.
+VERSION = os.environ.get("THINKFLEET_REAL_SGLANG_VERSION", "0.5.9")
 
 
 #: The flags docker-compose.yml gives SGLang that a CPU server takes too (not --tp or --trust-remote-code).
@@ -44,8 +48,8 @@ class EnvironmentBroken(RuntimeError):
     """The real-SGLang venv or model could not be built: the tier fails (never skips) with the build's output."""
 
 
-def _run_script(*args: str, timeout_s: float = 1800) -> str:
-    proc = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout_s)
+def _run_script(*args: str, timeout_s: float = 1800, env: dict[str, str] | None = None) -> str:
+    proc = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout_s, env=env)
     if proc.returncode != 0:
         raise EnvironmentBroken(
             f"scripts/real_sglang.sh {' '.join(args)} failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
@@ -55,7 +59,7 @@ def _run_script(*args: str, timeout_s: float = 1800) -> str:
 
 def ensure_environment() -> Path:
     """The real-SGLang venv's python (built once per lock file; minutes the first time)."""
-    return Path(_run_script("env"))
+    return Path(_run_script("env", VERSION))
 
 
 def ensure_model(tokenizer: Path, cache: Path, arch: str = "qwen2", vocab_size: int | None = None) -> Path:
@@ -65,9 +69,12 @@ def ensure_model(tokenizer: Path, cache: Path, arch: str = "qwen2", vocab_size: 
         digest.update(path.name.encode() + path.read_bytes())
     digest.update((ROOT / "scripts" / "real_sglang" / "make_model.py").read_bytes())
     digest.update(f"{arch}/{vocab_size}".encode())
+    if VERSION != "0.5.9":  # built by that release's transformers (0.5.9's key as it always was)
+        digest.update(VERSION.encode())
     out = cache / f"real-sglang-model-{tokenizer.name}-{arch}-{digest.hexdigest()[:12]}"
     if not (out / ".complete").exists():
-        _run_script("model", str(tokenizer), str(out), arch, *([str(vocab_size)] if vocab_size else []))
+        args = ("model", str(tokenizer), str(out), arch, *([str(vocab_size)] if vocab_size else []))
+        _run_script(*args, env={**os.environ, "THINKFLEET_REAL_SGLANG_VERSION": VERSION})
     return out
 
 
@@ -122,7 +129,7 @@ class RealServer:
             log = open(self.log_path, "ab")  # noqa: SIM115 — the child keeps it
             env = {**os.environ, "THINKFLEET_REAL_SGLANG_ARGS": " ".join(COMPOSE_FLAGS)}
             self.proc = subprocess.Popen(
-                ["bash", str(SCRIPT), "serve", str(self.model), str(self.port)],
+                ["bash", str(SCRIPT), "serve", str(self.model), str(self.port), VERSION],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: scheduler and detokenizer die with it

@@ -1,9 +1,10 @@
-"""The real-SGLang tier: the worker, the CLI and the simulator against a real ``sglang==0.5.9`` server.
+"""The real-SGLang tier: the worker, the CLI and the simulator against a real ``sglang==0.5.9`` server (the
+deployed release), or ``sglang==0.5.23`` (the current one) with ``THINKFLEET_REAL_SGLANG_VERSION=0.5.23``.
 
 One server for the tier (``conftest.py``): a tiny random-weight model with the Kimi test tokenizer's real ids
 and vocabulary (163,840), on this CPU. What it proves: the wire protocol, health, abort, refusals and the
-exactly-once trip against the real thing, and where the simulator's 0.5.9 profile differs from it. What it
-cannot: GPU kernels, a real model's reasoning, real throughput (README "Real SGLang").
+exactly-once trip against the real thing, and where the simulator's profile of that release differs from it.
+What it cannot: GPU kernels, a real model's reasoning, real throughput (README "Real SGLang").
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
-from real_server import RealServer, get, post
+from real_server import VERSION, RealServer, get, post
 
 from storage.reader import raw_duplicates, read_committed
 from testing.fleet import WorkerProcess, dead_letters, job_progress, job_settled, wait_until
@@ -115,7 +116,8 @@ def test_a_job_is_stored_exactly_once_as_the_server_answers_it(
         worker.terminate()
     # Then each prompt is stored once, with what the server answers when asked again (greedy is deterministic).
     rows = _check_stored_as_served(settings, "real", job.prompts, real_sglang)
-    # …and the seed is recorded as not honoured (0.5.9 reads sampling_seed only with deterministic inference).
+    # …and the seed is recorded as not honoured (0.5.9 and 0.5.23 read sampling_seed only with deterministic
+    # inference).
     assert {r["deterministic"] for r in rows} == {False}
 
 
@@ -242,7 +244,7 @@ def _context_length(server: RealServer) -> int:
     return int(json.loads(body)["data"][0]["max_model_len"])
 
 
-# -- the protocol, measured: the simulator's 0.5.9 profile against the real server ------------------------------
+# -- the protocol, measured: the simulator's profile of the release against the real server -------------------
 #: Keys a real server adds or leaves out by its own timing: ``decode_throughput`` appears only when a token
 #: reached the tokenizer manager before the last one.
 TIMING_DEPENDENT = frozenset({"decode_throughput"})
@@ -282,7 +284,7 @@ def differences(real: Any, sim: Any, path: str = "") -> list[str]:
 
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "sglang-versions.md"
-DOC_SECTION = "## Measured: the simulator's 0.5.9 profile against a real 0.5.9"
+DOC_SECTION = f"## Measured: the simulator's {VERSION} profile against a real {VERSION}"
 
 
 def documented_differences() -> set[str]:
@@ -302,7 +304,7 @@ def _sse(raw: str) -> list[Any]:
 def probe(url: str, prompt: list[int], context: int) -> dict[str, tuple[int, Any]]:
     """Each endpoint, normal and error cases: name → (status, skeleton of the body). Not sent: what kills a real
     0.5.9 (an id >= the vocabulary, a rid repeated in a batch: docs/sglang-versions.md), which the worker never
-    sends."""
+    sends (0.5.23 refuses the repeated rid; the out-of-vocabulary id is not sent to it either)."""
     import urllib.request
 
     results: dict[str, tuple[int, Any]] = {}
@@ -331,6 +333,9 @@ def probe(url: str, prompt: list[int], context: int) -> dict[str, tuple[int, Any
         "generate_empty_input": {"input_ids": [], "sampling_params": GREEDY},
         "abort_unknown_rid": {"rid": "no-such-request"},
     }  # fmt: skip
+    # The prompt once, unmeasured: a real server that served the tier's jobs has their common prefix cached, a
+    # fresh simulator nothing, and 0.5.23's cached_tokens_details is null or a dict by that alone.
+    post(url + "/generate", posts["generate"], timeout_s=300)
     for name, payload in posts.items():
         path = "/abort_request" if name.startswith("abort") else "/generate"
         status, body = post(url + path, payload, timeout_s=300)
@@ -367,14 +372,16 @@ def probe(url: str, prompt: list[int], context: int) -> dict[str, tuple[int, Any
     return results
 
 
-def test_the_simulators_0_5_9_profile_answers_as_the_real_server_does(real_sglang: RealServer, tmp_path: Path) -> None:
+def test_the_simulators_profile_answers_as_the_real_server_does(real_sglang: RealServer, tmp_path: Path) -> None:
     from sglang_sim.testing import SimulatorProcess
 
+    _, server_info = get(real_sglang.url + "/get_server_info")
+    assert json.loads(server_info)["version"] == VERSION, "THINKFLEET_REAL_SGLANG_VERSION names another release"
     context = _context_length(real_sglang)
     _, info = get(real_sglang.url + "/get_model_info")
     model_path = json.loads(info)["model_path"]
     sim = SimulatorProcess(
-        "--sglang-version", "0.5.9", "--model-path", model_path, "--model-family", "kimi",
+        "--sglang-version", VERSION, "--model-path", model_path, "--model-family", "kimi",
         "--context-length", str(context), "--no-report-context-length", "--vocab-size", str(VOCAB),
         "--time-scale", "2", "--health-min-s", "0.2", "--reasoning-parser", "kimi_k2", "--tool-call-parser", "kimi_k2",
         "--max-running-requests", "256", "--max-queued-requests", "512",
