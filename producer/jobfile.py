@@ -47,6 +47,9 @@ FLAG_KEYS: dict[str, tuple[str, ...]] = {
     "model_family": ("model_family",),
     "chat_template_kwargs": ("chat_template_kwargs",),
     "turns": ("turns",),
+    "tool_results": ("tool_results",),
+    "tool_mismatch": ("tool_mismatch",),
+    "max_tool_steps": ("max_tool_steps",),
     "samples": ("samples",),
     "context_length": ("context_length",),
     "max_prompt_tokens": ("max_prompt_tokens",),
@@ -147,6 +150,10 @@ class JobFile(_Strict):
     model_family: str | None = None
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     turns: Literal["last", "all"] = "last"
+    #: With ``turns: all``: ``replay`` regenerates through tool calls with the dataset's recorded results.
+    tool_results: Literal["replay"] | None = None
+    tool_mismatch: Literal["chain_end", "keep_recorded"] = "chain_end"
+    max_tool_steps: int = Field(8, ge=1)
     sampling: Sampling = Field(default_factory=Sampling)
     samples: int = Field(1, ge=1)
     priority: int = 0
@@ -420,6 +427,9 @@ _EXPECTED = {
     "think_end_id": "a token id ≥ 0",
     "logprobs": "the number of top alternatives per output token ≥ 0, e.g. 5 (0: the sampled token's only)",
     "turns": "`last` (regenerate the last assistant turn) or `all`",
+    "tool_results": "`replay` (feed back the dataset's recorded tool results; needs `turns: all`)",
+    "tool_mismatch": "`chain_end` or `keep_recorded`",
+    "max_tool_steps": "a count ≥ 1, e.g. 8",
     "trust_remote_code": "true or false",
     "skip_invalid": "true or false",
     "chat_template_kwargs": "a mapping, e.g. {thinking: true}",

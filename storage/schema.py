@@ -36,7 +36,9 @@ from storage.spans import KIMI_TOKENS, Spans, SpanTokens, compute_spans_batch, p
 #: 6: + ``epoch`` (the claim's fencing token, thinkfleet/state/ledger.py: per prompt and revision the highest
 #: epoch is the committed row, lower ones are *fenced*) and ``ids_crc32`` (CRC-32 of the row's input and output
 #: ids, checked by ``producer verify``); both null in parts of versions 1–5.
-SCHEMA_VERSION = "6"
+#: 7: + ``step_index`` and ``tool_args_differ`` (an agentic ``--turns all`` job, ``tool_results`` set:
+#: thinkfleet/tool_steps.py; null for other jobs and parts of versions 1–6).
+SCHEMA_VERSION = "7"
 
 # -- column names (import these instead of spelling strings) ------------------------------------------
 JOB = "job"
@@ -57,6 +59,10 @@ IDS_CRC32 = "ids_crc32"
 CONVERSATION_ID = "conversation_id"
 TURN_INDEX = "turn_index"
 TURN_COUNT = "turn_count"
+#: An agentic job (``tool_results`` set): the step of the turn (0 = the turn's own prompt; j > 0 = after j rounds
+#: of tool results), and whether the step's calls' arguments differ from the dataset's (null: no call matched).
+STEP_INDEX = "step_index"
+TOOL_ARGS_DIFFER = "tool_args_differ"
 INPUT_IDS = "input_ids"
 OUTPUT_IDS = "output_ids"
 REASONING_START = "reasoning_start"
@@ -120,6 +126,8 @@ SCHEMA = pa.schema(
         pa.field(CONVERSATION_ID, pa.string()),  # --turns all: the source conversation (turn prompt ids: …/t{i})
         pa.field(TURN_INDEX, pa.int32()),  # --turns all: 0-based turn
         pa.field(TURN_COUNT, pa.int32()),  # --turns all: turns of the conversation
+        pa.field(STEP_INDEX, pa.int32()),  # agentic jobs: the step within the turn (…/t{i}s{j}; 0 = …/t{i})
+        pa.field(TOOL_ARGS_DIFFER, pa.bool_()),  # agentic jobs: the calls' arguments differ from the dataset's
         # -- tokens: exactly what went in and came out ----------------------------------------------
         pa.field(INPUT_IDS, TOKEN_IDS, nullable=False),  # prompt ids sent to /generate (ends with <think>)
         pa.field(OUTPUT_IDS, TOKEN_IDS, nullable=False),  # every generated id, stop token included

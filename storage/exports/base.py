@@ -44,6 +44,7 @@ from storage.schema import (
     REASONING_START,
     SCHEMA,
     SPAN_COLUMNS,
+    STEP_INDEX,
     TOOL_CALL_SPANS,
 )
 from thinkfleet.settings import Settings
@@ -182,7 +183,7 @@ class Rows:
     def _turns_of(self, dataset: str) -> tuple[list[str], list[str]]:
         """(turn prompt ids, those whose output calls a tool) of a dataset; nothing more is read when no
         committed row has a conversation (a single-turn job: the keys say so)."""
-        columns = [PROMPT_ID, CONVERSATION_ID, TOOL_CALL_SPANS]
+        columns = [PROMPT_ID, CONVERSATION_ID, TOOL_CALL_SPANS, STEP_INDEX]
         for _ in range(stream.REPLANS):
             plan = stream.plan(self.loc, self.job, [dataset], [CONVERSATION_ID], columns=columns,
                                memory_bytes=self.memory_bytes)  # fmt: skip
@@ -196,7 +197,9 @@ class Rows:
                     ids = table[PROMPT_ID].to_pylist()
                     pids += ids
                     calls = table[TOOL_CALL_SPANS].to_pylist()
-                    ends += [pid for pid, c in zip(ids, calls, strict=True) if c]
+                    # An agentic job's step (step_index set) that calls a tool goes on with its results: no chain end.
+                    steps = table[STEP_INDEX].to_pylist()
+                    ends += [pid for pid, c, s in zip(ids, calls, steps, strict=True) if c and s is None]
             except stream.PlanStale:
                 continue
             return pids, ends
