@@ -24,6 +24,7 @@ from workers.adaptive import (
     ControllerConfig,
     InflightController,
     LoadSample,
+    LoadWatcher,
     ResizableLimiter,
     ServerLimits,
     parse_load,
@@ -192,6 +193,31 @@ def test_load_and_retractions_are_read_from_0_5_9s_endpoints() -> None:
     text = 'sglang:num_retracted_requests_total{model_name="m"} 12.0\nsglang:num_retracted_reqs{model_name="m"} 1.0\n'
     assert parse_retractions(text) == 12
     assert parse_retractions("sglang:num_running_reqs 3\n") is None
+
+
+def test_without_a_metrics_counter_the_retractions_our_answers_report_are_used() -> None:
+    # Given a server that answers /v1/loads but has no /metrics (no --enable-metrics)
+    async def get_json(path: str) -> object:
+        assert path == "/v1/loads"
+        return {
+            "loads": [{"num_running_reqs": 5, "num_waiting_reqs": 1, "num_used_tokens": 10, "max_total_num_tokens": 99}]
+        }
+
+    async def get_text(path: str) -> str:
+        raise RuntimeError("GET /metrics -> 404")
+
+    watcher = LoadWatcher(
+        InflightController(10),
+        ResizableLimiter(10),
+        get_json,
+        get_text,
+        lambda: 6,
+        lambda: 1.0,
+        row_retractions=lambda: 7,
+    )
+    sample = asyncio.run(watcher.read())
+    # Then the sample carries the server's load and the retractions counted from our answers' meta_info
+    assert sample == LoadSample(1.0, 6, 5, 1, 10, 99, 7)
 
 
 # -- the limiter -------------------------------------------------------------------------------------------

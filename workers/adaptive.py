@@ -441,6 +441,8 @@ class LoadWatcher:
     inflight: Callable[[], int]
     clock: Callable[[], float]
     on_move: Callable[[Move], None] = lambda move: None
+    #: Retractions our answers reported (meta_info): the signal when /metrics has no counter.
+    row_retractions: Callable[[], int] | None = None
     _load_path: str = "/v1/loads"
     _metrics_ok: bool = True
     _task: asyncio.Task[None] | None = field(default=None, repr=False)
@@ -486,7 +488,9 @@ class LoadWatcher:
             try:
                 retractions = parse_retractions(await self.get_text("/metrics"))
             except Exception:
-                self._metrics_ok = False  # no --enable-metrics: KV usage and the queue still steer
+                self._metrics_ok = False  # no --enable-metrics: our answers' counts, KV and the queue steer
+        if retractions is None and self.row_retractions is not None:
+            retractions = self.row_retractions()  # later (at each request's end) and ours only, but there
         running, waiting, used, pool = load
         return LoadSample(
             t_s=self.clock(),
@@ -525,6 +529,7 @@ def inflight_watcher(
     limiter: ResizableLimiter,
     inflight: Callable[[], int],
     on_move: Callable[[Move], None],
+    row_retractions: Callable[[], int] | None = None,
 ) -> LoadWatcher | None:
     """The worker's :class:`LoadWatcher` over its SGLang client (None with ``inflight_mode=fixed``)."""
     if settings.inflight_mode != "auto":
@@ -537,7 +542,9 @@ def inflight_watcher(
         return body.decode("utf-8", "replace")
 
     controller = InflightController(settings.max_inflight, ControllerConfig(interval_s=settings.inflight_interval_s))
-    return LoadWatcher(controller, limiter, client.get_json, get_text, inflight, time.monotonic, on_move)
+    return LoadWatcher(
+        controller, limiter, client.get_json, get_text, inflight, time.monotonic, on_move, row_retractions
+    )
 
 
 def bound_info(watcher: LoadWatcher | None, settings: Any) -> dict[str, Any]:

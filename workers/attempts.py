@@ -95,6 +95,7 @@ class RequestAttempts:
                 )
             if error is None:
                 self.gate.note_completion()
+                self.metrics.note_retractions(getattr(gen, "num_retractions", None))  # workers/adaptive.py
                 return gen, attempt, time.perf_counter() - started  # type: ignore[return-value]
             if isinstance(error, PermanentError):
                 # The server refused the prompt's length (its own 400): it may have restarted with another

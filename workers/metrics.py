@@ -36,6 +36,13 @@ class WorkerMetrics:
         self.bound_moves = Counter(
             "thinkfleet_inflight_bound_moves", "Moves of the in-flight bound, by reason", ["reason"], registry=r
         )
+        self.retractions = Counter(
+            "thinkfleet_retractions",
+            "Retractions SGLang reports in our answers' meta_info (num_retractions)",
+            registry=r,
+        )
+        #: The same as a plain count: the adaptive bound's signal where /metrics has no retraction counter.
+        self.retractions_seen = 0
         self.inflight_seconds = Counter(
             "thinkfleet_inflight_seconds", "Integral of in-flight requests over time (occupancy)", registry=r
         )
@@ -115,6 +122,11 @@ class WorkerMetrics:
         self.bound.set(bound)
         self.bound_reason.state(kind if kind in REASON_KINDS else "cap")
         self.bound_moves.labels(kind).inc()
+
+    def note_retractions(self, n: int | None) -> None:
+        if n:
+            self.retractions.inc(n)
+            self.retractions_seen += n
 
     def request_started(self) -> None:
         self._accumulate()

@@ -172,7 +172,9 @@ class WorkerRuntime:
         )
         # inflight_mode auto: the bound follows the server (reset from its limits whenever the gate opens).
         inflight = lambda: len(self.attempts.inflight)  # noqa: E731
-        self.adaptive = inflight_watcher(s, self.client, self.attempts.semaphore, inflight, self._bound_moved)
+        self.adaptive = inflight_watcher(
+            s, self.client, self.attempts.semaphore, inflight, self._bound_moved, lambda: self.metrics.retractions_seen
+        )
         if self.adaptive is None:
             self.metrics.bound_reason.state("fixed")
         self.pipeline = PromptPipeline(
