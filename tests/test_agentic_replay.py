@@ -254,3 +254,31 @@ def test_verify_passes_and_the_messages_export_carries_the_fed_tool_messages(
         if fed:
             assert following[-1 - len(fed) : -1] == fed
             assert following[-2 - len(fed)]["tool_calls"] == answer["tool_calls"]
+
+
+def test_merge_turns_gives_one_sample_per_conversation_over_model_emitted_ids_only(
+    agentic_job: AgenticJob, tmp_path: Path
+) -> None:
+    from storage.exports import export_job
+
+    run = agentic_job
+    rows = read_committed(run.settings.output_uri, run.job).to_pylist()
+    per_step = tmp_path / "steps.jsonl"
+    export_job(run.settings, run.job, "specforge", str(per_step))
+    assert sum(1 for _ in per_step.read_text().splitlines()) == len(rows), "one sample per step"
+    merged_out = tmp_path / "merged.jsonl"
+    export_job(run.settings, run.job, "specforge", str(merged_out), merge_turns=True)
+    merged = {r["id"]: r for r in map(json.loads, merged_out.read_text().splitlines())}
+    assert set(merged) == {r["conversation_id"] for r in rows}
+    outputs: dict[str, list[list[int]]] = {}
+    for r in rows:
+        outputs.setdefault(r["conversation_id"], []).append(r["output_ids"])
+    for conv_id, rec in merged.items():
+        last = max(
+            (r for r in rows if r["conversation_id"] == conv_id), key=lambda r: (r["turn_index"], r["step_index"])
+        )
+        assert rec["input_ids"] == last["input_ids"] + last["output_ids"], "the conversation's last step"
+        # Loss over the last step's output and the earlier steps' ids found verbatim in the prompt: never more ids
+        # than the model's steps emitted in all (the fed results and the dataset's text are no step's output).
+        trained = sum(rec["loss_mask"])
+        assert len(last["output_ids"]) <= trained <= sum(len(o) for o in outputs[conv_id])

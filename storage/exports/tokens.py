@@ -25,6 +25,7 @@ from storage.schema import (
     OUTPUT_IDS,
     PROMPT_ID,
     REASONING_END,
+    STEP_INDEX,
     TOKEN_IDS,
     TURN_COUNT,
     TURN_INDEX,
@@ -42,7 +43,7 @@ EAGLE3_SCHEMA = pa.schema(
     ]
 )
 #: The stored columns ``merged_table`` reads: a turn's conversation and place in it.
-MERGE_COLUMNS = [*COLUMNS, CONVERSATION_ID, TURN_INDEX, TURN_COUNT]
+MERGE_COLUMNS = [*COLUMNS, CONVERSATION_ID, TURN_INDEX, TURN_COUNT, STEP_INDEX]
 #: --merge-turns: a run of an earlier turn's output ids found in the last prompt counts when it is at least this
 #: long (a lone token — a space, a common word — matches user text by chance).
 MERGE_MIN_RUN = 2
@@ -95,15 +96,17 @@ def merged_table(table: pa.Table, exclude_reasoning: bool = False, skipped: dict
     match verbatim are trained on. ``exclude_reasoning`` leaves reasoning ids (through ``</think>``) at 0. Rows
     of no conversation (a single-turn job) are exported as by :func:`eagle3_table`; ``skipped["merged_turns"]``
     counts the turn rows folded into another turn's record."""
-    convs: dict[str, dict[int, dict[str, Any]]] = {}
+    # A turn's place is (turn, step): an agentic job's steps (step_index) are its model-emitted pieces in order.
+    convs: dict[str, dict[tuple[int, int], dict[str, Any]]] = {}
     single: list[int] = []
     conv_col = table[CONVERSATION_ID].to_pylist() if CONVERSATION_ID in table.column_names else [None] * len(table)
     turn_col = table[TURN_INDEX].to_pylist() if TURN_INDEX in table.column_names else [None] * len(table)
-    for i, (conv, turn) in enumerate(zip(conv_col, turn_col, strict=True)):
+    step_col = table[STEP_INDEX].to_pylist() if STEP_INDEX in table.column_names else [None] * len(table)
+    for i, (conv, turn, step) in enumerate(zip(conv_col, turn_col, step_col, strict=True)):
         if conv is None or turn is None:
             single.append(i)
         else:
-            convs.setdefault(conv, {})[turn] = {"i": i}
+            convs.setdefault(conv, {})[(turn, step or 0)] = {"i": i}
     parts = [eagle3_table(table.take(pa.array(single, pa.int64())), exclude_reasoning)] if single else []
     if not convs:
         return pa.concat_tables(parts) if parts else eagle3_table(table.slice(0, 0), exclude_reasoning)
@@ -125,7 +128,7 @@ def merged_table(table: pa.Table, exclude_reasoning: bool = False, skipped: dict
         for k in sorted(t for t in turns if t < last):
             out_k = turns[k][OUTPUT_IDS]
             start = max(cursor, _common_prefix(turns[k][INPUT_IDS], prompt))
-            following = turns.get(k + 1)
+            following = turns.get((k[0], k[1] + 1)) or turns.get((k[0] + 1, 0))  # the next step, else turn
             end = _common_prefix(following[INPUT_IDS], prompt) if following else len(prompt)
             end = max(end, start)
             region = prompt[start:end]
