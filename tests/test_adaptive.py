@@ -18,7 +18,7 @@ import redis
 
 from producer.bounds import inflight_bounds
 from testing.fleet import WorkerProcess, free_port, job_progress, wait_for_port, wait_until
-from testing.harness import fast_env, isolated_settings, make_prompts, submit_ids
+from testing.harness import fast_env, isolated_settings, make_prompts, producer_cli, submit_ids
 from workers.adaptive import (
     START_TOKENS_PER_REQUEST,
     ControllerConfig,
@@ -293,6 +293,8 @@ def test_an_auto_worker_bounds_itself_by_the_server_and_starts_again_after_its_r
         # And producer status shows it per worker (producer/bounds.py reads what the heartbeat publishes)
         shown = inflight_bounds(client, settings)[worker.name]
         assert shown["mode"] == "auto" and shown["cap"] == 40 and shown["reason"]
+        status = producer_cli(settings, "status", "auto")
+        assert status.returncode == 0 and "in-flight bound per worker" in status.stdout, status.stdout + status.stderr
         # When the server restarts with 3 slots
         sim.kill()
         sim.wait(10)
