@@ -50,6 +50,7 @@ FLAG_KEYS: dict[str, tuple[str, ...]] = {
     "tool_results": ("tool_results",),
     "tool_mismatch": ("tool_mismatch",),
     "max_tool_steps": ("max_tool_steps",),
+    "tool_executor": ("tool_executor",),
     "samples": ("samples",),
     "context_length": ("context_length",),
     "max_prompt_tokens": ("max_prompt_tokens",),
@@ -151,7 +152,9 @@ class JobFile(_Strict):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     turns: Literal["last", "all"] = "last"
     #: With ``turns: all``: ``replay`` regenerates through tool calls with the dataset's recorded results.
-    tool_results: Literal["replay"] | None = None
+    tool_results: Literal["replay", "executor"] | None = None
+    #: ``tool_results: executor``: ``module:function``, ``file.py:function`` or an http(s) URL.
+    tool_executor: str | None = None
     tool_mismatch: Literal["chain_end", "keep_recorded"] = "chain_end"
     max_tool_steps: int = Field(8, ge=1)
     sampling: Sampling = Field(default_factory=Sampling)
@@ -427,7 +430,8 @@ _EXPECTED = {
     "think_end_id": "a token id ≥ 0",
     "logprobs": "the number of top alternatives per output token ≥ 0, e.g. 5 (0: the sampled token's only)",
     "turns": "`last` (regenerate the last assistant turn) or `all`",
-    "tool_results": "`replay` (feed back the dataset's recorded tool results; needs `turns: all`)",
+    "tool_results": "`replay` (the dataset's recorded tool results) or `executor` (needs `turns: all`)",
+    "tool_executor": "module:function, path/to/file.py:function or an http(s) URL",
     "tool_mismatch": "`chain_end` or `keep_recorded`",
     "max_tool_steps": "a count ≥ 1, e.g. 8",
     "trust_remote_code": "true or false",

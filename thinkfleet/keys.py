@@ -143,6 +143,11 @@ class Keys:
         """HASH turn prompt id → JSON of the model's answer as an assistant message (+ ``chain_end`` when last)."""
         return f"{self.prefix}:job:{job}:turn_answers"
 
+    def tool_calls(self, job: str) -> str:
+        """HASH ``{step prompt id}@{revision}`` → JSON of an agentic job's executor results for that step (or its
+        ``pending`` mark while the call runs): the idempotency record of workers/tool_exec.py."""
+        return f"{self.prefix}:job:{job}:tool_calls"
+
     def job_glob(self, job: str) -> str:
         """Glob of every per-job key but the record itself (``producer purge``)."""
         return f"{self.prefix}:job:{job}:*"

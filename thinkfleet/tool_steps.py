@@ -30,14 +30,14 @@ from dataclasses import dataclass
 from typing import Any
 
 #: ``tool_results`` values: replay the dataset's results (or, later, call the job's executor).
-TOOL_RESULT_MODES = ("replay",)
+TOOL_RESULT_MODES = ("replay", "executor")
 #: ``tool_mismatch`` values.
 MISMATCH_POLICIES = ("chain_end", "keep_recorded")
 #: Steps one turn may take (tool-calling answers fed back) unless the job says otherwise.
 DEFAULT_MAX_TOOL_STEPS = 8
 
 #: ``chain_end`` values of an agentic job's answer records (besides ``tool_call`` and ``error: …``).
-END_MISMATCH, END_MAX_STEPS, END_CUT = "tool_mismatch", "max_tool_steps", "tool_call_cut"
+END_MISMATCH, END_MAX_STEPS, END_CUT, END_TOOL_ERROR = "tool_mismatch", "max_tool_steps", "tool_call_cut", "tool_error"
 
 
 def agentic(meta: dict[str, Any]) -> bool:

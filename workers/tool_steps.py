@@ -27,11 +27,13 @@ from thinkfleet.tool_steps import (
     END_CUT,
     END_MAX_STEPS,
     END_MISMATCH,
+    END_TOOL_ERROR,
     for_render,
     replay_results,
     step_messages,
 )
 from thinkfleet.turns import answer_revision, answers_key, split_step_id, step_id, turn_id
+from workers.tool_exec import DEFAULT_CONCURRENCY, DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, ToolExecError
 
 if TYPE_CHECKING:
     from workers.turns import NextTurn, TurnChainer, _JobTurns
@@ -44,7 +46,7 @@ async def next_step(
     chainer: TurnChainer, jt: _JobTurns, job: str, dataset: str, row: dict[str, Any], conv: dict[str, Any]
 ) -> NextTurn:
     """What the finalize of agentic step ``row`` records and enqueues (see the module docstring)."""
-    from workers.turns import TOOL_ARGS_DIFFER, NextTurn, TurnError, _answer, _carried
+    from workers.turns import TOOL_ARGS_DIFFER, NextTurn, _answer
 
     pid = row["prompt_id"]
     parts = split_step_id(pid)
@@ -68,6 +70,20 @@ async def next_step(
             return end(END_CUT)
         if step + 1 >= int(meta.get("max_tool_steps") or DEFAULT_MAX_TOOL_STEPS):
             return end(END_MAX_STEPS)
+    if meta.get("tool_results") == "executor":
+        if calls:
+            try:
+                recorded["tool_results"] = await _execute(
+                    chainer, job, pid, revision, (conv_id, turn, step), calls, meta
+                )
+            except ToolExecError as exc:
+                await chainer.r.hincrby(chainer.keys.counters(job), "tool_errors", 1)
+                recorded["tool_error"] = str(exc)
+                return end(END_TOOL_ERROR)
+            next_id = step_id(conv_id, turn, step + 1)
+        elif turn + 1 < count:
+            next_id = turn_id(conv_id, turn + 1)
+        return await _enqueue(chainer, jt, job, dataset, row, conv, recorded, next_id, later)
     replay = replay_results(conv, turn, step, calls, str(meta.get("tool_mismatch") or "chain_end"))
     if replay.mismatch:
         recorded["tool_mismatch"] = replay.mismatch
@@ -81,6 +97,25 @@ async def next_step(
         next_id = step_id(conv_id, turn, step + 1)
     elif turn + 1 < count:
         next_id = turn_id(conv_id, turn + 1)
+    return await _enqueue(chainer, jt, job, dataset, row, conv, recorded, next_id, later)
+
+
+async def _enqueue(
+    chainer: TurnChainer,
+    jt: _JobTurns,
+    job: str,
+    dataset: str,
+    row: dict[str, Any],
+    conv: dict[str, Any],
+    recorded: dict[str, Any],
+    next_id: str,
+    later: tuple[str, ...],
+) -> NextTurn:
+    """The finalize's writes for a step that goes on to ``next_id`` ("" = the conversation is complete)."""
+    from workers.turns import NextTurn, TurnError, _carried
+
+    pid = row["prompt_id"]
+    conv_id = (split_step_id(pid) or ("",))[0]
     if not next_id:  # the last turn's answer: the conversation is complete
         return NextTurn(pid, chainer._sign_answer(job, pid, recorded), drop=later)
     recorded["next"] = next_id
@@ -109,6 +144,31 @@ async def next_step(
     dropped = tuple(p for p in later if p != next_id)
     signed = chainer._sign_answer(job, pid, recorded)
     return NextTurn(pid, signed, next_id, digest, message, drop=dropped if later and later[0] != next_id else ())
+
+
+async def _execute(
+    chainer: TurnChainer,
+    job: str,
+    pid: str,
+    revision: int,
+    where: tuple[str, int, int],
+    calls: list[dict[str, Any]],
+    meta: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """The executor's results for this step revision (workers/tool_exec.py: recorded before the next step is)."""
+    from workers.tool_exec import ToolExecutor, executed_results
+
+    executors: dict[str, ToolExecutor] = chainer.__dict__.setdefault("_executors", {})
+    if job not in executors:
+        executors[job] = ToolExecutor(
+            str(meta.get("executor") or ""),
+            float(meta.get("executor_timeout_s") or DEFAULT_TIMEOUT_S),
+            int(meta.get("executor_retries", DEFAULT_RETRIES)),
+            int(meta.get("executor_concurrency") or DEFAULT_CONCURRENCY),
+        )
+    conv_id, turn, step = where
+    place = {"conversation": conv_id, "turn": turn, "step": step}
+    return await executed_results(chainer.r, chainer.keys, executors[job], job, pid, revision, place, calls)
 
 
 def _cut(jt: _JobTurns, row: dict[str, Any]) -> bool:
