@@ -13,6 +13,7 @@ import itertools
 import os
 import posixpath
 import socket
+import tempfile
 import threading
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -118,8 +119,8 @@ class PartWriter:
         metadata: Mapping[bytes, bytes] | None = None,
     ) -> str:
         """Commit a part written table by table (a row group each), never whole in memory: compaction's large
-        files. Atomic as :meth:`write`: local, a hidden temporary file fsynced and renamed; S3, one multipart upload
-        that only its completion makes visible. Returns the part's URI."""
+        files. Atomic as :meth:`write`: local, a hidden temporary file fsynced and renamed; S3, a local temporary
+        file uploaded once complete (an object is invisible until its upload completes). Returns the part's URI."""
         path = self.loc.path(part_path)
         if posixpath.dirname(path) != self.loc.dataset_dir(job, dataset) or not layout.is_part_name(
             posixpath.basename(path)
@@ -137,8 +138,15 @@ class PartWriter:
                     out.write_table(table.replace_schema_metadata(schema.metadata))
 
         if not self.loc.is_local:
-            with self.loc.fs.open_output_stream(path) as sink:
-                write_all(sink)
+            # Through a local file, uploaded once complete: an S3 stream closed by an error would still complete its
+            # upload — a truncated file, and the last one of a compaction declares what it replaces.
+            with tempfile.TemporaryDirectory(prefix="thinkfleet-part-") as tmpdir:
+                local = os.path.join(tmpdir, posixpath.basename(path))
+                with open(local, "wb") as f:
+                    write_all(f)
+                pafs.copy_files(
+                    local, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=self.loc.fs
+                )
             return part_path
         directory, name = os.path.split(path)
         os.makedirs(directory, exist_ok=True)
