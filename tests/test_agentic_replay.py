@@ -15,6 +15,7 @@ verify`` passes and the ``messages`` export carries the ``tool`` messages fed ba
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from thinkfleet.settings import Settings
 from thinkfleet.state.job import JobRecord
 from thinkfleet.tool_steps import for_render, plan_agentic, replay_results, step_messages
 from thinkfleet.turns import answer_message, split_step_id, turn_id
+from workers.tool_exec import TRUSTED_ENV
 
 if TYPE_CHECKING:
     from testing.services import RedisServer
@@ -117,6 +119,21 @@ def test_job_file_keys_set_the_tool_flags(tmp_path: Path) -> None:
 
 
 # -- end to end ------------------------------------------------------------------------------------------
+EXAMPLE = Path(__file__).parents[1] / "docs/examples/agentic/tools.py"
+#: The example executor, logging every call id it is called with (the test counts calls per step revision).
+LOGGING_EXECUTOR = f"""
+import importlib.util, json
+_spec = importlib.util.spec_from_file_location("example_tools", {str(EXAMPLE)!r})
+_tools = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_tools)
+
+def execute(request):
+    with open(__file__ + ".calls", "a") as f:
+        f.write("".join(call["id"] + "\\n" for call in request["calls"]))
+    return _tools.execute(request)
+"""
+
+
 @dataclass
 class AgenticJob:
     settings: Settings
@@ -126,6 +143,8 @@ class AgenticJob:
     tok_dir: Path
     content: ContentConfig
     fp_dir: Path
+    executor_job: str
+    executor_log: Path
 
 
 SIM_CONTENT = {"tool_call_share": 0.6, "length_median_tokens": 60.0, "max_tool_calls": 2}
@@ -133,6 +152,9 @@ SIM_CONTENT = {"tool_call_share": 0.6, "length_median_tokens": 60.0, "max_tool_c
 
 @pytest.fixture(scope="module")
 def agentic_job(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgenticJob]:
+    """Two agentic jobs on one fleet: ``agentic`` (replay, keep_recorded) and ``agentic-exec`` (the logging example
+    executor). w1 is SIGKILLed between a part write and its finalize, w3 after an executor's results are recorded
+    and before the step's part is written; w2 finishes."""
     tmp_path = tmp_path_factory.mktemp("agentic")
     (tmp_path / "logs").mkdir()
     fp_dir = tmp_path / "failpoints"
@@ -144,57 +166,71 @@ def agentic_job(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFact
     catalogue = write_catalogue(tmp_path / "tools.json", load_tokenizer(str(tok_dir)), "kimi")
     content = ContentConfig(tool_catalogue=str(catalogue), **SIM_CONTENT)  # type: ignore[arg-type]
     data = write_jsonl(tmp_path / "chat.jsonl", _agentic_rows())
-    job = "agentic"
+    executor = tmp_path / "logging_tools.py"
+    executor.write_text(LOGGING_EXECUTOR)
+    spec = f"{executor}:execute"
+    job, exec_job = "agentic", "agentic-exec"
     sim_args = ["--tool-catalogue", str(catalogue), "--time-scale", "400"]
     for key, value in SIM_CONTENT.items():
         sim_args += [f"--{key.replace('_', '-')}", str(value)]
     with simulator(tmp_path / "logs", *sim_args) as sim:
-        env = fast_env(settings, sim, max_inflight=4, lease_s=3, reaper_interval_s=0.5)
-        doomed_env = {**env, failpoints.ENV: "after_part_write=kill", failpoints.DIR_ENV: str(fp_dir)}
-        doomed_env.pop(failpoints.TIMES_ENV, None)
-        w1 = WorkerProcess("w1", doomed_env, tmp_path / "logs").start()
+        env = {**fast_env(settings, sim, max_inflight=4, lease_s=3, reaper_interval_s=0.5), TRUSTED_ENV: spec}
+        env.pop(failpoints.TIMES_ENV, None)
+
+        def armed(point: str) -> dict[str, str]:
+            return {**env, failpoints.ENV: f"{point}=kill", failpoints.DIR_ENV: str(fp_dir)}
+
+        w1 = WorkerProcess("w1", armed("after_part_write"), tmp_path / "logs").start()
         w2 = WorkerProcess("w2", env, tmp_path / "logs").start()
+        w3 = WorkerProcess("w3", armed("after_tool_record"), tmp_path / "logs").start()
         try:
-            w1.wait_ready(client, settings.keys)
-            w2.wait_ready(client, settings.keys)
-            submitted = producer_cli(
-                settings, "submit", str(data), "--job", job, "--tokenizer", str(tok_dir), "--processes", "1",
-                "--no-progress", "--max-new-tokens", "400", "--seed", "3", "--context-length", "131072",
-                "--turns", "all", "--tool-results", "replay", "--tool-mismatch", "keep_recorded",
-                "--max-tool-steps", "3", "--json",
-            )  # fmt: skip
-            assert submitted.returncode == 0, submitted.stderr
+            for w in (w1, w2, w3):
+                w.wait_ready(client, settings.keys)
+            common = [
+                "--tokenizer", str(tok_dir), "--processes", "1", "--no-progress", "--max-new-tokens", "400",
+                "--seed", "3", "--context-length", "131072", "--turns", "all", "--max-tool-steps", "3", "--json",
+            ]  # fmt: skip
+            for name, tools in (
+                (job, ["--tool-results", "replay", "--tool-mismatch", "keep_recorded"]),
+                (exec_job, ["--tool-results", "executor", "--tool-executor", spec]),
+            ):
+                submitted = producer_cli(settings, "submit", str(data), "--job", name, *common, *tools)
+                assert submitted.returncode == 0, submitted.stderr
 
             def settled() -> bool:
-                p = job_progress(client, settings.keys, job)
-                return p["done"] > 0 and p["done"] + p["dead"] == p["submitted"]
+                for name in (job, exec_job):
+                    p = job_progress(client, settings.keys, name)
+                    if not (p["done"] > 0 and p["done"] + p["dead"] == p["submitted"]):
+                        return False
+                return True
 
-            wait_until(settled, 180, what="every step of the agentic job")
+            wait_until(settled, 240, what="every step of both agentic jobs")
         finally:
-            for w in (w1, w2):
+            for w in (w1, w2, w3):
                 w.terminate()
-    yield AgenticJob(settings, client, job, data, tok_dir, content, fp_dir)
+    yield AgenticJob(settings, client, job, data, tok_dir, content, fp_dir, exec_job, Path(f"{executor}.calls"))
     client.close()
 
 
-def _records(run: AgenticJob) -> dict[str, dict[str, Any]]:
-    raw = run.client.hgetall(run.settings.keys.turn_answers(run.job))
+def _records(run: AgenticJob, job: str | None = None) -> dict[str, dict[str, Any]]:
+    raw = run.client.hgetall(run.settings.keys.turn_answers(job or run.job))
     return {k.decode(): json.loads(v) for k, v in raw.items()}
 
 
-def test_every_step_is_stored_once_byte_exact_with_the_datasets_results(agentic_job: AgenticJob) -> None:
-    run = agentic_job
-    assert (run.fp_dir / "failpoint-after_part_write-0").exists(), "a worker was killed between write and finalize"
-    assert dead_letters(run.client, run.settings.keys, run.job) == {}
-    assert raw_duplicates(run.settings.output_uri, run.job).num_rows == 0, "no step stored twice"
-    record = JobRecord.load(run.client, run.settings.keys, run.job)
+def _check_chains(run: AgenticJob, job: str) -> tuple[dict[str, dict[str, Any]], list[tuple[str, dict[str, Any], Any]]]:
+    """Every stored row of ``job`` is one step of a conversation's chain (the walk from t0 along ``next``), stored
+    once, byte-exact, its prompt the template's rendering of the conversation up to it; returns the rows and, per
+    step that fed results back, (its prompt id, its answer record, its conversation plan)."""
+    assert dead_letters(run.client, run.settings.keys, job) == {}
+    assert raw_duplicates(run.settings.output_uri, job).num_rows == 0, "no step stored twice"
+    record = JobRecord.load(run.client, run.settings.keys, job)
     assert record is not None
     tok = load_tokenizer(str(run.tok_dir))
-    rows = {r["prompt_id"]: r for r in read_committed(run.settings.output_uri, run.job).to_pylist()}
-    answers = _records(run)
+    rows = {r["prompt_id"]: r for r in read_committed(run.settings.output_uri, job).to_pylist()}
+    answers = _records(run, job)
     source = [json.loads(line) for line in run.data.read_text().splitlines()]
     walked: set[str] = set()
-    steps_after_results = args_differ = 0
+    fed_steps = []
     for c, conv_row in enumerate(source):
         conv_id = f"chat/c{c}"
         conv = plan_agentic(conv_row["messages"])
@@ -206,30 +242,63 @@ def test_every_step_is_stored_once_byte_exact_with_the_datasets_results(agentic_
             row, answer = rows[pid], answers[pid]
             _, turn, step = split_step_id(pid) or ("", -1, -1)
             assert (row["conversation_id"], row["turn_index"], row["step_index"]) == (conv_id, turn, step)
-            # The prompt: the template's rendering of the conversation up to this step.
             want = render_ids(tok, for_render(step_messages(conv, history)), None, record.chat_template_kwargs)
             assert row["input_ids"] == want, f"{pid}'s prompt is not the template's rendering"
-            assert (
-                row["output_ids"]
-                == expected_generation(row["input_ids"], record.sampling_params, run.content).output_ids
-            )
-            calls = answer_message(answer).get("tool_calls") or []
+            expected = expected_generation(row["input_ids"], record.sampling_params, run.content)
+            assert row["output_ids"] == expected.output_ids
             if answer.get("tool_results"):
-                # The dataset's results of this step, by position, answering the model's own call ids.
-                recorded = conv["steps"][turn][step]["results"]
-                fed = answer["tool_results"]
-                assert [m["content"] for m in fed] == [m["content"] for m in recorded[: len(calls)]]
-                assert [m["tool_call_id"] for m in fed] == [call["id"] for call in calls]
-                assert all(m["source"] == "recorded" for m in fed)
-                assert row["tool_args_differ"] == answer["args_differ"]
-                args_differ += bool(answer["args_differ"])
-                steps_after_results += 1
+                calls = answer_message(answer)["tool_calls"]
+                assert [m["tool_call_id"] for m in answer["tool_results"]] == [call["id"] for call in calls]
+                fed_steps.append((pid, answer, conv))
             history.append(answer)
             pid = answer.get("next", "")
     assert walked == set(rows), "every stored row is a step of some chain, and every step of a chain is stored"
-    assert steps_after_results >= 2, "some turns went on through their tool results"
-    assert args_differ >= 1, "the simulator's own arguments differ from the dataset's somewhere"
     assert any(r["step_index"] >= 1 for r in rows.values()), "rows …/t{i}s{j} of steps after results"
+    return rows, fed_steps
+
+
+def test_every_step_is_stored_once_byte_exact_with_the_datasets_results(agentic_job: AgenticJob) -> None:
+    run = agentic_job
+    assert (run.fp_dir / "failpoint-after_part_write-0").exists(), "a worker was killed between write and finalize"
+    rows, fed_steps = _check_chains(run, run.job)
+    args_differ = 0
+    for pid, answer, conv in fed_steps:
+        _, turn, step = split_step_id(pid) or ("", -1, -1)
+        fed = answer["tool_results"]
+        recorded = conv["steps"][turn][step]["results"]
+        assert [m["content"] for m in fed] == [m["content"] for m in recorded[: len(fed)]]
+        assert all(m["source"] == "recorded" for m in fed)
+        args_differ += bool(answer["args_differ"])
+    assert len(fed_steps) >= 2, "some turns went on through their tool results"
+    assert args_differ >= 1, "the simulator's own arguments differ from the dataset's somewhere"
+    assert all(
+        r["tool_args_differ"] is not None for r in rows.values() if _records(run)[r["prompt_id"]].get("tool_results")
+    )
+
+
+def test_executor_results_feed_the_next_step_and_it_runs_at_most_once_per_step_revision(
+    agentic_job: AgenticJob,
+) -> None:
+    run = agentic_job
+    assert (run.fp_dir / "failpoint-after_tool_record-0").exists(), "a worker was killed after recording results"
+    _, fed_steps = _check_chains(run, run.executor_job)
+    assert fed_steps, "some steps went on with the executor's results"
+    spec = importlib.util.spec_from_file_location("example_tools", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    tools = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tools)
+    for _pid, answer, _conv in fed_steps:
+        calls = answer_message(answer)["tool_calls"]
+        want = tools.execute({"calls": [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                                        for c in calls]})  # fmt: skip
+        assert [m["content"] for m in answer["tool_results"]] == want
+        assert all(m["source"] == "executed" for m in answer["tool_results"])
+    # At most once per (conversation, step, revision): no stable call id twice, though a worker died after one.
+    ids = run.executor_log.read_text().split()
+    assert len(ids) == len(set(ids)) and ids
+    ended = [a for a in _records(run, run.executor_job).values() if a.get("chain_end") == "tool_error"]
+    counters = run.client.hgetall(run.settings.keys.counters(run.executor_job))
+    assert int(counters.get(b"tool_errors", 0)) == len(ended)
 
 
 def test_verify_passes_and_the_messages_export_carries_the_fed_tool_messages(

@@ -20,6 +20,7 @@ from thinkfleet.failpoints import (
     POINTS,
     PRODUCER_POINTS,
     TIMES_ENV,
+    TOOL_POINTS,
     WORKER_POINTS,
     FailpointError,
     arm,
@@ -49,7 +50,7 @@ def fires(name: str, key: str | None = None) -> bool:
 
 
 def test_the_points_are_the_worker_points_then_the_producers() -> None:
-    assert POINTS == WORKER_POINTS + PRODUCER_POINTS
+    assert POINTS == WORKER_POINTS + TOOL_POINTS + PRODUCER_POINTS
     assert len(set(POINTS)) == len(POINTS)
     assert ACTIONS == ("raise", "kill", "stop")
 

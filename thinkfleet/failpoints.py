@@ -41,8 +41,13 @@ WORKER_POINTS = (
     "after_finalize",  # done in Redis, the message not yet acked
     "before_ack",  # the task returns its outcome to Celery
 )
+#: Points only an agentic job's executor steps pass (workers/tool_exec.py), between the generate and the part write.
+TOOL_POINTS = (
+    "after_tool_call",  # the executor answered, its results not yet recorded
+    "after_tool_record",  # … recorded, the step's part not yet written
+)
 PRODUCER_POINTS = ("submit_after_stage",)  # messages staged, the commit MULTI not yet run
-POINTS = WORKER_POINTS + PRODUCER_POINTS
+POINTS = WORKER_POINTS + TOOL_POINTS + PRODUCER_POINTS
 ACTIONS = ("raise", "kill", "stop")
 
 

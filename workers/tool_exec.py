@@ -34,6 +34,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from thinkfleet.failpoints import failpoint
 from thinkfleet.keys import Keys
 
 #: The environment variable that lists the executors a worker runs.
@@ -157,7 +158,9 @@ async def executed_results(
         except ToolExecError as exc:
             await client.hset(key, field, json.dumps({"error": str(exc), "calls": digest}))
             raise
+        failpoint("after_tool_call", step_prompt_id)
         await client.hset(key, field, json.dumps({"results": results, "calls": digest}, ensure_ascii=False))
+        failpoint("after_tool_record", step_prompt_id)
         recorded = await client.hget(key, field)
     record = json.loads(recorded) if recorded is not None else {PENDING: True}
     if "error" in record:
