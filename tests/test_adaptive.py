@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import redis
 
 from producer.bounds import inflight_bounds
@@ -25,6 +26,7 @@ from workers.adaptive import (
     InflightController,
     LoadSample,
     LoadWatcher,
+    NotServed,
     ResizableLimiter,
     ServerLimits,
     parse_load,
@@ -204,7 +206,7 @@ def test_without_a_metrics_counter_the_retractions_our_answers_report_are_used()
         }
 
     async def get_text(path: str) -> str:
-        raise RuntimeError("GET /metrics -> 404")
+        raise NotServed(path)
 
     watcher = LoadWatcher(
         InflightController(10),
@@ -218,6 +220,45 @@ def test_without_a_metrics_counter_the_retractions_our_answers_report_are_used()
     sample = asyncio.run(watcher.read())
     # Then the sample carries the server's load and the retractions counted from our answers' meta_info
     assert sample == LoadSample(1.0, 6, 5, 1, 10, 99, 7)
+
+
+def test_a_failed_read_neither_switches_endpoints_nor_mixes_retraction_counters() -> None:
+    # Given a server whose /v1/loads and /metrics fail once (restarting, say), then answer
+    calls: list[str] = []
+    fail = {"/v1/loads": 1, "/metrics": 1}
+
+    async def get_json(path: str) -> object:
+        calls.append(path)
+        if fail.get(path):
+            fail[path] -= 1
+            raise RuntimeError(f"GET {path} -> 503")
+        return {
+            "loads": [{"num_running_reqs": 5, "num_waiting_reqs": 0, "num_used_tokens": 1, "max_total_num_tokens": 9}]
+        }
+
+    async def get_text(path: str) -> str:
+        if fail.get(path):
+            fail[path] -= 1
+            raise RuntimeError(f"GET {path} -> 503")
+        return "sglang:num_retracted_requests_total 40.0\n"
+
+    watcher = LoadWatcher(
+        InflightController(10),
+        ResizableLimiter(10),
+        get_json,
+        get_text,
+        lambda: 5,
+        lambda: 1.0,
+        row_retractions=lambda: 2,
+    )
+    with pytest.raises(RuntimeError):
+        asyncio.run(watcher.read())  # the failed load read is skipped by the watcher's loop
+    first = asyncio.run(watcher.read())
+    second = asyncio.run(watcher.read())
+    # Then /v1/loads is still the endpoint, and the counter is the server's or none, never our answers'
+    assert calls == ["/v1/loads"] * 3
+    assert first is not None and first.retractions_total is None
+    assert second is not None and second.retractions_total == 40
 
 
 # -- the limiter -------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import time
@@ -48,6 +49,7 @@ __all__ = [
     "LoadSample",
     "LoadWatcher",
     "Move",
+    "NotServed",
     "ResizableLimiter",
     "ServerLimits",
     "bound_info",
@@ -425,6 +427,10 @@ def parse_retractions(metrics_text: str) -> int | None:
     return int(sum(float(v) for v in values)) if values else None
 
 
+class NotServed(LookupError):
+    """The server has no such endpoint (404): an older release, or ``/metrics`` without ``--enable-metrics``."""
+
+
 @dataclass
 class LoadWatcher:
     """Reads the server's load every ``interval_s`` and applies the controller's moves to the limiter.
@@ -474,23 +480,29 @@ class LoadWatcher:
                 self._apply(self.controller.observe(sample))
 
     async def read(self) -> LoadSample | None:
+        """One sample (None: the server's answer was no load). A failed read raises (the caller skips it)."""
         try:
             load = parse_load(await self.get_json(self._load_path))
-        except Exception:
+        except NotServed:
             if self._load_path == "/get_load":
                 raise
             self._load_path = "/get_load"  # a release without /v1/loads
             load = parse_load(await self.get_json(self._load_path))
         if load is None:
             return None
+        # One source of the retraction counter for good (two counters mixed would read as a storm).
         retractions = None
         if self._metrics_ok:
             try:
                 retractions = parse_retractions(await self.get_text("/metrics"))
+                if retractions is None:
+                    self._metrics_ok = False  # /metrics without the counter: it is not exported
+            except NotServed:
+                self._metrics_ok = False  # no --enable-metrics
             except Exception:
-                self._metrics_ok = False  # no --enable-metrics: our answers' counts, KV and the queue steer
-        if retractions is None and self.row_retractions is not None:
-            retractions = self.row_retractions()  # later (at each request's end) and ours only, but there
+                pass  # this sample goes without a count (the controller then counts none)
+        if not self._metrics_ok and self.row_retractions is not None:
+            retractions = self.row_retractions()  # our answers' meta_info: later (at each end) and ours only
         running, waiting, used, pool = load
         return LoadSample(
             t_s=self.clock(),
@@ -535,16 +547,22 @@ def inflight_watcher(
     if settings.inflight_mode != "auto":
         return None
 
-    async def get_text(path: str) -> str:
+    async def get(path: str) -> bytes:
         status, body = await client.get(path)
+        if status == 404:
+            raise NotServed(path)
         if status != 200:
             raise RuntimeError(f"GET {path} -> {status}")
-        return body.decode("utf-8", "replace")
+        return body
+
+    async def get_json(path: str) -> Any:
+        return json.loads(await get(path))
+
+    async def get_text(path: str) -> str:
+        return (await get(path)).decode("utf-8", "replace")
 
     controller = InflightController(settings.max_inflight, ControllerConfig(interval_s=settings.inflight_interval_s))
-    return LoadWatcher(
-        controller, limiter, client.get_json, get_text, inflight, time.monotonic, on_move, row_retractions
-    )
+    return LoadWatcher(controller, limiter, get_json, get_text, inflight, time.monotonic, on_move, row_retractions)
 
 
 def bound_info(watcher: LoadWatcher | None, settings: Any) -> dict[str, Any]:
