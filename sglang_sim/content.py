@@ -37,7 +37,7 @@ How an output is built:
    ␠<|constrain|> json<|message|> ARGS… <|call|> 200012``. ``think_end=False`` never closes the reasoning
    (no ``</think>``; harmony: the analysis message runs to ``<|return|>``). Filler ids come from
    [0, the family's first special id).
-   With ``tool_catalogue`` (:mod:`sglang_sim.tools`; Kimi and Qwen3) each call's ids between its markers are a
+   With ``tool_catalogue`` (:mod:`sglang_sim.tools`; every family but harmony) each call's ids between its markers are a
    catalogue call drawn by the same RNG — a real name and JSON arguments in the family's native form, a share of
    them malformed (``malformed_tool_call_share``) — instead of filler; several calls per turn as above.
 6. SGLang's finish rules are then applied in its order (``schedule_batch.Req.check_finished``): length

@@ -10,7 +10,12 @@ draws each call from it (which tool, by the output's own RNG: still a pure funct
 What one call's body is (the ids between the family's call-begin and call-end markers, both excluded):
 
 - ``kimi``: ``functions.NAME:IDX`` ``<|tool_call_argument_begin|>`` ``ARGS`` (IDX: the call's index in its turn);
-- ``qwen3``: ``\\n{"name": NAME, "arguments": ARGS}\\n`` (Qwen3's call is a JSON object, no argument marker).
+- ``qwen3``: ``\\n{"name": NAME, "arguments": ARGS}\\n`` (Qwen3's call is a JSON object, no argument marker);
+- ``deepseek``: ``function`` ``<｜tool▁sep｜>`` ``NAME\\n```json\\nARGS\\n``` `` (R1-0528's form);
+- ``glm45``: ``NAME\\n`` then per argument ``<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n``.
+
+The body is the text encoded with the job's tokenizer, its markers included (they are added tokens: the tokenizer
+gives their ids), so it is what the family's template renders and its parser reads.
 
 A *malformed* call (``ContentConfig.malformed_tool_call_share``) has its arguments cut in half: not JSON, as a
 model that loses its way mid-call emits. A call cut by ``max_new_tokens`` needs nothing here (the output is a
@@ -28,10 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from thinkfleet import kimi
-
 #: Families whose calls a catalogue can hold (the others' calls stay filler between real markers).
-CATALOGUE_FAMILIES = ("kimi", "qwen3")
+CATALOGUE_FAMILIES = ("kimi", "qwen3", "deepseek", "glm45")
 #: Calls per turn a catalogue is built for (Kimi's header carries the index).
 MAX_CALLS_PER_TURN = 8
 
@@ -61,16 +64,28 @@ class ToolCatalogue:
         return list(table[variant][min(index, MAX_CALLS_PER_TURN - 1)])
 
 
-def call_body_text(family: str, name: str, arguments: str, index: int) -> tuple[str, str]:
-    """(text before the argument marker, text after it) of one call; Qwen3 has no marker: ("", the whole body)."""
+def call_body_text(family: str, name: str, arguments: str, index: int) -> str:
+    """One call's body text (between the family's call-begin and call-end markers), markers inside it included."""
+    try:
+        args: Any = json.loads(arguments)
+    except ValueError:  # malformed: the cut arguments as text
+        args = None
     if family == "kimi":
-        return f"functions.{name}:{index}", arguments
+        return f"functions.{name}:{index}<|tool_call_argument_begin|>{arguments}"
     if family == "qwen3":
-        try:
-            args: Any = json.loads(arguments)
-        except ValueError:  # malformed: the cut arguments as text, the object left unclosed
-            return "", '\n{"name": "' + name + '", "arguments": ' + arguments + "\n"
-        return "", "\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n"
+        if args is None:  # the object left unclosed
+            return '\n{"name": "' + name + '", "arguments": ' + arguments + "\n"
+        return "\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n"
+    if family == "deepseek":
+        return f"function<｜tool▁sep｜>{name}\n```json\n{arguments}\n```"
+    if family == "glm45":
+        if not isinstance(args, dict):  # malformed: a key without its value
+            return f"{name}\n<arg_key>{arguments}</arg_key>\n"
+        pairs = "".join(
+            f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v)}</arg_value>\n"
+            for k, v in args.items()
+        )
+        return f"{name}\n{pairs}"
     raise ValueError(f"a tool catalogue holds calls of {', '.join(CATALOGUE_FAMILIES)}, not {family!r}")
 
 
@@ -81,14 +96,8 @@ def build_catalogue(
     if family not in CATALOGUE_FAMILIES:
         raise ValueError(f"a tool catalogue holds calls of {', '.join(CATALOGUE_FAMILIES)}, not {family!r}")
 
-    def encode(text: str) -> list[int]:
-        return list(tok(text, add_special_tokens=False)["input_ids"]) if text else []
-
     def body(name: str, arguments: str, index: int) -> list[int]:
-        header, rest = call_body_text(family, name, arguments, index)
-        if family == "kimi":
-            return [*encode(header), kimi.TOOL_CALL_ARGUMENT_BEGIN, *encode(rest)]
-        return encode(rest)
+        return list(tok(call_body_text(family, name, arguments, index), add_special_tokens=False)["input_ids"])
 
     entries = []
     for name, args in tools:

@@ -1,10 +1,11 @@
 """The simulator's tool calls with a tool catalogue decode to real calls, in each family's native tokens.
 
-Given the Kimi and Qwen3 test tokenizers and a catalogue built with each (sglang_sim/tools.py), when the simulator
-answers with tool calls, then the stored spans decode (storage/conversations.py, as the worker decodes them to chain)
-to one OpenAI call per call the simulator emitted — single and parallel, in order — with the catalogue's names
-and JSON arguments; malformed calls keep their name and carry arguments that are not JSON; a call cut by
-``max_new_tokens`` is a span without its end marker. Without a catalogue the ids are exactly as before.
+Given the Kimi, Qwen3, DeepSeek and GLM-4.5 test tokenizers and a catalogue built with each (sglang_sim/tools.py),
+when the simulator answers with tool calls, then the stored spans decode (storage/conversations.py, as the worker
+decodes them to chain) to one OpenAI call per call the simulator emitted — single and parallel, in order — with the
+catalogue's names and JSON arguments; malformed calls carry arguments that are not JSON (and keep their name, but
+for Qwen3, whose call is one JSON object); a call cut by ``max_new_tokens`` is a span without its end marker.
+Without a catalogue the ids are exactly as before.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 from sglang_sim.content import ContentConfig, expected_generation
 from sglang_sim.tools import DEFAULT_TOOLS, write_catalogue
 from storage.conversations import ToolMarkers, output_message
-from storage.spans import compute_spans
+from storage.spans import compute_spans, prompt_opens_reasoning
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet import profiles
 from thinkfleet.template import load_tokenizer, render_ids
@@ -40,7 +41,7 @@ def _prompt(tok: Any) -> list[int]:
     return render_ids(tok, [{"role": "user", "content": "What is 240 / 80?"}], None, {})
 
 
-@pytest.mark.parametrize("family", ["kimi", "qwen3"])
+@pytest.mark.parametrize("family", ["kimi", "qwen3", "deepseek", "glm45"])
 def test_catalogue_calls_decode_to_named_calls_single_parallel_and_malformed(family: str, tmp_path: Path) -> None:
     tok, tokens, markers = _family(family)
     path = write_catalogue(tmp_path / "tools.json", tok, family)
@@ -53,7 +54,8 @@ def test_catalogue_calls_decode_to_named_calls_single_parallel_and_malformed(fam
     for seed in range(40):
         gen = expected_generation(base, {"max_new_tokens": 4000, "sampling_seed": seed}, config)
         assert gen.tool_call and gen.finish_reason["type"] == "stop"
-        spans = compute_spans(gen.output_ids, **{**asdict(tokens), "prompt_ends_with_think_start": family == "kimi"})
+        opens = prompt_opens_reasoning(base, tokens)
+        spans = compute_spans(gen.output_ids, **{**asdict(tokens), "prompt_ends_with_think_start": opens})
         message = output_message(
             tok, gen.output_ids, (spans.reasoning_start, spans.reasoning_end), (spans.answer_start, spans.answer_end),
             spans.tool_call_spans, markers,
@@ -70,7 +72,7 @@ def test_catalogue_calls_decode_to_named_calls_single_parallel_and_malformed(fam
                 continue
             # Malformed: arguments that are not JSON (a Qwen3 call is one JSON object: its name is lost with it).
             seen_malformed += 1
-            assert name in (names if family == "kimi" else {""}), call
+            assert name in (names if family != "qwen3" else {""}), call
             with pytest.raises(ValueError):
                 json.loads(args)
     assert seen_parallel, "some turns call several tools"
