@@ -311,7 +311,11 @@ leaves the batch short (the compute-bound server at the old default of 150). The
 throughput of the best fixed bound with no setting, and keeps the server's queue to a few tens. Its
 steady-state variation (CV above) follows the server's own: a KV-bound batch swings with the lengths of
 the requests it holds; the bound follows a slow mean plus its spread, and moves faster only for a change
-that lasts (≥ 35% for 20 s of a 20 s mean), so a long dip of the batch moves it too.
+that lasts (≥ 35% for 20 s of a 20 s mean), so a long dip of the batch moves it too. Weak spot, visible in
+the KV-bound plots: at the start the server takes everything (young requests hold little KV), so the bound
+climbs to a few hundred in the first minute before the batch fills the KV; it comes back down within
+minutes, but the requests already sent wait in the server's queue until they run (15-30 simulated minutes
+there). Throughput does not suffer; the queue is long meanwhile.
 
 What this is and is not: the server is sglang_sim's engine (step cost, KV admission with
 new_token_ratio, retraction of the request with the fewest output tokens, full recompute), not a GPU;
