@@ -476,8 +476,11 @@ class LoadWatcher:
             except Exception as exc:  # the server may be restarting: the gate handles that
                 log.debug("load read failed: %s", exc)
                 continue
-            if sample is not None:
-                self._apply(self.controller.observe(sample))
+            try:
+                if sample is not None:
+                    self._apply(self.controller.observe(sample))
+            except Exception:  # a bug here must not freeze the bound where it is without a word
+                log.exception("in-flight controller failed on %s", sample)
 
     async def read(self) -> LoadSample | None:
         """One sample (None: the server's answer was no load). A failed read raises (the caller skips it)."""
