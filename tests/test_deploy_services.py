@@ -403,7 +403,8 @@ def test_worker_serves_metrics_with_the_configured_bound(fleet: Fleet) -> None:
     status, body = http(fleet.metrics_url)
     assert status == 200
     metrics = body.decode()
-    bound = re.search(r"^thinkfleet_inflight_bound (\S+)$", metrics, flags=re.MULTILINE)
+    # The configured THINKFLEET_MAX_INFLIGHT is the cap (inflight_mode auto moves thinkfleet_inflight_bound under it).
+    bound = re.search(r"^thinkfleet_inflight_cap (\S+)$", metrics, flags=re.MULTILINE)
     assert bound and float(bound.group(1)) == float(dotenv()["THINKFLEET_MAX_INFLIGHT"])
     completed = re.findall(r'^thinkfleet_completed_total\{dataset="(\w+)"\} (\S+)$', metrics, flags=re.MULTILINE)
     assert {name: float(n) for name, n in completed} == {"math": 6.0, "code": 6.0}
