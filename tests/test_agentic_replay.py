@@ -299,6 +299,12 @@ def test_executor_results_feed_the_next_step_and_it_runs_at_most_once_per_step_r
     ended = [a for a in _records(run, run.executor_job).values() if a.get("chain_end") == "tool_error"]
     counters = run.client.hgetall(run.settings.keys.counters(run.executor_job))
     assert int(counters.get(b"tool_errors", 0)) == len(ended)
+    # producer status shows them, and every conversation is settled: complete, or ended with its reason.
+    status = producer_cli(run.settings, "status", run.executor_job, "--deep", "--json")
+    assert status.returncode == 0, status.stderr
+    convs = json.loads(status.stdout)["conversations"]
+    assert convs["tool_errors"] == len(ended)
+    assert convs["complete"] + convs["chain_ended"] == convs["total"] == CONVERSATIONS and convs["in_progress"] == 0
 
 
 def test_verify_passes_and_the_messages_export_carries_the_fed_tool_messages(
