@@ -20,6 +20,8 @@ section of BENCHMARKS.md. Not a CI test: 1M prompts take ~30 min to write on two
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -27,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -117,28 +120,42 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=2, help="processes writing the job")
     parser.add_argument("--from-json", action="store_true", help="only rewrite the section from the saved JSON")
     args = parser.parse_args()
-    saved = json.loads(JSON_PATH.read_text()) if JSON_PATH.exists() else {"cases": {}}
     if not args.from_json:
         workdir = Path(args.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         root, info = ensure_job(workdir, args.prompts, args.scale, args.rows_per_part, args.procs)
         print(f"job: {info}", flush=True)
         old_tree = None if args.no_old else ensure_baseline(workdir, args.baseline)
-        case: dict[str, Any] = {"job": info, "memory_mb": args.memory_mb or 1024, "commands": {}}
+        key = f"{args.prompts}-x{args.scale}"
+        code, cpu = code_version(), _cpu()
         for cmd in args.commands.split(","):
             entry: dict[str, Any] = {"new": measure(ROOT, cmd, root, args.memory_mb)}
             if old_tree is not None:
                 entry["old"] = measure(old_tree, cmd, root, None)
                 entry["same_output"] = entry["old"].get("digest") == entry["new"].get("digest")
-            case["commands"][cmd] = entry
             print(f"BENCH_SCALE_STORAGE {cmd} {json.dumps(entry)}", flush=True)
-        case["code"] = code_version()
-        case["cpu"] = _cpu()
-        saved["cases"][f"{args.prompts}-x{args.scale}"] = case
-        JSON_PATH.parent.mkdir(parents=True, exist_ok=True)
-        JSON_PATH.write_text(json.dumps(saved, indent=2, sort_keys=True))
+            # Saved command by command (a later run of other commands adds to the case).
+            with _locked() as saved:
+                case = saved["cases"].setdefault(key, {"commands": {}})
+                case.update(job=info, memory_mb=args.memory_mb or 1024, code=code, cpu=cpu)
+                kept = case["commands"].get(cmd, {}).get("old")
+                if old_tree is None and kept is not None:  # --no-old: the baseline measured before stays
+                    entry["old"], entry["same_output"] = kept, kept.get("digest") == entry["new"].get("digest")
+                case["commands"][cmd] = entry
+    saved = json.loads(JSON_PATH.read_text()) if JSON_PATH.exists() else {"cases": {}}
     update_section("bench_scale_storage", "Scale: storage commands", markdown(saved))
     print(markdown(saved))
+
+
+@contextlib.contextmanager
+def _locked() -> Iterator[dict[str, Any]]:
+    """The saved results, read and written back under a lock (two runs may share the file)."""
+    JSON_PATH.parent.mkdir(parents=True, exist_ok=True)
+    with open(JSON_PATH.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        saved = json.loads(JSON_PATH.read_text()) if JSON_PATH.exists() else {"cases": {}}
+        yield saved
+        JSON_PATH.write_text(json.dumps(saved, indent=2, sort_keys=True))
 
 
 def _cpu() -> str:

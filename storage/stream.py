@@ -71,6 +71,8 @@ _ROW_FIXED_BYTES = 400
 #: --logprobs K: the K the estimate assumes for the top-logprob columns (their K is not among the keys).
 _TOP_K_ESTIMATE = 20
 DEFAULT_MEMORY_BYTES = 1 << 30
+#: The columns that make a row large (ids, logprobs): without them a row's columns cost about what its keys do.
+_BULKY = frozenset({INPUT_IDS, OUTPUT_IDS, OUTPUT_LOGPROBS, TOP_LOGPROB_IDS, TOP_LOGPROBS})
 #: Decoded Arrow bytes per stored Parquet byte, at most (zstd-1 on token ids is ~1.5-2x; spans and strings more).
 _EXPANSION = 4
 
@@ -142,7 +144,9 @@ def plan_parts(
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
 ) -> Plan:
     """:func:`plan` of exactly these parts (a compaction's snapshot). Raises ``PartVanished``."""
-    small = sum(p.size or 0 for p in parts) * _EXPANSION <= memory_bytes // 4
+    # One pass when everything fits, or when only narrow columns are asked for: then the rows cost about what their
+    # keys do, which pass 1 holds anyway (report's columns).
+    small = sum(p.size or 0 for p in parts) * _EXPANSION <= memory_bytes // 4 or not set(columns) & _BULKY
     found = _plan(loc, [p.path for p in parts], [*key_columns, *(columns if small else ())])
     found.memory_bytes = memory_bytes
     return found
