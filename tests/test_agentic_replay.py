@@ -315,6 +315,7 @@ def test_verify_passes_and_the_messages_export_carries_the_fed_tool_messages(
     run = agentic_job
     verified = producer_cli(run.settings, "verify", run.job, "--json")
     assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert json.loads(verified.stdout)["step_prompt_mismatch"] == []
     out = tmp_path / "m.jsonl"
     export_job(run.settings, run.job, "messages", str(out), tokenizer=str(run.tok_dir))
     records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
@@ -329,6 +330,16 @@ def test_verify_passes_and_the_messages_export_carries_the_fed_tool_messages(
         if fed:
             assert following[-1 - len(fed) : -1] == fed
             assert following[-2 - len(fed)]["tool_calls"] == answer["tool_calls"]
+    # A step rendered from another history (here: a fed result changed since) is named by verify.
+    key = run.settings.keys.turn_answers(run.job)
+    pid, answer = next((p, a) for p, a in answers.items() if a.get("tool_results") and a.get("next"))
+    changed = {**answer, "tool_results": [{**m, "content": "changed"} for m in answer["tool_results"]]}
+    run.client.hset(key, pid, json.dumps(changed))
+    try:
+        verified = producer_cli(run.settings, "verify", run.job, "--json")
+        assert verified.returncode != 0 and answer["next"] in json.loads(verified.stdout)["step_prompt_mismatch"]
+    finally:
+        run.client.hset(key, pid, json.dumps(answer))
 
 
 def test_merge_turns_gives_one_sample_per_conversation_over_model_emitted_ids_only(
