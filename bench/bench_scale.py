@@ -194,8 +194,11 @@ def _run_cli(settings: Settings, *args: str, stop_after_s: float | None = None, 
     proc = subprocess.Popen([sys.executable, "-m", "producer.cli", *args], env=cli_env(settings),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     out: list[str] = []
+    err: list[str] = []
     reader = threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True)  # type: ignore[union-attr]
     reader.start()
+    errors = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)  # type: ignore[union-attr]
+    errors.start()
     if stop_after_s is not None:
         try:
             proc.wait(timeout=stop_after_s)
@@ -204,6 +207,7 @@ def _run_cli(settings: Settings, *args: str, stop_after_s: float | None = None, 
     _pid, status, usage = os.wait4(proc.pid, 0)
     wall = time.monotonic() - started
     reader.join(5)
+    errors.join(5)
     cpu1, (calls1, usec1) = redis_cpu_s(client), commandstats_usec(client)
     client.close()
     return {
@@ -214,6 +218,7 @@ def _run_cli(settings: Settings, *args: str, stop_after_s: float | None = None, 
         "redis_commands": calls1 - calls0,
         "redis_command_usec": usec1 - usec0,
         "stdout": out[0] if out else "",  # the caller takes what it needs (pop) before the figures are kept
+        "stderr_tail": (err[0] if err else "")[-600:],
     }
 
 
@@ -243,6 +248,16 @@ def measure_reads(settings: Settings, idle: float, reads: int = 20) -> dict[str,
     }
 
 
+def _last_json(text: str) -> dict[str, Any]:
+    """The last JSON line a command printed ({} when it printed none: it failed, see its stderr_tail)."""
+    for line in reversed(text.strip().splitlines()):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return {}
+
+
 def measure_commands(settings: Settings) -> dict[str, Any]:
     client = redis.Redis.from_url(settings.redis_url)
     idle = idle_cpu_s_per_s(client)
@@ -250,19 +265,16 @@ def measure_commands(settings: Settings) -> dict[str, Any]:
     reads = measure_reads(settings, idle)
     status = [_run_cli(settings, "status", JOB, "--json", idle=idle) for _ in range(3)]
     for s in status:
-        st = json.loads(s.pop("stdout"))
-        s["mode"] = st["mode"]
+        s["mode"] = _last_json(s.pop("stdout")).get("mode")
     deep = _run_cli(settings, "status", JOB, "--json", "--deep", idle=idle)
-    deep_st = json.loads(deep.pop("stdout"))
-    deep["unaccounted"] = deep_st["unaccounted"]
+    deep["unaccounted"] = _last_json(deep.pop("stdout")).get("unaccounted")
     wait = _run_cli(settings, "wait", JOB, "--timeout", str(WATCH_S), "--interval", "2", "--json", idle=idle)
-    wait["mode"] = json.loads(wait.pop("stdout").strip().splitlines()[-1])["mode"]
+    wait["mode"] = _last_json(wait.pop("stdout")).get("mode")
     watch = _run_cli(settings, "status", JOB, "--watch", "--interval", "2", stop_after_s=WATCH_S, idle=idle)
     # the periodic check wait and --watch run (every 300 s at most 1 % of Redis): its cost, in constant memory
     check = _run_cli(settings, "wait", JOB, "--timeout", "1", "--check-every", "0", "--interval", "2", "--json",
                      idle=idle)  # fmt: skip
-    check_st = json.loads(check.pop("stdout").strip().splitlines()[-1])
-    check["unaccounted"] = (check_st.get("checked") or {}).get("unaccounted")  # the check's verdict, recorded
+    check["unaccounted"] = (_last_json(check.pop("stdout")).get("checked") or {}).get("unaccounted")
     watch["lines"] = len([line for line in watch.pop("stdout").splitlines() if line.strip()])
     best = min(status, key=lambda s: s["wall_s"])
     return {
@@ -358,6 +370,8 @@ def measure_submit(settings: Settings, n: int, workdir: Path, processes: int) ->
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"sizes": {}, "code": code_version()}
+    if args.merge and args.merge.exists():  # sizes measured by an earlier run (e.g. 88k with --submit)
+        results["sizes"].update(json.loads(args.merge.read_text())["sizes"])
     for n in args.prompts:
         with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
             server = RedisProcess(Path(tmp)).start()
@@ -380,6 +394,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 client.close()
                 results["sizes"][str(n)] = figures
                 print(json.dumps(figures, indent=1), flush=True)
+                write_json(args.out, results)  # what is measured so far survives a later size's failure
             finally:
                 server.stop(kill=True)
     results["ceiling"] = ceiling(results)
@@ -482,6 +497,7 @@ def main() -> None:
     ap.add_argument("--processes", type=int, default=2, help="Render processes of the timed submit.")
     ap.add_argument("--from-json", type=Path, help="Rewrite the section from a saved result; run nothing.")
     ap.add_argument("--out", type=Path, default=RESULTS / "scale.json")
+    ap.add_argument("--merge", type=Path, help="Keep the sizes of this earlier result, add the ones measured now.")
     args = ap.parse_args()
     if args.from_json:
         figures = json.loads(args.from_json.read_text())

@@ -38,6 +38,7 @@ SECTIONS = (
     ("bench_worker", "bench.bench_worker", "worker.json"),
     ("bench_producer", "bench.bench_producer", "producer.json"),
     ("bench_fleet", "bench.bench_fleet", "fleet.json"),
+    ("bench_scale", "bench.bench_scale", "scale.json"),
 )
 
 

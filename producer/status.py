@@ -78,8 +78,9 @@ class StatusReader:
             broker = broker_client(r, self.settings)
         except NotObservable:
             broker = None
+        messages = broker_messages(broker, self.settings, job) if broker is not None else None
         if deep is None:
-            deep = self.deep or self._cheap(broker, record)
+            deep = self.deep or self._cheap(messages, record)
         counts = read_counts(r, keys, job, sorted(record.datasets))
         if deep:
             totals, datasets, unaccounted_ids, observable = self._deep(broker)
@@ -122,6 +123,8 @@ class StatusReader:
             "eta_s": None if eta is None else round(eta, 1),
             "alarm": _json_or_text(alarm_raw),
             "queue_length": queue_length(r, self.settings.queue),
+            # messages on the broker a full scan would read (all jobs'; null: not a Redis broker)
+            "broker_messages": messages,
             "output_tokens": counters.get("output_tokens", 0),
             "truncated": counters.get("truncated", 0),
             "missing_think_end": counters.get("missing_think_end", 0),
@@ -136,16 +139,14 @@ class StatusReader:
             **self._turns(counters, deep),
         }
 
-    def _cheap(self, broker: redis.Redis | None, record: JobRecord) -> bool:
+    def _cheap(self, messages: int | None, record: JobRecord) -> bool:
         """Whether a full scan costs Redis only a few ms: few prompts, few messages on the broker."""
         if (
             record.prompts > AUTO_DEEP_PROMPTS
             or self.client.hlen(self.settings.keys.prompts(self.job)) > AUTO_DEEP_PROMPTS
         ):
             return False
-        if broker is None:
-            return True
-        return broker_messages(broker, self.settings, self.job) <= AUTO_DEEP_MESSAGES
+        return messages is None or messages <= AUTO_DEEP_MESSAGES
 
     def _from_counters(self, counts: Any, observable: bool) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
         """Counts from the counters; running = live claims (read per dataset when there are several)."""
@@ -432,6 +433,8 @@ class CheckClock:
     every_s: float = 300.0
     max_share: float = 0.01
     next_at: float = 0.0
+    _last_at: float = field(default=float("-inf"), repr=False)
+    _last_took_s: float = field(default=0.0, repr=False)
 
     def __post_init__(self) -> None:
         self.next_at = time.monotonic() + self.every_s
@@ -439,10 +442,16 @@ class CheckClock:
     def due(self) -> bool:
         return time.monotonic() >= self.next_at
 
+    def may_run_early(self) -> bool:
+        """Whether a check now, ahead of ``every_s``, keeps within the share (a suspicion: the broker is empty
+        while prompts are pending)."""
+        return time.monotonic() >= self._last_at + self._last_took_s / self.max_share
+
     def ran(self, took_s: float, soon_s: float | None = None) -> None:
         """A check took ``took_s``; the next one after ``soon_s`` (default ``every_s``), bounded by the share."""
         wait_s = self.every_s if soon_s is None else soon_s
-        self.next_at = time.monotonic() + max(wait_s, took_s / self.max_share)
+        self._last_at, self._last_took_s = time.monotonic(), took_s
+        self.next_at = self._last_at + max(wait_s, took_s / self.max_share)
 
 
 def format_duration(seconds: float | None) -> str:

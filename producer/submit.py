@@ -497,7 +497,7 @@ class _Collector:
         self.finished = existing.finished
         self.reports: dict[str, DatasetReport] = collections.defaultdict(DatasetReport)
         #: manifest rows (every valid prompt of this submission), spooled to a local file until the submit commits
-        self.spool = _ManifestSpool()
+        self.spool = _ManifestSpool(keep=not opts.dry_run)  # a dry run writes no manifest: nothing to spool
         self.prompt_stager: PromptStager | None = None  # where the prompt hashes go (None: a dry run)
         self.lengths = array("I")  # prompt lengths in tokens (4 bytes a prompt)
         self.new_per_dataset: collections.Counter[str] = collections.Counter()  # prompts new to the job
@@ -610,15 +610,19 @@ class _ManifestSpool:
     #: Rows per manifest file written to storage (the write holds this many, and their Arrow table, at once).
     FILE_ROWS = 25_000
 
-    def __init__(self) -> None:
-        # closed by close() (the submit's finally), not a with-block: the spool lives across the render loop
+    def __init__(self, keep: bool = True) -> None:
+        # closed by close() (the submit's finally), not a with-block: the spool lives across the render loop.
+        # On disk it takes about what the dataset's messages take in its own files.
         self._file = tempfile.TemporaryFile(prefix="thinkfleet-manifest-")  # noqa: SIM115
         self._chunk: list[dict[str, Any]] = []
+        self.keep = keep
         self.rows = 0
 
     def add(self, row: dict[str, Any]) -> None:
-        self._chunk.append(row)
         self.rows += 1
+        if not self.keep:
+            return
+        self._chunk.append(row)
         if len(self._chunk) >= self.CHUNK:
             self._dump()
 

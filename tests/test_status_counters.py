@@ -256,9 +256,25 @@ def test_wait_on_a_large_job_finds_a_lost_prompt_by_its_periodic_check(
     monkeypatch.setattr(status, "AUTO_DEEP_MESSAGES", 0)  # read from counters, as a job of 88k prompts is
     raw = next(m for m in redis_client.lrange(job.queue, 0, -1) if decode_message(m).prompt_id == "alpha/r3")
     redis_client.lrem(job.queue, 1, raw)
-    args = ["wait", JOB, "--lost-after", "0.3", "--check-every", "0.1", "--interval", "0.1", "--timeout", "60",
+    args = ["wait", JOB, "--lost-after", "0.3", "--check-every", "0.1", "--interval", "0.1", "--timeout", "900",
             "--redis-url", job.redis_url, "--key-prefix", job.key_prefix, "--queue", job.queue]  # fmt: skip
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 3, result.output
     assert "alpha/r3" in result.output and "re-enqueues" in result.output
     assert last_check(redis_client, job.keys, JOB)["unaccounted"] == 1  # type: ignore[index]
+
+
+def test_wait_checks_early_when_the_broker_is_empty_and_prompts_are_pending(
+    job: Settings, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import producer.status as status
+
+    monkeypatch.setattr(status, "AUTO_DEEP_MESSAGES", -1)  # read from counters, as a large job is
+    redis_client.delete(job.queue)  # every message gone, nothing running: all 20 lost
+    args = ["wait", JOB, "--lost-after", "0.3", "--interval", "0.1", "--timeout", "900", "--redis-url",
+            job.redis_url, "--key-prefix", job.key_prefix, "--queue", job.queue]  # fmt: skip
+    # --check-every stays 300 s: the suspicion brings the check forward (the confirming one comes once the first's
+    # cost allows, at most 1 % of the time: seconds here, more on a loaded box — hence the long --timeout)
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 3, result.output
+    assert "20 prompt(s)" in result.output
