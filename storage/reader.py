@@ -200,15 +200,23 @@ def _scan(loc: layout.Location, job: str, columns: list[str], datasets: Sequence
 
 
 def scan_parts(
-    loc: layout.Location, paths: list[str], columns: list[str], *, damaged: list[str] | None = None
+    loc: layout.Location,
+    paths: list[str],
+    columns: list[str],
+    *,
+    damaged: list[str] | None = None,
+    check_all: bool = False,
 ) -> pa.Table:
     """Read ``columns`` of exactly these part files, adding the ``part`` URI of each row.
 
-    Page checksums are verified. A damaged part is quarantined (:mod:`storage.quarantine`) and left out: its
-    path is appended to ``damaged`` when given. I/O errors raise; a part gone since it was listed raises
+    Page checksums are verified (``check_all``: of every column, as :func:`check_parts` does, while only
+    ``columns`` are kept). A damaged part is quarantined (:mod:`storage.quarantine`) and left out: its path is
+    appended to ``damaged`` when given. I/O errors raise; a part gone since it was listed raises
     :class:`storage.quarantine.PartVanished`."""
     schema = pa.schema([*(SCHEMA.field(c) for c in columns), pa.field(PART, pa.string(), nullable=False)])
-    batches = [_tagged(loc, path, b, schema) for path, part in _read_parts(loc, paths, columns, damaged) for b in part]
+    read = columns if not check_all else list(dict.fromkeys([*columns, *SCHEMA.names]))
+    parts = _read_parts(loc, paths, read, damaged, hold=columns)
+    batches = [_tagged(loc, path, b, schema) for path, part in parts for b in part]
     return pa.Table.from_batches(batches, schema=schema)
 
 
@@ -245,17 +253,29 @@ _SCAN_PARTS = 256
 
 
 def _read_parts(
-    loc: layout.Location, paths: list[str], columns: Sequence[str], damaged: list[str] | None, *, keep: bool = True
+    loc: layout.Location,
+    paths: list[str],
+    columns: Sequence[str],
+    damaged: list[str] | None,
+    *,
+    keep: bool = True,
+    hold: Sequence[str] | None = None,
 ) -> list[tuple[str, list[pa.RecordBatch]]]:
     """:func:`_read_some` over ``paths``, :data:`_SCAN_PARTS` of them at a time."""
     out: list[tuple[str, list[pa.RecordBatch]]] = []
     for start in range(0, len(paths), _SCAN_PARTS):
-        out.extend(_read_some(loc, paths[start : start + _SCAN_PARTS], columns, damaged, keep=keep))
+        out.extend(_read_some(loc, paths[start : start + _SCAN_PARTS], columns, damaged, keep=keep, hold=hold))
     return out
 
 
 def _read_some(
-    loc: layout.Location, paths: list[str], columns: Sequence[str], damaged: list[str] | None, *, keep: bool = True
+    loc: layout.Location,
+    paths: list[str],
+    columns: Sequence[str],
+    damaged: list[str] | None,
+    *,
+    keep: bool = True,
+    hold: Sequence[str] | None = None,
 ) -> list[tuple[str, list[pa.RecordBatch]]]:
     """The batches of every part in ``paths`` that is not damaged, page checksums verified (``keep=False``: only
     check, keep nothing); damaged parts are quarantined, left out and appended to ``damaged``.
@@ -285,7 +305,7 @@ def _read_some(
                 suspects.add(path)
                 held.pop(path, None)
             elif keep:
-                held.setdefault(path, []).append(batch.select(list(columns)))
+                held.setdefault(path, []).append(batch.select(list(hold or columns)))
     except Exception:  # which part, and whether damage or I/O: the careful read below tells
         held, suspects = {}, set(paths)
     careful = [p for p in paths if p in suspects]
@@ -298,5 +318,5 @@ def _read_some(
                     if damaged is not None:
                         damaged.append(path)
                 elif keep:
-                    found[path] = table.to_batches()
+                    found[path] = table.select(list(hold or columns)).to_batches()
     return [(p, held.get(p) or found.get(p) or []) for p in paths if p not in suspects or p in found]

@@ -93,6 +93,7 @@ class Plan:
     )  # every stored row: the key columns + PART_NO + ROW_NO (what reader.duplicate_rows takes, PART_NO for PART)
     winners: pa.Table  # the committed row of every prompt, in prompt_id order (the same columns)
     memory_bytes: int = DEFAULT_MEMORY_BYTES  # what the second pass sizes its reads and tables to
+    damaged: list[str] = field(default_factory=list)  # check_all: the parts found damaged (quarantined), URIs
     _per_token: dict[str, float] = field(default_factory=dict)
 
     def per_output_token(self, column: str) -> float:
@@ -119,16 +120,25 @@ def plan(
     *,
     columns: Sequence[str] = (),
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
+    check_all: bool = False,
 ) -> Plan:
     """Pass 1 over the parts of ``job`` (or of ``datasets``): keys, sizes and winners.
+
+    ``check_all``: decode every column of every part on the way, page checksums verified (what
+    :func:`storage.reader.check_parts` does, in the same pass): the parts found damaged are quarantined and named
+    in :attr:`Plan.damaged`.
 
     ``columns``: what the second pass will read. When every part together is small next to ``memory_bytes``
     (their files, times :data:`_EXPANSION`, under a quarter of it), they are read here with the keys — one pass,
     as fast as a whole read — and the winners carry them (:attr:`Plan.holds`)."""
+    damaged: list[str] = []  # across relists: a part quarantined by an earlier try is not listed again
     for attempt in range(reader._RELISTS):
         parts = layout.list_parts(loc, job, list(datasets) if datasets is not None else None)
         try:
-            return plan_parts(loc, parts, key_columns, columns=columns, memory_bytes=memory_bytes)
+            found = plan_parts(loc, parts, key_columns, columns=columns, memory_bytes=memory_bytes, check_all=check_all,
+                               damaged=damaged)  # fmt: skip
+            found.damaged = [loc.uri(p) for p in damaged]
+            return found
         except quarantine.PartVanished:
             if attempt == reader._RELISTS - 1:
                 raise
@@ -142,17 +152,25 @@ def plan_parts(
     *,
     columns: Sequence[str] = (),
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
+    check_all: bool = False,
+    damaged: list[str] | None = None,
 ) -> Plan:
     """:func:`plan` of exactly these parts (a compaction's snapshot). Raises ``PartVanished``."""
     # One pass when everything fits, or when only narrow columns are asked for: then the rows cost about what their
     # keys do, which pass 1 holds anyway (report's columns).
     small = sum(p.size or 0 for p in parts) * _EXPANSION <= memory_bytes // 4 or not set(columns) & _BULKY
-    found = _plan(loc, [p.path for p in parts], [*key_columns, *(columns if small else ())])
+    found = _plan(loc, [p.path for p in parts], [*key_columns, *(columns if small else ())], check_all, damaged)
     found.memory_bytes = memory_bytes
     return found
 
 
-def _plan(loc: layout.Location, paths: list[str], key_columns: Sequence[str]) -> Plan:
+def _plan(
+    loc: layout.Location,
+    paths: list[str],
+    key_columns: Sequence[str],
+    check_all: bool = False,
+    damaged: list[str] | None = None,
+) -> Plan:
     columns = list(dict.fromkeys([*_WINNER_KEYS, *_SIZE_KEYS, *key_columns]))
     schema = pa.schema(
         [*(SCHEMA.field(c) for c in columns), pa.field(PART_NO, pa.int32()), pa.field(ROW_NO, pa.int32())]
@@ -162,7 +180,10 @@ def _plan(loc: layout.Location, paths: list[str], key_columns: Sequence[str]) ->
     for start in range(0, len(paths), _KEY_SCAN_PARTS):
         chunk = paths[start : start + _KEY_SCAN_PARTS]
         # A damaged part is quarantined by the read and left out: it holds no rows here.
-        table = reader.scan_parts(loc, chunk, columns)
+        if check_all:
+            table = reader.scan_parts(loc, chunk, columns, damaged=damaged, check_all=True)
+        else:  # (the call compaction's tests watch)
+            table = reader.scan_parts(loc, chunk, columns)
         number = pc.index_in(table[reader.PART], value_set=pa.array([loc.uri(c) for c in chunk])).to_numpy()
         number = number.astype(np.int32) + start
         counts = np.bincount(number - start, minlength=len(chunk))

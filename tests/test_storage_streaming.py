@@ -27,7 +27,7 @@ JOB = "job"
 #: Outputs of the pre-streaming code on write_job(…, 1500 prompts, 9 rows a part): 174 parts, 1554 stored rows with
 #: fenced rows, retries and duplicates among them.
 GOLDEN_SHORT = {
-    "verify": "b021d61f933fc85140beaf399d554d1de5103c0e189a84d1bb0bf11ed12c102a",
+    "verify": "6a52fef3223c1b3f202fe602caef6b8d572336d3459e6cb4c6a719b786306ca9",
     "report": "7363db2f8d1408524cd48a06fa49705c8622a9632bb1f114b232e816cb94d384",
     "export-eagle3": "41fa85b78fca0a38e6d9f65e29c6f113577aa8d0dfbbbe0d80ba6372b165901a",
     "export-eagle3-jsonl": "71171855431d8c2f05faa53765ccc0a3cdfc82063960f5c8de57854784029fa6",
@@ -37,7 +37,7 @@ GOLDEN_SHORT = {
 }
 #: … on write_job(…, 1200 prompts, 9 rows a part, 20x longer outputs).
 GOLDEN_LONG = {
-    "verify": "144b3128da98582d6c10dfd5ed485873c22793ee0dd94edec7c11f1a64b4be29",
+    "verify": "ba5d37eb1a891c4298170dfd9ccda9c2c86adad3fa03e4ecb3d11b9ffccd1002",
     "report": "ca6972ecbe8f2cecf9c7e1a043d67bacd5644ae43ce9aa58f2ffe7a18e1ce562",
     "export-eagle3": "f766581967247326391407ed52964bec5f9162abeeab0a39bdb6b74491378a56",
     "export-eagle3-jsonl": "0ad8e94caf38f755489573fc3e64f8e0f5ac39471ba380936ba23137f17e6d4f",
