@@ -153,8 +153,9 @@ SIM_CONTENT = {"tool_call_share": 0.6, "length_median_tokens": 60.0, "max_tool_c
 @pytest.fixture(scope="module")
 def agentic_job(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgenticJob]:
     """Two agentic jobs on one fleet: ``agentic`` (replay, keep_recorded) and ``agentic-exec`` (the logging example
-    executor). w1 is SIGKILLed between a part write and its finalize, w3 after an executor's results are recorded
-    and before the step's part is written; w2 finishes."""
+    executor). Three workers are SIGKILLed: between a part write and its finalize, after an executor's results are
+    recorded and before the step's part is written, after an executor answered and before its results are recorded;
+    w2, started once they died, finishes."""
     tmp_path = tmp_path_factory.mktemp("agentic")
     (tmp_path / "logs").mkdir()
     fp_dir = tmp_path / "failpoints"
@@ -180,11 +181,10 @@ def agentic_job(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFact
         def armed(point: str) -> dict[str, str]:
             return {**env, failpoints.ENV: f"{point}=kill", failpoints.DIR_ENV: str(fp_dir)}
 
-        w1 = WorkerProcess("w1", armed("after_part_write"), tmp_path / "logs").start()
-        w2 = WorkerProcess("w2", env, tmp_path / "logs").start()
-        w3 = WorkerProcess("w3", armed("after_tool_record"), tmp_path / "logs").start()
+        points = ("after_part_write", "after_tool_record", "after_tool_call")
+        workers = [WorkerProcess(f"w-{point}", armed(point), tmp_path / "logs").start() for point in points]
         try:
-            for w in (w1, w2, w3):
+            for w in workers:
                 w.wait_ready(client, settings.keys)
             common = [
                 "--tokenizer", str(tok_dir), "--processes", "1", "--no-progress", "--max-new-tokens", "400",
@@ -204,9 +204,16 @@ def agentic_job(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFact
                         return False
                 return True
 
+            # The armed workers alone until each has died at its point (or the jobs are done): which worker a step
+            # reaches then decides nothing. Then the survivor finishes.
+            def fired() -> bool:
+                return all((fp_dir / f"failpoint-{point}-0").exists() for point in points) or settled()
+
+            wait_until(fired, 240, what="the armed workers' failpoints")
+            workers.append(WorkerProcess("w2", env, tmp_path / "logs").start())
             wait_until(settled, 240, what="every step of both agentic jobs")
         finally:
-            for w in (w1, w2, w3):
+            for w in workers:
                 w.terminate()
     yield AgenticJob(settings, client, job, data, tok_dir, content, fp_dir, exec_job, Path(f"{executor}.calls"))
     client.close()
@@ -297,6 +304,10 @@ def test_executor_results_feed_the_next_step_and_it_runs_at_most_once_per_step_r
     ids = run.executor_log.read_text().split()
     assert len(ids) == len(set(ids)) and ids
     ended = [a for a in _records(run, run.executor_job).values() if a.get("chain_end") == "tool_error"]
+    # The worker killed between the call and its record left a pending mark: that step is not called again, its
+    # chain ends with tool_error (at most once, rather than maybe twice).
+    assert (run.fp_dir / "failpoint-after_tool_call-0").exists()
+    assert any("no recorded outcome" in a.get("tool_error", "") for a in ended)
     counters = run.client.hgetall(run.settings.keys.counters(run.executor_job))
     assert int(counters.get(b"tool_errors", 0)) == len(ended)
     # producer status shows them, and every conversation is settled: complete, or ended with its reason.
