@@ -697,6 +697,7 @@ AMBIGUOUS = {
     *("select", "save", "reset", "type", "move", "discard", "publish", "monitor", "lock", "object", "lastsave"),
     *("shutdown",),  # ThreadPoolExecutor.shutdown (workers/pool.py), not SHUTDOWN
     *("get", "set", "exists", "delete", "execute", "update", "role", "from_url", "parse_response"),
+    *("from_pool", "dump", "json"),  # Redis.from_pool builds a client; pickle.dump, not DUMP; aiohttp's .json()
 }
 #: redis-py helpers → the commands they send.
 HELPERS = {
