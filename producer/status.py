@@ -249,23 +249,29 @@ class StatusReader:
         done = {m.decode() for m in r.smembers(keys.done(job))}
         dead = {k.decode() for k in r.hkeys(keys.dead(job))}
         ended: set[str] = set()
+        agentic = bool(meta.get("tool_results"))  # steps …/t{i}s{j}: a turn ends at its step without a next
+        finals: set[tuple[str, int]] = set()
         for pid, raw in r.hscan_iter(answers_key(keys, job), count=1000):
             if b"chain_end" in raw and "chain_end" in (_json_or_text(raw) or {}):
                 parts = split_turn_id(pid.decode())
                 if parts is not None:
                     ended.add(parts[0])
+            elif agentic and b'"next"' not in raw and (parts := split_turn_id(pid.decode())) is not None:
+                finals.add(parts)
+        dead_in = {p[0] for p in map(split_turn_id, dead) if p is not None} if agentic else set()
         total = complete = chain_ended = dead_convs = 0
         for conv, raw in r.hscan_iter(conversations_key(keys, job), count=1000):
             total += 1
             c, count = conv.decode(), int(json.loads(raw)["turn_count"])
-            if turn_id(c, count - 1) in done:
+            if (c, count - 1) in finals if agentic else turn_id(c, count - 1) in done:
                 complete += 1
             elif c in ended:
                 chain_ended += 1
-            elif any(turn_id(c, t) in dead for t in range(count)):
+            elif c in dead_in or any(turn_id(c, t) in dead for t in range(count)):
                 dead_convs += 1
         total = max(total, int(meta.get("conversations") or 0))
         turns_done = sum(1 for pid in done if split_turn_id(pid) is not None)
+        tools = {"tool_errors": counters.get("tool_errors", 0)} if agentic else {}  # executor failures: tool_error
         return {
             "conversations": {
                 "total": total,
@@ -274,6 +280,7 @@ class StatusReader:
                 "cut_at_tool": int(meta.get("cut_at_tool") or 0),
                 "chain_ended": chain_ended,
                 "dead": dead_convs,
+                **tools,
             },
             "turns": {
                 "planned": int(meta.get("turns") or 0),

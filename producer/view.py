@@ -166,7 +166,9 @@ def status_view(st: dict[str, Any]) -> Group:
             Text(
                 f"conversations (--turns all): {_n(c['complete'])}/{c['total']:,} complete, {_n(c['in_progress'])} "
                 f"in progress, {_n(c['chain_ended'])} ended at a tool call, {_n(c.get('dead', 0))} stopped at a dead "
-                f"turn, {c['cut_at_tool']:,} cut at a dataset tool call   turns: {t['done']:,} done of "
+                f"turn, {c['cut_at_tool']:,} cut at a dataset tool call"
+                + (f", {c['tool_errors']:,} tool errors" if "tool_errors" in c else "")
+                + f"   turns: {t['done']:,} done of "
                 f"{t['enqueued']:,} enqueued ({t.get('planned', 0):,} planned)"
             )
         )
