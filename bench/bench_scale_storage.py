@@ -3,7 +3,7 @@ export and compact, the code before streaming beside the current one.
 
 Run:  .venv/bin/python -m bench.bench_scale_storage --prompts 88088                 # short rows, old and new
       .venv/bin/python -m bench.bench_scale_storage --prompts 88088 --scale 20      # 20x longer outputs
-      .venv/bin/python -m bench.bench_scale_storage --prompts 1000000 --no-old      # 1M: the new code only
+      .venv/bin/python -m bench.bench_scale_storage --prompts 1000000 --rows-per-part 40 --no-old  # 1M, new only
       .venv/bin/python -m bench.bench_scale_storage --from-json                     # the section only
 
 The job is written by ``bench/scale_job.py`` through the real writer (``PartWriter.write``: spans, zstd, page
@@ -14,7 +14,8 @@ every 997th; ``--scale 20`` makes outputs 20x longer (~1,000 ids instead of ~50)
 come from ``os.wait4``; "old" is the same command with ``PYTHONPATH`` on a git worktree of ``--baseline`` (the
 commit before streaming). Both print digests of what they produced, and the table says whether they agree.
 The figures go to ``bench/results/scale_storage.json`` (one entry per case) and the ``Scale: storage commands``
-section of BENCHMARKS.md. Not a CI test: 1M prompts take ~30 min to write on two cores.
+section of BENCHMARKS.md. Not a CI test: 1M prompts in parts of 40 rows (25k parts; 9-row parts would be 111k, an
+hour to write here: a part costs ~7 ms of CPU and an fsync) take ~25 min to write on a loaded two-core box.
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ def main() -> None:
 def _locked() -> Iterator[dict[str, Any]]:
     """The saved results, read and written back under a lock (two runs may share the file)."""
     JSON_PATH.parent.mkdir(parents=True, exist_ok=True)
-    with open(JSON_PATH.with_suffix(".lock"), "w") as lock:
+    with open(os.path.join(tempfile.gettempdir(), "thinkfleet-scale-storage.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         saved = json.loads(JSON_PATH.read_text()) if JSON_PATH.exists() else {"cases": {}}
         yield saved
