@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -147,6 +147,7 @@ class AgenticJob:
     executor_log: Path
 
 
+SHORT_JOB = "agentic-short"
 SIM_CONTENT = {"tool_call_share": 0.6, "length_median_tokens": 60.0, "max_tool_calls": 2}
 
 
@@ -193,12 +194,14 @@ def agentic_job(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFact
             for name, tools in (
                 (job, ["--tool-results", "replay", "--tool-mismatch", "keep_recorded"]),
                 (exec_job, ["--tool-results", "executor", "--tool-executor", spec]),
+                # A budget this small truncates most steps (the retry test re-runs them).
+                (SHORT_JOB, ["--tool-results", "replay", "--tool-mismatch", "keep_recorded", "--max-new-tokens", "40"]),
             ):
                 submitted = producer_cli(settings, "submit", str(data), "--job", name, *common, *tools)
                 assert submitted.returncode == 0, submitted.stderr
 
             def settled() -> bool:
-                for name in (job, exec_job):
+                for name in (job, exec_job, SHORT_JOB):
                     p = job_progress(client, settings.keys, name)
                     if not (p["done"] > 0 and p["done"] + p["dead"] == p["submitted"]):
                         return False
@@ -211,11 +214,12 @@ def agentic_job(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFact
 
             wait_until(fired, 240, what="the armed workers' failpoints")
             workers.append(WorkerProcess("w2", env, tmp_path / "logs").start())
-            wait_until(settled, 240, what="every step of both agentic jobs")
+            wait_until(settled, 240, what="every step of the agentic jobs")
+            # The survivor and the simulator stay up for the module's tests (the retry test runs steps again).
+            yield AgenticJob(settings, client, job, data, tok_dir, content, fp_dir, exec_job, Path(f"{executor}.calls"))
         finally:
             for w in workers:
                 w.terminate()
-    yield AgenticJob(settings, client, job, data, tok_dir, content, fp_dir, exec_job, Path(f"{executor}.calls"))
     client.close()
 
 
@@ -224,7 +228,9 @@ def _records(run: AgenticJob, job: str | None = None) -> dict[str, dict[str, Any
     return {k.decode(): json.loads(v) for k, v in raw.items()}
 
 
-def _check_chains(run: AgenticJob, job: str) -> tuple[dict[str, dict[str, Any]], list[tuple[str, dict[str, Any], Any]]]:
+def _check_chains(
+    run: AgenticJob, job: str, superseded: Sequence[str] = ()
+) -> tuple[dict[str, dict[str, Any]], list[tuple[str, dict[str, Any], Any]]]:
     """Every stored row of ``job`` is one step of a conversation's chain (the walk from t0 along ``next``), stored
     once, byte-exact, its prompt the template's rendering of the conversation up to it; returns the rows and, per
     step that fed results back, (its prompt id, its answer record, its conversation plan)."""
@@ -251,7 +257,7 @@ def _check_chains(run: AgenticJob, job: str) -> tuple[dict[str, dict[str, Any]],
             assert (row["conversation_id"], row["turn_index"], row["step_index"]) == (conv_id, turn, step)
             want = render_ids(tok, for_render(step_messages(conv, history)), None, record.chat_template_kwargs)
             assert row["input_ids"] == want, f"{pid}'s prompt is not the template's rendering"
-            expected = expected_generation(row["input_ids"], record.sampling_params, run.content)
+            expected = expected_generation(row["input_ids"], json.loads(row["sampling_params"]), run.content)
             assert row["output_ids"] == expected.output_ids
             if answer.get("tool_results"):
                 calls = answer_message(answer)["tool_calls"]
@@ -259,8 +265,10 @@ def _check_chains(run: AgenticJob, job: str) -> tuple[dict[str, dict[str, Any]],
                 fed_steps.append((pid, answer, conv))
             history.append(answer)
             pid = answer.get("next", "")
-    assert walked == set(rows), "every stored row is a step of some chain, and every step of a chain is stored"
-    assert any(r["step_index"] >= 1 for r in rows.values()), "rows …/t{i}s{j} of steps after results"
+    # Every step of a chain is stored, and every stored row is a step of some chain — or superseded: past where a
+    # re-run ended the chain (producer verify lists them).
+    assert walked <= set(rows)
+    assert set(rows) - walked <= set(superseded), "a stored row on no chain is superseded (no longer current)"
     return rows, fed_steps
 
 
@@ -268,6 +276,7 @@ def test_every_step_is_stored_once_byte_exact_with_the_datasets_results(agentic_
     run = agentic_job
     assert (run.fp_dir / "failpoint-after_part_write-0").exists(), "a worker was killed between write and finalize"
     rows, fed_steps = _check_chains(run, run.job)
+    assert any(r["step_index"] >= 1 for r in rows.values()), "rows …/t{i}s{j} of steps after results"
     args_differ = 0
     for pid, answer, conv in fed_steps:
         _, turn, step = split_step_id(pid) or ("", -1, -1)
@@ -379,3 +388,48 @@ def test_merge_turns_gives_one_sample_per_conversation_over_model_emitted_ids_on
         # than the model's steps emitted in all (the fed results and the dataset's text are no step's output).
         trained = sum(rec["loss_mask"])
         assert len(last["output_ids"]) <= trained <= sum(len(o) for o in outputs[conv_id])
+
+
+def test_retry_truncated_of_a_step_rederives_the_steps_after_it(agentic_job: AgenticJob) -> None:
+    run = agentic_job
+    before = {r["prompt_id"]: r for r in read_committed(run.settings.output_uri, SHORT_JOB).to_pylist()}
+    assert any(r["finish_reason"] == "length" for r in before.values()), "a budget of 40 truncates"
+    # When the truncated steps are re-run with a large budget (the earliest of each conversation).
+    retry = producer_cli(run.settings, "retry", SHORT_JOB, "--truncated", "--max-new-tokens", "4000", "--json")
+    assert retry.returncode == 0, retry.stderr
+    rerun = json.loads(retry.stdout)["prompt_ids"]
+    assert rerun and len({split_step_id(p)[0] for p in rerun}) == len(rerun)  # type: ignore[index]
+
+    done_key = run.settings.keys.done(SHORT_JOB)
+
+    def settled() -> bool:
+        # Every conversation's current chain (the walk from t0 along next) is done to its end, the re-runs stored.
+        answers = _records(run, SHORT_JOB)
+        for c in range(CONVERSATIONS):
+            at = turn_id(f"chat/c{c}", 0)
+            while at:
+                if not run.client.sismember(done_key, at) or at not in answers:
+                    return False
+                at = answers[at].get("next", "")
+        rows = {r["prompt_id"]: r for r in read_committed(run.settings.output_uri, SHORT_JOB).to_pylist()}
+        return all(rows[pid]["revision"] >= 1 for pid in rerun)
+
+    wait_until(settled, 180, what="the re-run steps and the steps re-derived after them")
+    verified = producer_cli(run.settings, "verify", SHORT_JOB, "--json")
+    report = json.loads(verified.stdout)
+    assert verified.returncode == 0 and report["step_prompt_mismatch"] == [], verified.stdout
+    # Then each conversation is one chain again, re-derived from the new answers: every step after a re-run one is
+    # a revision above its old row (or new), byte-exact with the re-run's budget carried along.
+    # Steps the old chains took and the new ones do not are out of done (their rows are no longer current).
+    off_chain = [p.decode() for p in run.client.hkeys(run.settings.keys.prompts(SHORT_JOB))]
+    off_chain = [p for p in off_chain if not run.client.sismember(done_key, p)]
+    rows, _ = _check_chains(run, SHORT_JOB, [*report["superseded"], *off_chain])
+    answers = _records(run, SHORT_JOB)
+    for pid in rerun:
+        assert json.loads(rows[pid]["sampling_params"])["max_new_tokens"] == 4000
+        at = answers[pid].get("next", "")
+        while at:
+            if at in before:
+                assert rows[at]["revision"] > before[at]["revision"], f"{at} was not re-derived"
+            assert json.loads(rows[at]["sampling_params"])["max_new_tokens"] == 4000
+            at = answers[at].get("next", "")
