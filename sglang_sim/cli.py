@@ -46,6 +46,8 @@ _HELP = {
     "slowdown_at_s": "From this simulated second on, steps and prefill take --slowdown-factor times as long.",
     "slowdown_factor": "How much slower the server gets at --slowdown-at-s (2: half the speed).",
     "tool_call_share": "Share of outputs that end in a native tool call.",
+    "tool_catalogue": "JSON of decodable calls in the family's native tokens (sglang_sim.tools.write_catalogue).",
+    "malformed_tool_call_share": "Share of catalogue calls whose arguments are cut in half (not JSON).",
     "think_end": "Close the reasoning (</think>; harmony: <|end|>); --no-think-end reproduces the seed's "
     "empty-reasoning bug.",
     "fault_503_rate": "Share of /generate calls answered 503 (queue full).",
