@@ -209,7 +209,13 @@ def markdown(saved: dict[str, Any]) -> str:
         lines.append("")
     growth = _growth(cases)
     if growth:
-        lines.append("Growth, new code (1M prompts / 88k prompts, short rows): " + "; ".join(growth) + ".")
+        small, large = cases["88088-x1"]["job"], cases["1000000-x1"]["job"]
+        lines.append(
+            f"Growth, new code, 1M / 88k prompts (short rows; x{large['prompts'] / small['prompts']:.1f} rows, "
+            f"x{large['parts'] / small['parts']:.1f} parts — the 1M job has 40-row parts): " + "; ".join(growth) + ". "
+            "Time follows the part count (a part's open and footer cost more than its rows); the memory beyond the "
+            "setting's batches is the per-prompt keys (~100 B a stored row) and verify's per-prompt sets."
+        )
     return "\n".join(lines)
 
 
