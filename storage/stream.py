@@ -20,8 +20,8 @@ hand on nothing before the second pass is done, plan again (:data:`REPLANS` time
 :class:`PlanStale` for the caller to start over.
 
 Sizes are estimated from the token counts (4 bytes an id) plus a fixed share per row; ``memory_bytes`` (the
-``storage_memory_mb`` setting) bounds a batch handed on (``/ 8``), a group of parts read at once (``/ 8``) and a
-sort run held in memory (``/ 4``).
+``storage_memory_mb`` setting) bounds a batch handed on (``/ 16``: its consumer makes copies), a group of parts read
+at once (``/ 8``) and a sort run held in memory (``/ 8``: read back, sorted and cut, it is held three times).
 """
 
 from __future__ import annotations
@@ -336,13 +336,13 @@ def committed_batches(
     group_by: str | None = None,
 ) -> Iterator[pa.Table]:
     """The committed rows' ``columns``, in order, as tables of at most ``batch_bytes`` (estimated; default
-    ``memory_bytes / 8``) — their concatenation is ``read_committed(…, columns, datasets)`` (prompt_id order), or
+    ``memory_bytes / 16``) — their concatenation is ``read_committed(…, columns, datasets)`` (prompt_id order), or
     with ``order`` (winners' keys, in prompt_id order, with ``order_columns`` → the permutation to hand them on in),
     those rows in that order. ``group_by``: a key column whose runs of equal non-null values are never split
     between two tables (a conversation's turns, for the formats that need them together)."""
     columns = list(columns)
     keys = list(dict.fromkeys([*order_columns, *([group_by] if group_by else [])]))
-    batch_bytes = batch_bytes or max(1, memory_bytes // 8)
+    batch_bytes = batch_bytes or max(1, memory_bytes // 16)
     for attempt in range(REPLANS):
         p = plan(loc, job, datasets, keys, columns=columns, memory_bytes=memory_bytes)
         try:
@@ -372,7 +372,8 @@ def ordered(
     ranks[perm] = np.arange(n, dtype=np.int64)
     sizes = row_bytes(p, p.winners, columns)[perm]  # in rank order
     cuts = _cut_points(p.winners, perm, group_by)  # ranks where a table may start
-    run_target = max(1, memory_bytes // 4)
+    # A run is read back whole, sorted (a copy) and cut (another): three times its size at once.
+    run_target = max(1, memory_bytes // 8)
     runs = _split(sizes, cuts, run_target)  # rank ranges held in memory at once
     if len(runs) == 1:
         table = _collect(winner_batches(p, columns, memory_bytes, ranks))

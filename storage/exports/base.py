@@ -223,7 +223,7 @@ class Rows:
         columns: list[str],
         datasets: list[str],
         *,
-        batch_share: int = 8,
+        batch_share: int = 16,
         merge_turns: bool = False,
         group_turns: bool = False,
     ) -> Iterator[pa.Table]:
@@ -294,7 +294,7 @@ class Files:
         shard_rows: int | None,
         result: ExportResult,
         schema: pa.Schema | None = None,
-        row_group_bytes: int = stream.DEFAULT_MEMORY_BYTES // 4,
+        row_group_bytes: int = stream.DEFAULT_MEMORY_BYTES // 8,
     ) -> None:
         self.loc, self.suffix, self.shard_rows, self.result, self.schema = loc, suffix, shard_rows, result, schema
         if shard_rows:
@@ -313,7 +313,7 @@ class Files:
         self.text: IO[str] | None = None
         self.parquet: pq.ParquetWriter | None = None
         self.tmp: str | None = None
-        #: Rows held for the next row group, and the most held (a quarter of the memory setting, by default).
+        #: Rows held for the next row group, and the most held (an eighth of the memory setting, from eagle3).
         self._held: list[pa.Table] = []
         self._held_bytes = 0
         self.row_group_bytes = row_group_bytes
