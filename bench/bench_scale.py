@@ -191,8 +191,13 @@ def _run_cli(settings: Settings, *args: str, stop_after_s: float | None = None, 
     client = redis.Redis.from_url(settings.redis_url)
     cpu0, (calls0, usec0) = redis_cpu_s(client), commandstats_usec(client)
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "producer.cli", *args], env=cli_env(settings),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    # Peak RSS from GNU time: wait4's ru_maxrss of a child forked from this (large) process would count the
+    # pages it shared before its exec; time's own child starts from a small process.
+    rss_file = tempfile.NamedTemporaryFile(prefix="bench-scale-rss-", delete=False)  # noqa: SIM115
+    rss_file.close()
+    timed = ["/usr/bin/time", "-f", "%M", "-o", rss_file.name, sys.executable, "-m", "producer.cli", *args]
+    proc = subprocess.Popen(timed, env=cli_env(settings), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
     out: list[str] = []
     err: list[str] = []
     reader = threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True)  # type: ignore[union-attr]
@@ -203,9 +208,15 @@ def _run_cli(settings: Settings, *args: str, stop_after_s: float | None = None, 
         try:
             proc.wait(timeout=stop_after_s)
         except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGINT)  # --watch leaves on Ctrl-C
-    _pid, status, usage = os.wait4(proc.pid, 0)
+            # --watch leaves on Ctrl-C; GNU time ignores SIGINT, so the signal goes to the whole group
+            os.killpg(proc.pid, signal.SIGINT)
+    _pid, status, _usage = os.wait4(proc.pid, 0)
     wall = time.monotonic() - started
+    try:
+        peak_kb = int(Path(rss_file.name).read_text().split()[-1])
+    except (OSError, ValueError, IndexError):
+        peak_kb = 0
+    os.unlink(rss_file.name)
     reader.join(5)
     errors.join(5)
     cpu1, (calls1, usec1) = redis_cpu_s(client), commandstats_usec(client)
@@ -213,7 +224,7 @@ def _run_cli(settings: Settings, *args: str, stop_after_s: float | None = None, 
     return {
         "wall_s": round(wall, 3),
         "rc": os.waitstatus_to_exitcode(status),
-        "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
+        "peak_rss_mb": round(peak_kb / 1024, 1),
         "redis_cpu_ms": round(max(0.0, cpu1 - cpu0 - idle * wall) * 1e3, 2),
         "redis_commands": calls1 - calls0,
         "redis_command_usec": usec1 - usec0,
@@ -283,8 +294,9 @@ def measure_commands(settings: Settings) -> dict[str, Any]:
         "check": check,
         "status": {**best, "redis_cpu_ms_median": float(np.median([s["redis_cpu_ms"] for s in status]))},
         "status_deep": deep,
-        "wait": {**wait, "redis_core_share": round(wait["redis_cpu_ms"] / 1e3 / wait["wall_s"], 4)},
-        "watch": {**watch, "redis_core_share": round(watch["redis_cpu_ms"] / 1e3 / watch["wall_s"], 4)},
+        # the share from commandstats (the commands' own time): a small rate drowns in the server's idle CPU
+        "wait": {**wait, "redis_core_share": round(wait["redis_command_usec"] / 1e6 / wait["wall_s"], 5)},
+        "watch": {**watch, "redis_core_share": round(watch["redis_command_usec"] / 1e6 / watch["wall_s"], 5)},
     }
 
 
@@ -370,8 +382,10 @@ def measure_submit(settings: Settings, n: int, workdir: Path, processes: int) ->
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"sizes": {}, "code": code_version()}
+    earlier: dict[str, Any] = {}
     if args.merge and args.merge.exists():  # sizes measured by an earlier run (e.g. 88k with --submit)
-        results["sizes"].update(json.loads(args.merge.read_text())["sizes"])
+        earlier = json.loads(args.merge.read_text())["sizes"]
+        results["sizes"].update(earlier)
     for n in args.prompts:
         with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
             server = RedisProcess(Path(tmp)).start()
@@ -392,13 +406,50 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     client.flushdb()
                     figures["submit"] = measure_submit(settings, n, Path(tmp), args.processes)
                 client.close()
-                results["sizes"][str(n)] = figures
+                # a figure this run did not measure (the submit) is kept from the earlier one
+                results["sizes"][str(n)] = {**earlier.get(str(n), {}), **figures}
                 print(json.dumps(figures, indent=1), flush=True)
                 write_json(args.out, results)  # what is measured so far survives a later size's failure
             finally:
                 server.stop(kill=True)
+    with tempfile.TemporaryDirectory(prefix="bench-scale-hb-") as tmp:
+        server = RedisProcess(Path(tmp)).start()
+        try:
+            hb_settings = Settings(redis_url=server.url(0), key_prefix="bs", queue="bsq")
+            results["heartbeat"] = measure_heartbeat(server.client(), hb_settings)
+        finally:
+            server.stop(kill=True)
     results["ceiling"] = ceiling(results)
     return results
+
+
+def measure_heartbeat(client: redis.Redis, settings: Settings, held: int = 128, beats: int = 200) -> dict[str, Any]:
+    """What one host costs Redis whatever its prompt rate: its heartbeat (workers/lease.py's script, which also
+    re-scores every delivery it holds), ``held`` deliveries, every ``lease_s / 4`` seconds."""
+    from workers.lease import _BEAT
+
+    kk = KombuKeys(settings.key_prefix)
+    tags = [f"bench-tag-{i}" for i in range(held)]
+    client.zadd(kk.unacked_index, dict.fromkeys(tags, time.time()))
+    beat = client.register_script(_BEAT)
+    info = json.dumps({"host": "bench", "pid": 1})
+    hb = json.dumps({"nonce": "n1", "host": "bench"})
+    keys = [settings.keys.heartbeat("bench"), settings.keys.workers, kk.unacked_index]
+    beat(keys=keys, args=["n1", hb, 60_000, "bench", info, "", *tags])
+
+    def evalsha_usec() -> int:  # the script's own time (its commands are counted once more on their own lines)
+        return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("usec", 0))
+
+    rounds = []  # the least of 5 rounds: a busy box stretches a command's time by whatever else runs
+    for _ in range(5):
+        usec0 = evalsha_usec()
+        for _ in range(beats // 5):
+            beat(keys=keys, args=["n1", hb, 60_000, "bench", info, "", *tags])
+        rounds.append((evalsha_usec() - usec0) / (beats // 5))
+    per_beat_us = min(rounds)
+    interval_s = max(0.2, settings.lease_s / 4)
+    return {"held": held, "usec_per_beat": round(per_beat_us, 1), "interval_s": interval_s,
+            "host_redis_us_per_s": round(per_beat_us / interval_s, 2)}  # fmt: skip
 
 
 def ceiling(results: dict[str, Any]) -> dict[str, Any]:
@@ -420,8 +471,12 @@ def ceiling(results: dict[str, Any]) -> dict[str, Any]:
                            "watchers_core_share": round(share_watchers, 4)}  # fmt: skip
     if per_prompt_ms:
         budget = 1.0 - share_watchers  # one core, less a wait and a --watch running all along
+        # a host costs its prompts (0.6/s × per prompt) and its heartbeat, whatever its rate
+        host_s = (results.get("heartbeat") or {}).get("host_redis_us_per_s", 0.0) / 1e6
+        per_host_s = SEED_HOST_PROMPTS_S * per_prompt_ms / 1e3 + host_s
+        out["heartbeat_us_per_host_s"] = round(host_s * 1e6, 2)
         out["prompts_per_s_one_core"] = round(budget / (per_prompt_ms / 1e3))
-        out["hosts_one_core"] = round(out["prompts_per_s_one_core"] / SEED_HOST_PROMPTS_S)
+        out["hosts_one_core"] = round(budget / per_host_s)
         out["hosts_at_half_core"] = round(out["hosts_one_core"] / 2)
     return out
 
@@ -466,7 +521,8 @@ def markdown(r: dict[str, Any]) -> str:
                  f"×{x('check', 'redis_cpu_ms'):.1f}."]  # fmt: skip
     subs = [(n, f["submit"]) for n, f in sizes.items() if "submit" in f]
     if subs:
-        body += ["", "`producer submit` of a JSONL of short chats (the test tokenizer, `--processes 2`): RSS of the "
+        body += ["", "`producer submit` (`--submit`, timed where it ran: a 1M-row one takes ≈ 45 min on this 2-core "
+                 "box) of a JSONL of short chats (the test tokenizer, `--processes 2`): RSS of the "
                  "producer process alone, and of its whole tree (the render children share its pages, so the tree "
                  "counts them more than once), in the middle and the last third of the run.", "",
                  table(["rows", "wall", "producer RSS peak (mid / last third)", "tree RSS peak (mid / last third)",
@@ -482,8 +538,10 @@ def markdown(r: dict[str, Any]) -> str:
                  "completed prompt (bench/results/fleet.json: kombu delivery and acks, claim/finalize, heartbeats; "
                  f"of it the ledger's claim + finalize measured here: {c['ledger_cpu_ms_per_prompt']:.3f} ms); "
                  f"a `wait` and a `status --watch` running all along take {c['watchers_core_share']:.2%} of the core. "
-                 f"One Redis core then serves ≈ {c['prompts_per_s_one_core']:,} prompts/s, i.e. ≈ "
-                 f"**{c['hosts_one_core']:,} hosts** at the seed's {SEED_HOST_PROMPTS_S} prompts/s each "
+                 f"One Redis core then serves ≈ {c['prompts_per_s_one_core']:,} prompts/s; with each host's heartbeat "
+                 f"({c.get('heartbeat_us_per_host_s', 0):.0f} µs of Redis per second: it re-scores the 128 deliveries "
+                 f"it holds every lease/4), ≈ **{c['hosts_one_core']:,} hosts** at the seed's "
+                 f"{SEED_HOST_PROMPTS_S} prompts/s each "
                  f"(≈ {c['hosts_at_half_core']:,} keeping Redis at half a core, the headroom a latency-sensitive "
                  "Redis wants). Redis is single-threaded: past that, shard jobs over several Redis."]  # fmt: skip
     return "\n".join(body)
