@@ -175,6 +175,7 @@ def test_a_rollback_of_our_terminal_writes_is_seen_by_our_mark_and_dead_letters_
     async def scenario() -> None:
         # Given a worker that finalized one prompt and dead-lettered another, and Redis's state saved after the first.
         a = await _ledger(redis_url, keys, "a")
+        await a.r.hset(keys.job(JOB), "name", json.dumps(JOB))  # a job record: a purged job has none
         assert not await a.lost_finalizes(JOB), "nothing written yet: nothing to have lost"
         assert (await a.claim(JOB, "p1")).state == "new"
         await a.finalize(JOB, "ds", [FinalRow("p1", 5, True, False)], 100, 0.95)
@@ -196,5 +197,9 @@ def test_a_rollback_of_our_terminal_writes_is_seen_by_our_mark_and_dead_letters_
         # And another life under the same name (another nonce) never takes its mark for ours.
         b = Ledger(a.r, keys, "a")
         assert not await b.lost_finalizes(JOB), "b finalized nothing of this job"
+        # And a purged job (no record) is never finalized again: nothing would bring its keys back.
+        await a.r.hset(keys.finalize_marks(JOB), "a", saved)
+        await a.r.delete(keys.job(JOB))
+        assert not await a.lost_finalizes(JOB)
 
     run(scenario())

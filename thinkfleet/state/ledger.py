@@ -340,6 +340,12 @@ class Ledger:
         seq = self._marked.get(job)
         if seq is None:
             return False
+        if not await self.r.exists(self.keys.job(job)):
+            # Purged (or Redis lost everything and a re-submit has not come yet): nothing of ours to finalize again
+            # — a replay would bring a purged job's keys back. A re-submit mints a new generation, which fences
+            # our old rows anyway.
+            self._marked.pop(job, None)
+            return False
         raw = await self.r.hget(self.keys.finalize_marks(job), self.worker)
         text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw or "")
         nonce, _, found = text.partition(":")

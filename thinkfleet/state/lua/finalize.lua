@@ -46,7 +46,8 @@ local function holder(pid, e, row_e, gen)
   if gen ~= '' and redis.call('HGET', KEYS[10], 'generation') ~= '"' .. gen .. '"' then return 'generation' end
   return nil
 end
-redis.call('HSET', KEYS[#KEYS], ARGV[1], ARGV[#ARGV])
+-- (not for a purged job: its record is gone, and a finalize must not bring its keys back)
+if redis.call('EXISTS', KEYS[10]) == 1 then redis.call('HSET', KEYS[#KEYS], ARGV[1], ARGV[#ARGV]) end
 for i = 6, #ARGV - 1, 12 do
   local pid = ARGV[i]
   local held = holder(pid, ARGV[i + 9], ARGV[i + 10], ARGV[i + 11])
