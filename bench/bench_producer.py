@@ -18,7 +18,11 @@ Figures, all from one run:
 - enqueue alone: already-tokenized prompts → Redis with the fast path; naive: ``apply_async`` per prompt
   with Celery's default JSON serializer and the ids as a list of ints (also its Redis bytes/token);
 - Redis memory: INFO used_memory delta of the submit (all keys) ÷ prompt tokens, and MEMORY USAGE of
-  the queue list alone.
+  the queue list alone;
+- signing (thinkfleet/signing.py): the fast path again with a signing key (HMAC-SHA256 per message, in the
+  envelope), what signing and a worker's check cost per message, and the bytes a signature adds.
+  ``--signing-only`` measures just that, on synthetic prompts of the saved run's mean length, and adds the
+  figures to the saved JSON (the rest of the section is re-rendered from it unchanged).
 """
 
 from __future__ import annotations
@@ -106,6 +110,59 @@ def fast_enqueue(client: redis.Redis, settings: Settings, tasks: list[PromptTask
     return time.perf_counter() - started
 
 
+def signing_cost(client: redis.Redis, settings: Settings, tasks: list[PromptTask], work: Path) -> dict[str, Any]:
+    """The fast path with and without a signing key (alternating, best of 3 each), and signing / checking alone."""
+    from thinkfleet.signing import signer_for
+
+    key_file = work / "signing_key"
+    key_file.write_text(os.urandom(32).hex() + "\n")
+    signed_settings = settings.with_overrides(signing_key_file=str(key_file))
+    signer = signer_for(signed_settings)
+    assert signer is not None
+    plain_runs, signed_runs = [], []
+    for _ in range(3):
+        client.flushdb()
+        plain_runs.append(fast_enqueue(client, settings, tasks))
+        client.flushdb()
+        signed_runs.append(fast_enqueue(client, signed_settings, tasks))
+    client.flushdb()
+    started = time.perf_counter()
+    for t in tasks:
+        signer.task_signature(t)  # what the envelope computes per message
+    sign_s = time.perf_counter() - started
+    signed = [signer.sign_task(t) for t in tasks]
+    started = time.perf_counter()
+    for t in signed:
+        signer.check_task(t)
+    check_s = time.perf_counter() - started
+    n = len(tasks)
+    plain_bytes = len(Envelope(settings).encode(tasks[0]))
+    signed_bytes = len(Envelope(signed_settings).encode(tasks[0]))
+    return {
+        "signing_prompts": n,
+        "fast_enqueue_unsigned_prompts_per_s": round(n / min(plain_runs)),
+        "fast_enqueue_signed_prompts_per_s": round(n / min(signed_runs)),
+        "sign_us_per_message": round(sign_s / n * 1e6, 2),
+        "check_us_per_message": round(check_s / n * 1e6, 2),
+        "signature_bytes_per_message": signed_bytes - plain_bytes,
+    }
+
+
+def synthetic_tasks(n: int, mean_tokens: int) -> list[PromptTask]:
+    """``n`` prompts of ``mean_tokens`` ids scattered over Kimi's 163,584-id range (signing does not read ids:
+    they only size the messages the enqueue moves)."""
+    import numpy as np
+
+    from thinkfleet.message import content_hash, pack_ids
+
+    rng = np.random.default_rng(7)
+    out = []
+    for i in range(n):
+        ids = rng.integers(0, 163_584, mean_tokens, dtype=np.uint32)
+        out.append(PromptTask("bench", "ds", f"p{i:06d}", i, content_hash(ids), pack_ids(ids), generation="g0"))
+    return out
+
+
 def naive_enqueue(redis_url: str, tasks: list[PromptTask], queue: str) -> float:
     """What a first version does: apply_async per prompt, default JSON serializer, ids as a list of ints."""
     from celery import Celery
@@ -169,6 +226,15 @@ def markdown(f: dict[str, Any]) -> str:
         ["Redis memory per token, naive JSON Celery messages", f"{f['naive_redis_bytes_per_token_queue']:.2f} B", ""],
         ["`--dry-run` memory estimate ÷ measured", f"{f['dry_run_estimate_over_measured']:.2f}", ""],
     ]  # fmt: skip
+    if "fast_enqueue_signed_prompts_per_s" in f:  # the signing figures (a run before signing has none)
+        signed, unsigned = f["fast_enqueue_signed_prompts_per_s"], f["fast_enqueue_unsigned_prompts_per_s"]
+        rows += [
+            [f"enqueue alone, fast path, **signed** (HMAC-SHA256 per message; {f['signing_prompts']:,} prompts)",
+             f"**{signed:,} prompts/s** vs {unsigned:,} unsigned in the same run = {signed / unsigned:.2f}×; "
+             f"+{f['signature_bytes_per_message']} B per message", ""],
+            ["signing alone / a worker's signature check, per message",
+             f"{f['sign_us_per_message']:.1f} µs / {f['check_us_per_message']:.1f} µs", ""],
+        ]  # fmt: skip
     load = f.get("load_average_before_after", [f.get("load_average"), None])
     return f"""What it measures, in one run against a private `redis-server --save ''` on a free port:
 
@@ -210,7 +276,29 @@ reply_to, …) are ~{fixed:.0f} B per message; with the prompt hashes and list o
 goal holds for prompts of roughly {holds_from:,.0f} tokens and more: a 200-token prompt costs
 ~{variable + fixed_all / 200:.1f} B/token.
 
-Raw figures: `bench/results/producer.json`.
+{_signing_note(f)}Raw figures: `bench/results/producer.json`.
+"""
+
+
+def _load(f: dict[str, Any]) -> str:
+    load = f.get("signing_load_average_before_after")
+    return f" (1-minute load average {load[0]} → {load[1]}: other engineers' tests)" if load else ""
+
+
+def _signing_note(f: dict[str, Any]) -> str:
+    if "fast_enqueue_signed_prompts_per_s" not in f:
+        return ""
+    when = "same run"
+    if "signing_date" in f:
+        when = f"run {f['signing_date']} (`--signing-only`), {code_stamp(f.get('signing_code'))}"
+    return f"""Signing (thinkfleet/signing.py; {when}): the fast path with a key signs every message in the envelope
+(HMAC-SHA256 over job, dataset, prompt id, row, content hash, sample, revision, overrides and generation: the
+ids are bound through the content hash, so the cost does not grow with the prompt); unsigned and signed runs of
+the same {f["signing_prompts"]:,} messages alternate, best of 3 each{_load(f)}, so the ratio is the figure
+(the absolute rates carry the box's load). Celery's own message signing (the `auth`
+serializer: an X.509 key pair, the whole body signed per message) would replace this fast path's one captured
+envelope with a full serializer pass per prompt — what the naive row costs — so it does not fit.
+
 """
 
 
@@ -224,7 +312,17 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "producer.json", help="the figures (JSON)")
     ap.add_argument("--no-markdown", action="store_true", help="don't rewrite the BENCHMARKS.md section")
     ap.add_argument("--from-json", type=Path, help="only rewrite the section from a saved run (runs nothing)")
+    ap.add_argument("--signing-only", action="store_true", help="measure only signing; add it to the saved JSON")
     args = ap.parse_args()
+    if args.signing_only:
+        figures = json.loads(args.out.read_text()) if args.out.exists() else {}
+        figures |= measure_signing(args.prompts, int(figures.get("mean_prompt_tokens") or 758))
+        figures |= {"signing_date": time.strftime("%Y-%m-%d"), "signing_code": code_version()}
+        write_json(args.out, figures)
+        print(json.dumps({k: v for k, v in figures.items() if "sign" in k and k != "signing_code"}, indent=2))
+        if not args.no_markdown and "submit_s" in figures:
+            update_section("bench_producer", "Producer", markdown(figures))
+        return
     if args.from_json:
         figures = json.loads(args.from_json.read_text())
     else:
@@ -234,6 +332,23 @@ def main() -> None:
         print(json.dumps({k: v for k, v in figures.items() if k != "code"}, indent=2))
     if not args.no_markdown:
         update_section("bench_producer", "Producer", markdown(figures))
+
+
+def measure_signing(prompts: int, mean_tokens: int) -> dict[str, Any]:
+    """:func:`signing_cost` alone, on synthetic prompts (``--signing-only``)."""
+    work = Path(tempfile.mkdtemp(prefix="bench-signing-"))
+    proc, url = start_redis(work)
+    client = redis.Redis.from_url(url)
+    try:
+        tasks = synthetic_tasks(prompts, mean_tokens)
+        before = round(os.getloadavg()[0], 2)
+        figures = signing_cost(client, Settings(redis_url=url, output_uri=str(work / "out")), tasks, work)
+        return figures | {"signing_load_average_before_after": [before, round(os.getloadavg()[0], 2)]}
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(timeout=10)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -286,6 +401,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         client.flushdb()
         t_fast = fast_enqueue(client, settings, tasks)
         print(f"enqueue alone (fast path): {len(tasks) / t_fast:,.0f} prompts/s", flush=True)
+        signing = signing_cost(client, settings, tasks, work)
+        print(f"signed: {signing}", flush=True)
         client.flushdb()
         naive = tasks[: args.naive]
         t_naive = naive_enqueue(url, naive, "naive")
@@ -319,6 +436,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "packed_ids_bytes_per_token": round(blob_bytes / queued_tokens, 3),
             # Base64 of the packed ids is the only part of a message that grows with the prompt.
             "message_fixed_bytes": round((message_bytes - 4 / 3 * blob_bytes) / len(tasks), 1),
+            **signing,
         }
         return figures
     finally:

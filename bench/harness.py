@@ -33,7 +33,7 @@ from testing.fleet import WorkerProcess, register_id_job, worker_env
 from thinkfleet import kimi
 from thinkfleet.broker.envelope import Envelope
 from thinkfleet.keys import Keys
-from thinkfleet.message import PromptTask, pack_ids
+from thinkfleet.message import PromptTask, content_hash, pack_ids
 from thinkfleet.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -305,7 +305,7 @@ def stage(
             dataset=dataset,
             prompt_id=pid,
             row_index=index[pid],
-            content_hash=f"h-{pid}",
+            content_hash=content_hash(prompts[pid]),
             ids_blob=pack_ids(prompts[pid]),
         )
         for pid in (order if order is not None else prompts)

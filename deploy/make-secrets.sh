@@ -1,5 +1,6 @@
 #!/bin/sh
-# Make the secrets of a thinkfleet fleet: one Redis password per role, and the exporter's password map.
+# Make the secrets of a thinkfleet fleet: one Redis password per role, the exporter's password map, and the
+# key the producer signs work with.
 #
 #   sh deploy/make-secrets.sh [DIR]          # DIR defaults to secrets/ at the repository root
 #
@@ -11,9 +12,13 @@
 #   redis_flower_password     head node: Flower
 #   redis_exporter_password   head node: the redis_exporter and Redis's healthcheck
 #   redis_exporter_passwords.json  the same password in the exporter's own format ({"address": "password"})
+#   signing_key               the producer host and every GPU node (THINKFLEET_SIGNING_KEY_FILE; compose secret of
+#                             the worker): HMAC key of job records and messages (thinkfleet/signing.py). No Redis
+#                             credential: whoever writes Redis without it cannot make a worker run anything.
+#                             Never on the head node (Flower, the exporter and Redis don't need it).
 #
-# The head node needs all of them; a GPU node only redis_worker_password; the producer host only
-# redis_producer_password. The directory is made 0700 and ignores itself in git; the files are 0644 so
+# The head node needs the redis_* files; a GPU node only redis_worker_password and signing_key; the producer
+# host only redis_producer_password and signing_key. The directory is made 0700 and ignores itself in git; the files are 0644 so
 # the containers' non-root users (Flower, the worker, the exporter) can read their bind-mounted copy.
 set -eu
 here=$(CDPATH= cd -- "$(dirname -- "$0")" && pwd)
@@ -41,6 +46,21 @@ for user in admin producer worker flower exporter; do
     fi
     chmod 644 "$file"
 done
+
+# The signing key: 32 random bytes as hex (thinkfleet.signing.MIN_KEY_CHARS is 32 characters). Kept on a rerun
+# like the passwords; to rotate it, see deploy/README.md §10 (THINKFLEET_SIGNING_KEY_PREVIOUS_FILE).
+file="$dir/signing_key"
+if [ -s "$file" ]; then
+    echo "kept    $file"
+else
+    if command -v openssl >/dev/null 2>&1; then
+        (umask 022 && openssl rand -hex 32 >"$file")
+    else
+        (umask 022 && od -An -N32 -tx1 /dev/urandom | tr -d ' \n' >"$file" && echo >>"$file")
+    fi
+    echo "created $file"
+fi
+chmod 644 "$file"
 
 # redis_exporter reads REDIS_PASSWORD_FILE as JSON: redis address (exactly as in REDIS_ADDR) → password.
 pw=$(cat "$dir/redis_exporter_password")

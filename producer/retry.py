@@ -138,20 +138,36 @@ def _lock(client: redis.Redis, settings: Settings, job: str) -> SubmitLock:
     return SubmitLock(client, settings, job)
 
 
-def retry_dead(settings: Settings, job: str, error_classes: tuple[str, ...] = ()) -> list[str]:
-    """Re-enqueue dead-lettered prompts (optionally only some error classes); returns their ids."""
+def retry_dead(settings: Settings, job: str, error_classes: tuple[str, ...] = ()) -> RetryResult:
+    """Re-enqueue dead-lettered prompts (optionally only some error classes); returns their ids.
+
+    A dead letter is resent as it was, its signature with it. With a signing key, one whose message the key did not
+    sign is *not* resent (``skipped``: prompt id → why): a dead letter is written by whoever can write Redis, and
+    resending it would sign what they wrote (thinkfleet/signing.py)."""
+    from thinkfleet.message import MessageRefused
+    from thinkfleet.signing import signer_for
+
+    signer = signer_for(settings)
     client = redis.Redis.from_url(settings.redis_url)
     try:
         with _lock(client, settings, job):
             tasks: list[PromptTask] = []
+            refused: dict[str, str] = {}
             for raw in client.hvals(settings.keys.dead(job)):
                 record = json.loads(raw)
                 if error_classes and not any(record["error_class"].startswith(c) for c in error_classes):
                     continue
-                tasks.append(PromptTask.from_args(msgpack.unpackb(base64.b64decode(record["task"]))))
+                task = PromptTask.from_args(msgpack.unpackb(base64.b64decode(record["task"])))
+                if signer is not None:
+                    try:
+                        signer.check_task(task)
+                    except MessageRefused as exc:
+                        refused[task.prompt_id] = f"{exc.error_class}: not resent (not signed with this key)"
+                        continue
+                tasks.append(task)
             tasks.sort(key=lambda t: (t.dataset, t.row_index, t.sample_index, t.prompt_id))
             _requeue(client, settings, job, "dead", tasks)
-            return [t.prompt_id for t in tasks]
+            return RetryResult([t.prompt_id for t in tasks], refused)
     finally:
         client.close()
 
@@ -165,7 +181,7 @@ def _chain_heads(
 ) -> tuple[list[dict], dict[str, str]]:
     """--turns all: of the truncated turn rows, the earliest of each settled conversation (the rest are
     re-derived from it); the earliest of each unsettled one → why it is skipped. Superseded rows are dropped."""
-    from thinkfleet.turns import answers_key, beyond_chain_ends, split_turn_id, turn_id
+    from thinkfleet.turns import answers_key, beyond_chain_ends, split_step_id, turn_id
 
     keys = settings.keys
     ends = [
@@ -174,20 +190,28 @@ def _chain_heads(
         if b"chain_end" in raw and "chain_end" in json.loads(raw)
     ]
     superseded = beyond_chain_ends([r["prompt_id"] for r in rows], ends)
-    heads: dict[str, tuple[int, dict]] = {}
+    heads: dict[str, tuple[tuple[int, int], dict]] = {}
     for row in rows:
-        parts = split_turn_id(row["prompt_id"])
+        parts = split_step_id(row["prompt_id"])  # an agentic job's steps …/t{i}s{j} order within their turn
         if parts is None or row["prompt_id"] in superseded:
             continue
-        if parts[0] not in heads or parts[1] < heads[parts[0]][0]:
-            heads[parts[0]] = (parts[1], row)
+        if parts[0] not in heads or parts[1:] < heads[parts[0]][0]:
+            heads[parts[0]] = (parts[1:], row)
     done = {m.decode() for m in client.smembers(keys.done(job))}
     dead = {m.decode() for m in client.hkeys(keys.dead(job))}
+    steps_of: dict[str, list[str]] = {}
+    if b"tool_results" in (client.hget(keys.job(job), "turns") or b""):
+        for raw, _ in client.hscan_iter(keys.prompts(job), count=1000):
+            step = split_step_id(raw.decode())
+            if step is not None and step[2] > 0:
+                steps_of.setdefault(step[0], []).append(raw.decode())
     chosen, skipped = [], {}
     for conv, (_, row) in sorted(heads.items()):
         count = int(json.loads(client.hget(keys.conversations(job), conv) or "{}").get("turn_count") or 0)
         turns = [turn_id(conv, t) for t in range(count)]
         submitted = [pid for pid, h in zip(turns, client.hmget(keys.prompts(job), turns), strict=True) if h]
+        # An agentic job's steps after the first of a turn are submitted prompts too (their ids are not planned).
+        submitted += [p for p in steps_of.get(conv, ()) if p not in submitted]
         if all(pid in done or pid in dead for pid in submitted):
             chosen.append(row)
         else:
@@ -412,6 +436,12 @@ def retry(
             click.echo(
                 f"{len(ids.skipped)} missing prompts have no readable prompt left in storage: re-run `producer submit "
                 f"--job {job}` with the same inputs to regenerate them"
+            )
+        elif not missing and not truncated and getattr(ids, "skipped", None):
+            click.echo(
+                f"{len(ids.skipped)} dead letters were NOT resent: their messages are not signed with this signing "
+                f"key (written into Redis by something without it?), e.g. {sorted(ids.skipped)[:5]}",
+                err=True,
             )
 
 

@@ -19,6 +19,7 @@ import redis
 
 from producer.enqueue import Stager
 from thinkfleet.settings import Settings
+from thinkfleet.signing import signer_for
 from thinkfleet.state.invariant import queued_prompt_ids, transit_prompt_ids, unacked_prompt_ids
 from thinkfleet.state.job import JobRecord
 from thinkfleet.state.scripts import lua
@@ -334,7 +335,7 @@ def commit(
         revived = sorted(revived)
         for start in range(0, len(revived), CHUNK):
             _take_out_of_done(pipe, settings, job, revived[start : start + CHUNK])
-        record.save(pipe, keys)
+        record.save(pipe, keys, signer_for(settings))  # signed when a key is configured (thinkfleet/signing.py)
         for name, count in record.datasets.items():
             pipe.hset(keys.dataset_counters(job, name), "submitted", count)
         pipe.hset(keys.counters(job), "submitted", record.prompts)

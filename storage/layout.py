@@ -74,6 +74,55 @@ class Location:
         return posixpath.join(self.job_dir(job), MANIFEST_DIR)
 
 
+class PartPathRefused(ValueError):
+    """A part path from Redis (a claim's ``part``) or from a file's metadata that is no part of the job: outside
+    ``{OUTPUT_URI}/{job}/``, or not a ``dataset=…/part-….parquet`` there. Never read, moved or deleted."""
+
+
+def confine_part(loc: Location, job: str, uri: object, dataset: str | None = None) -> str:
+    """``uri`` itself when it names a part of ``job`` (of ``dataset`` when given) under ``loc``, else
+    :class:`PartPathRefused`.
+
+    A part path read from Redis is written by whoever can write Redis: a worker finalizes a prompt from it, reads
+    it, and moves it to quarantine when it does not decode — so it must be what :meth:`PartWriter.part_name`
+    makes: ``{root}/{job}/dataset={name}/part-….parquet``, in its normal form (no ``..``, no ``//``, no other
+    scheme). A local one must also *resolve* there (symlinks followed: a ``dataset=`` directory or a part that
+    links out of the job is refused); an ``s3://`` key is checked by its prefix (S3 has no links).
+    """
+    if not isinstance(uri, str) or not uri or "\x00" in uri or "\\" in uri:
+        raise PartPathRefused(f"part path {str(uri)[:300]!r} is not a path")
+    if loc.scheme:
+        if not uri.startswith(f"{loc.scheme}://"):
+            raise PartPathRefused(f"part path {uri[:300]!r} is not on {loc.uri(loc.root)}")
+    elif "://" in uri or not posixpath.isabs(uri):
+        raise PartPathRefused(f"part path {uri[:300]!r} is not an absolute path under {loc.root}")
+    path = loc.path(uri)
+    job_dir = loc.job_dir(job)
+    directory, name = posixpath.split(path)
+    inside = (
+        posixpath.normpath(path) == path
+        and posixpath.dirname(directory) == job_dir
+        and dataset_from_dir(posixpath.basename(directory)) is not None
+        and (dataset is None or directory == loc.dataset_dir(job, dataset))
+        and is_part_name(name)
+    )
+    if not inside:
+        raise PartPathRefused(
+            f"part path {uri[:300]!r} is not a part of job {job}"
+            f"{'' if dataset is None else f'/{dataset}'} (it must be {loc.uri(job_dir)}/dataset=…/part-….parquet)"
+        )
+    if loc.is_local:
+        real, real_job = os.path.realpath(path), os.path.realpath(job_dir)
+        if not real.startswith(real_job.rstrip(os.sep) + os.sep):
+            raise PartPathRefused(f"part path {uri[:300]!r} resolves to {real[:300]!r}, outside {real_job}")
+    return uri
+
+
+def is_plain_part_name(name: object) -> bool:
+    """A bare part file name (what a compacted part lists as replaced): no directory, no ``..``."""
+    return isinstance(name, str) and "/" not in name and "\\" not in name and is_part_name(name)
+
+
 def resolve(output_uri: str, s3_endpoint_url: str | None = None) -> tuple[pafs.FileSystem, str]:
     """``OUTPUT_URI`` → (pyarrow filesystem, root path on it). See :func:`locate` for the details."""
     loc = locate(output_uri, s3_endpoint_url)
@@ -210,7 +259,8 @@ def _superseded(loc: Location, parts: list[pafs.FileInfo]) -> tuple[set[str], se
                     damaged.add(info.path)
                     continue
             directory = posixpath.dirname(info.path)
-            replaced.update(posixpath.join(directory, n) for n in names)
+            # Bare part names only: a name with a directory in it ('../../x') would reach outside the dataset.
+            replaced.update(posixpath.join(directory, n) for n in names if is_plain_part_name(n))
     return replaced, damaged
 
 

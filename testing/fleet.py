@@ -144,10 +144,13 @@ def register_id_job(
     sampling_params: Mapping[str, object],
     dataset: str,
     fingerprint: str,
+    signer: Any = None,
 ) -> None:
     """The job record and prompt hashes, as ``producer submit`` writes them, for a job given as token ids
-    (no tokenizer): the content hash of prompt ``p`` is ``h-p``."""
+    (no tokenizer): each prompt's content hash is :func:`thinkfleet.message.content_hash` of its ids. With
+    ``signer`` (thinkfleet.signing.Signer) the record carries its signature, as a producer with a key writes it."""
     from thinkfleet import kimi
+    from thinkfleet.message import content_hash
 
     record = {
         "name": job,
@@ -159,7 +162,13 @@ def register_id_job(
     }
     if sampling_params.get("logprobs") is not None:  # --logprobs K: the record's field, as submit writes it
         record["logprobs"] = sampling_params["logprobs"]
-    client.hset(keys.job(job), mapping={k: json.dumps(v) for k, v in record.items()})
+    fields = {k: json.dumps(v) for k, v in record.items()}
+    client.hset(keys.job(job), mapping=signer.sign_record_hash(job, fields) if signer is not None else fields)
     client.sadd(keys.jobs, job)
-    client.hset(keys.prompts(job), mapping={pid: f"h-{pid}" for pid in prompts})
+    client.hset(keys.prompts(job), mapping={pid: content_hash(ids) for pid, ids in prompts.items()})
     client.hset(keys.prompt_dataset(job), mapping=dict.fromkeys(prompts, dataset))
+    # The counters `producer status` reads, as submit's commit sets them (thinkfleet/state/counters.py).
+    total = client.hlen(keys.prompts(job))
+    in_dataset = sum(1 for name in client.hvals(keys.prompt_dataset(job)) if name == dataset.encode())
+    client.hset(keys.dataset_counters(job, dataset), "submitted", in_dataset)
+    client.hset(keys.counters(job), "submitted", total)

@@ -23,7 +23,7 @@ from testing.fleet import free_port, register_id_job, wait_for_port, worker_env
 from thinkfleet import kimi
 from thinkfleet.broker.celery_app import send_tasks as _publish
 from thinkfleet.keys import Keys
-from thinkfleet.message import PromptTask, pack_ids
+from thinkfleet.message import PromptTask, content_hash, pack_ids
 from thinkfleet.settings import Settings
 
 
@@ -68,8 +68,17 @@ def make_prompts(n: int, seed: int = 0, length: int = 64) -> dict[str, list[int]
     return prompts
 
 
+def tokenizer_roots_for_tests() -> str:
+    """Where the test tokenizers are built (``default_test_tokenizer_dir``'s parent): the directory a test worker
+    loads a --turns all job's tokenizer from (``THINKFLEET_TOKENIZER_ROOTS``; the simulator serves no directory)."""
+    from thinkfleet.demo_tokenizer import default_test_tokenizer_dir
+
+    return str(default_test_tokenizer_dir().parent)
+
+
 def isolated_settings(redis_url: str, output_uri: str, **overrides: object) -> Settings:
     tag = uuid.uuid4().hex[:8]
+    overrides.setdefault("tokenizer_roots", tokenizer_roots_for_tests())
     return Settings(redis_url=redis_url, output_uri=output_uri, key_prefix=f"t{tag}", queue=f"q{tag}", **overrides)
 
 
@@ -96,10 +105,12 @@ def register_ids(
     params.update(sampling)
     keys = settings.keys
     client = redis.Redis.from_url(settings.redis_url)
-    register_id_job(client, keys, job, prompts, params, dataset, fingerprint="test-ids")
+    from thinkfleet.signing import signer_for
+
+    register_id_job(client, keys, job, prompts, params, dataset, fingerprint="test-ids", signer=signer_for(settings))
     tasks = [
         PromptTask(
-            job=job, dataset=dataset, prompt_id=pid, row_index=i, content_hash=f"h-{pid}", ids_blob=pack_ids(ids)
+            job=job, dataset=dataset, prompt_id=pid, row_index=i, content_hash=content_hash(ids), ids_blob=pack_ids(ids)
         )
         for i, (pid, ids) in enumerate(prompts.items())
     ]
@@ -133,7 +144,7 @@ RESULTS_ENV = "THINKFLEET_RELIABILITY_RESULTS"
 
 def fast_env(settings: Settings, sim_url: str, **extra: object) -> dict[str, str]:
     """A worker subprocess environment for ``settings`` and ``sim_url`` with :data:`FAST_WORKER` values."""
-    values: dict[str, object] = {**FAST_WORKER, **extra}
+    values: dict[str, object] = {"tokenizer_roots": tokenizer_roots_for_tests(), **FAST_WORKER, **extra}
     if settings.broker_url != settings.redis_url:
         values.setdefault("broker_url", settings.broker_url)
     return worker_env(
@@ -580,7 +591,7 @@ def republish(job: IdJob, prompt_ids: list[str], dataset: str = "synthetic") -> 
             dataset=dataset,
             prompt_id=pid,
             row_index=order[pid],
-            content_hash=f"h-{pid}",
+            content_hash=content_hash(job.prompts[pid]),
             ids_blob=pack_ids(job.prompts[pid]),
         )
         for pid in prompt_ids

@@ -383,12 +383,18 @@ def test_worker_reads_its_redis_password_from_a_compose_secret(name: str) -> Non
     document = load_compose(name)
     worker = document["services"]["worker"]
     path = worker["environment"]["THINKFLEET_REDIS_PASSWORD_FILE"]
-    assert path == "/run/secrets/redis_worker_password" and worker["secrets"] == ["redis_worker_password"]
+    assert path == "/run/secrets/redis_worker_password"
+    assert worker["secrets"] == ["redis_worker_password", "signing_key"]
     source = Path(document["secrets"]["redis_worker_password"]["file"])
     assert (COMPOSE[name].parent / source).resolve() == REPO / "secrets" / "redis_worker_password"
     assert load_compose(name, SECRETS_DIR="/srv/s")["secrets"]["redis_worker_password"]["file"] == (
         "/srv/s/redis_worker_password"
     )
+    # The signing key (thinkfleet/signing.py) is a secret of its own, made by make-secrets.sh beside the passwords.
+    assert worker["environment"]["THINKFLEET_SIGNING_KEY_FILE"] == "/run/secrets/signing_key"
+    key_file = COMPOSE[name].parent / document["secrets"]["signing_key"]["file"]
+    assert key_file.resolve() == REPO / "secrets" / "signing_key"
+    assert "signing_key" in (REPO / "deploy" / "make-secrets.sh").read_text()
     # The URL names the ACL user; the password is not in .env at all.
     url = dotenv()["THINKFLEET_REDIS_URL"]
     assert url.startswith("redis://worker@") and ":" not in url.split("//")[1].split("@")[0]

@@ -281,6 +281,10 @@ def _start_fleet(fleet: Fleet) -> None:
         "THINKFLEET_REDIS_PASSWORD_FILE": host_path(
             "node", "worker", worker["environment"]["THINKFLEET_REDIS_PASSWORD_FILE"], secrets
         ),
+        # The producer's signing key (deploy/make-secrets.sh): the worker runs only work signed with it.
+        "THINKFLEET_SIGNING_KEY_FILE": host_path(
+            "node", "worker", worker["environment"]["THINKFLEET_SIGNING_KEY_FILE"], secrets
+        ),
         "THINKFLEET_SGLANG_URL": fleet.sim_url,
         "THINKFLEET_METRICS_PORT": str(metrics_port),
         "THINKFLEET_OUTPUT_URI": str(fleet.workdir / "output"),

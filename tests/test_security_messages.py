@@ -128,9 +128,9 @@ def test_ids_must_hash_to_the_content_hash_and_stay_below_the_vocabulary() -> No
     assert _task(ids).verified_ids() == ids
     # A forged hash: the submitted prompt's hash, other ids.
     assert _refusal(_task([5, 6, 8, 163_606], content_hash=content_hash(ids))) == "content_hash_mismatch"
-    # Placeholder hashes (the test fleet's h-<prompt>) cannot be recomputed: passed through, and verify
-    # flags the row as stale whenever the submitted hash is a real one.
-    assert _task(ids, content_hash="h-p").verified_ids() == ids
+    # The hash is mandatory: one that is not hash-shaped cannot be checked, so the ids are not run.
+    for shapeless in ("h-p", "", "0" * 15, "0" * 17, "ABCDEF0123456789", " " + content_hash(ids)):
+        assert _refusal(_task(ids, content_hash=shapeless)) == "bad_content_hash", shapeless
     assert _task(ids).verified_ids(MessageLimits(vocab_size=163_607)) == ids
     assert _refusal(_task(ids), MessageLimits(vocab_size=163_606)) == "invalid_ids"
     assert _refusal(_task([1, 2**32 - 1]), MessageLimits(vocab_size=163_840)) == "invalid_ids"

@@ -56,6 +56,12 @@ def settings_options(
             settings = load_settings(**overrides)
             if check_redis_password:
                 settings.require_safe_redis_password(click.UsageError)
+                from thinkfleet.signing import SigningKeyError, signer_for
+
+                try:
+                    signer_for(settings)  # an unreadable or short signing key is named before anything runs
+                except SigningKeyError as exc:
+                    raise click.UsageError(str(exc)) from None
             return func(*args, settings=settings, **kwargs)
 
         for field in reversed(fields):

@@ -13,8 +13,11 @@ Anyone who can write the broker can write a message, so a worker trusts none of 
   (:data:`OVERRIDE_KEYS`), with sane values;
 - the id blob is decompressed with a bound (``max_prompt_tokens`` ids): a zstd frame whose header
   declares more is refused before anything is allocated, and a frame that declares no size is refused;
-- the ids hash to the message's ``content_hash`` (the producer's :func:`content_hash` of the ids);
-- every id is below the job's vocabulary when it is known.
+- the message carries a ``content_hash`` of :func:`content_hash`'s form (anything else is ``bad_content_hash``),
+  and the ids hash to it;
+- every id is below the job's vocabulary when it is known;
+- where a signing key is configured, the producer signed it (``signature``: thinkfleet/signing.py, checked by
+  the worker before anything else).
 
 A refusal is a :class:`MessageRefused` carrying the dead-letter class.
 """
@@ -103,9 +106,8 @@ def hash_id_bytes(raw: bytes | memoryview) -> str:
 def is_content_hash(text: object) -> bool:
     """True when ``text`` has the form :func:`content_hash` returns, so it can be checked against ids.
 
-    Other values (the test fleet's ``h-<prompt>`` placeholders, benchmark ids) cannot be recomputed:
-    a worker passes them through, and ``producer verify`` flags such a row as stale whenever the
-    submitted hash is a real one.
+    Other values cannot be recomputed: a worker refuses a message carrying one (``bad_content_hash``), and
+    ``producer verify`` flags a stored row with one as stale whenever the submitted hash is a real one.
     """
     return isinstance(text, str) and _CONTENT_HASH.fullmatch(text) is not None
 
@@ -204,6 +206,9 @@ class PromptTask:
     #: The job record's generation the message was made for (``JobRecord.generation``; '' = not recorded, an
     #: older producer): a purge + re-submit starts another, and a worker never runs one with the other's record.
     generation: str = ""
+    #: The producer's (or, for a next turn, a worker's) HMAC over the fields above (thinkfleet/signing.py); '' =
+    #: unsigned: a message of a fleet without a signing key, or of an older producer (9 or 10 args).
+    signature: str = ""
 
     def __post_init__(self) -> None:
         check_name("job", self.job)
@@ -220,18 +225,24 @@ class PromptTask:
             self.sample_index,
             self.revision,
             self.overrides,
-            *([self.generation] if self.generation else []),
+            *([self.generation] if self.generation or self.signature else []),
+            *([self.signature] if self.signature else []),
         ]
 
     @classmethod
     def from_args(cls, args: list[Any] | tuple[Any, ...]) -> PromptTask:
         """Decode a message's args; raises ValueError (or :class:`MessageRefused` for a bad name)."""
-        if len(args) not in (9, 10):
-            raise ValueError(f"a {TASK_NAME} message has 9 args (10 with its job generation), got {len(args)}")
+        if len(args) not in (9, 10, 11):
+            raise ValueError(
+                f"a {TASK_NAME} message has 9 args (10 with its job generation, 11 with its signature), got {len(args)}"
+            )
         job, dataset, prompt_id, row_index, content_hash, ids_blob, sample_index, revision, overrides = args[:9]
-        generation = args[9] if len(args) == 10 else ""
+        generation = args[9] if len(args) >= 10 else ""
+        signature = args[10] if len(args) == 11 else ""
         if not isinstance(generation, str) or not is_plain_name(generation or "x"):
             raise ValueError(f"generation must be a plain name, got {str(generation)[:64]!r}")
+        if not isinstance(signature, str) or len(signature) > 256:
+            raise ValueError(f"signature must be a short string, got {str(signature)[:64]!r}")
         if not isinstance(ids_blob, bytes | bytearray):
             raise ValueError("ids_blob must be bytes (msgpack bin); was the message JSON-serialized?")
         check_name("job", job)  # before str(): a non-string job is no name at all
@@ -247,6 +258,7 @@ class PromptTask:
             revision=int(revision),
             overrides=dict(overrides or {}),
             generation=generation,
+            signature=signature,
         )
 
     @property
@@ -256,25 +268,30 @@ class PromptTask:
     def verified_ids(self, limits: MessageLimits = MessageLimits()) -> list[int]:
         """The prompt ids once the message passed every check a worker makes before it claims the prompt.
 
-        Raises :class:`MessageRefused` with the dead-letter class: ``bad_overrides``, ``oversize`` (more
-        than ``limits.max_prompt_tokens`` ids, declared or real), ``corrupt_message`` (an undecodable
-        blob), ``content_hash_mismatch`` (the ids do not hash to ``content_hash``) or ``invalid_ids``
-        (an id at or above ``limits.vocab_size``).
+        Raises :class:`MessageRefused` with the dead-letter class: ``bad_overrides``, ``bad_content_hash``
+        (no :func:`content_hash` to check the ids against), ``oversize`` (more than ``limits.max_prompt_tokens``
+        ids, declared or real), ``corrupt_message`` (an undecodable blob), ``content_hash_mismatch`` (the ids do
+        not hash to ``content_hash``) or ``invalid_ids`` (an id at or above ``limits.vocab_size``).
         """
         check_overrides(self.overrides)
+        if not is_content_hash(self.content_hash):
+            raise MessageRefused(
+                "bad_content_hash",
+                f"content_hash {self.content_hash[:64]!r} is not a content hash (16 hex digits): the ids cannot be "
+                "checked, so they are not run",
+            )
         try:
             data = unpack_id_bytes(self.ids_blob, limits.max_id_bytes)
         except MessageRefused:
             raise
         except Exception as exc:  # a truncated zstd frame, a partial id: resending it cannot help
             raise MessageRefused("corrupt_message", f"{type(exc).__name__}: {exc}") from exc
-        if is_content_hash(self.content_hash):
-            actual = hash_id_bytes(data)
-            if actual != self.content_hash:
-                raise MessageRefused(
-                    "content_hash_mismatch",
-                    f"the ids hash to {actual}, the message says {self.content_hash}: not the submitted prompt",
-                )
+        actual = hash_id_bytes(data)
+        if actual != self.content_hash:
+            raise MessageRefused(
+                "content_hash_mismatch",
+                f"the ids hash to {actual}, the message says {self.content_hash}: not the submitted prompt",
+            )
         ids = np.frombuffer(data, dtype="<u4")
         vocab = limits.vocab_size
         if vocab is not None and len(ids) and int(ids.max()) >= vocab:

@@ -27,12 +27,14 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from storage.layout import PartPathRefused, confine_part
 from storage.spans import prompt_opens_reasoning
 from storage.writer import PartWriter
 from thinkfleet.failpoints import failpoint
 from thinkfleet.message import MessageLimits, MessageRefused, PromptTask
 from thinkfleet.settings import Settings
-from thinkfleet.state.job import DEFAULT_MAX_NEW_TOKENS, JobRecord
+from thinkfleet.signing import signer_for
+from thinkfleet.state.job import DEFAULT_MAX_NEW_TOKENS
 from thinkfleet.state.ledger import Ledger
 from thinkfleet.state.lifecycle import CANCELLED, CANCELLED_CLASS, PAUSED
 from thinkfleet.state.scripts import lua
@@ -40,7 +42,7 @@ from workers.attempts import HandBack, RequestAttempts
 from workers.committer import BadRow, Fenced, GroupCommitter, StorageUnavailable
 from workers.health import HealthGate
 from workers.hooks import Committed, PostCommitHooks
-from workers.jobs import JobCache, JobSpec, UnknownJob
+from workers.jobs import JobCache, JobSpec, UnknownJob, tokenizer_refusal, tokenizer_roots
 from workers.metrics import WorkerMetrics
 from workers.rows import build_row, final_row
 from workers.sglang import PermanentError, RequestLimits, ServerInfo, check_request
@@ -108,6 +110,8 @@ class PromptPipeline:
         self._job_check_lock = asyncio.Lock()  # one preflight (and one warning) per job
         self._envelope: Any = None  # thinkfleet.broker.envelope.Envelope, built when a paused job's message is parked
         self._park_one: Any = None
+        #: With a signing key (thinkfleet/signing.py), only work the producer signed runs here.
+        self.signer = signer_for(settings)
 
     async def handle(self, args: Any, message_id: str | None = None) -> str:
         """A message's args → its outcome (the message is acked), or :class:`HandBack` (requeued). Nothing
@@ -262,13 +266,67 @@ class PromptPipeline:
             return "dead"
         return None
 
+    async def _refused_unsigned(self, task: PromptTask, exc: MessageRefused) -> str:
+        """A message the producer did not sign (or that changed since): recorded in the fleet-wide malformed list
+        with its reason and args, counted, acked — and nothing of the job it names is touched, so a forged copy of
+        a real prompt can never take that prompt out of the queue's reach (a dead letter would)."""
+        log.error("refused message %s: %s", task.task_id, exc)
+        self.metrics.errors.labels(exc.error_class).inc()
+        record: dict[str, Any] = {
+            "message_id": task.task_id,
+            "error": f"{exc.error_class}: {exc.detail}",
+            "at": time.time(),
+        }
+        try:
+            record["args"] = repr(task.to_args())[:4000]
+        except Exception:
+            record["args"] = "<unrepresentable>"
+        try:
+            await asyncio.wait_for(self.push_malformed(json.dumps(record)), 60)
+        except Exception as err:
+            log.error("could not record refused message %s, handing it back: %s", task.task_id, err)
+            raise HandBack() from err
+        return "refused"
+
+    def _tokenizer_roots(self) -> list[str] | None:
+        """Where this worker loads a --turns all job's tokenizer from; None while the default (the served model
+        directory) is unknown (no server info yet)."""
+        info = self.gate.info
+        if not self.settings.tokenizer_roots and (info is None or not info.model_path):
+            return None
+        return tokenizer_roots(self.settings.tokenizer_roots, info.model_path if info else None)
+
+    def _confined_part(self, task: PromptTask, part: str | None) -> str | None:
+        """A claim's recorded part when it is a part of the prompt's job and dataset (storage/layout.py
+        ``confine_part``); a path outside is refused — counted, logged, never read — and the prompt generated."""
+        if not part:
+            return None
+        try:
+            return confine_part(self.writer.loc, task.job, part, task.dataset)
+        except PartPathRefused as exc:
+            self.metrics.errors.labels("part_path_refused").inc()
+            log.error("%s/%s: its claim's part is refused: %s; generating it", task.job, task.prompt_id, exc)
+            return None
+
     async def _claim_and_run(self, task: PromptTask) -> str:
+        if self.signer is not None:
+            try:
+                self.signer.check_task(task)
+            except MessageRefused as exc:
+                return await self._refused_unsigned(task, exc)
         try:
             job = await self.jobs.get(task.job, task.dataset, task.generation)
         except UnknownJob as exc:
             await self.ledger.dead_letter(task, "unknown_job", str(exc), 0)
             self.metrics.dead.labels("unknown_job").inc()
             log.error("%s", exc)
+            return "dead"
+        except MessageRefused as exc:
+            # The job record is not the one the producer signed (unsigned_job / bad_job_signature): nothing of it
+            # is used; the message is kept whole in the dead letter (producer retry, once the record is re-signed).
+            await self.ledger.dead_letter(task, exc.error_class, exc.detail, 0)
+            self.metrics.dead.labels(exc.error_class).inc()
+            log.error("dead-lettered %s/%s: %s", task.job, task.prompt_id, exc)
             return "dead"
         if task.generation and job.generation and task.generation != job.generation:
             # A message of the job as it was before `producer purge` and a new submit: never run with the new
@@ -282,7 +340,18 @@ class PromptPipeline:
         lifecycle = await self._job_lifecycle(task)
         if lifecycle is not None:
             return lifecycle
+        roots = self._tokenizer_roots() if job.multi_turn else []
+        if roots is None:
+            log.warning(
+                "%s/%s: no server info yet (the model directory it serves): handed back", task.job, task.prompt_id
+            )
+            self.metrics.handed_back.inc()
+            raise HandBack()
         try:
+            # What the worker runs is its own choice (workers/jobs.py): a --turns all job's tokenizer code and path.
+            refusal = tokenizer_refusal(job, self.settings.trust_remote_code, roots)
+            if refusal is not None:
+                raise refusal
             # The message's own checks (thinkfleet/message.py): overrides whitelist, ids decoded within
             # max_prompt_tokens, corrupt blob, content hash recomputed, ids below the vocabulary.
             vocab = (await self._limits(task.job, job.sampling_params, self.gate.info)).vocab_size
@@ -338,9 +407,10 @@ class PromptPipeline:
             failpoint("after_claim", task.prompt_id)
             # A previous run committed the part but never marked it done (a death, a hand-back after an
             # ambiguous commit, or a finalize Redis lost): finalize from that part, never generate a second row.
-            committed = bool(claim.part) and await asyncio.to_thread(self.writer.exists, claim.part)
+            part = self._confined_part(task, claim.part)  # from Redis: a part of this job, or not used
+            committed = part is not None and await asyncio.to_thread(self.writer.exists, part)
             if committed:
-                orphan = await self._finish_orphan(task, job, input_ids, str(claim.part))
+                orphan = await self._finish_orphan(task, job, input_ids, str(part))
                 if orphan is not None:
                     return orphan
             return await self._generate_and_store(task, job, input_ids, claim.epoch)
@@ -513,7 +583,7 @@ class PromptPipeline:
         )
 
     async def _job_preflight(self, job: str, sampling: dict[str, Any], info: ServerInfo | None) -> JobCheck:
-        record = await JobRecord.aload(self.redis, self.settings.keys, job)
+        record = (await self.jobs.get(job)).record  # the record as read (and checked) for the job's spec
         vocab = getattr(record, "vocab_size", None)
         context = getattr(record, "context_length", None)
         vocab_from = getattr(record, "vocab_source", "")

@@ -129,9 +129,14 @@ def make_app(settings: Settings | None = None) -> Celery:
 def send_tasks(settings: Settings, tasks: list[PromptTask]) -> None:
     """``send_task`` each task (any broker; not atomic: tests and the non-Redis-broker fallback of
     ``producer retry`` use it; ``producer submit`` stages :mod:`thinkfleet.broker.envelope` messages)."""
+    from thinkfleet.signing import signer_for
+
     app = make_app(settings)
+    signer = signer_for(settings)  # signed like the envelope's messages (thinkfleet/broker/envelope.py)
     with app.producer_or_acquire() as producer:
         for task in tasks:
+            if signer is not None and not task.signature:
+                task = signer.sign_task(task)
             app.send_task(
                 TASK_NAME,
                 args=task.to_args(),

@@ -7,6 +7,9 @@ fields that differ (task id, argsrepr, delivery tag, body) into that exact JSON 
 message is therefore byte-for-byte what ``send_task`` would have pushed to the kombu Redis transport, except
 for its random delivery tag. The producer stages them (producer/enqueue.py); a worker encodes a multi-turn
 job's next turn and re-queues a paused job's message with them.
+
+With a signing key configured (thinkfleet/signing.py) every task that carries no signature yet is signed here, the
+one door every message goes through; a task that has one (a paused job's message, a dead letter resent) keeps it.
 """
 
 from __future__ import annotations
@@ -69,6 +72,9 @@ class Envelope:
         self._slots = [slots[p] for p in parts[1::2]]
         self._packer = msgpack.Packer(use_bin_type=True)
         self.queue = priority_list(settings.queue, self.priority)
+        from thinkfleet.signing import signer_for
+
+        self.signer = signer_for(settings)
 
     def encode(self, task: PromptTask) -> bytes:
         """The JSON to LPUSH onto the queue for ``task``."""
@@ -77,13 +83,14 @@ class Envelope:
     def encode_many(self, tasks: list[PromptTask]) -> list[bytes]:
         tags = _delivery_tags(len(tasks))
         literals, slots, pack, kwargs, embed = self._literals, self._slots, self._packer.pack, self.kwargs, self.embed
+        signer = self.signer
         out = []
         for task, tag in zip(tasks, tags, strict=True):
             values = {
                 "id": _quote(task.task_id),
                 "argsrepr": _quote(task.argsrepr[:ARGSREPR_MAX]),
                 "tag": tag,
-                "body": b'"' + binascii.b2a_base64(pack([task.to_args(), kwargs, embed]), newline=False) + b'"',
+                "body": b'"' + binascii.b2a_base64(pack([_args(task, signer), kwargs, embed]), newline=False) + b'"',
             }
             pieces = [literals[0]]
             for slot, literal in zip(slots, literals[1:], strict=True):
@@ -91,6 +98,14 @@ class Envelope:
                 pieces.append(literal)
             out.append(b"".join(pieces))
         return out
+
+
+def _args(task: PromptTask, signer: Any) -> list[Any]:
+    """The task's args, signed by ``signer`` when it carries no signature yet (an already signed task keeps its own)."""
+    args = task.to_args()
+    if signer is None or task.signature:
+        return args
+    return [*args[:9], task.generation, signer.task_signature(task)]
 
 
 def _quote(text: str) -> bytes:

@@ -266,9 +266,15 @@ class JobRecord:
     def to_hash(self) -> dict[str, str]:
         return {k: json.dumps(v) for k, v in asdict(self).items()}
 
-    def save(self, client: redis.Redis | redis.client.Pipeline, keys: Keys) -> None:
-        """Write every field (inside the caller's MULTI when ``client`` is a pipeline)."""
-        client.hset(keys.job(self.name), mapping=self.to_hash())
+    def save(self, client: redis.Redis | redis.client.Pipeline, keys: Keys, signer: Any = None) -> None:
+        """Write every field (inside the caller's MULTI when ``client`` is a pipeline); with ``signer``
+        (thinkfleet.signing.Signer) the ``signature`` field that signs them, else none (an older one is dropped)."""
+        fields = self.to_hash()
+        if signer is not None:
+            client.hset(keys.job(self.name), mapping=signer.sign_record_hash(self.name, fields))
+        else:
+            client.hset(keys.job(self.name), mapping=fields)
+            client.hdel(keys.job(self.name), "signature")
         client.sadd(keys.jobs, self.name)
 
 
