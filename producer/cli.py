@@ -96,6 +96,26 @@ def cli() -> None:
     help="last: regenerate the final assistant turn; all: every assistant turn, each rendered from the model's "
     "own earlier answers (rows {conversation}/t{i}; turns after a tool call are not generated).",
 )
+@click.option(
+    "--tool-results",
+    type=click.Choice(["replay", "executor"]),
+    default=None,
+    help="With --turns all: regenerate through tool calls, feeding back the dataset's recorded tool results "
+    "(replay) or the --tool-executor's (rows {conversation}/t{i}s{j} per step; README 'Agentic conversations').",
+)
+@click.option(
+    "--tool-executor",
+    help="tool_results executor: module:function, path/to/file.py:function or an http(s) URL (workers must list it "
+    "in THINKFLEET_TOOL_EXECUTORS).",
+)
+@click.option(
+    "--tool-mismatch",
+    type=click.Choice(["chain_end", "keep_recorded"]),
+    default="chain_end",
+    show_default=True,
+    help="A model call unlike the dataset's (function, count): end the chain there, or feed the recorded results.",
+)
+@click.option("--max-tool-steps", type=int, default=8, show_default=True, help="Tool-calling steps per turn at most.")
 @click.option("--think-start-id", type=int, help="Override the <think> id read from the tokenizer.")
 @click.option("--think-end-id", type=int, help="Override the </think> id read from the tokenizer.")
 @click.option("--dataset-name", "dataset_names", multiple=True, help="Dataset name per PATH (default: file stem).")
@@ -279,6 +299,10 @@ def _submit_options(paths: list[Path], f: dict[str, Any]) -> SubmitOptions:
         model_family=f["model_family"],
         reasoning_spans=not f["no_reasoning_spans"],
         turns=f.get("turns") or "last",
+        tool_results=f.get("tool_results"),
+        tool_mismatch=f.get("tool_mismatch") or "chain_end",
+        max_tool_steps=f.get("max_tool_steps") or 8,
+        tool_executor=f.get("tool_executor"),
         think_start_id=f["think_start_id"],
         think_end_id=f["think_end_id"],
         max_prompt_tokens=f["max_prompt_tokens"],

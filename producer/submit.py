@@ -66,6 +66,7 @@ from thinkfleet.broker.envelope import Envelope
 from thinkfleet.failpoints import failpoint
 from thinkfleet.message import PromptTask, is_plain_name, unpack_ids
 from thinkfleet.settings import Settings
+from thinkfleet.signing import signer_for
 from thinkfleet.state.job import (
     MAX_SKIPPED_RECORDS,
     JobRecord,
@@ -118,6 +119,16 @@ class SubmitOptions:
     #: ``--turns``: "last" regenerates the final assistant turn; "all" every turn, chained by the workers
     #: (turn 0 of each conversation is enqueued here as ``{prompt_id}/t0``; :mod:`thinkfleet.turns`).
     turns: str = "last"
+    #: ``--tool-results`` (job file ``tool_results``; with ``--turns all``): "replay" regenerates through tool
+    #: calls, feeding back the dataset's recorded results (thinkfleet/tool_steps.py); None = cut at the first tool.
+    tool_results: str | None = None
+    #: ``tool_mismatch``: "chain_end" (a call unlike the dataset's ends the chain) or "keep_recorded".
+    tool_mismatch: str = "chain_end"
+    #: ``max_tool_steps``: tool-calling answers fed back per turn at most.
+    max_tool_steps: int = 8
+    #: ``--tool-executor`` (``tool_results: executor``): ``module:function``, ``file.py:function`` or an http(s)
+    #: URL, run by the workers that store the steps (workers/tool_exec.py; they must trust it).
+    tool_executor: str | None = None
     think_start_id: int | None = None
     think_end_id: int | None = None
     max_prompt_tokens: int | None = None
@@ -178,6 +189,8 @@ def submit(settings: Settings, opts: SubmitOptions, on_progress: ProgressFn | No
         raise SubmitError(f"--turns {opts.turns!r}: use last or all")
     if opts.turns == "all" and (opts.samples != 1 or any((d.samples or 1) != 1 for d in opts.inputs())):
         raise SubmitError("--turns all takes one sample per conversation: drop --samples")
+    if opts.tool_results is not None:
+        _check_tool_options(opts)
     try:
         tok = render.load_tokenizer(opts.tokenizer, opts.trust_remote_code)
     except render.TokenizerError as e:
@@ -301,7 +314,7 @@ class _Feed:
         """--turns all: the conversation's turn 0 (history up to its first user message), ``{id}/t0``."""
         from thinkfleet.turns import plan_conversation, turn_id
 
-        plan = plan_conversation(prompt.messages)
+        plan = plan_conversation(prompt.messages, keep_tools=self.opts.tool_results is not None)
         if plan is None:  # no user turn: rendered as it is (one turn), as --turns last would
             plan = {"messages": prompt.messages, "users": [len(prompt.messages) - 1], "turn_count": 1,
                     "cut_at_tool": False}  # fmt: skip
@@ -667,7 +680,12 @@ def _write_conversations(client: redis.Redis, settings: Settings, opts: SubmitOp
     assert feed is not None
     key = conversations_key(settings.keys, opts.job)
     kept = collector.kept_conversations
-    convs = {c: json.dumps(v, ensure_ascii=False) for c, v in feed.conversations.items() if c in kept}
+    signer = signer_for(settings)  # with a key, workers render later turns only from what the producer signed
+    convs = {
+        c: json.dumps(signer.sign_doc("conversation", opts.job, c, v) if signer else v, ensure_ascii=False)
+        for c, v in feed.conversations.items()
+        if c in kept
+    }
     items = list(convs.items())
     with client.pipeline(transaction=False) as pipe:
         for start in range(0, len(items), 1000):
@@ -683,7 +701,30 @@ def _write_conversations(client: redis.Redis, settings: Settings, opts: SubmitOp
         "trust_remote_code": opts.trust_remote_code,
         "note": "conversations are regenerated up to their first tool call (later turns need tool results)",
     }
+    if opts.tool_results is not None:  # an agentic job: tool results fed back (thinkfleet/tool_steps.py)
+        meta.update(tool_results=opts.tool_results, tool_mismatch=opts.tool_mismatch)
+        meta["max_tool_steps"] = opts.max_tool_steps
+        if opts.tool_executor:
+            meta["executor"] = opts.tool_executor
+        meta["note"] = "conversations are regenerated through their tool calls (thinkfleet/tool_steps.py)"
+    if signer is not None:
+        meta = signer.sign_doc("turns", opts.job, "", meta)
     client.hset(settings.keys.job(opts.job), "turns", json.dumps(meta))
+
+
+def _check_tool_options(opts: SubmitOptions) -> None:
+    from thinkfleet.tool_steps import MISMATCH_POLICIES, TOOL_RESULT_MODES
+
+    if opts.turns != "all":
+        raise SubmitError("--tool-results needs --turns all (tool results feed the turns after a call)")
+    if opts.tool_results not in TOOL_RESULT_MODES:
+        raise SubmitError(f"--tool-results {opts.tool_results!r}: use {' or '.join(TOOL_RESULT_MODES)}")
+    if opts.tool_mismatch not in MISMATCH_POLICIES:
+        raise SubmitError(f"tool_mismatch {opts.tool_mismatch!r}: use {' or '.join(MISMATCH_POLICIES)}")
+    if (opts.tool_results == "executor") != bool(opts.tool_executor):
+        raise SubmitError("--tool-results executor takes --tool-executor SPEC (module:function, file.py:function, URL)")
+    if opts.max_tool_steps < 1:
+        raise SubmitError(f"max_tool_steps {opts.max_tool_steps}: give at least 1")
 
 
 def _turn_counts(client: redis.Redis, key: str) -> Iterator[int]:

@@ -75,6 +75,8 @@ class VerifyReport:
     missing_turns: list[str] = field(default_factory=list)
     #: --turns all: turns past their conversation's chain end (a re-run ended it earlier): not current, no error
     superseded: list[str] = field(default_factory=list)
+    #: agentic jobs: steps whose prompt is not the template's rendering of their history (storage/verify_steps.py)
+    step_prompt_mismatch: list[str] = field(default_factory=list)
     duplicated: list[str] = field(default_factory=list)
     duplicate_rows: int = 0  # rows beyond the first of each duplicated prompt
     malformed: dict[str, list[str]] = field(default_factory=dict)  # prompt_id → problems
@@ -109,6 +111,7 @@ class VerifyReport:
         return not (
             self.missing
             or self.missing_turns
+            or self.step_prompt_mismatch
             or self.duplicated
             or self.malformed
             or self.stale
@@ -131,9 +134,7 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
     if not state.redis_ok:
         report.notes.append(f"Redis unreachable ({state.error}); dead letters unknown")
 
-    # Every part decoded whole, page checksums verified: damaged ones are quarantined before anything is counted.
     loc = layout.locate(uri, endpoint)
-    damaged = reader.check_parts(uri, job, s3_endpoint_url=endpoint)
 
     submitted, sub_dataset = dict(state.submitted), dict(state.prompt_dataset)
     try:
@@ -166,10 +167,15 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
     # stays within the storage_memory_mb setting whatever the job's size.
     tokens = jobstate.span_tokens(state.record)
     expected = _reasoning_expected(state.record, tokens)
+    # The first pass decodes every column of every part, page checksums verified (reader.check_parts in the same
+    # read): damaged ones are quarantined before anything is counted.
+    damaged: list[str] = []
     for attempt in range(stream.REPLANS):
         plan = stream.plan(
-            loc, job, None, _KEY_COLUMNS, columns=_ROW_COLUMNS, memory_bytes=stream.memory_bytes_of(settings)
-        )
+            loc, job, None, _KEY_COLUMNS, columns=_ROW_COLUMNS, memory_bytes=stream.memory_bytes_of(settings),
+            check_all=True,
+        )  # fmt: skip
+        damaged += plan.damaged
         try:
             checked = _check_rows(plan, tokens, expected, submitted)
             break
@@ -206,8 +212,10 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
 
     malformed, thinking, tool_rows = checked.malformed, checked.thinking, checked.tool_rows
     # In the order a dataset-by-dataset read in prompt_id order gave (the text report lists the first ones).
-    dataset_of = dict(zip(stored_ids, winners[DATASET].to_pylist(), strict=True))
-    report.malformed = {pid: malformed[pid] for pid in sorted(malformed, key=lambda p: (str(dataset_of.get(p)), p))}
+    if malformed:  # (a dict of every prompt's dataset only when some row is malformed)
+        bad = winners.filter(pc.is_in(winners[PROMPT_ID], pa.array(list(malformed), pa.string())))
+        dataset_of = dict(zip(bad[PROMPT_ID].to_pylist(), bad[DATASET].to_pylist(), strict=True))
+        report.malformed = {p: malformed[p] for p in sorted(malformed, key=lambda p: (str(dataset_of.get(p)), p))}
     report.hash_mismatch = sorted(checked.hash_mismatch)
     report.checksum_mismatch = sorted(checked.checksum_mismatch)
     ends = _chain_ends(settings, job) if state.redis_ok else None
@@ -217,6 +225,11 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
     report.missing = [pid for pid in report.missing if pid not in superseded]
     report.missing_turns = missing_turns(winners, stored - superseded, dead, chain_ends)
     report.missing_turns = [pid for pid in report.missing_turns if pid not in set(report.missing) | superseded]
+    if state.redis_ok:
+        from storage.verify_steps import step_prompt_mismatches
+
+        report.step_prompt_mismatch, not_checked = step_prompt_mismatches(settings, job)
+        report.notes.extend([not_checked] if not_checked else [])
     report.thinking_rows, report.think_end_rows = thinking.thinking_rows, thinking.think_end_rows
     report.reasoning_spans = tokens.reasoning_spans
     if tokens.reasoning_spans:
@@ -464,6 +477,11 @@ def format_report(report: VerifyReport, limit: int = 20) -> str:
             lines.append(f"  conversation {conv}: turn {turn} ({pid})")
         if len(report.missing_turns) > limit:
             lines.append(f"  … and {len(report.missing_turns) - limit} more (--json lists all)")
+    section(
+        "STEP PROMPT MISMATCH",
+        report.step_prompt_mismatch,
+        " (agentic job: the stored prompt is not the template's rendering of the conversation up to the step)",
+    )
     section("DUPLICATED", report.duplicated, f" ({report.duplicate_rows} extra rows: producer compact)")
     if report.malformed:
         lines.append(f"MALFORMED: {len(report.malformed)}")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from thinkfleet.keys import DEFAULT_PREFIX, Keys
@@ -138,6 +138,18 @@ class Settings(BaseSettings):
     storage_retry_max_s: float = Field(
         30.0, gt=0, description="Longest backoff between retries of a failed Parquet commit (rows kept in memory)."
     )
+    part_target_bytes: int = Field(
+        64 << 20,
+        ge=1 << 16,
+        description="Group commit: a part's Parquet size target, bytes (rows are ~4 B per id): a flush starts early "
+        "once the waiting rows reach it, and a larger group is written as several parts (flush_rows caps the rows).",
+    )
+    storage_memory_mb: int = Field(
+        1024,
+        ge=16,
+        description="verify/report/export/compact: the memory their reads are sized to, MiB (batches of rows; the "
+        "job's per-prompt keys come on top, ~100 B a stored row); a larger job spills sorted runs to local temp files.",
+    )
     alarm_min_rows: int = Field(100, ge=1, description="Rows observed before the alarm may fire.")
     alarm_missing_share: float = Field(
         0.95, gt=0, le=1, description="Fire when this share of rows lacks a think-end token."
@@ -155,6 +167,33 @@ class Settings(BaseSettings):
         ge=0,
         description="Largest message body a worker decodes; bigger ones go to the malformed list as oversize. "
         "0 = derived from max_prompt_tokens (4 bytes per id + 64 KiB).",
+    )
+
+    # -- trust: what a worker runs and what it believes (thinkfleet/signing.py, workers/jobs.py) ----------
+    signing_key_file: str | None = Field(
+        None,
+        description="File holding the key work is signed with (deploy/make-secrets.sh's signing_key; not a Redis "
+        "credential). The producer signs job records and messages with it; a worker with it refuses unsigned or "
+        "badly signed work. Unset: nothing is signed or checked.",
+    )
+    signing_key: SecretStr | None = Field(
+        None, description="The signing key itself (tests, bare-metal trials); prefer signing_key_file."
+    )
+    signing_key_previous_file: str | None = Field(
+        None,
+        description="A retired signing key that workers still accept (never sign with): set it while work signed "
+        "before a key rotation drains.",
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description="Worker: may a --turns all job's tokenizer run its own Python code (auto_map)? Off: such a "
+        "job's prompts are dead-lettered remote_code_refused (producer retry resends them once this is on).",
+    )
+    tokenizer_roots: str = Field(
+        "",
+        description="Worker: directories a --turns all job's tokenizer may be loaded from (os.pathsep-separated). "
+        "Empty: the model directory this node's server serves. A job naming another path is dead-lettered "
+        "tokenizer_refused.",
     )
 
     log_level: str = Field("INFO", description="Python logging level.")

@@ -15,8 +15,8 @@ from typing import Any
 
 from thinkfleet.keys import Keys
 
-#: ``{conversation}/t{i}``
-TURN_ID = re.compile(r"^(?P<conv>.+)/t(?P<turn>\d+)$")
+#: ``{conversation}/t{i}``, and ``{conversation}/t{i}s{j}`` for step j > 0 of turn i of an agentic job
+TURN_ID = re.compile(r"^(?P<conv>.+)/t(?P<turn>\d+)(?:s(?P<step>\d+))?$")
 
 
 #: The job hash's field that says how a job regenerates turns: JSON {mode: "all" | "last", turns, …}.
@@ -58,9 +58,27 @@ def split_turn_id(prompt_id: str) -> tuple[str, int] | None:
     return (m.group("conv"), int(m.group("turn"))) if m else None
 
 
-def plan_conversation(messages: list[dict[str, Any]]) -> dict[str, Any] | None:
+def step_id(conversation: str, turn: int, step: int) -> str:
+    """Step ``step`` of turn ``turn`` (an agentic job's call → result → … chain); step 0 is the turn's own id."""
+    return turn_id(conversation, turn) if step == 0 else f"{conversation}/t{turn}s{step}"
+
+
+def split_step_id(prompt_id: str) -> tuple[str, int, int] | None:
+    """(conversation, turn, step) of a turn or step prompt id (step 0 for a plain turn id)."""
+    m = TURN_ID.match(prompt_id)
+    return (m.group("conv"), int(m.group("turn")), int(m.group("step") or 0)) if m else None
+
+
+def plan_conversation(messages: list[dict[str, Any]], keep_tools: bool = False) -> dict[str, Any] | None:
     """The turns of one source conversation (cut after its last user turn): the messages up to the first
-    tool call, the index of each user message, and whether a tool call cut it. None: no user message."""
+    tool call, the index of each user message, and whether a tool call cut it. None: no user message.
+
+    ``keep_tools`` (an agentic job, ``tool_results`` set): nothing is cut at a tool call; the messages run to the
+    last turn's last recorded tool result and the plan adds ``steps`` (:func:`recorded_steps`)."""
+    if keep_tools:
+        from thinkfleet.tool_steps import plan_agentic
+
+        return plan_agentic(messages)
     cut_at_tool = False
     kept: list[dict[str, Any]] = []
     for m in messages:
@@ -77,8 +95,13 @@ def plan_conversation(messages: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 #: Fields of an answer record (``answers_key``) that are no part of the assistant message: ``chain_end`` (no
 #: turn follows: ``tool_call`` or ``error: …``) and ``revision`` (the revision of the row it was decoded from;
-#: missing = 0; a re-derived next turn is enqueued one revision above its own recorded answer).
-ANSWER_META = ("chain_end", "revision")
+#: missing = 0; a re-derived next turn is enqueued one revision above its own recorded answer), and ``signature``
+#: (the deriving worker's, with a signing key: thinkfleet/signing.py).
+#: An agentic job's records add ``next`` (the prompt its finalize enqueued), ``tool_results`` (the ``tool`` messages
+#: fed back after this step's calls), ``tool_mismatch``, ``args_differ`` and ``tool_error`` (thinkfleet/tool_steps.py).
+ANSWER_META = (
+    "chain_end", "revision", "signature", "next", "tool_results", "tool_mismatch", "args_differ", "tool_error",
+)  # fmt: skip
 
 
 def answer_message(record: dict[str, Any]) -> dict[str, Any]:
@@ -95,15 +118,16 @@ def beyond_chain_ends(prompt_ids: Iterable[str], chain_ends: Iterable[str]) -> s
     """The turn prompt ids that follow their conversation's earliest chain end (``chain_ends``: turn prompt
     ids whose answer ends the chain). Such a turn's row is *superseded*: a re-run of an earlier turn ended
     the chain before it, so it was derived from an answer that is no longer the conversation's."""
-    end: dict[str, int] = {}
+    # Places are (turn, step): an agentic job's steps …/t{i}s{j} order within their turn (plain turns are step 0).
+    end: dict[str, tuple[int, int]] = {}
     for pid in chain_ends:
-        parts = split_turn_id(pid)
+        parts = split_step_id(pid)
         if parts is not None:
-            end[parts[0]] = min(end.get(parts[0], parts[1]), parts[1])
+            end[parts[0]] = min(end.get(parts[0], parts[1:]), parts[1:])
     out = set()
     for pid in prompt_ids:
-        parts = split_turn_id(pid)
-        if parts is not None and parts[0] in end and parts[1] > end[parts[0]]:
+        parts = split_step_id(pid)
+        if parts is not None and parts[0] in end and parts[1:] > end[parts[0]]:
             out.add(pid)
     return out
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from storage.layout import confine_part
 from storage.writer import PartWriter
 from thinkfleet.failpoints import failpoint
 from thinkfleet.state.ledger import Fence, Finalized, FinalRow, Ledger
@@ -44,6 +45,20 @@ from workers.hooks import CommitGroup, FinalizeWrites, PostCommitHooks, StoredRo
 
 #: How many finalized rows a worker remembers for :meth:`GroupCommitter.replay` (a few hundred bytes each).
 RECENT_FINALIZES = 20_000
+#: A part's size target (the ``part_target_bytes`` setting's default): a flush starts once this much waits, and a
+#: larger group is written as several parts — long outputs with logprobs make 512-row parts of GBs otherwise.
+DEFAULT_PART_TARGET_BYTES = 64 << 20
+
+
+def row_bytes(row: dict[str, Any]) -> int:
+    """About what a row adds to its part: 4 bytes an id, logprobs included (their top-K ids and values: 8 a pair)."""
+    def n(key: str) -> int:
+        value = row.get(key)  # a list, a numpy array (no truth value) or None
+        return 0 if value is None else len(value)
+
+    top = row.get("top_logprob_ids")
+    width = len(top[0]) if top is not None and len(top) else 0
+    return 256 + 4 * (n("input_ids") + n("output_ids")) + 4 * n("output_logprobs") * (1 + 2 * width)
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +88,7 @@ class _Pending:
     row: dict[str, Any]
     final: FinalRow
     future: asyncio.Future[str] = field(repr=False)  # the part that holds the row
+    size: int = 0  # row_bytes(row): what it adds to its part
 
 
 class GroupCommitter:
@@ -90,8 +106,11 @@ class GroupCommitter:
         on_storage: Callable[[bool, Exception | None], None] = lambda ok, exc: None,
         retry_max_s: float = 30.0,
         hooks: PostCommitHooks | None = None,
+        part_target_bytes: int = DEFAULT_PART_TARGET_BYTES,
     ) -> None:
         self.writer = writer
+        self.part_target_bytes = part_target_bytes
+        self._pending_bytes = 0
         self.ledger = ledger
         self.flush_rows = flush_rows
         self.flush_interval_s = flush_interval_s
@@ -120,9 +139,10 @@ class GroupCommitter:
         """The part holding the row, once it is durably stored and marked done. While storage fails it keeps
         waiting (the commit is retried); raises :class:`StorageUnavailable` only when a drain gives up."""
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._pending.append(_Pending(job, dataset, row, final, future))
+        self._pending.append(_Pending(job, dataset, row, final, future, row_bytes(row)))
+        self._pending_bytes += self._pending[-1].size
         self._wake.set()
-        if len(self._pending) >= self.early_flush_rows:
+        if len(self._pending) >= self.early_flush_rows or self._pending_bytes >= self.part_target_bytes:
             self._urgent.set()
         return await future
 
@@ -139,13 +159,24 @@ class GroupCommitter:
             except TimeoutError:
                 pass
             self._urgent.clear()
-            batch, self._pending = self._pending[: self.flush_rows], self._pending[self.flush_rows :]
+            take = self._within_target(self._pending[: self.flush_rows])
+            batch, self._pending = self._pending[:take], self._pending[take:]
+            self._pending_bytes -= sum(i.size for i in batch)
             if not self._pending:
                 self._wake.clear()
-            elif len(self._pending) >= self.early_flush_rows:
+            elif len(self._pending) >= self.early_flush_rows or self._pending_bytes >= self.part_target_bytes:
                 self._urgent.set()
             if batch:
                 await self._flush(batch)
+
+    def _within_target(self, items: list[_Pending]) -> int:
+        """How many of ``items`` (at least one) stay within the part size target."""
+        total = 0
+        for n, item in enumerate(items):
+            total += item.size
+            if total > self.part_target_bytes and n:
+                return n
+        return len(items)
 
     async def _flush(self, batch: list[_Pending]) -> None:
         groups: dict[tuple[str, str], list[_Pending]] = defaultdict(list)
@@ -290,7 +321,11 @@ class GroupCommitter:
 
     async def finalize_orphan(self, job: str, dataset: str, part: str, final: FinalRow) -> Finalized:
         """The recovery of a row committed in ``part`` but never finalized: finalize it with what the hooks
-        compute from the stored row (a turn's next turn: as the dead run would have written it)."""
+        compute from the stored row (a turn's next turn: as the dead run would have written it). ``part`` must be a part
+        of the job's dataset (storage/layout.py ``confine_part``: a claim's part comes from Redis)."""
+        loc = getattr(self.writer, "loc", None)
+        if loc is not None:
+            confine_part(loc, job, part, dataset)  # PartPathRefused: nothing outside the job is read
         writes = await self.hooks.before_orphan_finalize(StoredRow(job, dataset, part, final.prompt_id))
         return await self._finalize(job, dataset, [final], writes)
 

@@ -38,6 +38,7 @@ from thinkfleet.broker.transit import TransitSweeper
 from thinkfleet.broker.visibility import unacked_index_key
 from thinkfleet.message import PromptTask
 from thinkfleet.settings import Settings
+from thinkfleet.signing import SigningKeyError, signer_for
 from thinkfleet.state.lifecycle import CANCELLED
 from workers.adaptive import Move, bound_info, inflight_watcher, limits_from
 from workers.attempts import HandBack, RequestAttempts
@@ -51,6 +52,7 @@ from workers.lease import HeldMessages, LeaseKeeper
 from workers.loop import EventLoopThread
 from workers.metrics import WorkerMetrics
 from workers.pipeline import PromptPipeline
+from workers.scheduler import slurm_info
 from workers.turns import TurnChainer, TurnChaining
 
 log = logging.getLogger("thinkfleet.worker")
@@ -131,7 +133,11 @@ class WorkerRuntime:
         abandoned = await self.ledger.abandon_claims()  # before this life claims anything
         if abandoned:
             log.warning("worker %s restarted: released %d claim(s) of its previous run", self.identity, abandoned)
-        self.jobs = JobCache(self.redis, s.keys)
+        try:
+            signer = signer_for(s)  # thinkfleet/signing.py: with a key, only signed work runs here
+        except SigningKeyError as exc:
+            raise RuntimeStartError(str(exc)) from exc
+        self.jobs = JobCache(self.redis, s.keys, signer)
         self.writer = PartWriter(s.output_uri, self.identity, s.s3_endpoint_url)
         try:
             await asyncio.to_thread(self.writer.probe)
@@ -139,7 +145,7 @@ class WorkerRuntime:
             raise RuntimeStartError(str(exc)) from exc
         # What hangs off a stored row, in order (workers/hooks.py): the committer and the pipeline call them.
         self.hooks = PostCommitHooks(
-            [TurnChaining(TurnChainer(self.redis, s.keys, s, self.writer))],  # --turns all jobs
+            [TurnChaining(chainer := TurnChainer(self.redis, s.keys, s, self.writer))],  # --turns all jobs
             on_error=lambda hook, exc: self.metrics.errors.labels("post_commit_hook").inc(),
         )
         self.committer = GroupCommitter(
@@ -157,8 +163,10 @@ class WorkerRuntime:
             on_storage=self._storage_state,
             retry_max_s=s.storage_retry_max_s,
             hooks=self.hooks,
+            part_target_bytes=s.part_target_bytes,
         )
         self.committer.start()
+        self.adaptive = None  # set below; the gate may open (and call _server_up) before
         self.gate = HealthGate(
             self.client,
             s.health_interval_s,
@@ -167,6 +175,7 @@ class WorkerRuntime:
             on_up=self._server_up,
             metrics=self.metrics,
         )
+        chainer.served_model = lambda: self.gate.info.model_path if self.gate.info else None  # tokenizer roots
         self.attempts = RequestAttempts(
             s, self.client, self.gate, self.metrics, lambda: self.draining, on_idle=self.committer.flush_soon
         )
@@ -177,6 +186,8 @@ class WorkerRuntime:
         )
         if self.adaptive is None:
             self.metrics.bound_reason.state("fixed")
+        elif self.gate.info is not None:  # the gate opened before the controller existed: start from its limits
+            self.adaptive.reset(limits_from(self.gate.info))
         self.pipeline = PromptPipeline(
             s,
             self.identity,
@@ -203,6 +214,7 @@ class WorkerRuntime:
             **bound_info(self.adaptive, s),
             "metrics_port": port,
             "started_at": time.time(),
+            **slurm_info(),
         }
         self.lease.info = info
         if not await self.lease.beat():
@@ -349,7 +361,6 @@ class WorkerRuntime:
         info = getattr(getattr(self, "lease", None), "info", None)
         if info is not None:
             info.update(bound_info(self.adaptive, self.settings))
-
 
     def _storage_state(self, ok: bool, exc: Exception | None) -> None:
         """The committer's verdict: a failed commit closes the consuming gate until one succeeds."""

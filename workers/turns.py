@@ -16,9 +16,18 @@ post-commit hook (workers/hooks.py) whose finalize writes ride in that Lua call.
 The template decides what of the history it keeps: the answer always carries ``reasoning_content`` (Kimi's
 K2-Thinking template drops it for turns before the last plain assistant turn).
 
+What the worker runs and believes here is its own choice: the tokenizer is loaded only from the worker's allowed
+roots (``THINKFLEET_TOKENIZER_ROOTS``, default the served model directory), resolved, with its own code only when
+both the job asks for it and the worker allows it (``THINKFLEET_TRUST_REMOTE_CODE``; workers/jobs.py refuses such
+jobs' messages before they run). With a signing key (thinkfleet/signing.py) the job record and its ``turns`` field,
+every conversation record and every recorded answer must carry a valid signature (answers and next-turn messages
+are signed by the worker that derives them); one that does not ends its chain with the reason in its answer record.
+
 A chain ends early when the model's answer of turn i calls a tool (the next user turn would follow a call with
-no result): the answer record says ``"chain_end": "tool_call"``. Conversations whose dataset history has tool
-calls were cut at the submit (turns up to the first tool call: the conversation record's ``cut_at_tool``).
+no result): the answer record says ``"chain_end": "tool_call"`` — unless the job is agentic (``tool_results`` set:
+the results are fed back and the turn goes on step by step, workers/tool_steps.py). Conversations whose dataset
+history has tool calls were cut at the submit (turns up to the first tool call: the conversation record's
+``cut_at_tool``).
 
 A re-run of turn i (``producer retry --truncated``: revision r > 0) re-derives the turns after it. The answer
 record keeps the revision it was decoded from (``"revision"``), and turn i+1 is enqueued one revision above its
@@ -43,9 +52,11 @@ import pyarrow.parquet as pq
 import redis.asyncio as aioredis
 
 from thinkfleet.keys import Keys
-from thinkfleet.message import PromptTask, content_hash, pack_ids
+from thinkfleet.message import MessageRefused, PromptTask, content_hash, pack_ids
+from thinkfleet.signing import signer_for
 from thinkfleet.state.job import JobRecord
 from thinkfleet.template import TokenizerError, fingerprint, load_tokenizer, render_ids
+from thinkfleet.tool_steps import agentic
 from thinkfleet.turns import (
     TURNS_FIELD,
     answer_message,
@@ -53,17 +64,22 @@ from thinkfleet.turns import (
     answers_key,
     conversations_key,
     regenerates_all_turns,
+    split_step_id,
     split_turn_id,
     turn_id,
     turn_messages,
     turns_meta,
 )
 from workers.hooks import CommitGroup, FinalizeWrites, PostCommitHook, StoredRow
+from workers.jobs import confined_tokenizer, load_job, tokenizer_roots
 
 log = logging.getLogger(__name__)
 
 #: The row columns a multi-turn job fills (null for single-turn jobs).
 CONVERSATION_ID, TURN_INDEX, TURN_COUNT = "conversation_id", "turn_index", "turn_count"
+#: An agentic job's (thinkfleet/tool_steps.py): the step of the turn, and whether its calls' arguments differ
+#: from the dataset's.
+STEP_INDEX, TOOL_ARGS_DIFFER = "step_index", "tool_args_differ"
 ROW_COLUMNS = (
     "prompt_id",
     "revision",
@@ -110,32 +126,64 @@ class TurnChainer:
         self.r, self.keys, self.settings, self.writer = client, keys, settings, writer
         self.queue: str = settings.queue
         self._mode: dict[str, bool] = {}
-        self._trust: dict[str, bool] = {}
+        #: The job's ``turns`` record (its agentic settings: thinkfleet/tool_steps.py).
+        self._meta: dict[str, dict[str, Any]] = {}
         self._jobs: dict[str, _JobTurns] = {}
+        self.signer = signer_for(settings)
+        #: The model directory this node's server serves (the default tokenizer root); set by the runtime.
+        self.served_model: Any = lambda: None
         self._envelopes: dict[int, Any] = {}
         self._priority: dict[str, int] = {}
 
     async def multi_turn(self, job: str) -> bool:
         if job not in self._mode:
+            # The mode only says whether to chain; what a chain renders with comes from the checked record (_job).
             meta = turns_meta(await self.r.hget(self.keys.job(job), TURNS_FIELD))
             self._mode[job] = regenerates_all_turns(meta)
-            self._trust[job] = bool(meta.get("trust_remote_code"))
+            self._meta[job] = meta
         return self._mode[job]
 
-    async def conversation(self, job: str, conv: str) -> dict[str, Any]:
+    async def conversation(self, job: str, conv: str, checked: bool = False) -> dict[str, Any]:
+        """The conversation record; ``checked``: its signature verified (with a key) — what a next turn is
+        rendered from."""
         raw = await self.r.hget(conversations_key(self.keys, job), conv)
         if raw is None:
             raise TurnError(f"job {job}: no conversation record for {conv!r}")
-        return json.loads(raw)
+        record = json.loads(raw)
+        if checked and self.signer is not None and not self.signer.doc_valid("conversation", job, conv, record):
+            raise TurnError(f"job {job}: conversation {conv!r} does not match its signature (not the producer's)")
+        return record
+
+    def _sign_answer(self, job: str, prompt_id: str, answer: dict[str, Any]) -> str:
+        if self.signer is not None:
+            answer = self.signer.sign_doc("answer", job, prompt_id, answer)
+        return json.dumps(answer, ensure_ascii=False)
 
     async def _job(self, job: str) -> _JobTurns:
         if job not in self._jobs:
-            record = await JobRecord.aload(self.r, self.keys, job)
-            if record is None:
+            try:
+                loaded = await load_job(self.r, self.keys, job, self.signer)
+            except MessageRefused as exc:
+                raise TurnError(str(exc)) from exc
+            if loaded is None:
                 raise TurnError(f"job {job}: no job record")
-            tok = await asyncio.to_thread(_load_checked, record, self._trust.get(job, False))
+            record, turns = loaded
+            path = self._tokenizer_path(record, bool(turns.get("trust_remote_code")))
+            trust = bool(turns.get("trust_remote_code")) and bool(getattr(self.settings, "trust_remote_code", False))
+            tok = await asyncio.to_thread(_load_checked, record, trust, path)
             self._jobs[job] = _JobTurns(record, tok)
         return self._jobs[job]
+
+    def _tokenizer_path(self, record: JobRecord, remote_code: bool) -> str:
+        """The job's tokenizer path resolved inside this worker's roots, or TurnError (the pipeline refuses such a
+        job's messages before they run: this is the last line, for a record changed since)."""
+        if remote_code and not getattr(self.settings, "trust_remote_code", False):
+            raise TurnError(f"job {record.name}: remote_code_refused: its tokenizer's own code is not run here")
+        roots = tokenizer_roots(getattr(self.settings, "tokenizer_roots", ""), self.served_model())
+        path = confined_tokenizer(record.tokenizer, roots)
+        if path is None:
+            raise TurnError(f"job {record.name}: tokenizer_refused: {record.tokenizer!r} is outside {roots}")
+        return path
 
     async def priority(self, job: str) -> int:
         """The job record's priority as a kombu step (0 without a record): later turns queue at it."""
@@ -162,6 +210,8 @@ class TurnChainer:
                 continue
             conv = await self.conversation(job, parts[0])
             row[CONVERSATION_ID], row[TURN_INDEX], row[TURN_COUNT] = parts[0], parts[1], int(conv["turn_count"])
+            if agentic(self._meta.get(job) or {}):
+                row[STEP_INDEX] = (split_step_id(row["prompt_id"]) or ("", 0, 0))[2]
 
     async def plan(self, job: str, dataset: str, rows: list[dict[str, Any]]) -> list[NextTurn | None]:
         """Per row: None (not a turn of a multi-turn job) or what its finalize records and enqueues."""
@@ -186,7 +236,7 @@ class TurnChainer:
         except TurnError as exc:
             log.error("multi-turn chain of %s/%s ends: %s", job, row["prompt_id"], exc)
             await self.r.hincrby(self.keys.counters(job), "turn_chain_errors", 1)
-            return NextTurn(row["prompt_id"], json.dumps({"chain_end": f"error: {exc}"}))
+            return NextTurn(row["prompt_id"], self._sign_answer(job, row["prompt_id"], {"chain_end": f"error: {exc}"}))
 
     def _read_row(self, job: str, dataset: str, part: str, prompt_id: str) -> dict[str, Any] | None:
         import pyarrow.compute as pc
@@ -208,26 +258,35 @@ class TurnChainer:
         if parts is None:
             return None
         conv_id, turn = parts
-        conv = await self.conversation(job, conv_id)
+        conv = await self.conversation(job, conv_id, checked=True)
         jt = await self._job(job)
+        if agentic(self._meta.get(job) or {}):
+            from workers.tool_steps import next_step
+
+            return await next_step(self, jt, job, dataset, row, conv)
         answer = _answer(jt, row)
         revision = int(row.get("revision") or 0)
         recorded = {**answer, "revision": revision} if revision else answer
         count = int(conv["turn_count"])
         if turn + 1 >= count:
-            return NextTurn(row["prompt_id"], json.dumps(recorded, ensure_ascii=False))
+            return NextTurn(row["prompt_id"], self._sign_answer(job, row["prompt_id"], recorded))
         if answer.get("tool_calls"):
             # The next user turn would follow a call with no result: the chain ends here, and says so (a
             # re-run that now ends here takes the turns it no longer derives out of done).
             ended = {**recorded, "chain_end": "tool_call"}
             later = tuple(turn_id(conv_id, k) for k in range(turn + 1, count))
-            return NextTurn(row["prompt_id"], json.dumps(ended, ensure_ascii=False), drop=later)
+            return NextTurn(row["prompt_id"], self._sign_answer(job, row["prompt_id"], ended), drop=later)
         next_id = turn_id(conv_id, turn + 1)
         earlier = [turn_id(conv_id, k) for k in range(turn)]
         *raw, following = await self.r.hmget(answers_key(self.keys, job), [*earlier, next_id])
         if any(r is None for r in raw):
             raise TurnError(f"{row['prompt_id']}: an earlier turn's answer is not recorded")
-        answers = [answer_message(json.loads(r)) for r in raw] + [answer]
+        records = [json.loads(r) for r in raw]
+        if self.signer is not None:
+            for pid, rec in zip(earlier, records, strict=True):
+                if not self.signer.doc_valid("answer", job, pid, rec):
+                    raise TurnError(f"{pid}: its recorded answer does not match its signature (not a worker's)")
+        answers = [answer_message(r) for r in records] + [answer]
         messages = turn_messages(conv, answers)
         ids = await asyncio.to_thread(self._render, jt, messages, conv.get("tools"))
         digest = content_hash(ids)
@@ -247,7 +306,7 @@ class TurnChainer:
             generation=jt.record.generation,
         )
         message = self._encode(task, await self.priority(job))
-        return NextTurn(row["prompt_id"], json.dumps(recorded, ensure_ascii=False), next_id, digest, message)
+        return NextTurn(row["prompt_id"], self._sign_answer(job, row["prompt_id"], recorded), next_id, digest, message)
 
     def _render(self, jt: _JobTurns, messages: list[dict[str, Any]], tools: Any) -> list[int]:
         return render_ids(jt.tok, messages, tools, dict(jt.record.chat_template_kwargs))
@@ -313,10 +372,11 @@ def _answer(jt: _JobTurns, row: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def _load_checked(record: JobRecord, trust_remote_code: bool) -> Any:
-    """The job's tokenizer from its path on this node, refused unless its fingerprint is the job's."""
+def _load_checked(record: JobRecord, trust_remote_code: bool, path: str | None = None) -> Any:
+    """The job's tokenizer from its path on this node (``path``: as resolved inside the worker's roots), refused
+    unless its fingerprint is the job's."""
     try:
-        tok = load_tokenizer(record.tokenizer, trust_remote_code)
+        tok = load_tokenizer(path or record.tokenizer, trust_remote_code)
     except TokenizerError as exc:
         raise TurnError(f"job {record.name}: {exc}") from exc
     found = fingerprint(tok, tok.get_vocab())

@@ -27,6 +27,7 @@ import pyarrow as pa
 
 from storage import conversations, jobstate, layout, manifest
 from storage.exports.base import COLUMNS, ExportError, ExportFormat, ExportResult, Files, Rows, need_reasoning_spans
+from storage.exports.tool_steps import agentic_histories, is_step
 from storage.schema import (
     ANSWER_END,
     ANSWER_START,
@@ -60,9 +61,10 @@ class TextFormat(ExportFormat):
         tok = load_tokenizer(opts.tokenizer or _job_tokenizer(rows.settings, rows.job), opts.trust_remote_code)
         record = _job_record(rows.settings, rows.job, result)
         settings = rows.settings
-        sources = manifest.read_sources(settings.output_uri, rows.job, rows.datasets, settings.s3_endpoint_url)
+        # Each batch's source conversations are looked up with it: never the whole job's in memory.
+        lookup = manifest.SourceLookup(settings.output_uri, rows.job, rows.datasets, settings.s3_endpoint_url)
         convs = _ConversationRecords(settings, rows.job)
-        _check_sources(rows, sources, convs)
+        _check_sources(rows, lookup, convs)
         markers = conversations.ToolMarkers.of(record)
         with Files(loc, ".jsonl", opts.shard_rows, result) as files:
             # A conversation's turns in one table (a later turn's history is decoded from the earlier ones); small
@@ -71,6 +73,7 @@ class TextFormat(ExportFormat):
                 if opts.exclude_reasoning:
                     need_reasoning_spans(table, "--exclude-reasoning")
                 everything = table.to_pylist()
+                sources = lookup.get(table[PROMPT_ID].to_pylist())
                 histories = _histories(everything, convs, tok, markers, opts.exclude_reasoning)
                 keep = self._kept(table, rows, everything, histories, result)
                 files.write_lines(
@@ -95,23 +98,23 @@ class TextFormat(ExportFormat):
         """The prompt ids to write: the filters' (read unfiltered, since a later turn's history needs the earlier
         turns' rows even when those are filtered out), less the later turns with no earlier turn stored."""
         keep = set(rows.filter(table)[PROMPT_ID].to_pylist() if len(table) else [])
-        orphans = {r[PROMPT_ID] for r in everything if r.get(TURN_INDEX) and r[PROMPT_ID] not in histories}
+        later = (r for r in everything if r.get(TURN_INDEX) or is_step(r[PROMPT_ID]))
+        orphans = {r[PROMPT_ID] for r in later if r[PROMPT_ID] not in histories}
         if orphans & keep:  # an earlier turn of theirs is not stored: no history to show them with
             result.skipped["no_earlier_turn"] = result.skipped.get("no_earlier_turn", 0) + len(orphans & keep)
             keep -= orphans
         return keep
 
 
-def _check_sources(
-    rows: Rows, sources: dict[tuple[str, str], tuple[str | None, str | None]], convs: _ConversationRecords
-) -> None:
+def _check_sources(rows: Rows, lookup: manifest.SourceLookup, convs: _ConversationRecords) -> None:
     """Every row has its source conversation: checked for every dataset before anything is written (cheap
     columns), so a missing one fails the export instead of leaving it half-done."""
     missing, no_conversation = [], []
-    for table in rows.tables([PROMPT_ID, CONTENT_HASH, CONVERSATION_ID, TURN_INDEX], filtered=False):
+    for table in rows.tables([PROMPT_ID, CONTENT_HASH, CONVERSATION_ID, TURN_INDEX], filtered=False, batch_share=64):
+        sources = lookup.get(table[PROMPT_ID].to_pylist())
         cols = (table[c].to_pylist() for c in (PROMPT_ID, CONTENT_HASH, CONVERSATION_ID, TURN_INDEX))
         for pid, digest, conv, turn in zip(*cols, strict=True):
-            if turn:  # a later turn of --turns all: its history is the conversation with the model's answers
+            if turn or is_step(pid):  # a later turn (or step) of --turns all: its history is the conversation
                 if convs.get(conv) is None:
                     no_conversation.append(pid)
             elif (pid, digest) not in sources:
@@ -202,11 +205,11 @@ def _histories(
     """prompt id → (source messages, tools), for every later turn (turn_index ≥ 1) among ``rows`` (one dataset: all the
     turns of a conversation). The earlier answers are decoded from the stored rows of the earlier turns —
     filtered out or not — as the worker decoded them to render the turn."""
+    out, rows = agentic_histories(rows, convs, exclude_reasoning)  # agentic jobs: storage/exports/tool_steps.py
     by_conv: dict[str, dict[int, dict[str, Any]]] = {}
     for row in rows:
         if row.get(CONVERSATION_ID) is not None and row.get(TURN_INDEX) is not None:
             by_conv.setdefault(row[CONVERSATION_ID], {})[row[TURN_INDEX]] = row
-    out: dict[str, tuple[list[dict[str, Any]], Any]] = {}
     for conv_id, turns in by_conv.items():
         later = [t for t in turns if t >= 1]
         if not later:
