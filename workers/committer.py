@@ -52,6 +52,7 @@ DEFAULT_PART_TARGET_BYTES = 64 << 20
 
 def row_bytes(row: dict[str, Any]) -> int:
     """About what a row adds to its part: 4 bytes an id, logprobs included (their top-K ids and values: 8 a pair)."""
+
     def n(key: str) -> int:
         value = row.get(key)  # a list, a numpy array (no truth value) or None
         return 0 if value is None else len(value)
@@ -59,6 +60,7 @@ def row_bytes(row: dict[str, Any]) -> int:
     top = row.get("top_logprob_ids")
     width = len(top[0]) if top is not None and len(top) else 0
     return 256 + 4 * (n("input_ids") + n("output_ids")) + 4 * n("output_logprobs") * (1 + 2 * width)
+
 
 log = logging.getLogger(__name__)
 
