@@ -246,7 +246,7 @@ def test_docker_compose_merges_the_tls_override_onto_its_base_file(compose_proje
         assert services["redis-exporter"]["environment"]["REDIS_ADDR"] == "rediss://redis:6379"
     else:
         sources = {s["source"] if isinstance(s, dict) else s for s in services["worker"]["secrets"]}
-        assert sources == {"redis_worker_password", "redis_tls_ca"}
+        assert sources == {"redis_worker_password", "redis_tls_ca", "signing_key"}  # the producer's signing key
 
 
 @pytest.mark.skipif(DOCKER_COMPOSE is None, reason="docker-compose not installed (apt-get install docker-compose)")
