@@ -92,6 +92,10 @@ def worker_redis(settings: Settings) -> aioredis.Redis:
 
 
 class WorkerRuntime:
+    #: The in-flight controller (workers/adaptive.py; None when the bound is fixed). A class default: the health
+    #: gate's thread may call _server_up before _astart has built it.
+    adaptive: Any = None
+
     def __init__(self, settings: Settings, identity: str, consumer: Any = None) -> None:
         self.settings = settings
         self.identity = identity
