@@ -21,7 +21,6 @@ import asyncio
 import json
 from typing import TYPE_CHECKING, Any
 
-from thinkfleet.message import PromptTask, content_hash, pack_ids
 from thinkfleet.tool_steps import (
     DEFAULT_MAX_TOOL_STEPS,
     END_CUT,
@@ -32,7 +31,7 @@ from thinkfleet.tool_steps import (
     replay_results,
     step_messages,
 )
-from thinkfleet.turns import answer_revision, answers_key, split_step_id, step_id, turn_id
+from thinkfleet.turns import answers_key, split_step_id, step_id, turn_id
 from workers.tool_exec import DEFAULT_CONCURRENCY, DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, ToolExecError
 
 if TYPE_CHECKING:
@@ -112,7 +111,7 @@ async def _enqueue(
     later: tuple[str, ...],
 ) -> NextTurn:
     """The finalize's writes for a step that goes on to ``next_id`` ("" = the conversation is complete)."""
-    from workers.turns import NextTurn, TurnError, _carried
+    from workers.turns import NextTurn, TurnError
 
     pid = row["prompt_id"]
     conv_id = (split_step_id(pid) or ("",))[0]
@@ -126,20 +125,7 @@ async def _enqueue(
     except Exception as exc:  # a template that cannot render this history: the chain ends, saying why
         raise TurnError(f"{pid}: the next step does not render: {exc}") from exc
     following = await chainer.r.hget(answers_key(chainer.keys, job), next_id)
-    next_revision = answer_revision(json.loads(following)) + 1 if following is not None else 0
-    digest = content_hash(ids)
-    task = PromptTask(
-        job,
-        dataset,
-        next_id,
-        int(conv["row_index"]),
-        digest,
-        pack_ids(ids),
-        revision=next_revision,
-        overrides=_carried(jt.record, dataset, row),
-        generation=jt.record.generation,
-    )
-    message = chainer._encode(task, await chainer.priority(job))
+    digest, message = await chainer.next_message(jt, job, dataset, row, conv, next_id, ids, following)
     # A re-run that now continues elsewhere (another next) drops what the old revision derived beyond it.
     dropped = tuple(p for p in later if p != next_id)
     signed = chainer._sign_answer(job, pid, recorded)

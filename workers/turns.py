@@ -289,6 +289,22 @@ class TurnChainer:
         answers = [answer_message(r) for r in records] + [answer]
         messages = turn_messages(conv, answers)
         ids = await asyncio.to_thread(self._render, jt, messages, conv.get("tools"))
+        digest, message = await self.next_message(jt, job, dataset, row, conv, next_id, ids, following)
+        return NextTurn(row["prompt_id"], self._sign_answer(job, row["prompt_id"], recorded), next_id, digest, message)
+
+    async def next_message(
+        self,
+        jt: _JobTurns,
+        job: str,
+        dataset: str,
+        row: dict[str, Any],
+        conv: dict[str, Any],
+        next_id: str,
+        ids: list[int],
+        following: bytes | None,
+    ) -> tuple[str, bytes]:
+        """The next turn's (or step's) content hash and encoded message, from its rendered ``ids`` and the answer
+        record ``following`` already holds for ``next_id`` (None: none yet)."""
         digest = content_hash(ids)
         # A re-derivation (turn i+1 has an answer: a row of it is stored) goes one revision above that row.
         # Only finalize writes answers, and turn i+1's is not written before turn i's finalize enqueues it:
@@ -305,8 +321,7 @@ class TurnChainer:
             overrides=_carried(jt.record, dataset, row),
             generation=jt.record.generation,
         )
-        message = self._encode(task, await self.priority(job))
-        return NextTurn(row["prompt_id"], self._sign_answer(job, row["prompt_id"], recorded), next_id, digest, message)
+        return digest, self._encode(task, await self.priority(job))
 
     def _render(self, jt: _JobTurns, messages: list[dict[str, Any]], tools: Any) -> list[int]:
         return render_ids(jt.tok, messages, tools, dict(jt.record.chat_template_kwargs))
