@@ -116,9 +116,9 @@ class Finalized(NamedTuple):
     fenced: dict[str, str]  # prompt id → what holds it now (another claim's epoch@worker, 'done', 'dead')
 
 
-#: A dead letter's ``answer``: at most this many output ids, and this many characters of JSON in all.
 #: How many of its latest dead letters a worker remembers, to record again those a Redis rollback lost.
 RECENT_DEAD_LETTERS = 5_000
+#: A dead letter's ``answer``: at most this many output ids, and this many characters of JSON in all.
 ANSWER_IDS_KEPT = 4096
 ANSWER_MAX_CHARS = 65_536
 
@@ -325,9 +325,12 @@ class Ledger:
         await self._durable()
         return Finalized(int(new), bool(fire), int(seen), int(miss), fenced)
 
+    def _mark(self, seq: int) -> str:
+        return f"{self._mark_nonce}:{seq}"
+
     def _next_mark(self) -> tuple[int, str]:
         self._mark_seq += 1
-        return self._mark_seq, f"{self._mark_nonce}:{self._mark_seq}"
+        return self._mark_seq, self._mark(self._mark_seq)
 
     def marked_jobs(self) -> list[str]:
         """The jobs this process has finalized rows of (whose marks :meth:`lost_finalizes` can check)."""
@@ -340,13 +343,16 @@ class Ledger:
         seq = self._marked.get(job)
         if seq is None:
             return False
-        if not await self.r.exists(self.keys.job(job)):
+        async with self.r.pipeline(transaction=False) as p:
+            p.exists(self.keys.job(job))
+            p.hget(self.keys.finalize_marks(job), self.worker)
+            exists, raw = await p.execute()
+        if not exists:
             # Purged (or Redis lost everything and a re-submit has not come yet): nothing of ours to finalize again
             # — a replay would bring a purged job's keys back. A re-submit mints a new generation, which fences
             # our old rows anyway.
             self._marked.pop(job, None)
             return False
-        raw = await self.r.hget(self.keys.finalize_marks(job), self.worker)
         text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw or "")
         nonce, _, found = text.partition(":")
         return nonce != self._mark_nonce or not found.isdigit() or int(found) < seq
@@ -356,7 +362,7 @@ class Ledger:
         False until Redis loses writes again."""
         seq = self._marked.get(job)
         if seq is not None:
-            await self.r.hset(self.keys.finalize_marks(job), self.worker, f"{self._mark_nonce}:{seq}")
+            await self.r.hset(self.keys.finalize_marks(job), self.worker, self._mark(seq))
 
     async def unresolved(self, job: str, prompt_ids: list[str]) -> list[str]:
         """Of ``prompt_ids``, those neither done nor dead (one pipelined round trip per 500)."""
