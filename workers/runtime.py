@@ -170,7 +170,6 @@ class WorkerRuntime:
             part_target_bytes=s.part_target_bytes,
         )
         self.committer.start()
-        self.adaptive = None  # set below; the gate may open (and call _server_up) before
         self.gate = HealthGate(
             self.client,
             s.health_interval_s,
