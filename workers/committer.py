@@ -30,7 +30,7 @@ import contextlib
 import logging
 import random
 import time
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +41,7 @@ from storage.layout import confine_part
 from storage.writer import PartWriter
 from thinkfleet.failpoints import failpoint
 from thinkfleet.state.ledger import Fence, Finalized, FinalRow, Ledger
+from thinkfleet.state.recent import Recent
 from workers.hooks import CommitGroup, FinalizeWrites, PostCommitHooks, StoredRow
 
 #: How many finalized rows a worker remembers for :meth:`GroupCommitter.replay` (a few hundred bytes each).
@@ -132,7 +133,7 @@ class GroupCommitter:
         self.hooks = hooks or PostCommitHooks()
         #: (job, prompt id) → (dataset, part, final row, its fence) of the rows this process finalized last: what
         #: :meth:`replay` finalizes again when Redis lost that finalize (a rollback) along with the message.
-        self._recent: OrderedDict[tuple[str, str], tuple[str, str, FinalRow, Fence]] = OrderedDict()
+        self._recent: Recent[tuple[str, str], tuple[str, str, FinalRow, Fence]] = Recent(RECENT_FINALIZES)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="group-commit")
@@ -334,11 +335,7 @@ class GroupCommitter:
     def _remember(self, job: str, dataset: str, part: str, final: FinalRow, fence: Fence | None) -> None:
         if fence is None:
             return
-        key = (job, final.prompt_id)
-        self._recent[key] = (dataset, part, final, fence)
-        self._recent.move_to_end(key)
-        while len(self._recent) > RECENT_FINALIZES:
-            self._recent.popitem(last=False)
+        self._recent.remember((job, final.prompt_id), (dataset, part, final, fence))
 
     async def replay(self, job: str, prompt_id: str) -> bool:
         """Finalize again a row this process stored and finalized, whose claim Redis shows as still ours (a

@@ -47,7 +47,6 @@ import json
 import logging
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -58,6 +57,7 @@ from redis.exceptions import ResponseError
 
 from thinkfleet.keys import Keys
 from thinkfleet.message import PromptTask, is_plain_name
+from thinkfleet.state.recent import Recent
 from thinkfleet.state.scripts import lua
 
 log = logging.getLogger("thinkfleet.worker")
@@ -163,7 +163,7 @@ class Ledger:
         self._mark_seq = 0
         self._marked: dict[str, int] = {}
         #: Our latest dead letters (job, prompt id) → (dataset, record, epoch), for :meth:`redo_dead_letters`.
-        self._recent_dead: OrderedDict[tuple[str, str], tuple[str, str, str]] = OrderedDict()
+        self._recent_dead: Recent[tuple[str, str], tuple[str, str, str]] = Recent(RECENT_DEAD_LETTERS)
         self._claim = client.register_script(lua("claim"))
         self._mark_part = client.register_script(lua("mark_part"))
         self._release = client.register_script(lua("release"))
@@ -415,10 +415,7 @@ class Ledger:
         self._drop(job, task.prompt_id)
         result = await self._write_dead_letter(job, dataset, task.prompt_id, record, epoch)
         if result > 0:
-            self._recent_dead[(job, task.prompt_id)] = (dataset, record, epoch)
-            self._recent_dead.move_to_end((job, task.prompt_id))
-            while len(self._recent_dead) > RECENT_DEAD_LETTERS:
-                self._recent_dead.popitem(last=False)
+            self._recent_dead.remember((job, task.prompt_id), (dataset, record, epoch))
         if result < 0:
             log.warning(
                 "fenced: dead letter %s of %s/%s refused: its claim (epoch %s) was taken over by another run",
