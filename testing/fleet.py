@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -145,12 +146,19 @@ def register_id_job(
     dataset: str,
     fingerprint: str,
     signer: Any = None,
-) -> None:
+) -> str:
     """The job record and prompt hashes, as ``producer submit`` writes them, for a job given as token ids
     (no tokenizer): each prompt's content hash is :func:`thinkfleet.message.content_hash` of its ids. With
-    ``signer`` (thinkfleet.signing.Signer) the record carries its signature, as a producer with a key writes it."""
+    ``signer`` (thinkfleet.signing.Signer) the record carries its signature, as a producer with a key writes it.
+
+    Returns the record's generation: the existing record's (a re-submit keeps it), else a new one — as submit
+    mints one, so that a straggler of a purged job's run is refused by finalize.lua instead of recreating its
+    ``done`` (a record without a generation is not checked)."""
     from thinkfleet import kimi
     from thinkfleet.message import content_hash
+
+    old = client.hget(keys.job(job), "generation")
+    generation = json.loads(old) if old else uuid.uuid4().hex[:16]
 
     record = {
         "name": job,
@@ -159,6 +167,7 @@ def register_id_job(
         "chat_template_hash": fingerprint,
         "think_start_id": kimi.THINK_START,
         "think_end_id": kimi.THINK_END,
+        "generation": generation,
     }
     if sampling_params.get("logprobs") is not None:  # --logprobs K: the record's field, as submit writes it
         record["logprobs"] = sampling_params["logprobs"]
@@ -172,3 +181,4 @@ def register_id_job(
     in_dataset = sum(1 for name in client.hvals(keys.prompt_dataset(job)) if name == dataset.encode())
     client.hset(keys.dataset_counters(job, dataset), "submitted", in_dataset)
     client.hset(keys.counters(job), "submitted", total)
+    return generation

@@ -52,6 +52,8 @@ class IdJob:
     settings: Settings
     prompts: dict[str, list[int]]
     sampling_params: dict[str, object]
+    #: The job record's generation (its messages carry it; :func:`republish` too).
+    generation: str = ""
 
     @property
     def keys(self) -> Keys:
@@ -107,14 +109,22 @@ def register_ids(
     client = redis.Redis.from_url(settings.redis_url)
     from thinkfleet.signing import signer_for
 
-    register_id_job(client, keys, job, prompts, params, dataset, fingerprint="test-ids", signer=signer_for(settings))
+    generation = register_id_job(
+        client, keys, job, prompts, params, dataset, fingerprint="test-ids", signer=signer_for(settings)
+    )
     tasks = [
         PromptTask(
-            job=job, dataset=dataset, prompt_id=pid, row_index=i, content_hash=content_hash(ids), ids_blob=pack_ids(ids)
+            job=job,
+            dataset=dataset,
+            prompt_id=pid,
+            row_index=i,
+            content_hash=content_hash(ids),
+            ids_blob=pack_ids(ids),
+            generation=generation,
         )
         for i, (pid, ids) in enumerate(prompts.items())
     ]
-    return IdJob(job, settings, prompts, params), tasks
+    return IdJob(job, settings, prompts, params, generation), tasks
 
 
 # -- reliability scenarios (tests/test_reliability_*.py) ------------------------------------------------
@@ -593,6 +603,7 @@ def republish(job: IdJob, prompt_ids: list[str], dataset: str = "synthetic") -> 
             row_index=order[pid],
             content_hash=content_hash(job.prompts[pid]),
             ids_blob=pack_ids(job.prompts[pid]),
+            generation=job.generation,
         )
         for pid in prompt_ids
     ]
