@@ -14,6 +14,7 @@ ports as ``-N n1..n3`` (``NodeName``s sharing this host), all stopped at the end
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -28,7 +29,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from testing.harness import FAST_WORKER, check_job, make_prompts, producer_cli, submit_ids
+from testing.harness import FAST_WORKER, check_job, make_prompts, producer_cli, republish, submit_ids
 from testing.services import service_missing
 from thinkfleet.demo_fleet import free_port
 from thinkfleet.settings import Settings
@@ -339,6 +340,8 @@ def test_slurm_array_job_survives_scancel_and_time_limit_exactly_once(slurm: Slu
     settings = Settings(
         redis_url=url_file.read_text().strip(),
         redis_password_file=str(shared / "redis_password"),
+        # head.sbatch's signing key, which node.env hands the workers: the producer signs with the same file.
+        signing_key_file=str(shared / "signing_key"),
         output_uri=str(tmp_path / "out"),
         key_prefix=f"t{tag}",
         queue=f"q{tag}",
@@ -390,6 +393,11 @@ def test_slurm_array_job_survives_scancel_and_time_limit_exactly_once(slurm: Slu
     _wait_for("the two elements to end", lambda: not slurm.queued(f"--jobs={cancelled},{timed}"), 60, slurm, logs)
     # A second job, submitted now, is shared by the survivor and the newcomer.
     second = submit_ids(settings, "slurm-second", make_prompts(60, seed=4))
+    # A copy without the producer's signature (what a Redis writer without the key could push) is refused:
+    # node.env handed the nodes head.sbatch's signing key.
+    republish(dataclasses.replace(second, settings=settings.model_copy(update={"signing_key_file": None})), ["p00000"])
+    _wait_for("the unsigned copy refused", lambda: client.llen(settings.keys.malformed) == 1, 90, slurm, logs)
+    assert b"unsigned_message" in client.lindex(settings.keys.malformed, 0)
     for job in (first, second):
         finished = producer_wait(settings, job.name)
         assert finished.returncode == 0, finished.stdout + finished.stderr + job_logs(logs)
