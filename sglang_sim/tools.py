@@ -17,6 +17,8 @@ What one call's body is (the ids between the family's call-begin and call-end ma
 The body is the text encoded with the job's tokenizer, its markers included (they are added tokens: the tokenizer
 gives their ids), so it is what the family's template renders and its parser reads.
 
+``python -m sglang_sim.tool_catalogue --tokenizer DIR --family kimi --out FILE`` writes one from the command line.
+
 A *malformed* call (``ContentConfig.malformed_tool_call_share``) has its arguments cut in half: not JSON, as a
 model that loses its way mid-call emits. A call cut by ``max_new_tokens`` needs nothing here (the output is a
 prefix of the uncut one).
@@ -141,3 +143,4 @@ def load_catalogue(path: str) -> ToolCatalogue:
         table("bodies"),
         table("malformed"),
     )
+

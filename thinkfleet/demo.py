@@ -3,11 +3,19 @@
 Starts what is missing (a Redis if none answers at THINKFLEET_REDIS_URL; the SGLang simulator in place
 of a GPU server), runs two real workers, submits the bundled sample datasets with the Kimi-shaped test
 tokenizer, waits, verifies, reports, and prints where the Parquet landed. Every step is the real CLI.
+
+``--agentic`` runs the agentic sample instead (README "Agentic conversations"): the two tool-calling
+conversations of docs/examples/agentic/ regenerated through their tool calls (``--turns all --tool-results
+executor``), the simulator calling the example executor's calculator and lookup (its tool catalogue), the workers
+running that executor (docs/examples/agentic/tools.py) for every call; then wait, status, verify, the ``messages``
+export (each step's history with the executed results fed back) and the report.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -26,6 +34,10 @@ from thinkfleet.settings import Settings, load_settings
 CONTEXT_LENGTH = 262_144
 
 DATA_DIR = Path(__file__).parent / "data"
+#: The agentic sample: its conversations and example executor (a checkout's; the demo runs from one).
+AGENTIC_DIR = Path(__file__).resolve().parents[1] / "docs" / "examples" / "agentic"
+#: The simulator's share of outputs that call a tool in the agentic sample: about two steps per turn.
+AGENTIC_TOOL_CALL_SHARE = 0.5
 
 #: The demo's own key prefix and queue (unless THINKFLEET_KEY_PREFIX / THINKFLEET_QUEUE say otherwise): run on
 #: a head node, whose Redis answers at the default URL, its workers must not consume the real job's queue.
@@ -81,7 +93,7 @@ def _redis(url: str, workdir: Path) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def _simulator(workdir: Path, time_scale: float) -> Iterator[str]:
+def _simulator(workdir: Path, time_scale: float, extra_args: tuple[str, ...] = ()) -> Iterator[str]:
     port = free_port()
     log = open(workdir / "sglang-sim.log", "ab")  # noqa: SIM115
     proc = subprocess.Popen(
@@ -90,6 +102,7 @@ def _simulator(workdir: Path, time_scale: float) -> Iterator[str]:
             *("--context-length", str(CONTEXT_LENGTH)),
             # The demo submits with --seed: a server that ignores seeds would (rightly) be warned about.
             "--enable-deterministic-inference",
+            *extra_args,
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -122,7 +135,17 @@ def demo_settings() -> Settings:
     return load_settings(**overrides)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m thinkfleet.demo", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--agentic",
+        action="store_true",
+        help="Run the agentic sample (docs/examples/agentic: tool calls answered by the example executor).",
+    )
+    args = parser.parse_args(argv)
+    if args.agentic:
+        agentic_main()
+        return
     settings = demo_settings()
     workdir = Path(os.environ.get("THINKFLEET_DEMO_DIR", ".demo")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -169,6 +192,85 @@ def main() -> None:
                 w.terminate()
     print(f"\nParquet: {output_uri}/{job}/dataset=*/part-*.parquet")
     print(f"Report:  {workdir / 'report'}/report.html")
+
+
+def agentic_main() -> None:
+    """The agentic sample (``--agentic``): see the module docstring."""
+    settings = demo_settings()
+    workdir = Path(os.environ.get("THINKFLEET_DEMO_DIR", ".demo")).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    output_uri = settings.output_uri
+    if "://" not in output_uri:
+        output_uri = str(Path(output_uri).resolve())
+    conversations, tools = AGENTIC_DIR / "chat.jsonl", AGENTIC_DIR / "tools.py"
+    if not (conversations.exists() and tools.exists()):
+        raise SystemExit(f"--agentic runs from a checkout: {AGENTIC_DIR} (chat.jsonl, tools.py) is missing")
+    # The job names the executor and the workers run exactly that one (THINKFLEET_TOOL_EXECUTORS).
+    executor = f"{tools}:execute"
+    job = time.strftime("demo-agentic-%Y%m%d-%H%M%S")
+    tokenizer = build_test_tokenizer(workdir / "kimi-test-tokenizer")
+    print(f"· Kimi-shaped test tokenizer at {tokenizer}")
+    catalogue = workdir / "tool-catalogue.json"
+    # The simulator's calls in the tokenizer's own ids (a subprocess: this process imports no simulator code).
+    write = ("--tokenizer", str(tokenizer), "--family", "kimi", "--out", str(catalogue))
+    subprocess.check_call([sys.executable, "-m", "sglang_sim.tool_catalogue", *write], stdout=subprocess.DEVNULL)
+    print(f"· tool catalogue (calculator, lookup) at {catalogue}")
+    sim_args = ("--tool-catalogue", str(catalogue), "--tool-call-share", str(AGENTIC_TOOL_CALL_SHARE))
+    with (
+        _redis(settings.redis_url, workdir) as redis_url,
+        _simulator(workdir, time_scale=40, extra_args=(*sim_args, "--max-tool-calls", "2")) as sim_url,
+    ):
+        env = worker_env(
+            redis_url,
+            sim_url,
+            output_uri,
+            max_inflight=48,
+            key_prefix=settings.key_prefix,
+            queue=settings.queue,
+            tool_executors=executor,
+            # A --turns all job's tokenizer loads only from the worker's roots: the demo's own.
+            tokenizer_roots=str(Path(tokenizer).parent),
+        )
+        env.pop("THINKFLEET_BROKER_URL", None)  # the demo's broker is the Redis it found or started
+        client = redis.Redis.from_url(redis_url)
+        workers = [WorkerProcess(f"demo-w{i}", env, workdir / "logs").start() for i in (1, 2)]
+        messages = workdir / f"{job}-messages.jsonl"
+        try:
+            for w in workers:
+                w.wait_ready(client, settings.keys)
+            print(f"· 2 workers consuming, running {executor} (logs in {workdir / 'logs'})")
+            _producer(
+                env,
+                *("submit", str(conversations), "--job", job, "--tokenizer", str(tokenizer)),
+                *("--turns", "all", "--tool-results", "executor", "--tool-executor", executor),
+                *("--max-new-tokens", "4096", "--context-length", str(CONTEXT_LENGTH), "--seed", "1"),
+            )
+            _producer(env, "wait", job, "--timeout", "600")
+            _producer(env, "status", job)
+            _producer(env, "verify", job)
+            _producer(env, "export", job, "--format", "messages", "--out", str(messages))
+            _producer(env, "report", job, "--out", str(workdir / "report"))
+        finally:
+            for w in workers:
+                w.terminate()
+    steps, executed = _agentic_summary(messages)
+    print(f"\n· {steps} steps stored; {executed} tool results from the example executor fed back")
+    print(f"Parquet:  {output_uri}/{job}/dataset=*/part-*.parquet")
+    print(f"Messages: {messages}")
+    print(f"Report:   {workdir / 'report'}/report.html")
+
+
+def _agentic_summary(messages: Path) -> tuple[int, int]:
+    """(records of the messages export, tool messages the executor answered) — what the sample shows. A record
+    holds its step's whole history, so a result is counted once per (conversation, place in it)."""
+    records = [json.loads(line) for line in messages.read_text().splitlines() if line.strip()]
+    executed = {
+        (r["id"].rsplit("/t", 1)[0], i)
+        for r in records
+        for i, m in enumerate(r.get("messages", []))
+        if m.get("role") == "tool" and m.get("source") == "executed"
+    }
+    return len(records), len(executed)
 
 
 if __name__ == "__main__":

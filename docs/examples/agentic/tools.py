@@ -2,7 +2,8 @@
 
 Use it with ``producer submit … --turns all --tool-results executor --tool-executor
 docs/examples/agentic/tools.py:execute`` and workers started with
-``THINKFLEET_TOOL_EXECUTORS=docs/examples/agentic/tools.py:execute`` (a worker runs only executors it lists).
+``worker --tool-executors docs/examples/agentic/tools.py:execute`` (or ``THINKFLEET_TOOL_EXECUTORS``: a worker runs
+only executors it lists). ``bash scripts/demo.sh --agentic`` runs it on the simulator, end to end.
 The simulator's tool catalogue (``sglang_sim.tools.DEFAULT_TOOLS``) calls exactly these two tools.
 
 The request (workers/tool_exec.py): ``{"job", "conversation", "turn", "step", "calls": [{"id", "name",
