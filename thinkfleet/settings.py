@@ -196,6 +196,16 @@ class Settings(BaseSettings):
         "tokenizer_refused.",
     )
 
+    # -- worker: tool executors (an agentic job's live results: workers/tool_exec.py) -------------------
+    tool_executors: str = Field(
+        "",
+        description="Worker: the --tool-executor specs it runs (comma-separated module:function, file.py:function "
+        "or http(s) URLs; * = any). The spec comes from the job record in Redis, so a worker runs only those listed.",
+    )
+    tool_timeout_s: float = Field(30.0, gt=0, description="Worker: longest one executor call may take (then retried).")
+    tool_retries: int = Field(2, ge=0, description="Worker: executor retries after an error or timeout, per step.")
+    tool_concurrency: int = Field(4, ge=1, description="Worker: executor calls in flight at once, per job.")
+
     log_level: str = Field("INFO", description="Python logging level.")
 
     @field_validator("output_uri")

@@ -29,6 +29,11 @@ from thinkfleet.settings import Settings
         "lease_s",
         "metrics_port",
         "s3_endpoint_url",
+        # An agentic job's executor (workers/tool_exec.py): which specs this host runs, and how hard it drives them.
+        "tool_executors",
+        "tool_timeout_s",
+        "tool_retries",
+        "tool_concurrency",
     ),
     aliases={"worker_name": ["--name"], "queue": ["--queue", "--queues"]},
     check_redis_password=False,  # checked at start: exit 78, logged

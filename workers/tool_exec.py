@@ -6,9 +6,9 @@ or an HTTP endpoint (``http(s)://…``, POSTed JSON), named by the job (``--tool
 native tool-call tokens, ``id`` a *stable* call id (``{step prompt id}@r{revision}#{i}``: the same for every attempt
 of that step revision) — and returns one result per call (a list of strings or ``{"content": …}`` objects).
 
-A worker runs only executors it is told to trust (``THINKFLEET_TOOL_EXECUTORS``, comma-separated specs; "*" = any):
-the spec comes from the job record in Redis, and importing a module named there would run whatever code a Redis
-writer chose.
+A worker runs only executors it is told to trust (``THINKFLEET_TOOL_EXECUTORS`` / ``worker --tool-executors``,
+comma-separated specs; "*" = any): the spec comes from the job record in Redis, and importing a module named there
+would run whatever code a Redis writer chose.
 
 Exactly once, per step revision: the call is marked ``pending`` in ``Keys.tool_calls`` (HSETNX: one caller wins)
 before it runs and its results are written there (before the step's finalize enqueues the next step). A later
@@ -16,7 +16,9 @@ attempt — the orphan recovery of a worker killed after the call, a redelivery 
 without calling again; one that finds only the ``pending`` mark cannot know whether the call happened and ends the
 chain (``tool_error``) rather than call twice. An error or timeout is retried (``executor_retries`` more times,
 inside the one mark), then ends the chain with its reason (``chain_end: tool_error``, counted as ``tool_errors``).
-Calls run with their own timeout and bounded concurrency (``executor_timeout_s``, ``executor_concurrency``).
+Calls run with their own timeout and bounded concurrency. Timeout, retries and concurrency are the worker's settings
+(``THINKFLEET_TOOL_TIMEOUT_S``, ``_RETRIES``, ``_CONCURRENCY``; ``worker --tool-timeout-s …``): how hard a host
+may drive a tool is the host's call, like its in-flight bound.
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ import redis.asyncio as aioredis
 
 from thinkfleet.failpoints import failpoint
 from thinkfleet.keys import Keys
+from thinkfleet.settings import Settings
 
-#: The environment variable that lists the executors a worker runs.
+#: The environment variable that lists the executors a worker runs (the ``tool_executors`` setting).
 TRUSTED_ENV = "THINKFLEET_TOOL_EXECUTORS"
-DEFAULT_TIMEOUT_S = 30.0
-DEFAULT_RETRIES = 2
-DEFAULT_CONCURRENCY = 4
+#: The settings' defaults (one source: thinkfleet/settings.py), for an executor built without settings.
+DEFAULT_TIMEOUT_S: float = Settings.model_fields["tool_timeout_s"].default
+DEFAULT_RETRIES: int = Settings.model_fields["tool_retries"].default
+DEFAULT_CONCURRENCY: int = Settings.model_fields["tool_concurrency"].default
 PENDING = "pending"
 
 
@@ -53,8 +57,10 @@ def stable_call_id(step_prompt_id: str, revision: int, index: int) -> str:
     return f"{step_prompt_id}@r{revision}#{index}"
 
 
-def trusted(spec: str) -> bool:
-    allowed = [s.strip() for s in os.environ.get(TRUSTED_ENV, "").split(",") if s.strip()]
+def trusted(spec: str, allowed_specs: str | None = None) -> bool:
+    """``spec`` is in ``allowed_specs`` (comma-separated; None: the ``THINKFLEET_TOOL_EXECUTORS`` environment)."""
+    listed = os.environ.get(TRUSTED_ENV, "") if allowed_specs is None else allowed_specs
+    allowed = [s.strip() for s in listed.split(",") if s.strip()]
     return "*" in allowed or spec in allowed
 
 
@@ -87,12 +93,22 @@ class ToolExecutor:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         retries: int = DEFAULT_RETRIES,
         concurrency: int = DEFAULT_CONCURRENCY,
+        allowed_specs: str | None = None,
     ) -> None:
-        if not trusted(spec):
-            raise ToolExecError(f"executor {spec!r} is not one this worker runs (add it to {TRUSTED_ENV})")
+        if not trusted(spec, allowed_specs):
+            raise ToolExecError(
+                f"executor {spec!r} is not one this worker runs (add it to {TRUSTED_ENV} or worker --tool-executors)"
+            )
         self.spec, self.timeout_s, self.retries = spec, timeout_s, retries
         self._sem = asyncio.Semaphore(max(1, concurrency))
         self._fn = None if spec.startswith(("http://", "https://")) else load_callable(spec)
+
+    @classmethod
+    def for_worker(cls, spec: str, settings: Settings) -> ToolExecutor:
+        """The executor ``spec`` with this worker's trust list and limits (its ``tool_*`` settings)."""
+        return cls(
+            spec, settings.tool_timeout_s, settings.tool_retries, settings.tool_concurrency, settings.tool_executors
+        )
 
     async def _once(self, request: dict[str, Any]) -> list[Any]:
         if self._fn is None:

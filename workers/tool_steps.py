@@ -32,7 +32,7 @@ from thinkfleet.tool_steps import (
     step_messages,
 )
 from thinkfleet.turns import answers_key, split_step_id, step_id, turn_id
-from workers.tool_exec import DEFAULT_CONCURRENCY, DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, ToolExecError
+from workers.tool_exec import ToolExecError
 
 if TYPE_CHECKING:
     from workers.turns import NextTurn, TurnChainer, _JobTurns
@@ -145,13 +145,8 @@ async def _execute(
     from workers.tool_exec import ToolExecutor, executed_results
 
     executors: dict[str, ToolExecutor] = chainer.__dict__.setdefault("_executors", {})
-    if job not in executors:
-        executors[job] = ToolExecutor(
-            str(meta.get("executor") or ""),
-            float(meta.get("executor_timeout_s") or DEFAULT_TIMEOUT_S),
-            int(meta.get("executor_retries", DEFAULT_RETRIES)),
-            int(meta.get("executor_concurrency") or DEFAULT_CONCURRENCY),
-        )
+    if job not in executors:  # the job names the executor; this worker's settings trust and limit it
+        executors[job] = ToolExecutor.for_worker(str(meta.get("executor") or ""), chainer.settings)
     conv_id, turn, step = where
     place = {"conversation": conv_id, "turn": turn, "step": step}
     return await executed_results(chainer.r, chainer.keys, executors[job], job, pid, revision, place, calls)
