@@ -32,6 +32,7 @@ import redis
 
 from producer.bounds import inflight_bounds
 from producer.job import JobRecord
+from thinkfleet.broker.clock import RedisClock
 from thinkfleet.broker.keys import KombuKeys
 from thinkfleet.broker.queues import queue_length
 from thinkfleet.settings import Settings
@@ -65,13 +66,14 @@ class StatusReader:
     #: scan on every read (``status --deep``)
     deep: bool = False
     _last: tuple[float, dict[str, int]] | None = field(default=None, repr=False)
+    _clock: RedisClock = field(default_factory=RedisClock, repr=False)
 
     def read(self, deep: bool | None = None) -> dict[str, Any]:
         """The job's status; ``deep`` True/False forces or forbids the full scan (None: :attr:`deep`, or the
         scan when it is cheap)."""
         keys, job, r = self.settings.keys, self.job, self.client
         record = JobRecord.load(r, keys, job)
-        now = time.time()
+        now = self._clock.now(r)  # the timeline and leases are on Redis's clock, not this host's
         if record is None:
             return {"job": job, "exists": False, "finished": False, "at": now}
         try:

@@ -109,6 +109,9 @@ def test_a_worker_45_s_ahead_restores_no_live_message_early_and_status_warns(red
         restored = _redis_now(client)
         assert restored >= renewed + LEASE_S - 0.5, f"restored {restored - renewed:.1f} s after B's last renewal"
         wait_until(lambda: job_progress(client, keys, "skew")["done"] == PROMPTS, 180, what="A stored them all")
+        # And A's commits are on the job's timeline at Redis's time, not 45 s in its future (status's rates).
+        scores = [score for _m, score in client.zrange(keys.timeline("skew"), 0, -1, withscores=True)]
+        assert scores and max(scores) <= _redis_now(client) + 1, (max(scores), _redis_now(client))
     finally:
         post_json(f"{sim_b.url}/control/stall", {"seconds": 0})
         b.kill()

@@ -13,7 +13,7 @@
 -- KEYS: done, claims, counters, dataset_counters, worker_counters, timeline, deliveries, dead, committed_epochs,
 --       job (the record hash), and only when a row carries an answer or a next turn: queue, prompts,
 --       prompt_dataset, answers; last of all, always: finalize_marks
--- ARGV: worker, now, alarm_min_rows, alarm_missing_share, dataset, then per row: prompt_id, tokens, think_end
+-- ARGV: worker, '' (was the host's time: the timeline takes Redis TIME), alarm_min_rows, alarm_missing_share, dataset, then per row: prompt_id, tokens, think_end
 --       ('1' closed reasoning, '0' expected to and did not, '2' not expected to reason: not watched by the alarm),
 --       truncated, answer ('' = none), next_prompt_id ('' = none), next_content_hash, next_message,
 --       drop (JSON list of turn prompt ids, '' = none), the claim's epoch, the row's own epoch (an orphan's part
@@ -102,7 +102,11 @@ redis.call('HINCRBY', KEYS[3], 'truncated', trunc)
 redis.call('HINCRBY', KEYS[4], 'done', new_rows - undone)
 redis.call('HINCRBY', KEYS[4], 'output_tokens', tokens)
 redis.call('HINCRBY', KEYS[5], ARGV[1], tokens)
-redis.call('ZADD', KEYS[6], ARGV[2], ARGV[2] .. ':' .. new_rows .. ':' .. tokens)
+-- On Redis's clock, as leases are (workers/lease.py): a host whose clock is off would put its commits before
+-- or after every rate window of `producer status`.
+local now = redis.call('TIME')
+local at = string.format('%d.%06d', now[1], now[2])
+redis.call('ZADD', KEYS[6], at, at .. ':' .. new_rows .. ':' .. tokens)
 -- The reasoning alarm watches the job's first alarm_min_rows rows expected to reason, then the running share.
 local minrows = tonumber(ARGV[3])
 local seen = tonumber(redis.call('HGET', KEYS[3], 'alarm_rows') or '0')
