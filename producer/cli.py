@@ -3,42 +3,19 @@ verify/export/report/compact when that package provides them)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import redis
-from click.core import ParameterSource
 from rich.console import Console
-from rich.live import Live
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 
-from producer.inputs import Columns, count_rows
-from producer.jobfile import (
-    DATASET_FLAGS,
-    FLAG_KEYS,
-    JOB_FILE_SUFFIXES,
-    JobFileError,
-    apply_flags,
-    dataset_options,
-    is_job_file,
-    submit_flags,
-)
-from producer.jobfile import load as load_job_file
-from producer.jobfile import resolved as resolved_job_file
 from producer.lifecycle import make_commands as make_lifecycle_commands
-from producer.retry import retry
 from producer.status import (
     DEFAULT_WINDOW_S,
     CheckClock,
@@ -47,11 +24,17 @@ from producer.status import (
     confirm_stored,
     format_duration,
 )
-from producer.submit import SubmitError, SubmitOptions, submit
-from producer.view import status_line, status_view, submit_report
+from producer.view import status_line, status_view
 from thinkfleet.cli import STATE, settings_options
 from thinkfleet.profiles import FAMILIES
 from thinkfleet.settings import Settings
+
+if TYPE_CHECKING:
+    from producer.submit import SubmitOptions
+
+# What submit and retry need (Arrow, the tokenizers, Celery) is imported where they run: status, wait, jobs and
+# --help start in a few hundred milliseconds, most of it Python, click, rich, redis and the settings
+# (tests/test_scale_cli_imports.py names what they must not load).
 
 #: ``producer wait`` exit codes.
 EXIT_TIMEOUT = 124
@@ -62,7 +45,47 @@ EXIT_INCONSISTENT = 3
 common_options = settings_options(STATE)
 
 
-@click.group()
+class ProducerGroup(click.Group):
+    """The ``producer`` group, whose heavy commands load when they are named: ``--help`` lists them with the
+    help's first paragraph kept here (:data:`LAZY_COMMANDS`; tests/test_scale_cli_imports.py checks it is still
+    the command's own)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *LAZY_COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in LAZY_COMMANDS and cmd_name not in self.commands:
+            self.add_command(load_lazy_command(cmd_name), cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        listed = click.Group(self.name, {n: self.commands.get(n) or _help_stub(n) for n in self.list_commands(ctx)})
+        listed.format_commands(ctx, formatter)
+
+
+#: Commands whose module is heavy → (module, attribute, the first paragraph of their help).
+LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
+    "retry": (
+        "producer.retry",
+        "retry",
+        "Re-queue JOB's dead-lettered prompts (or, with --truncated, its length-stopped rows; with --missing, its "
+        "prompts that have no stored row).",
+    ),
+}
+
+
+def load_lazy_command(name: str) -> click.Command:
+    module, attribute, _ = LAZY_COMMANDS[name]
+    command = getattr(importlib.import_module(module), attribute)
+    assert isinstance(command, click.Command), f"{module}.{attribute} is not a click command"
+    return command
+
+
+def _help_stub(name: str) -> click.Command:
+    return click.Command(name, help=LAZY_COMMANDS[name][2])
+
+
+@click.group(cls=ProducerGroup)
 def cli() -> None:
     """thinkfleet producer: datasets → token ids → Redis, and job progress."""
 
@@ -180,6 +203,10 @@ def submit_cmd(
 
     One JOB.yaml argument is a job file (docs/examples/job.yaml): every dataset with its own columns,
     samples and sampling; flags given next to it override its top-level values."""
+    from producer.jobfile import JOB_FILE_SUFFIXES, is_job_file
+    from producer.submit import SubmitError, submit
+    from producer.view import submit_report
+
     err = Console(stderr=True)
     if is_job_file(paths):
         opts = _job_file_options(paths[0], flags, err)
@@ -222,6 +249,12 @@ def _break_lock(settings: Settings, job: str, err: Console) -> None:
 
 def _job_file_options(path: Path, flags: dict[str, Any], err: Console) -> SubmitOptions:
     """A job file → options: its values, overridden by the flags given on the command line."""
+    from click.core import ParameterSource
+
+    from producer.jobfile import DATASET_FLAGS, JobFileError, apply_flags, dataset_options, submit_flags
+    from producer.jobfile import load as load_job_file
+    from producer.jobfile import resolved as resolved_job_file
+
     ctx = click.get_current_context()
     given = {n: v for n, v in flags.items() if ctx.get_parameter_source(n) not in (None, ParameterSource.DEFAULT)}
     try:
@@ -248,6 +281,8 @@ def _job_file_options(path: Path, flags: dict[str, Any], err: Console) -> Submit
 
 def _check_as_flags(ctx: click.Context, values: dict[str, Any], given: set[str], path: Path) -> None:
     """The file's values pass the checks their flags make (a --model-family choice, an --samples range)."""
+    from producer.jobfile import FLAG_KEYS, JobFileError
+
     params = {p.name: p for p in ctx.command.params}
     problems = []
     for name, value in values.items():
@@ -262,6 +297,9 @@ def _check_as_flags(ctx: click.Context, values: dict[str, Any], given: set[str],
 
 
 def _submit_options(paths: list[Path], f: dict[str, Any]) -> SubmitOptions:
+    from producer.inputs import Columns
+    from producer.submit import SubmitOptions
+
     kwargs: dict[str, Any] = {}  # merged over the model family's thinking switch by submit
     if f["chat_template_kwargs"]:
         try:
@@ -328,6 +366,18 @@ def _submit_options(paths: list[Path], f: dict[str, Any]) -> SubmitOptions:
 
 
 def _with_progress(console: Console, settings: Settings, opts: SubmitOptions) -> Any:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from producer.inputs import count_rows
+    from producer.submit import submit
+
     columns = (
         TextColumn("[bold]tokenizing"),
         BarColumn(),
@@ -407,6 +457,8 @@ def status_cmd(
                 if st.get("finished"):
                     return
                 time.sleep(interval)
+        from rich.live import Live
+
         with Live(status_view(reader.read()), console=console, refresh_per_second=4) as live:
             while True:
                 st = _checked_read(reader, clock)
@@ -542,7 +594,6 @@ def _register_optional_commands() -> None:
 
 
 _register_optional_commands()
-cli.add_command(retry, "retry")
 for _command in make_lifecycle_commands(common_options):
     cli.add_command(_command)
 

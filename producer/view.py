@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Group
 from rich.panel import Panel
@@ -11,8 +11,10 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from producer.report import SubmitReport
 from producer.status import format_duration
+
+if TYPE_CHECKING:  # producer.report reads inputs (Arrow): status and wait do not need it
+    from producer.report import SubmitReport
 
 
 def submit_report(report: SubmitReport, hosts: int, server_tok_s: float, mean_output_tokens: float) -> Group:

@@ -27,10 +27,15 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import zstandard
+
+if TYPE_CHECKING:
+    import numpy as np
+
+# numpy is imported where ids are handled: the settings check every command makes (thinkfleet.signing) loads
+# this module, and `producer status` should not pay numpy's ~0.15 s start for it.
 
 TASK_NAME = "thinkfleet.generate"
 
@@ -95,6 +100,8 @@ def check_name(kind: str, name: object) -> str:
 # -- content hash ------------------------------------------------------------------------------------------
 def content_hash(ids: list[int] | np.ndarray) -> str:
     """Hash of the prompt ids (uint32 LE): workers and ``producer verify`` recompute it from the ids."""
+    import numpy as np
+
     return hash_id_bytes(np.ascontiguousarray(ids, dtype="<u4").tobytes())
 
 
@@ -115,6 +122,8 @@ def is_content_hash(text: object) -> bool:
 # -- packed ids -------------------------------------------------------------------------------------------
 def pack_ids(ids: list[int] | np.ndarray, compress: bool = True) -> bytes:
     """Token ids → compact bytes (the inverse of :func:`unpack_ids`)."""
+    import numpy as np
+
     raw = np.asarray(ids, dtype="<u4").tobytes()
     if compress:
         return bytes([_ZSTD]) + _compressor.compress(raw)
@@ -163,6 +172,8 @@ def unpack_id_bytes(blob: bytes, max_bytes: int | None = DEFAULT_MAX_PROMPT_TOKE
 def unpack_ids(blob: bytes, max_ids: int | None = DEFAULT_MAX_PROMPT_TOKENS) -> list[int]:
     """Bytes from :func:`pack_ids` → token ids (at most ``max_ids``; None: no bound). Raises
     :class:`MessageRefused` (``oversize``) or ValueError on anything else."""
+    import numpy as np
+
     data = unpack_id_bytes(blob, None if max_ids is None else max_ids * _ID_BYTES)
     return np.frombuffer(data, dtype="<u4").tolist()
 
@@ -273,6 +284,8 @@ class PromptTask:
         ids, declared or real), ``corrupt_message`` (an undecodable blob), ``content_hash_mismatch`` (the ids do
         not hash to ``content_hash``) or ``invalid_ids`` (an id at or above ``limits.vocab_size``).
         """
+        import numpy as np
+
         check_overrides(self.overrides)
         if not is_content_hash(self.content_hash):
             raise MessageRefused(

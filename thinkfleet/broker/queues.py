@@ -11,12 +11,15 @@ import base64
 import json
 import re
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import msgpack
 import redis
 
 from thinkfleet.broker.keys import KombuKeys, priority_lists
-from thinkfleet.message import PromptTask
+
+if TYPE_CHECKING:  # the message module loads numpy and zstandard: status and wait read task ids only
+    from thinkfleet.message import PromptTask
 
 #: Messages per Lua call when scanning a queue list (each call blocks Redis while it runs: keep it short).
 QUEUE_CHUNK = 200
@@ -62,6 +65,8 @@ def task_id_of(raw: bytes) -> str | None:
 
 def decode_message(raw: bytes) -> PromptTask:
     """The prompt task of a raw kombu message (ValueError/KeyError/TypeError when it is none)."""
+    from thinkfleet.message import PromptTask
+
     envelope = json.loads(raw)
     body = msgpack.unpackb(base64.b64decode(envelope["body"]), raw=False)
     return PromptTask.from_args(body[0])

@@ -26,17 +26,19 @@ import base64
 import json
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import redis
 
 from thinkfleet.broker.keys import priority_lists, priority_step
 from thinkfleet.broker.queues import decode_message, queue_keys
-from thinkfleet.message import PromptTask
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import JobRecord
 from thinkfleet.state.scripts import lua
+
+if TYPE_CHECKING:  # a hint only: the message module loads numpy (producer jobs/status need none)
+    from thinkfleet.message import PromptTask
 
 ACTIVE, PAUSED, CANCELLED, FINISHED = "active", "paused", "cancelled", "finished"
 #: Messages per Lua call when moving a job's messages (each call blocks Redis while it runs).
