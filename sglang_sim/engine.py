@@ -433,7 +433,8 @@ class Engine:
         capacity = self.config.kv_capacity_tokens
         assert capacity is not None
         decoding = [req for req in self._running if req.state is RequestState.DECODE]
-        decoding.sort(key=lambda req: (self.progress(req), -req.prompt_tokens), reverse=True)
+        # rid breaks ties: the running set iterates in id order, and a run must not depend on memory addresses.
+        decoding.sort(key=lambda req: (self.progress(req), -req.prompt_tokens, req.rid), reverse=True)
         retracted = 0
         while len(decoding) > 1 and (retracted == 0 or capacity - self.used_tokens < len(decoding)):
             self._retract_one(decoding.pop())

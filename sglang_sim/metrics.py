@@ -47,14 +47,13 @@ class SimMetrics:
         )
         self.new_token_ratio = gauge("sglang:new_token_ratio", "The new token ratio.")
         self.num_retracted_reqs = gauge("sglang:num_retracted_reqs", "The number of retracted requests.")
-        # SGLang 0.5.9's metrics/collector.py names (prometheus_client adds the _total of a counter).
-        self.retracted_total = counter("sglang:num_retracted_requests", "Total number of retracted requests.")
-        self.retracted_input_tokens = counter(
-            "sglang:num_retracted_input_tokens", "Total number of retracted input tokens."
-        )
-        self.retracted_output_tokens = counter(
-            "sglang:num_retracted_output_tokens", "Total number of retracted output tokens."
-        )
+        # SGLang 0.5.9's metrics/collector.py names (prometheus_client adds the _total of a counter). Made at the
+        # first retraction: a real 0.5.9 (multiprocess Prometheus) shows no line of them before — not even
+        # # TYPE — which a client must read as "none yet" (tests/real_sglang/test_differential_loads.py).
+        self._counter = counter
+        self.retracted_total: Any = None
+        self.retracted_input_tokens: Any = None
+        self.retracted_output_tokens: Any = None
         self.prompt_tokens = counter("sglang:prompt_tokens_total", "Number of prefill tokens processed.")
         self.generation_tokens = counter("sglang:generation_tokens_total", "Number of generation tokens processed.")
         self.cached_tokens = counter("sglang:cached_tokens_total", "Number of cached prompt tokens.")
@@ -80,6 +79,15 @@ class SimMetrics:
         self.e2e_latency.observe(e2e_s)
 
     def observe_retraction(self, input_tokens: int, output_tokens: int) -> None:
+        if self.retracted_total is None:
+            counter = self._counter
+            self.retracted_total = counter("sglang:num_retracted_requests", "Total number of retracted requests.")
+            self.retracted_input_tokens = counter(
+                "sglang:num_retracted_input_tokens", "Total number of retracted input tokens."
+            )
+            self.retracted_output_tokens = counter(
+                "sglang:num_retracted_output_tokens", "Total number of retracted output tokens."
+            )
         self.retracted_total.inc()
         self.retracted_input_tokens.inc(input_tokens)
         self.retracted_output_tokens.inc(output_tokens)

@@ -28,6 +28,7 @@ from workers.adaptive import (
     LoadWatcher,
     NotServed,
     ResizableLimiter,
+    ServerError,
     ServerLimits,
     parse_load,
     parse_retractions,
@@ -161,11 +162,14 @@ def test_a_wandering_batch_moves_a_settled_bound_rarely_and_seldom_leaves_it_sho
         runs = min(130.0, max(70.0, runs + rng.gauss(0, 4)))
         walk.append(runs)
         feed.full(runs=runs)
-    # Then over the last quarter of an hour the settled bound moved on its own evidence (persist_intervals
-    # decisions in a row) at most twice, and it was below the batch it serves in few intervals
+    # Then over the last quarter of an hour the bound is settled, moved at most once (on direct evidence: the
+    # server starved for half a minute, or ten minutes of headroom) and was below the batch it serves in few
+    # intervals
     bound, batch = feed.bounds[-180:], walk[-180:]
     late = [move for move in feed.controller.moves if move.t_s > feed.t_s / 2]
-    assert sum("in a row" in move.reason for move in late) <= 2
+    assert feed.controller.settled
+    assert len(late) <= 1, late
+    assert all(move.reason.startswith(("server starved", "settled:")) for move in late), late
     assert sum(b < w for b, w in zip(bound, batch, strict=True)) <= 0.05 * len(bound)
 
 
@@ -187,6 +191,45 @@ def test_a_swinging_kv_bound_batch_leaves_a_settled_bound_still() -> None:
     assert feed.controller.settled
     assert (max(late) - min(late)) <= 0.05 * statistics.fmean(late), (min(late), max(late))
     assert min(late) >= 100  # above the batch's mean: the swing's peaks find requests ready
+
+
+def test_a_settled_bound_probes_up_when_the_server_starves_and_follows_a_server_that_keeps_taking_more() -> None:
+    # Given a bound settled on a server that runs 100 of ours
+    feed = started(slots=512)
+    for _ in range(60):
+        feed.full(runs=100)
+    assert feed.controller.settled
+    settled = feed.controller.bound
+    # When it can run 104 for a minute (a swing's peak a little above the bound's short queue)
+    for _ in range(12):
+        feed.full(runs=settled + 4)
+    # Then one probe up of 10 % (the server starved for half a minute), and it stays settled there
+    assert [round(m.new / m.old, 2) for m in feed.controller.moves if m.t_s > 300] == [1.1]
+    assert feed.controller.settled and feed.controller.kind == "server_takes_all"
+    # When it can run 250 from now on (another tenant left): starved again right after the probe
+    for _ in range(24):
+        feed.full(runs=250)
+    # Then the target steers again and the bound is most of the way there within two minutes
+    assert feed.controller.bound > 200
+
+
+def test_a_settled_bound_comes_down_after_ten_minutes_of_headroom_and_not_before() -> None:
+    # Given a bound settled on a server that runs 100 of ours
+    feed = started(slots=512)
+    for _ in range(60):
+        feed.full(runs=100)
+    assert feed.controller.settled
+    settled, moves = feed.controller.bound, len(feed.controller.moves)
+    # When it runs 80 from now on (a 20 % drop: not the lasting shift of 35 % that acts at once)
+    for _ in range(110):  # nine minutes
+        feed.full(runs=80)
+    # Then the bound waits for ten minutes of evidence…
+    assert feed.controller.bound == settled and len(feed.controller.moves) == moves
+    for _ in range(24):
+        feed.full(runs=80)
+    # …then comes down by half of its excess over 80 plus a short queue, once
+    assert 80 + 6 < feed.controller.bound < settled
+    assert len(feed.controller.moves) == moves + 1 and feed.controller.moves[-1].reason.startswith("settled:")
 
 
 def test_a_lasting_halving_of_what_the_server_runs_moves_the_bound_within_a_minute() -> None:
@@ -241,6 +284,60 @@ def test_without_a_metrics_counter_the_retractions_our_answers_report_are_used()
     sample = asyncio.run(watcher.read())
     # Then the sample carries the server's load and the retractions counted from our answers' meta_info
     assert sample == LoadSample(1.0, 6, 5, 1, 10, 99, 7)
+
+
+def test_a_metrics_page_without_the_counter_yet_reads_as_none_retracted_until_our_answers_say_otherwise() -> None:
+    # Given a 0.5.9 that has not retracted yet: /metrics declares the counter but has no sample of it (a labelled
+    # Prometheus counter gets one at its first increment), and then shows one
+    pages = ["# TYPE sglang:num_retracted_requests_total counter\n", 'sglang:num_retracted_requests_total{m="x"} 9\n']
+    rows = {"n": 0}
+
+    async def get_json(path: str) -> object:
+        return {
+            "loads": [{"num_running_reqs": 5, "num_waiting_reqs": 0, "num_used_tokens": 1, "max_total_num_tokens": 9}]
+        }
+
+    async def get_text(path: str) -> str:
+        return pages[0] if len(pages) == 1 else pages.pop(0)
+
+    def watcher() -> LoadWatcher:
+        return LoadWatcher(
+            InflightController(10), ResizableLimiter(10), get_json, get_text, lambda: 5, lambda: 1.0,
+            row_retractions=lambda: rows["n"],
+        )  # fmt: skip
+
+    w = watcher()
+    # Then it reads as 0 retracted (the server's counter stays the source), and the sample once it appears
+    assert [asyncio.run(w.read()).retractions_total for _ in range(3)] == [0, 9, 9]  # type: ignore[union-attr]
+    # But a server whose /metrics never shows it while our answers report retractions does not export it:
+    # our answers' count is the source from then on
+    pages[:] = ["sglang:num_running_reqs 3\n"]
+    w = watcher()
+    assert asyncio.run(w.read()).retractions_total == 0  # type: ignore[union-attr]
+    rows["n"] = 4
+    assert [asyncio.run(w.read()).retractions_total for _ in range(2)] == [4, 4]  # type: ignore[union-attr]
+
+
+def test_a_v1_loads_that_keeps_failing_is_read_from_get_load_with_the_kv_from_metrics() -> None:
+    # Given a real 0.5.9 as the tier runs it: /v1/loads answers 500 every time (--enable-metrics under a newer
+    # FastAPI), /get_load answers, and /metrics has the KV gauges but no retraction counter yet
+    calls: list[str] = []
+
+    async def get_json(path: str) -> object:
+        calls.append(path)
+        if path == "/v1/loads":
+            raise ServerError(path, 500)
+        return [{"rid": None, "dp_rank": None, "num_reqs": 9, "num_waiting_reqs": 2, "num_tokens": 5000, "ts_tic": 1}]
+
+    async def get_text(path: str) -> str:
+        return 'sglang:num_used_tokens{tp_rank="0"} 4000.0\nsglang:max_total_num_tokens{tp_rank="0"} 65536.0\n'
+
+    watcher = LoadWatcher(InflightController(10), ResizableLimiter(10), get_json, get_text, lambda: 9, lambda: 1.0)
+    samples = [asyncio.run(watcher.read()) for _ in range(5)]
+    # Then every read has the load (7 running, 2 waiting) and the KV from /metrics, none retracted so far
+    assert set(samples) == {LoadSample(1.0, 9, 7, 2, 4000, 65536, 0)}
+    # …and after three failures in a row /v1/loads is no longer asked
+    assert calls == ["/v1/loads", "/get_load"] * 3 + ["/get_load"] * 2
 
 
 def test_a_failed_read_neither_switches_endpoints_nor_mixes_retraction_counters() -> None:

@@ -65,10 +65,12 @@ __all__ = [
     "Move",
     "NotServed",
     "ResizableLimiter",
+    "ServerError",
     "ServerLimits",
     "bound_info",
     "inflight_watcher",
     "limits_from",
+    "parse_kv_gauges",
     "parse_load",
     "parse_retractions",
 ]
@@ -76,6 +78,10 @@ __all__ = [
 #: ``/metrics`` counter of retracted requests (SGLang 0.5.9 metrics/collector.py, ``--enable-metrics``).
 RETRACTIONS_METRIC = "sglang:num_retracted_requests_total"
 _RETRACTIONS_RE = re.compile(r"^sglang:num_retracted_requests_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
+_USED_RE = re.compile(r"^sglang:num_used_tokens(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
+_POOL_RE = re.compile(r"^sglang:max_total_num_tokens(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
+#: /v1/loads server errors in a row (while /get_load answers) after which the watcher reads /get_load for good.
+V1_LOADS_FAILURES = 3
 
 
 # -- the asyncio side ------------------------------------------------------------------------------------
@@ -155,6 +161,14 @@ def parse_load(body: Any) -> tuple[int, int, int | None, int | None] | None:
     return None
 
 
+def parse_kv_gauges(metrics_text: str) -> tuple[int, int] | None:
+    """(``sglang:num_used_tokens``, ``sglang:max_total_num_tokens``) summed over their label sets (one per DP
+    rank), None when either is not exported: the KV figures when only ``/get_load`` answers."""
+    used = [float(v) for v in _USED_RE.findall(metrics_text)]
+    pool = [float(v) for v in _POOL_RE.findall(metrics_text)]
+    return (int(sum(used)), int(sum(pool))) if used and pool else None
+
+
 def parse_retractions(metrics_text: str) -> int | None:
     """``sglang:num_retracted_requests_total`` summed over its label sets (None: not exported)."""
     values = _RETRACTIONS_RE.findall(metrics_text)
@@ -163,6 +177,14 @@ def parse_retractions(metrics_text: str) -> int | None:
 
 class NotServed(LookupError):
     """The server has no such endpoint (404): an older release, or ``/metrics`` without ``--enable-metrics``."""
+
+
+class ServerError(RuntimeError):
+    """The server answered an endpoint with a 5xx (it is up, the endpoint failed)."""
+
+    def __init__(self, path: str, status: int) -> None:
+        super().__init__(f"GET {path} -> {status}")
+        self.status = status
 
 
 @dataclass
@@ -185,6 +207,8 @@ class LoadWatcher:
     row_retractions: Callable[[], int] | None = None
     _load_path: str = "/v1/loads"
     _metrics_ok: bool = True
+    _counter_seen: bool = False  # /metrics has shown the retraction counter's sample
+    _v1_failures: int = 0  # /v1/loads server errors in a row while /get_load answered
     _task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def reset(self, limits: ServerLimits) -> None:
@@ -218,29 +242,22 @@ class LoadWatcher:
 
     async def read(self) -> LoadSample | None:
         """One sample (None: the server's answer was no load). A failed read raises (the caller skips it)."""
-        try:
-            load = parse_load(await self.get_json(self._load_path))
-        except NotServed:
-            if self._load_path == "/get_load":
-                raise
-            self._load_path = "/get_load"  # a release without /v1/loads
-            load = parse_load(await self.get_json(self._load_path))
+        load = parse_load(await self._read_load())
         if load is None:
             return None
-        # One source of the retraction counter for good (two counters mixed would read as a storm).
-        retractions = None
+        running, waiting, used, pool = load
+        text = None
         if self._metrics_ok:
             try:
-                retractions = parse_retractions(await self.get_text("/metrics"))
-                if retractions is None:
-                    self._metrics_ok = False  # /metrics without the counter: it is not exported
+                text = await self.get_text("/metrics")
             except NotServed:
                 self._metrics_ok = False  # no --enable-metrics
             except Exception:
                 pass  # this sample goes without a count (the controller then counts none)
-        if not self._metrics_ok and self.row_retractions is not None:
-            retractions = self.row_retractions()  # our answers' meta_info: later (at each end) and ours only
-        running, waiting, used, pool = load
+        retractions = self._retractions(text)
+        if used is None and text is not None:
+            # /get_load has no KV figure; /metrics' gauges have (sglang:num_used_tokens, max_total_num_tokens)
+            used, pool = parse_kv_gauges(text) or (None, pool)
         return LoadSample(
             t_s=self.clock(),
             inflight=self.inflight(),
@@ -250,6 +267,47 @@ class LoadWatcher:
             max_total_tokens=pool or self.controller.limits.max_total_num_tokens,
             retractions_total=retractions,
         )
+
+    async def _read_load(self) -> Any:
+        """The body of ``/v1/loads``, or of ``/get_load`` where that endpoint is missing or keeps failing."""
+        if self._load_path == "/get_load":
+            return await self.get_json("/get_load")
+        try:
+            body = await self.get_json("/v1/loads")
+        except NotServed:
+            self._load_path = "/get_load"  # a release without /v1/loads
+            return await self.get_json("/get_load")
+        except ServerError as exc:
+            # A real 0.5.9 with --enable-metrics under FastAPI >= 0.12x answers /v1/loads 500 every time (its
+            # status-code middleware cannot name the path of an included router; tests/real_sglang/
+            # test_differential_loads.py). This read comes from /get_load; three in a row switch for good. A
+            # server that is down fails /get_load too, and the read is skipped without counting.
+            body = await self.get_json("/get_load")
+            self._v1_failures += 1
+            if self._v1_failures >= V1_LOADS_FAILURES:
+                self._load_path = "/get_load"
+                log.warning("/v1/loads keeps failing (%s) while /get_load answers: reading /get_load from now on", exc)
+            return body
+        self._v1_failures = 0
+        return body
+
+    def _retractions(self, text: str | None) -> int | None:
+        """The retraction counter of this sample, from one source for good (two counters mixed would read as
+        a storm): the server's ``/metrics``, or where it has none, our answers' meta_info."""
+        retractions = None
+        if self._metrics_ok and text is not None:
+            retractions = parse_retractions(text)
+            if retractions is not None:
+                self._counter_seen = True
+            elif self._counter_seen or not (self.row_retractions and self.row_retractions()):
+                # 0.5.9 exports the counter only from its first retraction on (a labelled Prometheus counter
+                # has no child before that; after a restart, none again): none yet.
+                retractions = 0
+            else:
+                self._metrics_ok = False  # our answers were retracted and /metrics never showed it
+        if not self._metrics_ok and self.row_retractions is not None:
+            retractions = self.row_retractions()  # our answers' meta_info: later (at each end) and ours only
+        return retractions
 
     def _apply(self, move: Move | None) -> None:
         if move is None:
@@ -288,6 +346,8 @@ def inflight_watcher(
         status, body = await client.get(path)
         if status == 404:
             raise NotServed(path)
+        if status >= 500:
+            raise ServerError(path, status)
         if status != 200:
             raise RuntimeError(f"GET {path} -> {status}")
         return body

@@ -8,17 +8,24 @@ applies the moves; its docstring says which signals steer the bound and why.
 How it settles (issue 26: "no oscillation wider than a few % of the bound at steady state"). What a
 KV-bound server can run swings ±15-30 % with the lengths of the requests it holds, and the bound that
 serves it best is any one above that swing plus a short queue (throughput is flat there), so following the
-swing buys nothing. The bound therefore moves freely (a 5 % dead band) only until it has held still for
-``settle_intervals`` decisions; from then on it is *settled*: a target within ``settled_deadband_share``
-leaves it alone, and one outside moves it only when ``persist_intervals`` decisions in a row agree on the
-side (to their median, so one burst does not decide). Three things are acted on at once, settled or not: a
-retraction storm, a lasting shift of what the server runs (the fast mean away from the slow one), and the
-start from the server's limits.
+swing — or a mean of it plus its spread, itself a wandering figure — buys nothing. The bound therefore
+follows that target (a 5 % dead band) only until it has held still for ``settle_intervals`` decisions; from
+then on it is *settled* and moves on direct evidence alone, probing rarely:
+
+- **starved**: ``persist_intervals`` decisions in a row (30 s) in which the work fills the bound, the server
+  queues none of it and its KV has room (more would have run): up ``settled_rise_share``;
+- **too much**: over the last ``settled_window_intervals`` decisions (10 min) the bound stayed above what
+  ran of ours by the short queue plus ``settled_excess_share`` of the bound at every decision (even the
+  swing's peak left that many unused): down by part of that excess, and the window starts again.
+
+Between the two lies a gap of about ``settled_excess_share`` plus the short queue: a bound just above the
+swing's peaks stays where it is for as long as the swing does.
+A retraction storm, a lasting shift of what the server runs (the fast mean away from the slow one) and a
+reset (the server's limits) act at once and unsettle it.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -94,17 +101,24 @@ class ControllerConfig:
     # -- settling -------------------------------------------------------------------------------------------
     #: Decisions in a row without a move after which the bound is settled.
     settle_intervals: int = 12
-    #: Settled: targets within this share of the bound leave it alone…
-    settled_deadband_share: float = 0.15
-    #: …and one outside moves it only when this many decisions in a row are outside on the same side.
+    #: Settled: this many decisions in a row starved (the work fills the bound, no queue, KV with room) raise
+    #: it by this share.
     persist_intervals: int = 6
+    settled_rise_share: float = 0.10
+    #: Settled: the bound above what runs of ours by the short queue plus this share of it at every decision
+    #: of a window of this many decisions lowers it.
+    settled_excess_share: float = 0.15
+    settled_window_intervals: int = 120
+
     # -- what the server can run ----------------------------------------------------------------------------
-    #: What the server can run is averaged over this many seconds, plus this many standard deviations.
-    smoothing_s: float = 300.0
+    #: What the server can run is averaged over this many decisions (5 min at 5 s), plus this many standard
+    #: deviations. Counted in decisions, as every time constant here: a worker on a simulator's faster clock
+    #: gets the same controller by scaling ``interval_s`` alone (bench/bench_adaptive.py's HTTP run does).
+    smoothing_intervals: int = 60
     margin_sd: float = 1.5
-    #: A fast mean (over ``fast_smoothing_s``) this share away from the slow one for this many decisions
-    #: in a row is a lasting change: the slow mean jumps to it (a tenant arrived, the server restarted).
-    fast_smoothing_s: float = 20.0
+    #: A fast mean (over ``fast_smoothing_intervals``) this share away from the slow one for this many
+    #: decisions in a row is a lasting change: the slow mean jumps to it (a tenant arrived, the server restarted).
+    fast_smoothing_intervals: int = 4
     shift_share: float = 0.35
     shift_intervals: int = 4
     #: KV usage (``num_used_tokens`` / pool; SGLang leaves the evictable radix cache out of "used") from
@@ -125,8 +139,9 @@ class ControllerConfig:
             raise ValueError("interval_s must be > 0 and min_bound >= 1")
         if not 0 < self.gain <= 1 or not 0 < self.storm_cut < 1:
             raise ValueError("gain must be in (0, 1] and storm_cut in (0, 1)")
-        if self.settle_intervals < 1 or self.persist_intervals < 1:
-            raise ValueError("settle_intervals and persist_intervals must be >= 1")
+        counts = ("settle_intervals", "persist_intervals", "settled_window_intervals", "smoothing_intervals")
+        if any(getattr(self, name) < 1 for name in (*counts, "fast_smoothing_intervals")):
+            raise ValueError(f"{', '.join(counts)} must be >= 1")
 
 
 @dataclass
@@ -190,12 +205,15 @@ class InflightController:
         self._shifted = 0
         self._shift_now = False  # the last _track found a lasting change: act on it at once
         self._rising = 0
-        self._calm = 0  # decisions in a row without a move
-        self._pending: list[float] = []  # settled: the targets outside the band, in a row, on one side
+        self._calm = 0  # decisions in a row without a move while not settled (settled: stays >= settle_intervals)
+        self._starved = 0  # settled: decisions in a row that found the server starved
+        self._probed = False  # settled: the last starvation rise has not been followed by a fed server yet
+        #: settled: the bound minus what ran of ours, per decision of the window
+        self._headroom: deque[float] = deque(maxlen=self.config.settled_window_intervals)
 
     @property
     def settled(self) -> bool:
-        """The bound has held still long enough that only a persistent target (or a storm, a shift) moves it."""
+        """The bound has held still long enough that only direct evidence (or a storm, a shift) moves it."""
         return self._calm >= self.config.settle_intervals
 
     # -- what the caller tells it ------------------------------------------------------------------
@@ -206,7 +224,7 @@ class InflightController:
         self._window = None
         self._retractions_seen = None
         self._estimate = None
-        self._calm, self._pending = 0, []
+        self._unsettle()
         start, kind, why = self.cap, "cap", f"the cap {self.cap} (the server reports no limits)"
         parts = []
         if limits.max_running_requests is not None:
@@ -235,9 +253,7 @@ class InflightController:
             return None
         retracted = self._note_retractions(sample)
         self._window = _Window(sample.t_s)
-        move = self._decide(window, retracted, sample.t_s)
-        self._calm = 0 if move is not None else self._calm + 1
-        return move
+        return self._decide(window, retracted, sample.t_s)
 
     # -- the decision --------------------------------------------------------------------------------
     def _note_retractions(self, sample: LoadSample) -> int:
@@ -250,36 +266,82 @@ class InflightController:
             return 0
         return total - seen
 
+    def _unsettle(self) -> None:
+        self._calm, self._starved, self._probed = 0, 0, False
+        self._headroom.clear()
+
     def _decide(self, w: _Window, retracted: int, t_s: float) -> Move | None:
         c, bound = self.config, self.bound
         inflight, running, waiting = w.inflight / w.n, w.running / w.n, w.waiting / w.n
         if retracted > max(c.storm_min, c.storm_share * max(running, 1.0)):
-            self._estimate, self._pending = None, []  # what the server held is no guide now
+            self._estimate = None  # what the server held is no guide now
+            self._unsettle()
             new = int(bound * c.storm_cut)
             why = f"retraction storm: {retracted} retracted in {c.interval_s:g}s"
             return self._move(t_s, new, why, "retraction_storm")
-        target, kind, why = self._target(w, inflight, running, waiting)
+        target, kind, why = self._target(w, inflight, running, waiting)  # the estimate follows, settled or not
         if retracted:
             why += f"; {retracted} retracted (no storm)"
-        settled = self.settled and not self._shift_now
-        band = (c.settled_deadband_share if settled else c.deadband_share) * bound
-        if abs(target - bound) <= max(1.0, band):
-            self._pending = []
+        if self._shift_now:
+            self._unsettle()
+        elif self.settled:
+            return self._decide_settled(w, inflight, waiting, t_s)
+        if abs(target - bound) <= max(1.0, c.deadband_share * bound):
+            self._calm += 1
             return None
-        if settled:
-            # Outside the wide band: it moves only once persist_intervals decisions in a row say so, to
-            # their median (a swing of the batch comes back within that time; a change stays).
-            if self._pending and (self._pending[-1] > bound) != (target > bound):
-                self._pending = []
-            self._pending.append(target)
-            if len(self._pending) < c.persist_intervals:
-                return None
-            target, self._pending = statistics.median(self._pending), []
-            why += f"; {c.persist_intervals} decisions in a row ~{target:.0f}"
         if target > bound:
             step = min(max(1.0, c.max_rise_share * bound), c.gain * (target - bound))
-            return self._move(t_s, round(bound + max(1.0, step)), why, kind)
-        return self._move(t_s, round(bound - max(1.0, c.gain * (bound - target))), why, kind)
+            move = self._move(t_s, round(bound + max(1.0, step)), why, kind)
+        else:
+            move = self._move(t_s, round(bound - max(1.0, c.gain * (bound - target))), why, kind)
+        self._calm = 0 if move is not None else self._calm + 1
+        return move
+
+    def _decide_settled(self, w: _Window, inflight: float, waiting: float, t_s: float) -> Move | None:
+        """A settled bound moves on direct evidence only (the module docstring): starved, or too much."""
+        c, bound = self.config, self.bound
+        ours_running = w.ours_running / w.n
+        allowance = max(c.queue_min, c.queue_share * ours_running)
+        usage = w.kv_usage
+        room = usage is None or usage < c.kv_full_share
+        starved = waiting <= 0.5 * allowance and room and inflight >= c.saturated_share * bound
+        if starved:
+            self._starved += 1
+        else:
+            self._starved, self._probed = 0, False
+        if self._starved >= c.persist_intervals:
+            # More would have run for half a minute: a step up, a probe (it stays settled). Still starved for
+            # as long after it: the server can run far more now (a tenant left, a bigger KV) — the target
+            # steers again, at its faster pace.
+            escalate = self._probed
+            self._starved, self._probed = 0, True
+            if escalate:
+                self._unsettle()
+            self._headroom.clear()
+            why = f"server starved for {c.persist_intervals * c.interval_s:g}s: {waiting:.0f} waiting"
+            if usage is not None:
+                why += f", KV {usage:.0%}"
+            new = bound + max(1.0, c.settled_rise_share * bound)
+            slots = self.limits.max_running_requests
+            if slots is not None:  # never past its slots (plus the short queue), as the target is not
+                others = max(0.0, w.running / w.n + waiting - inflight)
+                new = min(new, slots + allowance - others)
+            return self._move(t_s, round(new), why, "server_takes_all") if new >= bound + 1 else None
+        if inflight < c.saturated_share * bound:
+            self._headroom.clear()  # the work does not fill the bound: its headroom says nothing of the server
+            return None
+        # The bound, not what we have sent: requests sent before a cut are never taken back and wait there.
+        self._headroom.append(bound - ours_running)
+        if len(self._headroom) < c.settled_window_intervals:
+            return None
+        least = min(self._headroom)
+        excess = least - allowance
+        if excess <= c.settled_excess_share * bound:
+            return None
+        self._headroom.clear()  # a fresh window of evidence before the next one
+        window_s = c.settled_window_intervals * c.interval_s
+        why = f"settled: the bound was at least {least:.0f} above what ran of ours throughout {window_s:g}s"
+        return self._move(t_s, round(bound - max(1.0, c.gain * excess)), why, "server_full")
 
     def _target(self, w: _Window, inflight: float, running: float, waiting: float) -> tuple[float, str, str]:
         """What the server can run of ours (smoothed, plus its spread) and a short queue; and why.
@@ -288,7 +350,7 @@ class InflightController:
         youngest requests), so the best bound is "what it can run, plus a few ready to admit the moment
         a slot or KV frees": fewer leaves the batch short, more only lengthens its queue. What it can
         run swings with the lengths of the requests it holds (a minute's mean-reverting swing of ±30%
-        on a KV-bound server), so the bound follows a mean over ``smoothing_s`` plus ``margin_sd``
+        on a KV-bound server), so the bound follows a mean over ``smoothing_intervals`` plus ``margin_sd``
         standard deviations instead of every swing; a lasting change moves the mean within a minute."""
         c = self.config
         self._shift_now = False
@@ -331,16 +393,16 @@ class InflightController:
         # (one interval with an empty queue happens in a steady KV-bound server too: that one is not enough).
         self._rising = self._rising + 1 if rising else 0
         fast = self._rising >= 2 and seen > self._estimate
-        alpha = min(1.0, c.interval_s / (c.fast_smoothing_s if fast else c.smoothing_s))
+        alpha = 1.0 / (c.fast_smoothing_intervals if fast else c.smoothing_intervals)
         delta = seen - self._estimate
         self._estimate += alpha * delta
         self._variance = (1 - alpha) * (self._variance + alpha * delta * delta)
-        self._fast += min(1.0, c.interval_s / c.fast_smoothing_s) * (seen - self._fast)
+        self._fast += (seen - self._fast) / c.fast_smoothing_intervals
         away = abs(self._fast - self._estimate) > c.shift_share * max(self._estimate, 1.0)
         self._shifted = self._shifted + 1 if away else 0
         if self._shifted >= c.shift_intervals:
             self._estimate, self._variance, self._shifted = self._fast, 0.0, 0
-            self._shift_now, self._pending = True, []
+            self._shift_now = True
 
     def _move(self, t_s: float, new: int, reason: str, kind: str, force: bool = False) -> Move | None:
         new = max(self.config.min_bound, min(self.cap, new))
