@@ -10,7 +10,9 @@ whose calls decode to real names (its tool catalogue), one worker SIGKILLed betw
 finalize. Then every step of every conversation is stored once, byte-exact, each step's prompt the chat
 template's rendering of the conversation up to it (the model's answers, the results fed back after its calls),
 the fed results are the dataset's, rows say their ``step_index`` and whether arguments differed, ``producer
-verify`` passes and the ``messages`` export carries the ``tool`` messages fed back, marked ``recorded``.
+verify`` passes and the ``messages`` export carries the ``tool`` messages fed back, marked ``recorded``. After
+``producer retry --truncated`` re-derives later steps, the old chains' steps the new ones do not reach are stale:
+verify lists them as superseded and the exports leave them out (storage/verify_steps.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +32,7 @@ from producer.render import load_tokenizer, render_ids
 from sglang_sim.content import ContentConfig, expected_generation
 from sglang_sim.tools import write_catalogue
 from storage.reader import raw_duplicates, read_committed
+from storage.verify_steps import chains, stale_steps
 from testing.datasets import write_jsonl
 from testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
 from testing.harness import fast_env, isolated_settings, producer_cli, simulator
@@ -37,13 +41,13 @@ from thinkfleet import failpoints
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import JobRecord
 from thinkfleet.tool_steps import for_render, plan_agentic, replay_results, step_messages
-from thinkfleet.turns import answer_message, split_step_id, turn_id
+from thinkfleet.turns import answer_message, beyond_chain_ends, split_step_id, turn_id
 from workers.tool_exec import TRUSTED_ENV
 
 if TYPE_CHECKING:
     from testing.services import RedisServer
 
-CONVERSATIONS = 6
+CONVERSATIONS = 4
 TURNS = 2
 
 
@@ -102,6 +106,29 @@ def test_replay_matches_by_position_and_name_and_records_differing_arguments() -
     # No call where the dataset answers: the turn ends, no mismatch.
     assert replay_results(conv, 0, 2, []) == replay_results(conv, 0, 2, [])
     assert not replay_results(conv, 0, 2, []).mismatch
+
+
+def test_a_stale_step_is_one_no_chain_reaches_from_t0_along_next() -> None:
+    # Given: a turn that went t0 → t0s1 → t0s2 → t1, then t0s1 re-run (revision 1) answered without a call, so its
+    # chain went on to t1 (re-derived); t1's old chain had gone on to t1s1, its new answer ends the conversation.
+    convs = {"chat/c0": {}, "chat/c1": {}}
+    answers: dict[str, dict[str, Any]] = {
+        "chat/c0/t0": {"next": "chat/c0/t0s1"},
+        "chat/c0/t0s1": {"next": "chat/c0/t1", "revision": 1},
+        "chat/c0/t0s2": {"next": "chat/c0/t1"},
+        "chat/c0/t1": {"revision": 1},
+        "chat/c0/t1s1": {},
+        "chat/c1/t0": {"next": "chat/c1/t0s1"},  # c1: its next step enqueued, not yet answered
+    }
+    stored = [*answers, "chat/c1/t0s1", "other/p1"]
+    # Then: the steps the walk from t0 does not reach are stale — none of them past a chain end (there is none), so
+    # beyond_chain_ends alone would call them current; an enqueued step, and a prompt of no conversation, are not.
+    assert stale_steps(convs, answers, stored) == {"chat/c0/t0s2", "chat/c0/t1s1"}
+    assert beyond_chain_ends(stored, []) == set()
+    assert chains(convs, answers) == {
+        "chat/c0": ["chat/c0/t0", "chat/c0/t0s1", "chat/c0/t1"],
+        "chat/c1": ["chat/c1/t0", "chat/c1/t0s1"],
+    }
 
 
 def test_job_file_keys_set_the_tool_flags(tmp_path: Path) -> None:
@@ -185,20 +212,27 @@ def agentic_job(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFact
         points = ("after_part_write", "after_tool_record", "after_tool_call")
         workers = [WorkerProcess(f"w-{point}", armed(point), tmp_path / "logs").start() for point in points]
         try:
-            for w in workers:
-                w.wait_ready(client, settings.keys)
             common = [
                 "--tokenizer", str(tok_dir), "--processes", "1", "--no-progress", "--max-new-tokens", "400",
                 "--seed", "3", "--context-length", "131072", "--turns", "all", "--max-tool-steps", "3", "--json",
             ]  # fmt: skip
-            for name, tools in (
+            submits = (
                 (job, ["--tool-results", "replay", "--tool-mismatch", "keep_recorded"]),
                 (exec_job, ["--tool-results", "executor", "--tool-executor", spec]),
                 # A budget this small truncates most steps (the retry test re-runs them).
                 (SHORT_JOB, ["--tool-results", "replay", "--tool-mismatch", "keep_recorded", "--max-new-tokens", "40"]),
-            ):
-                submitted = producer_cli(settings, "submit", str(data), "--job", name, *common, *tools)
-                assert submitted.returncode == 0, submitted.stderr
+            )
+            # The three submits run at once, while the workers start (each job's prompts wait in Redis for them):
+            # one after the other they were most of this fixture's time.
+            with ThreadPoolExecutor(len(submits)) as pool:
+                running = [
+                    pool.submit(producer_cli, settings, "submit", str(data), "--job", name, *common, *tools)
+                    for name, tools in submits
+                ]
+                for w in workers:
+                    w.wait_ready(client, settings.keys)
+                for submitted in (r.result() for r in running):
+                    assert submitted.returncode == 0, submitted.stderr
 
             def settled() -> bool:
                 for name in (job, exec_job, SHORT_JOB):
@@ -221,6 +255,11 @@ def agentic_job(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFact
             for w in workers:
                 w.terminate()
     client.close()
+
+
+def _conversations(run: AgenticJob, job: str) -> dict[str, dict[str, Any]]:
+    raw = run.client.hgetall(run.settings.keys.conversations(job))
+    return {k.decode(): json.loads(v) for k, v in raw.items()}
 
 
 def _records(run: AgenticJob, job: str | None = None) -> dict[str, dict[str, Any]]:
@@ -331,6 +370,7 @@ def test_verify_passes_and_the_messages_export_carries_the_fed_tool_messages(
     agentic_job: AgenticJob, tmp_path: Path
 ) -> None:
     from storage.exports import export_job
+    from storage.verify import verify_job
 
     run = agentic_job
     verified = producer_cli(run.settings, "verify", run.job, "--json")
@@ -355,9 +395,9 @@ def test_verify_passes_and_the_messages_export_carries_the_fed_tool_messages(
     pid, answer = next((p, a) for p, a in answers.items() if a.get("tool_results") and a.get("next"))
     changed = {**answer, "tool_results": [{**m, "content": "changed"} for m in answer["tool_results"]]}
     run.client.hset(key, pid, json.dumps(changed))
-    try:
-        verified = producer_cli(run.settings, "verify", run.job, "--json")
-        assert verified.returncode != 0 and answer["next"] in json.loads(verified.stdout)["step_prompt_mismatch"]
+    try:  # in this process (the CLI's path and exit code are proven above): the same verify_job
+        report = verify_job(run.settings, run.job)
+        assert not report.ok and answer["next"] in report.step_prompt_mismatch
     finally:
         run.client.hset(key, pid, json.dumps(answer))
 
@@ -390,7 +430,9 @@ def test_merge_turns_gives_one_sample_per_conversation_over_model_emitted_ids_on
         assert len(last["output_ids"]) <= trained <= sum(len(o) for o in outputs[conv_id])
 
 
-def test_retry_truncated_of_a_step_rederives_the_steps_after_it(agentic_job: AgenticJob) -> None:
+def test_retry_truncated_of_a_step_rederives_the_steps_after_it(agentic_job: AgenticJob, tmp_path: Path) -> None:
+    from storage.exports import export_job
+
     run = agentic_job
     before = {r["prompt_id"]: r for r in read_committed(run.settings.output_uri, SHORT_JOB).to_pylist()}
     assert any(r["finish_reason"] == "length" for r in before.values()), "a budget of 40 truncates"
@@ -425,6 +467,16 @@ def test_retry_truncated_of_a_step_rederives_the_steps_after_it(agentic_job: Age
     off_chain = [p for p in off_chain if not run.client.sismember(done_key, p)]
     rows, _ = _check_chains(run, SHORT_JOB, [*report["superseded"], *off_chain])
     answers = _records(run, SHORT_JOB)
+    # The old chains' steps the new ones do not reach are stale: verify lists them as superseded (and passes), and
+    # the exports leave their rows out — every format gives exactly the current chains' steps.
+    current = {p for chain in chains(_conversations(run, SHORT_JOB), answers).values() for p in chain}
+    stale = set(rows) - current
+    assert stale, "the re-derived chains left steps of the old ones behind"
+    assert stale <= set(report["superseded"])
+    for fmt in ("specforge", "messages"):
+        out = tmp_path / f"{fmt}.jsonl"
+        export_job(run.settings, SHORT_JOB, fmt, str(out), tokenizer=str(run.tok_dir))
+        assert {r["id"] for r in map(json.loads, out.read_text().splitlines())} == set(rows) - stale, fmt
     for pid in rerun:
         assert json.loads(rows[pid]["sampling_params"])["max_new_tokens"] == 4000
         at = answers[pid].get("next", "")

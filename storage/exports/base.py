@@ -33,6 +33,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from storage import layout, stream
+from storage.exports.tool_steps import stale_steps
 from storage.schema import (
     CONVERSATION_ID,
     DATASET,
@@ -169,7 +170,8 @@ class Rows:
     def superseded(self) -> set[str]:
         """--turns all: the turn rows past their conversation's chain end — a stored turn whose output calls a
         tool ends it (a re-run of an earlier turn may end it before turns stored earlier): not current, skipped
-        (``thinkfleet.turns.beyond_chain_ends``; ``producer verify`` lists them)."""
+        (``thinkfleet.turns.beyond_chain_ends``; ``producer verify`` lists them); an agentic job's steps no current
+        chain reaches too (storage/exports/tool_steps.py)."""
         if self._superseded is None:
             pids: list[str] = []
             ends: list[str] = []
@@ -177,7 +179,7 @@ class Rows:
                 pids_of, ends_of = self._turns_of(name)
                 pids += pids_of
                 ends += ends_of
-            self._superseded = beyond_chain_ends(pids, ends)
+            self._superseded = beyond_chain_ends(pids, ends) | stale_steps(self.settings, self.job, pids)
         return self._superseded
 
     def _turns_of(self, dataset: str) -> tuple[list[str], list[str]]:

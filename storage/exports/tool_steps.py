@@ -6,11 +6,15 @@ earlier step, in chain order (the walk from ``t0`` along ``next``), each tool-ca
 ``messages``/``conversations`` record of a step is that history, then the step's own answer
 (:func:`thinkfleet.tool_steps.step_messages`): exactly the messages its prompt was rendered from. Like the
 conversation records, the answer records come from Redis: export while the job's Redis state is there.
+
+A step no current chain reaches is *stale* (:func:`stale_steps`, storage/verify_steps.py: an earlier step was re-run
+and went on elsewhere): every format leaves its row out, counted as ``superseded``, as ``producer verify`` lists it.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 from thinkfleet.tool_steps import step_messages
@@ -25,6 +29,14 @@ class Conversations(Protocol):
     job: str
 
     def get(self, conv: str | None) -> dict[str, Any] | None: ...
+
+
+def stale_steps(settings: Any, job: str, prompt_ids: Iterable[str]) -> set[str]:
+    """The ``prompt_ids`` of an agentic job's conversations that the walk from ``t0`` along ``next`` does not reach
+    (an empty set for another job, or without its Redis state)."""
+    from storage.verify_steps import unreachable_steps
+
+    return unreachable_steps(settings, job, prompt_ids)
 
 
 def is_step(prompt_id: str) -> bool:
