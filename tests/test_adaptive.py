@@ -162,13 +162,13 @@ def test_a_wandering_batch_moves_a_settled_bound_rarely_and_seldom_leaves_it_sho
         runs = min(130.0, max(70.0, runs + rng.gauss(0, 4)))
         walk.append(runs)
         feed.full(runs=runs)
-    # Then over the last quarter of an hour the bound is settled, moved at most once (on direct evidence: the
-    # server starved for half a minute, or ten minutes of headroom) and was below the batch it serves in few
-    # intervals
+    # Then over the last quarter of an hour the bound is settled, moved at most twice (on direct evidence: the
+    # server starved for half a minute, a 5 % probe each, or ten minutes of headroom) and was below the batch it
+    # serves in few intervals
     bound, batch = feed.bounds[-180:], walk[-180:]
     late = [move for move in feed.controller.moves if move.t_s > feed.t_s / 2]
     assert feed.controller.settled
-    assert len(late) <= 1, late
+    assert len(late) <= 2, late
     assert all(move.reason.startswith(("server starved", "settled:")) for move in late), late
     assert sum(b < w for b, w in zip(bound, batch, strict=True)) <= 0.05 * len(bound)
 
@@ -203,8 +203,8 @@ def test_a_settled_bound_probes_up_when_the_server_starves_and_follows_a_server_
     # When it can run 104 for a minute (a swing's peak a little above the bound's short queue)
     for _ in range(12):
         feed.full(runs=settled + 4)
-    # Then one probe up of 10 % (the server starved for half a minute), and it stays settled there
-    assert [round(m.new / m.old, 2) for m in feed.controller.moves if m.t_s > 300] == [1.1]
+    # Then one probe up of 5 % (the server starved for half a minute), and it stays settled there
+    assert [round(m.new / m.old, 2) for m in feed.controller.moves if m.t_s > 300] == [1.05]
     assert feed.controller.settled and feed.controller.kind == "server_takes_all"
     # When it can run 250 from now on (another tenant left): starved again right after the probe
     for _ in range(24):
@@ -227,8 +227,8 @@ def test_a_settled_bound_comes_down_after_ten_minutes_of_headroom_and_not_before
     assert feed.controller.bound == settled and len(feed.controller.moves) == moves
     for _ in range(24):
         feed.full(runs=80)
-    # …then comes down by half of its excess over 80 plus a short queue, once
-    assert 80 + 6 < feed.controller.bound < settled
+    # …then comes down to the most it ran over that window plus a short queue, once
+    assert 80 < feed.controller.bound <= 80 + 8
     assert len(feed.controller.moves) == moves + 1 and feed.controller.moves[-1].reason.startswith("settled:")
 
 

@@ -16,7 +16,7 @@ then on it is *settled* and moves on direct evidence alone, probing rarely:
   queues none of it and its KV has room (more would have run): up ``settled_rise_share``;
 - **too much**: over the last ``settled_window_intervals`` decisions (10 min) the bound stayed above what
   ran of ours by the short queue plus ``settled_excess_share`` of the bound at every decision (even the
-  swing's peak left that many unused): down by part of that excess, and the window starts again.
+  swing's peak left that many unused): down to that peak plus the short queue, and the window starts again.
 
 Between the two lies a gap of about ``settled_excess_share`` plus the short queue: a bound just above the
 swing's peaks stays where it is for as long as the swing does.
@@ -104,7 +104,7 @@ class ControllerConfig:
     #: Settled: this many decisions in a row starved (the work fills the bound, no queue, KV with room) raise
     #: it by this share.
     persist_intervals: int = 6
-    settled_rise_share: float = 0.10
+    settled_rise_share: float = 0.05
     #: Settled: the bound above what runs of ours by the short queue plus this share of it at every decision
     #: of a window of this many decisions lowers it.
     settled_excess_share: float = 0.15
@@ -341,7 +341,7 @@ class InflightController:
         self._headroom.clear()  # a fresh window of evidence before the next one
         window_s = c.settled_window_intervals * c.interval_s
         why = f"settled: the bound was at least {least:.0f} above what ran of ours throughout {window_s:g}s"
-        return self._move(t_s, round(bound - max(1.0, c.gain * excess)), why, "server_full")
+        return self._move(t_s, round(bound - excess), why, "server_full")
 
     def _target(self, w: _Window, inflight: float, running: float, waiting: float) -> tuple[float, str, str]:
         """What the server can run of ours (smoothed, plus its spread) and a short queue; and why.
@@ -395,8 +395,14 @@ class InflightController:
         fast = self._rising >= 2 and seen > self._estimate
         alpha = 1.0 / (c.fast_smoothing_intervals if fast else c.smoothing_intervals)
         delta = seen - self._estimate
-        self._estimate += alpha * delta
-        self._variance = (1 - alpha) * (self._variance + alpha * delta * delta)
+        if rising:
+            # It took all we sent: "at least this many" (a probe's figure, not a measure of its swing) — the
+            # mean may only rise on it, and the spread is left alone (the start's climb would inflate it, and
+            # the margin with it, for many minutes after the server first fills).
+            self._estimate += alpha * max(0.0, delta)
+        else:
+            self._estimate += alpha * delta
+            self._variance = (1 - alpha) * (self._variance + alpha * delta * delta)
         self._fast += (seen - self._fast) / c.fast_smoothing_intervals
         away = abs(self._fast - self._estimate) > c.shift_share * max(self._estimate, 1.0)
         self._shifted = self._shifted + 1 if away else 0
