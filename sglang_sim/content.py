@@ -37,9 +37,10 @@ How an output is built:
    ␠<|constrain|> json<|message|> ARGS… <|call|> 200012``. ``think_end=False`` never closes the reasoning
    (no ``</think>``; harmony: the analysis message runs to ``<|return|>``). Filler ids come from
    [0, the family's first special id).
-   With ``tool_catalogue`` (:mod:`sglang_sim.tools`; every family but harmony) each call's ids between its markers are a
-   catalogue call drawn by the same RNG — a real name and JSON arguments in the family's native form, a share of
-   them malformed (``malformed_tool_call_share``) — instead of filler; several calls per turn as above.
+   With ``tool_catalogue`` (:mod:`sglang_sim.tools`) each call's ids between its markers are a catalogue call
+   drawn by the same RNG — a real name and JSON arguments in the family's native form, a share of them malformed
+   (``malformed_tool_call_share``) — instead of filler; several calls per turn as above (harmony: one, its
+   ``commentary to=functions.NAME <|constrain|>json<|message|>ARGS`` after ``<|channel|>``).
 6. SGLang's finish rules are then applied in its order (``schedule_batch.Req.check_finished``): length
    first (``len == max_new_tokens`` → ``{"type":"length"}``), then a token in ``stop_token_ids`` ∪ the
    model's EOS set → ``{"type":"stop","matched":id}`` with the id *included*; ``ignore_eos`` disables
@@ -499,6 +500,13 @@ def _plan_harmony(rng: np.random.Generator, config: ContentConfig) -> _Plan:
     position = reasoning
     header = [end, start, h["assistant"], channel]
     if rng.random() < config.tool_call_share:
+        catalogue = config.catalogue
+        if catalogue is not None:  # "commentary to=functions.NAME <|constrain|>json<|message|>ARGS", decodable
+            specials += [(position + i, t) for i, t in enumerate(header)]
+            body = catalogue.draw(rng, 0, config.malformed_tool_call_share)
+            position = _place(specials, position + len(header), body)
+            specials.append((position, h["<|call|>"]))
+            return _Plan(position + 1, specials, tool_call=True, end_token=h["<|call|>"])
         name = [int(t) for t in rng.integers(1000, 30000, size=int(rng.integers(1, 4)))]
         header += [_COMMENT, _ARY, _TO, _EQ, _FUNCTIONS, *name, _SPACE, h["<|constrain|>"], _JSON, message]
         specials += [(position + i, t) for i, t in enumerate(header)]

@@ -12,7 +12,9 @@ What one call's body is (the ids between the family's call-begin and call-end ma
 - ``kimi``: ``functions.NAME:IDX`` ``<|tool_call_argument_begin|>`` ``ARGS`` (IDX: the call's index in its turn);
 - ``qwen3``: ``\\n{"name": NAME, "arguments": ARGS}\\n`` (Qwen3's call is a JSON object, no argument marker);
 - ``deepseek``: ``function`` ``<｜tool▁sep｜>`` ``NAME\\n```json\\nARGS\\n``` `` (R1-0528's form);
-- ``glm45``: ``NAME\\n`` then per argument ``<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n``.
+- ``glm45``: ``NAME\\n`` then per argument ``<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n``;
+- ``harmony`` (gpt-oss): ``commentary to=functions.NAME <|constrain|>json<|message|>ARGS`` (between the call's
+  ``<|channel|>`` and ``<|call|>``; one call per message, so the index is not in it).
 
 The body is the text encoded with the job's tokenizer, its markers included (they are added tokens: the tokenizer
 gives their ids), so it is what the family's template renders and its parser reads.
@@ -36,7 +38,7 @@ from typing import Any
 import numpy as np
 
 #: Families whose calls a catalogue can hold (the others' calls stay filler between real markers).
-CATALOGUE_FAMILIES = ("kimi", "qwen3", "deepseek", "glm45")
+CATALOGUE_FAMILIES = ("kimi", "qwen3", "deepseek", "glm45", "harmony")
 #: Calls per turn a catalogue is built for (Kimi's header carries the index).
 MAX_CALLS_PER_TURN = 8
 
@@ -88,6 +90,8 @@ def call_body_text(family: str, name: str, arguments: str, index: int) -> str:
             for k, v in args.items()
         )
         return f"{name}\n{pairs}"
+    if family == "harmony":  # the recipient in the channel header, the arguments after <|message|>
+        return f"commentary to=functions.{name} <|constrain|>json<|message|>{arguments}"
     raise ValueError(f"a tool catalogue holds calls of {', '.join(CATALOGUE_FAMILIES)}, not {family!r}")
 
 
@@ -143,4 +147,3 @@ def load_catalogue(path: str) -> ToolCatalogue:
         table("bodies"),
         table("malformed"),
     )
-

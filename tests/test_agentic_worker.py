@@ -1,22 +1,25 @@
-"""An agentic job of the Qwen3 family through a real worker, whose executor flags are its own CLI flags.
+"""Agentic jobs of the Qwen3 and gpt-oss (harmony) families through a real worker, its executor flags its CLI flags.
 
 Given a real ``worker`` started with ``--tool-executors A,B --tool-timeout-s 1 --tool-retries 1`` (no
-``THINKFLEET_TOOL_EXECUTORS`` in its environment) and ``sglang-sim --model-family qwen3`` with a Qwen3 tool
-catalogue (its calls ``<tool_call>\\n{"name": …, "arguments": …}\\n</tool_call>`` in the Qwen3 test tokenizer's ids):
+``THINKFLEET_TOOL_EXECUTORS`` in its environment) and ``sglang-sim --model-family F`` with F's tool catalogue (Qwen3:
+``<tool_call>\\n{"name": …, "arguments": …}\\n</tool_call>``; harmony: ``<|channel|>commentary to=functions.NAME
+<|constrain|>json<|message|>ARGS<|call|>``, in the family's test tokenizer's ids):
 
-- a Qwen3 ``--tool-results executor`` job with the example executor (A) is regenerated through its tool calls:
-  steps after the executor's results are stored byte-exact (the simulator's output for each step's prompt), each
-  prompt the Qwen3 template's rendering of the conversation up to it (the results as ``<tool_response>`` blocks),
-  every fed result the example executor's answer to the model's own decoded call, and ``producer verify`` passes;
-- a job whose executor (B) never answers has each step with calls called exactly 1 + ``--tool-retries`` times,
-  each try cut by ``--tool-timeout-s`` (the defaults, 30 s and 2 retries, would make three 30 s tries), and its
-  chain ends ``tool_error`` naming the timeout;
+- an ``--tool-results executor`` job with the example executor (A) is regenerated through its tool calls: steps
+  after the executor's results are stored byte-exact (the simulator's output for each step's prompt), each prompt
+  the family template's rendering of the conversation up to it (the results as Qwen3's ``<tool_response>`` blocks,
+  as harmony's ``functions.NAME to=assistant`` messages), every fed result the example executor's answer to the
+  model's own decoded call, and ``producer verify`` passes;
+- a (Qwen3) job whose executor (B) never answers has each step with calls tried exactly 1 + ``--tool-retries``
+  times, each try cut by ``--tool-timeout-s`` (the defaults, 30 s and 2 retries, would make three 30 s tries), and
+  its chain ends ``tool_error`` naming the timeout;
 - the flags reach the worker's settings (``--tool-concurrency`` too) and an executor the flags do not list is
   refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 from collections import Counter
@@ -66,7 +69,8 @@ TIMEOUT_S, RETRIES = 1.0, 1
 
 
 @dataclass
-class Qwen3Run:
+class AgenticRun:
+    family: str
     settings: Settings
     client: redis.Redis
     tok_dir: Path
@@ -76,57 +80,71 @@ class Qwen3Run:
     slow_log: Path
 
 
-@pytest.fixture(scope="module")
-def qwen3_run(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Qwen3Run]:
-    tmp_path = tmp_path_factory.mktemp("agentic-qwen3")
+@contextlib.contextmanager
+def _agentic_fleet(redis_url: str, tmp_path: Path, family: str, slow_job: str = "") -> Iterator[AgenticRun]:
+    """``sglang-sim --model-family FAMILY`` with its tool catalogue, one worker with the executor flags, and the
+    example conversations submitted as an executor job (and as ``slow_job`` with the slow executor), all settled."""
     (tmp_path / "logs").mkdir()
-    settings = isolated_settings(redis_server.url(0), str(tmp_path / "out"))
+    settings = isolated_settings(redis_url, str(tmp_path / "out"))
     client = redis.Redis.from_url(settings.redis_url)
-    tok_dir = Path(build_test_tokenizer(default_test_tokenizer_dir(family="qwen3"), family="qwen3"))
-    catalogue = write_catalogue(tmp_path / "tools.json", load_tokenizer(str(tok_dir)), "qwen3")
-    content = ContentConfig(model_family="qwen3", tool_catalogue=str(catalogue), **SIM_CONTENT)  # type: ignore[arg-type]
+    tok_dir = Path(build_test_tokenizer(default_test_tokenizer_dir(family=family), family=family))
+    catalogue = write_catalogue(tmp_path / "tools.json", load_tokenizer(str(tok_dir)), family)
+    content = ContentConfig(model_family=family, tool_catalogue=str(catalogue), **SIM_CONTENT)  # type: ignore[arg-type]
     slow = tmp_path / "slow_tools.py"
     slow.write_text(SLOW_EXECUTOR)
     example_spec, slow_spec = f"{EXAMPLE / 'tools.py'}:execute", f"{slow}:execute"
-    sim_args = ["--model-family", "qwen3", "--tool-catalogue", str(catalogue), "--time-scale", "400"]
+    sim_args = ["--model-family", family, "--tool-catalogue", str(catalogue), "--time-scale", "400"]
     for key, value in SIM_CONTENT.items():
         sim_args += [f"--{key.replace('_', '-')}", str(value)]
-    job, slow_job = "qwen3-agentic", "qwen3-slow-tools"
+    job = f"{family}-agentic"
+    jobs = [(job, example_spec)] + ([(slow_job, slow_spec)] if slow_job else [])
     with simulator(tmp_path / "logs", *sim_args) as sim:
         env = fast_env(settings, sim, max_inflight=4)
         env.pop(TRUSTED_ENV, None)  # the flags alone say what this worker runs
         flags = ("--tool-executors", f"{example_spec},{slow_spec}", "--tool-timeout-s", str(TIMEOUT_S))
         flags += ("--tool-retries", str(RETRIES), "--tool-concurrency", "2")
-        worker = WorkerProcess("w-qwen3", env, tmp_path / "logs", extra_args=flags).start()
+        worker = WorkerProcess(f"w-{family}", env, tmp_path / "logs", extra_args=flags).start()
         try:
             common = ["--tokenizer", str(tok_dir), "--processes", "1", "--no-progress", "--max-new-tokens", "400",
                       "--seed", "7", "--context-length", "131072", "--turns", "all", "--tool-results", "executor",
                       "--max-tool-steps", "4", "--json"]  # fmt: skip
             data = str(EXAMPLE / "chat.jsonl")
-            with ThreadPoolExecutor(2) as pool:  # both submits while the worker starts
+            with ThreadPoolExecutor(len(jobs)) as pool:  # the submits while the worker starts
                 running = [
                     pool.submit(producer_cli, settings, "submit", data, "--job", name, *common, "--tool-executor", spec)
-                    for name, spec in ((job, example_spec), (slow_job, slow_spec))
+                    for name, spec in jobs
                 ]
                 worker.wait_ready(client, settings.keys)
                 for submitted in (r.result() for r in running):
                     assert submitted.returncode == 0, submitted.stderr
 
             def settled() -> bool:
-                for name in (job, slow_job):
+                for name, _ in jobs:
                     p = job_progress(client, settings.keys, name)
                     if not (p["done"] > 0 and p["done"] + p["dead"] == p["submitted"]):
                         return False
                 return True
 
-            wait_until(settled, 240, what="every step of the Qwen3 agentic jobs")
-            yield Qwen3Run(settings, client, tok_dir, content, job, slow_job, Path(f"{slow}.calls"))
+            wait_until(settled, 240, what=f"every step of the {family} agentic jobs")
+            yield AgenticRun(family, settings, client, tok_dir, content, job, slow_job, Path(f"{slow}.calls"))
         finally:
             worker.terminate()
-    client.close()
+            client.close()
 
 
-def _answers(run: Qwen3Run, job: str) -> dict[str, dict[str, Any]]:
+@pytest.fixture(scope="module")
+def qwen3_run(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgenticRun]:
+    with _agentic_fleet(redis_server.url(0), tmp_path_factory.mktemp("agentic-qwen3"), "qwen3", "slow-tools") as run:
+        yield run
+
+
+@pytest.fixture(scope="module")
+def harmony_run(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgenticRun]:
+    with _agentic_fleet(redis_server.url(0), tmp_path_factory.mktemp("agentic-harmony"), "harmony") as run:
+        yield run
+
+
+def _answers(run: AgenticRun, job: str) -> dict[str, dict[str, Any]]:
     return {k.decode(): json.loads(v) for k, v in run.client.hgetall(run.settings.keys.turn_answers(job)).items()}
 
 
@@ -138,11 +156,17 @@ def _example_tools() -> Any:
     return module
 
 
-def test_a_qwen3_agentic_job_runs_through_its_tool_calls_byte_exact(qwen3_run: Qwen3Run) -> None:
-    run = qwen3_run
+#: How each family's template renders a fed tool result (Qwen3: a user turn of <tool_response> blocks; harmony: a
+#: message from the function to the assistant).
+RESULT_RENDERING = {"qwen3": "<tool_response>", "harmony": " to=assistant<|channel|>commentary<|message|>"}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "harmony"])
+def test_an_agentic_job_runs_through_its_tool_calls_byte_exact(family: str, request: pytest.FixtureRequest) -> None:
+    run: AgenticRun = request.getfixturevalue(f"{family}_run")
     assert dead_letters(run.client, run.settings.keys, run.job) == {}
     record = JobRecord.load(run.client, run.settings.keys, run.job)
-    assert record is not None and record.model_family == "qwen3"
+    assert record is not None and record.model_family == family
     tok = load_tokenizer(str(run.tok_dir))
     rows = {r["prompt_id"]: r for r in read_committed(run.settings.output_uri, run.job).to_pylist()}
     answers = _answers(run, run.job)
@@ -159,7 +183,7 @@ def test_a_qwen3_agentic_job_runs_through_its_tool_calls_byte_exact(qwen3_run: Q
             walked.add(pid)
             row, answer = rows[pid], answers[pid]
             want = render_ids(tok, for_render(step_messages(conv, history)), None, record.chat_template_kwargs)
-            assert row["input_ids"] == want, f"{pid}'s prompt is not the Qwen3 template's rendering"
+            assert row["input_ids"] == want, f"{pid}'s prompt is not the {family} template's rendering"
             expected = expected_generation(row["input_ids"], json.loads(row["sampling_params"]), run.content)
             assert row["output_ids"] == expected.output_ids, pid
             if answer.get("tool_results"):
@@ -171,15 +195,15 @@ def test_a_qwen3_agentic_job_runs_through_its_tool_calls_byte_exact(qwen3_run: Q
             history.append(answer)
     assert walked == set(rows), "every stored row is a step of a chain"
     assert fed >= 1 and any(r["step_index"] >= 1 for r in rows.values()), "some turn went on through its results"
-    # A step after results holds them as Qwen3 renders tool results: a <tool_response> block in a user turn.
+    # A step after results holds them as the family renders tool results.
     after = next(r for r in rows.values() if r["step_index"] >= 1)
-    assert "<tool_response>" in tok.decode(after["input_ids"])
+    assert RESULT_RENDERING[family] in tok.decode(after["input_ids"])
     verified = producer_cli(run.settings, "verify", run.job, "--json")
     assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr
     assert json.loads(verified.stdout)["step_prompt_mismatch"] == []
 
 
-def test_the_workers_timeout_and_retry_flags_bound_each_executor_call(qwen3_run: Qwen3Run) -> None:
+def test_the_workers_timeout_and_retry_flags_bound_each_executor_call(qwen3_run: AgenticRun) -> None:
     run = qwen3_run
     answers = _answers(run, run.slow_job)
     ended = {p: a for p, a in answers.items() if a.get("chain_end") == "tool_error"}
