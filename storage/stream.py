@@ -21,7 +21,8 @@ hand on nothing before the second pass is done, plan again (:data:`REPLANS` time
 
 Sizes are estimated from the token counts (4 bytes an id) plus a fixed share per row; ``memory_bytes`` (the
 ``storage_memory_mb`` setting) bounds a batch handed on (``/ 16``: its consumer makes copies), a group of parts read
-at once (``/ 8``) and a sort run held in memory (``/ 8``: read back, sorted and cut, it is held three times).
+at once (``/ 8``) and a sort run held in memory (``/ 16``: read back, sorted and cut, it is held three times, beside
+the batch its consumer is turning into records).
 """
 
 from __future__ import annotations
@@ -372,8 +373,9 @@ def ordered(
     ranks[perm] = np.arange(n, dtype=np.int64)
     sizes = row_bytes(p, p.winners, columns)[perm]  # in rank order
     cuts = _cut_points(p.winners, perm, group_by)  # ranks where a table may start
-    # A run is read back whole, sorted (a copy) and cut (another): three times its size at once.
-    run_target = max(1, memory_bytes // 8)
+    # A run is read back whole, sorted (a copy) and cut (another): three times its size at once, while the consumer
+    # holds the batch before (a token export: the batch, its records and their index arithmetic).
+    run_target = max(1, memory_bytes // 16)
     runs = _split(sizes, cuts, run_target)  # rank ranges held in memory at once
     if len(runs) == 1:
         table = _collect(winner_batches(p, columns, memory_bytes, ranks))
@@ -411,6 +413,8 @@ def ordered(
                 table = pa.ipc.open_stream(f).read_all()
             os.unlink(path)
             yield from _emit(table, lo, sizes, cuts, batch_bytes)
+            del table  # (the next run is read into what this one held)
+            reader.release_freed_memory()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -32,6 +32,7 @@ lower epoch than the committed row's: left out of the committed view; ``producer
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -135,33 +136,15 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
         report.notes.append(f"Redis unreachable ({state.error}); dead letters unknown")
 
     loc = layout.locate(uri, endpoint)
-
-    submitted, sub_dataset = dict(state.submitted), dict(state.prompt_dataset)
     try:
         manifest = read_submitted(uri, job, endpoint)
     except (pa.ArrowException, OSError, ValueError) as exc:  # a damaged manifest file: say so, check without it
         manifest = MANIFEST_SCHEMA.empty_table()
         report.notes.append(f"the storage manifest of {job} cannot be read ({type(exc).__name__}: {exc})")
-    from_manifest = manifest[PROMPT_ID].to_pylist()
-    if submitted:
-        report.submitted_source = "redis"
-        unknown = [i for i, pid in enumerate(from_manifest) if pid not in submitted]
-        if unknown:  # Redis lost writes (or the job was purged and re-submitted with other prompts)
-            hashes, datasets = manifest[CONTENT_HASH].to_pylist(), manifest[DATASET].to_pylist()
-            for i in unknown:
-                submitted[from_manifest[i]] = hashes[i]
-                sub_dataset.setdefault(from_manifest[i], datasets[i])
-            report.unknown_to_redis = sorted(from_manifest[i] for i in unknown)
-            report.notes.append(
-                f"{len(unknown)} prompts of the storage manifest are not in Redis's submitted set (Redis lost writes? "
-                "or a purge and a re-submit with other prompts): checked all the same"
-            )
-    elif manifest.num_rows:
-        report.submitted_source = "manifest"
-        submitted = dict(zip(from_manifest, manifest[CONTENT_HASH].to_pylist(), strict=True))
-        sub_dataset = dict(zip(from_manifest, manifest[DATASET].to_pylist(), strict=True))
-    else:
-        report.notes.append("no submitted set in Redis or in the storage manifest: nothing to check against")
+    # The prompt sets are Arrow arrays (a few bytes a prompt, membership by pc.is_in), not Python sets and dicts
+    # (~100 bytes a prompt each): at a million prompts that is the difference between MBs and GBs.
+    submitted, sub_dataset = _submitted(state, manifest, report)
+    state.submitted, state.prompt_dataset = {}, {}
 
     # The keys of every stored row, then the committed rows' columns batch by batch (storage/stream.py): memory
     # stays within the storage_memory_mb setting whatever the job's size.
@@ -191,24 +174,24 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
     fenced = reader.fenced_rows(keys)
     report.fenced_rows = fenced.num_rows
     report.fenced = sorted(set(fenced[PROMPT_ID].to_pylist()))
+    del keys, dups, fenced
 
     winners = plan.winners
-    stored_ids = winners[PROMPT_ID].to_pylist()
-    stored = set(stored_ids)
+    stored = _ids(winners[PROMPT_ID])  # one committed row per prompt: distinct
     report.committed = len(stored)
-    report.submitted = len(submitted)
+    report.submitted = len(submitted[PROMPT_ID])
 
-    dead = set(state.dead)
-    done = _done_set(settings, job) if state.redis_ok else None
-    report.lost_rows = sorted((done or set()) - stored)
+    dead = _ids(list(state.dead))
+    done = _done_ids(settings, job) if state.redis_ok else None
+    lost = _minus(done, stored) if done is not None else _ids([])
+    report.lost_rows = _sorted_list(lost)
+    sub_ids = _ids(submitted[PROMPT_ID])
     if report.submitted_source != "none":
-        report.missing = sorted((set(submitted) | set(report.lost_rows)) - stored - dead)
-        report.not_submitted = sorted(stored - set(submitted))
-        hashes = winners[CONTENT_HASH].to_pylist()
-        report.stale = sorted(
-            pid for pid, h in zip(stored_ids, hashes, strict=True) if h and submitted.get(pid) and submitted[pid] != h
-        )
-    report.permanent_failures = sorted(dead - stored)
+        report.missing = _sorted_list(_minus(_minus(_ids(pa.chunked_array([sub_ids, lost]).unique()), stored), dead))
+        report.not_submitted = _sorted_list(_minus(stored, sub_ids))
+        report.stale = _stale(winners, submitted)
+    report.permanent_failures = _sorted_list(_minus(dead, stored))
+    del done, lost
 
     malformed, thinking, tool_rows = checked.malformed, checked.thinking, checked.tool_rows
     # In the order a dataset-by-dataset read in prompt_id order gave (the text report lists the first ones).
@@ -220,11 +203,15 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
     report.checksum_mismatch = sorted(checked.checksum_mismatch)
     ends = _chain_ends(settings, job) if state.redis_ok else None
     chain_ends = tool_rows if ends is None else ends
-    superseded = beyond_chain_ends(stored | set(submitted), chain_ends)
+    # (no chain end: nothing is superseded, and the ids need not be walked)
+    superseded = beyond_chain_ends(_walk(stored, sub_ids), chain_ends) if chain_ends else set()
     report.superseded = sorted(superseded)
     report.missing = [pid for pid in report.missing if pid not in superseded]
-    report.missing_turns = missing_turns(winners, stored - superseded, dead, chain_ends)
-    report.missing_turns = [pid for pid in report.missing_turns if pid not in set(report.missing) | superseded]
+    if CONVERSATION_ID in winners.column_names and winners[CONVERSATION_ID].null_count < winners.num_rows:
+        # --turns all: Python sets of the ids (a multi-turn job's turns are checked by name)
+        report.missing_turns = missing_turns(winners, set(_walk(stored)) - superseded, set(state.dead), chain_ends)
+        not_turns = set(report.missing) | superseded
+        report.missing_turns = [pid for pid in report.missing_turns if pid not in not_turns]
     if state.redis_ok:
         from storage.verify_steps import step_prompt_mismatches
 
@@ -244,6 +231,114 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
     return report
 
 
+# -- prompt id sets as Arrow arrays ---------------------------------------------------------------------------
+def _ids(values: Any) -> pa.Array:
+    """Prompt ids (a list, an Arrow array or chunked array) as one string array."""
+    if isinstance(values, pa.ChunkedArray):
+        return values.combine_chunks() if values.num_chunks != 1 else values.chunk(0)
+    if isinstance(values, pa.Array):
+        return values
+    return pa.array(values, pa.string())
+
+
+def _minus(ids: pa.Array, other: pa.Array) -> pa.Array:
+    """The ids of ``ids`` not in ``other`` (its hash table is built over ``other``: Arrow memory, not objects)."""
+    if len(ids) == 0 or len(other) == 0:
+        return ids
+    return ids.filter(pc.invert(pc.is_in(ids, value_set=other)))
+
+
+def _sorted_list(ids: pa.Array) -> list[str]:
+    """``sorted(set(ids))``: Arrow sorts strings by their UTF-8 bytes, which is code point order, as Python does."""
+    unique = ids.unique()
+    return unique.take(pc.array_sort_indices(unique)).to_pylist()
+
+
+def _walk(*arrays: pa.Array, step: int = 1 << 16) -> Iterator[str]:
+    """The ids of ``arrays`` as Python strings, a slice at a time (never all of them at once)."""
+    for array in arrays:
+        for start in range(0, len(array), step):
+            yield from array.slice(start, step).to_pylist()
+
+
+#: The submitted set, and the dataset of each submitted prompt (verify's own tables; prompt ids distinct).
+_SUBMITTED = pa.schema([(PROMPT_ID, pa.string()), (CONTENT_HASH, pa.string())])
+_DATASET_OF = pa.schema([(PROMPT_ID, pa.string()), (DATASET, pa.string())])
+
+
+def _submitted(state: jobstate.JobState, manifest: pa.Table, report: VerifyReport) -> tuple[pa.Table, pa.Table]:
+    """The submitted set (Redis's, plus what only the storage manifest lists; else the manifest's) and the
+    dataset of each prompt, as :data:`_SUBMITTED` and :data:`_DATASET_OF` tables."""
+    if state.submitted:
+        report.submitted_source = "redis"
+        submitted = pa.table([list(state.submitted), list(state.submitted.values())], schema=_SUBMITTED)
+        datasets = pa.table([list(state.prompt_dataset), list(state.prompt_dataset.values())], schema=_DATASET_OF)
+        unknown = manifest.filter(pc.invert(pc.is_in(manifest[PROMPT_ID], value_set=_ids(submitted[PROMPT_ID]))))
+        if unknown.num_rows:  # Redis lost writes (or the job was purged and re-submitted with other prompts)
+            submitted = pa.concat_tables([submitted, unknown.select(_SUBMITTED.names).cast(_SUBMITTED)])
+            known = pc.is_in(unknown[PROMPT_ID], value_set=_ids(datasets[PROMPT_ID]))
+            datasets = pa.concat_tables(
+                [datasets, unknown.filter(pc.invert(known)).select(_DATASET_OF.names).cast(_DATASET_OF)]
+            )
+            report.unknown_to_redis = _sorted_list(_ids(unknown[PROMPT_ID]))
+            report.notes.append(
+                f"{unknown.num_rows} prompts of the storage manifest are not in Redis's submitted set (Redis lost "
+                "writes? or a purge and a re-submit with other prompts): checked all the same"
+            )
+        return submitted, datasets
+    if manifest.num_rows:
+        report.submitted_source = "manifest"
+        return manifest.select(_SUBMITTED.names).cast(_SUBMITTED), manifest.select(_DATASET_OF.names).cast(_DATASET_OF)
+    report.notes.append("no submitted set in Redis or in the storage manifest: nothing to check against")
+    return _SUBMITTED.empty_table(), _DATASET_OF.empty_table()
+
+
+def _lookup(ids: pa.Array, table: pa.Table, column: str) -> pa.Array:
+    """``table[column]`` of each id (by ``table``'s prompt_id; null where it has none)."""
+    at = pc.index_in(ids, value_set=_ids(table[PROMPT_ID]))
+    return _ids(table[column]).take(at)
+
+
+def _stale(winners: pa.Table, submitted: pa.Table) -> list[str]:
+    """Committed rows whose content hash is not the latest submitted one (both set and non-empty)."""
+    stored = _ids(winners[CONTENT_HASH]).fill_null("")
+    wanted = _lookup(_ids(winners[PROMPT_ID]), submitted, CONTENT_HASH).fill_null("")
+    stale = pc.and_(pc.and_(pc.not_equal(stored, ""), pc.not_equal(wanted, "")), pc.not_equal(stored, wanted))
+    return _sorted_list(_ids(winners[PROMPT_ID]).filter(stale))
+
+
+def _submitted_hashes(table: pa.Table, submitted: pa.Table) -> dict[str, str]:
+    """prompt_id → submitted hash of the rows of ``table`` whose own hash is no content hash (the only rows
+    :func:`hash_mismatches` looks the submitted one up for)."""
+    own = _ids(table[CONTENT_HASH])
+    real = pc.fill_null(pc.match_substring_regex(own, r"^[0-9a-f]{16}$"), False)
+    if pc.all(real).as_py():  # (every row's own hash is checked: the common case)
+        return {}
+    need = _ids(table[PROMPT_ID]).filter(pc.invert(real))
+    hashes = _lookup(need, submitted, CONTENT_HASH)
+    return {p: h for p, h in zip(need.to_pylist(), hashes.to_pylist(), strict=True) if h is not None}
+
+
+def _done_ids(settings: Settings, job: str) -> pa.Array | None:
+    """Redis's done set of ``job`` as distinct ids; None when Redis cannot be read."""
+    import redis
+
+    chunks: list[pa.Array] = []
+    batch: list[bytes] = []
+    try:
+        client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        with client:
+            for member in client.sscan_iter(settings.keys.done(job), count=5000):
+                batch.append(member)
+                if len(batch) >= 1 << 16:
+                    chunks.append(pa.array(batch, pa.binary()).cast(pa.string()))
+                    batch = []
+    except (redis.RedisError, OSError):
+        return None
+    chunks.append(pa.array(batch, pa.binary()).cast(pa.string()))
+    return _ids(pa.chunked_array(chunks, pa.string()).unique())  # SSCAN may return a member twice
+
+
 _KEY_COLUMNS = [DATASET, CONTENT_HASH, CONVERSATION_ID, TURN_INDEX, TURN_COUNT]
 _ROW_COLUMNS = [*CHECK_COLUMNS, CONTENT_HASH, IDS_CRC32]
 
@@ -259,14 +354,14 @@ class _RowChecks:
     tool_rows: set[str] = field(default_factory=set)  # multi-turn rows whose output calls a tool (a chain end)
 
 
-def _check_rows(plan: stream.Plan, tokens: SpanTokens, expected: bool, submitted: dict[str, str]) -> _RowChecks:
+def _check_rows(plan: stream.Plan, tokens: SpanTokens, expected: bool, submitted: pa.Table) -> _RowChecks:
     """Every committed row's checks, a batch of rows at a time; raises ``stream.PlanStale``."""
     out = _RowChecks()
     for table in stream.winner_batches(plan, _ROW_COLUMNS):
         problems, stats = row_problems(table, tokens, expected)
         out.malformed.update(problems)
         out.thinking.add(stats)
-        out.hash_mismatch.extend(hash_mismatches(table, submitted))
+        out.hash_mismatch.extend(hash_mismatches(table, _submitted_hashes(table, submitted)))
         out.checksum_mismatch.extend(checksum_mismatches(table))
         calls = pc.list_value_length(table[TOOL_CALL_SPANS]).to_numpy(zero_copy_only=False) > 0
         if calls.any():
@@ -276,7 +371,7 @@ def _check_rows(plan: stream.Plan, tokens: SpanTokens, expected: bool, submitted
 
 
 def _quarantined(
-    loc: layout.Location, job: str, damaged: list[str], stored: set[str], report: VerifyReport
+    loc: layout.Location, job: str, damaged: list[str], stored: pa.Array, report: VerifyReport
 ) -> list[dict[str, Any]]:
     """The job's quarantined parts — and those found damaged now that could not be moved aside — each with
     ``lost`` (the prompts it held that have no committed row now; None when its footer no longer says which) and
@@ -290,7 +385,7 @@ def _quarantined(
     for record in records:
         held = record.get("prompt_ids")
         if held is not None:
-            record["lost"] = sorted(set(held) - stored)
+            record["lost"] = _sorted_list(_minus(_ids(list(held)), stored))
             record["recovered"] = not record["lost"]
         else:
             record["lost"] = None
@@ -311,18 +406,6 @@ def checksum_mismatches(table: pa.Table) -> list[str]:
     differ = valid & (stored.fill_null(0).to_numpy() != table_ids_checksums(table))
     pids = table[PROMPT_ID].to_pylist()
     return [pids[i] for i in differ.nonzero()[0].tolist()]
-
-
-def _done_set(settings: Settings, job: str) -> set[str] | None:
-    """Redis's done set of ``job``; None when Redis cannot be read."""
-    import redis
-
-    try:
-        client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
-        with client:
-            return {m.decode() for m in client.sscan_iter(settings.keys.done(job), count=5000)}
-    except (redis.RedisError, OSError):
-        return None
 
 
 def missing_turns(winners: pa.Table, stored: set[str], dead: set[str], chain_ends: set[str]) -> list[str]:
@@ -411,21 +494,18 @@ def _reasoning_alarm(report: VerifyReport, settings: Settings) -> None:
         report.reasoning_alarm = True
 
 
-def _per_dataset(report: VerifyReport, sub_dataset: dict[str, str], winners: pa.Table) -> dict[str, dict[str, int]]:
+def _per_dataset(report: VerifyReport, sub_dataset: pa.Table, winners: pa.Table) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
 
-    def bump(dataset: str | None, key: str) -> None:
-        entry = out.setdefault(dataset or "?", {"submitted": 0, "committed": 0, "missing": 0, "dead": 0})
-        entry[key] += 1
+    def count(datasets: pa.Array, key: str) -> None:
+        for item in pc.value_counts(datasets.cast(pa.string())).to_pylist():  # (a null dataset is counted too)
+            entry = out.setdefault(item["values"] or "?", {"submitted": 0, "committed": 0, "missing": 0, "dead": 0})
+            entry[key] += item["counts"]
 
-    for pid in sub_dataset:
-        bump(sub_dataset[pid], "submitted")
-    for ds_name in winners[DATASET].to_pylist():
-        bump(ds_name, "committed")
-    for pid in report.missing:
-        bump(sub_dataset.get(pid), "missing")
-    for pid in report.permanent_failures:
-        bump(sub_dataset.get(pid), "dead")
+    count(_ids(sub_dataset[DATASET]), "submitted")
+    count(_ids(winners[DATASET]), "committed")
+    count(_lookup(_ids(report.missing), sub_dataset, DATASET), "missing")
+    count(_lookup(_ids(report.permanent_failures), sub_dataset, DATASET), "dead")
     return dict(sorted(out.items()))
 
 
@@ -574,7 +654,10 @@ def verify_live(settings: Settings, job: str) -> LiveReport:
         client.close()
     report.counts = acc.counts()
     # Turns a re-run no longer derives (past their chain end) left done for good: superseded, not unaccounted.
+    from storage.verify_steps import unreachable_steps
+
     gone = beyond_chain_ends(acc.unaccounted, _chain_ends(settings, job) or set())
+    gone |= unreachable_steps(settings, job, acc.unaccounted)  # agentic: steps no current chain reaches
     report.unaccounted = sorted(set(acc.unaccounted) - gone)
     if gone:
         report.counts["unaccounted"] -= len(gone)

@@ -49,6 +49,11 @@ MERGE_COLUMNS = [*COLUMNS, CONVERSATION_ID, TURN_INDEX, TURN_COUNT, STEP_INDEX]
 MERGE_MIN_RUN = 2
 
 
+#: Ids whose places :func:`eagle3_table` computes at once: its index arithmetic holds ~50 bytes an id (int64
+#: positions and their temporaries), so a batch is filled a slice of rows at a time (tens of MB, not GBs).
+_FILL_IDS = 1 << 20
+
+
 def eagle3_table(table: pa.Table, exclude_reasoning: bool = False) -> pa.Table:
     """Committed rows → EAGLE-3 records, vectorized (no Python loop over ids)."""
     in_v, in_o = flat_ids(table[INPUT_IDS])
@@ -59,18 +64,18 @@ def eagle3_table(table: pa.Table, exclude_reasoning: bool = False) -> pa.Table:
     np.cumsum(prompt_len + output_len, out=offsets[1:])
     ids = np.empty(offsets[-1], dtype=np.int32)
     mask = np.zeros(offsets[-1], dtype=np.int8)
-    row_in = np.repeat(np.arange(n_rows), prompt_len)
-    ids[offsets[:-1][row_in] + np.arange(len(in_v)) - in_o[:-1][row_in]] = in_v
-    row_out = np.repeat(np.arange(n_rows), output_len)
-    pos_out = np.arange(len(out_v)) - out_o[:-1][row_out]
-    dest_out = offsets[:-1][row_out] + prompt_len[row_out] + pos_out
-    ids[dest_out] = out_v
-    mask[dest_out] = 1
+    block_end = None
     if exclude_reasoning:
         need_reasoning_spans(table, "--exclude-reasoning")
         # The reasoning block runs from the output's start through </think> when emitted.
         block_end = table[REASONING_END].to_numpy() + table[HAS_THINK_END].to_numpy()
-        mask[dest_out[pos_out < block_end[row_out]]] = 0
+    lo = 0
+    while lo < n_rows:
+        # rows [lo, hi): at least one, at most _FILL_IDS ids unless one row alone is longer
+        hi = max(lo + 1, int(np.searchsorted(offsets, offsets[lo] + _FILL_IDS, side="right")) - 1)
+        hi = min(hi, n_rows)
+        _fill(ids, mask, (in_v, in_o), (out_v, out_o), offsets, lo, hi, block_end)
+        lo = hi
     off32 = pa.array(offsets.astype(np.int32))
     return pa.Table.from_arrays(
         [
@@ -83,6 +88,34 @@ def eagle3_table(table: pa.Table, exclude_reasoning: bool = False) -> pa.Table:
         ],
         schema=EAGLE3_SCHEMA,
     )
+
+
+def _fill(
+    ids: np.ndarray,
+    mask: np.ndarray,
+    prompt: tuple[np.ndarray, np.ndarray],
+    output: tuple[np.ndarray, np.ndarray],
+    offsets: np.ndarray,
+    lo: int,
+    hi: int,
+    block_end: np.ndarray | None,
+) -> None:
+    """Rows ``[lo, hi)`` of :func:`eagle3_table`: their prompt ids then output ids at ``offsets``, the mask 1 over
+    the output (0 over the reasoning block when ``block_end`` is given)."""
+    (in_v, in_o), (out_v, out_o) = prompt, output
+    n = hi - lo
+    start = offsets[lo:hi]
+    prompt_len, output_len = np.diff(in_o[lo : hi + 1]), np.diff(out_o[lo : hi + 1])
+    row_in = np.repeat(np.arange(n), prompt_len)
+    ids[start[row_in] + np.arange(in_o[hi] - in_o[lo]) - (in_o[lo:hi] - in_o[lo])[row_in]] = in_v[in_o[lo] : in_o[hi]]
+    del row_in
+    row_out = np.repeat(np.arange(n), output_len)
+    pos_out = np.arange(out_o[hi] - out_o[lo]) - (out_o[lo:hi] - out_o[lo])[row_out]
+    dest_out = start[row_out] + prompt_len[row_out] + pos_out
+    ids[dest_out] = out_v[out_o[lo] : out_o[hi]]
+    mask[dest_out] = 1
+    if block_end is not None:
+        mask[dest_out[pos_out < block_end[lo:hi][row_out]]] = 0
 
 
 def merged_table(table: pa.Table, exclude_reasoning: bool = False, skipped: dict[str, int] | None = None) -> pa.Table:
