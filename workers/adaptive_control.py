@@ -105,6 +105,8 @@ class ControllerConfig:
     #: it by this share.
     persist_intervals: int = 6
     settled_rise_share: float = 0.05
+    #: Settled: this many probes in a row, the server starved throughout, hand the bound back to the target.
+    settled_probes: int = 3
     #: Settled: the bound above what runs of ours by the short queue plus this share of it at every decision
     #: of a window of this many decisions lowers it.
     settled_excess_share: float = 0.15
@@ -139,8 +141,8 @@ class ControllerConfig:
             raise ValueError("interval_s must be > 0 and min_bound >= 1")
         if not 0 < self.gain <= 1 or not 0 < self.storm_cut < 1:
             raise ValueError("gain must be in (0, 1] and storm_cut in (0, 1)")
-        counts = ("settle_intervals", "persist_intervals", "settled_window_intervals", "smoothing_intervals")
-        if any(getattr(self, name) < 1 for name in (*counts, "fast_smoothing_intervals")):
+        counts = ("settle_intervals", "persist_intervals", "settled_probes", "settled_window_intervals")
+        if any(getattr(self, name) < 1 for name in (*counts, "smoothing_intervals", "fast_smoothing_intervals")):
             raise ValueError(f"{', '.join(counts)} must be >= 1")
 
 
@@ -207,7 +209,7 @@ class InflightController:
         self._rising = 0
         self._calm = 0  # decisions in a row without a move while not settled (settled: stays >= settle_intervals)
         self._starved = 0  # settled: decisions in a row that found the server starved
-        self._probed = False  # settled: the last starvation rise has not been followed by a fed server yet
+        self._probes = 0  # settled: probes up in a row, the server starved throughout
         #: settled: the bound minus what ran of ours, per decision of the window
         self._headroom: deque[float] = deque(maxlen=self.config.settled_window_intervals)
 
@@ -267,7 +269,7 @@ class InflightController:
         return total - seen
 
     def _unsettle(self) -> None:
-        self._calm, self._starved, self._probed = 0, 0, False
+        self._calm, self._starved, self._probes = 0, 0, 0
         self._headroom.clear()
 
     def _decide(self, w: _Window, retracted: int, t_s: float) -> Move | None:
@@ -308,14 +310,14 @@ class InflightController:
         if starved:
             self._starved += 1
         else:
-            self._starved, self._probed = 0, False
+            self._starved, self._probes = 0, 0
         if self._starved >= c.persist_intervals:
-            # More would have run for half a minute: a step up, a probe (it stays settled). Still starved for
-            # as long after it: the server can run far more now (a tenant left, a bigger KV) — the target
-            # steers again, at its faster pace.
-            escalate = self._probed
-            self._starved, self._probed = 0, True
-            if escalate:
+            # More would have run for half a minute: a step up, a probe (it stays settled). Starved throughout
+            # ``settled_probes`` probes: the server can run far more now (a tenant left, a bigger KV) — the
+            # target steers again, at its faster pace. (Fewer would answer a swing's young requests, which
+            # the server admits all of for a minute before they grow and the batch shrinks again.)
+            self._starved, self._probes = 0, self._probes + 1
+            if self._probes >= c.settled_probes:
                 self._unsettle()
             self._headroom.clear()
             why = f"server starved for {c.persist_intervals * c.interval_s:g}s: {waiting:.0f} waiting"
@@ -395,14 +397,8 @@ class InflightController:
         fast = self._rising >= 2 and seen > self._estimate
         alpha = 1.0 / (c.fast_smoothing_intervals if fast else c.smoothing_intervals)
         delta = seen - self._estimate
-        if rising:
-            # It took all we sent: "at least this many" (a probe's figure, not a measure of its swing) — the
-            # mean may only rise on it, and the spread is left alone (the start's climb would inflate it, and
-            # the margin with it, for many minutes after the server first fills).
-            self._estimate += alpha * max(0.0, delta)
-        else:
-            self._estimate += alpha * delta
-            self._variance = (1 - alpha) * (self._variance + alpha * delta * delta)
+        self._estimate += alpha * delta
+        self._variance = (1 - alpha) * (self._variance + alpha * delta * delta)
         self._fast += (seen - self._fast) / c.fast_smoothing_intervals
         away = abs(self._fast - self._estimate) > c.shift_share * max(self._estimate, 1.0)
         self._shifted = self._shifted + 1 if away else 0
