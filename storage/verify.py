@@ -205,6 +205,12 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
     chain_ends = tool_rows if ends is None else ends
     # (no chain end: nothing is superseded, and the ids need not be walked)
     superseded = beyond_chain_ends(_walk(stored, sub_ids), chain_ends) if chain_ends else set()
+    steps = None
+    if state.redis_ok:  # agentic jobs: steps no current chain reaches are superseded too (storage/verify_steps.py)
+        from storage.verify_steps import check_steps
+
+        steps = check_steps(settings, job, _walk(stored, sub_ids))  # (walked only for an agentic job)
+        superseded |= steps.stale
     report.superseded = sorted(superseded)
     report.missing = [pid for pid in report.missing if pid not in superseded]
     if CONVERSATION_ID in winners.column_names and winners[CONVERSATION_ID].null_count < winners.num_rows:
@@ -212,11 +218,9 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
         report.missing_turns = missing_turns(winners, set(_walk(stored)) - superseded, set(state.dead), chain_ends)
         not_turns = set(report.missing) | superseded
         report.missing_turns = [pid for pid in report.missing_turns if pid not in not_turns]
-    if state.redis_ok:
-        from storage.verify_steps import step_prompt_mismatches
-
-        report.step_prompt_mismatch, not_checked = step_prompt_mismatches(settings, job)
-        report.notes.extend([not_checked] if not_checked else [])
+    if steps is not None:
+        report.step_prompt_mismatch = steps.mismatches
+        report.notes.extend([steps.note] if steps.note else [])
     report.thinking_rows, report.think_end_rows = thinking.thinking_rows, thinking.think_end_rows
     report.reasoning_spans = tokens.reasoning_spans
     if tokens.reasoning_spans:

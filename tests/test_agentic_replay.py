@@ -402,6 +402,43 @@ def test_verify_passes_and_the_messages_export_carries_the_fed_tool_messages(
         run.client.hset(key, pid, json.dumps(answer))
 
 
+def test_a_step_no_chain_reaches_is_superseded_by_verify_and_left_out_of_every_export(
+    agentic_job: AgenticJob, tmp_path: Path
+) -> None:
+    from storage.exports import export_job
+    from storage.verify import verify_job
+
+    run = agentic_job
+    answers = _records(run)
+    rows = {r["prompt_id"] for r in read_committed(run.settings.output_uri, run.job).to_pylist()}
+    # Given: a conversation whose last turn went on through a tool call to its final step X — and then the answer
+    # record of the step before X as a re-run of it (producer retry) could leave it: no call, the conversation
+    # complete there. X's row stays stored, on no chain; past no chain end (nothing ended the chain early).
+    last_steps = [
+        chain[-2:]
+        for chain in chains(_conversations(run, run.job), answers).values()
+        if len(chain) >= 2 and (split_step_id(chain[-1]) or ("", 0, 0))[2] >= 1
+    ]
+    assert last_steps, "some conversation's last turn ends in a step after tool results"
+    before, last = last_steps[0]
+    assert split_step_id(before)[1] == split_step_id(last)[1]  # type: ignore[index]
+    key = run.settings.keys.turn_answers(run.job)
+    record = answers[before]
+    rerun = {k: v for k, v in record.items() if k not in ("next", "tool_calls", "tool_results", "args_differ")}
+    run.client.hset(key, before, json.dumps(rerun))
+    try:
+        assert beyond_chain_ends(rows, [p for p, a in _records(run).items() if a.get("chain_end")]) == set()
+        # Then: verify lists X as superseded and passes; every export gives the current chains' steps only.
+        report = verify_job(run.settings, run.job)
+        assert report.ok and last in report.superseded, report.superseded
+        for fmt in ("specforge", "messages"):
+            out = tmp_path / f"{fmt}.jsonl"
+            export_job(run.settings, run.job, fmt, str(out), tokenizer=str(run.tok_dir))
+            assert {r["id"] for r in map(json.loads, out.read_text().splitlines())} == rows - {last}, fmt
+    finally:
+        run.client.hset(key, before, json.dumps(record))
+
+
 def test_merge_turns_gives_one_sample_per_conversation_over_model_emitted_ids_only(
     agentic_job: AgenticJob, tmp_path: Path
 ) -> None:
