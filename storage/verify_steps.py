@@ -70,13 +70,6 @@ def check_steps(settings: Settings, job: str, prompt_ids: Iterable[str] = ()) ->
     return check
 
 
-def step_prompt_mismatches(settings: Settings, job: str) -> tuple[list[str], str | None]:
-    """(the stored steps whose prompt is not the rendering of their history, a note when not checked); ([], None)
-    for a job that is not agentic."""
-    check = check_steps(settings, job)
-    return check.mismatches, check.note
-
-
 def _mismatches(
     settings: Settings, job: str, record: Any, convs: dict[str, Any], answers: dict[str, dict[str, Any]]
 ) -> tuple[list[str], str | None]:
