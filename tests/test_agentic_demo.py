@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pytest
 import redis
 
 from storage.reader import read_committed
@@ -43,6 +44,7 @@ def _example_tools() -> Any:
     return module
 
 
+@pytest.mark.timeout(900)  # the whole demo in one test (about a minute here; a loaded CI box takes longer)
 def test_the_demos_agentic_sample_runs_the_example_executor_end_to_end(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
@@ -69,7 +71,7 @@ def test_the_demos_agentic_sample_runs_the_example_executor_end_to_end(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        timeout=900,
+        timeout=840,
     )
     assert demo.returncode == 0, demo.stdout[-4000:]
     match = re.search(r"^Parquet:\s+\S+/(demo-agentic-[\d-]+)/dataset=", demo.stdout, re.M)
