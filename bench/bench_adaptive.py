@@ -7,7 +7,8 @@ runs on a *manual simulated clock* (no HTTP, no wall time), so a 40-minute job t
 run is deterministic (same seed, same prompts for every bound). The adaptive client is the worker's own
 :class:`~workers.adaptive.InflightController`, reset from the server's limits and fed what the worker's
 :class:`~workers.adaptive.LoadWatcher` reads from ``/v1/loads`` and ``/metrics`` (running, waiting, KV
-tokens used, retractions), every 1.25 s, deciding every 5 s; nothing is configured for it.
+tokens used, retractions), every 1.25 s, deciding every 5 s; nothing is configured for it. A second part
+(bench/adaptive_http.py) runs the real worker process over HTTP against ``sglang-sim`` on a scaled clock.
 
 Per profile the fixed bounds are swept on the same server and prompts; reported: output tok/s of the
 adaptive client, of the best fixed bound, of the default fixed 150, the ratios, retractions, and the
@@ -15,13 +16,15 @@ bound's coefficient of variation and (max - min) / mean at steady state (the las
 plot per profile shows the bound and the server's running / waiting counts over time
 (``bench/results/adaptive_<profile>.png``).
 
-    .venv/bin/python -m bench.bench_adaptive          # ~4 min; writes bench/results/adaptive.json
+    .venv/bin/python -m bench.bench_adaptive              # ~7 min; writes bench/results/adaptive.json
+    .venv/bin/python -m bench.bench_adaptive --skip-http  # ~1.5 min: the manual-clock part only
     .venv/bin/python -m bench.bench_adaptive --from-json bench/results/adaptive.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import statistics
@@ -42,6 +45,8 @@ DEFAULT_CAP = 512
 TICK_S = 0.25
 READ_EVERY_S = 1.25
 SWEEP = (16, 32, 48, 64, 80, 96, 112, 128, 150, 176, 208, 256, 320, 384, 512)
+#: Fixed bounds swept for the real-worker (HTTP) part's profile.
+HTTP_SWEEP = (48, 64, 80, 96, 128, 150, 208, 256, 384, 512)
 
 
 @dataclass(frozen=True)
@@ -306,6 +311,48 @@ def _phase_name(r: dict[str, Any], i: int) -> str:
     return f"{r['profile']}, {'before' if i == 0 else 'after'} the slowdown"
 
 
+HTTP_HEADER = [
+    "bound",
+    "output tok/s (second half)",
+    "adaptive / this",
+    "bound (mean), (max-min)/mean",
+    "server running / waiting (mean)",
+    "prompts stored",
+]
+
+
+def render_http(h: dict[str, Any]) -> str:
+    rows = [
+        [
+            f"**{r['bound']}**" + (" (best of the sweep)" if r["bound"] == str(h["best_fixed"]) else ""),
+            f"{r['tok_s']:,.0f}",
+            f"{1 / r['ratio_to_adaptive']:.3f}",
+            f"{r['bound_mean']:.0f}, {r['bound_spread']:.1%}",
+            f"{r['running_mean']:.0f} / {r['waiting_mean']:.0f}",
+            f"{r['prompts_done']:,}",
+        ]
+        for r in h["runs"]
+    ]
+    sweep = ", ".join(f"{n}: {v:,.0f}" for n, v in h["sweep"].items())
+    sim_s = h["time_scale"] * h["wall_s_per_run"]
+    return f"""
+### The real worker over HTTP
+
+{code_stamp(h.get("code"))} Ran {h["wall_s"]:.0f} s of wall.
+
+A real `worker` (Celery, a private Redis, Parquet commits) against `sglang-sim` on loopback HTTP
+(bench/adaptive_http.py): the kv-bound engine with every length a quarter (KV {h["engine"]["kv_capacity_tokens"]:,}
+tokens; prompts 125-500, outputs median 1,750 tokens; the same batch, requests 4x shorter), its clock
+{h["time_scale"]:g}x the wall, {h["wall_s_per_run"]:.0f} s of wall ({sim_s:.0f} simulated s) per run from a cold
+server and queue. The worker reads `/v1/loads` and `/metrics` as on a GPU host; its decisions come every 5
+simulated seconds (`THINKFLEET_INFLIGHT_INTERVAL_S` = 5 / {h["time_scale"]:g}; every other time constant is counted in
+decisions). Throughput: the simulator's decoded tokens per simulated second over each run's second half. The
+best fixed bound is the best of a manual-clock sweep of the same profile for as long ({sweep}).
+
+{table(HTTP_HEADER, rows)}
+"""
+
+
 def render(data: dict[str, Any]) -> str:
     rows, steady_rows = [], []
     for r in data["profiles"]:
@@ -349,6 +396,7 @@ def render(data: dict[str, Any]) -> str:
         for r in data["profiles"]
         if r.get("settle_after_change_s") is not None
     )
+    http = render_http(data["http"]) if data.get("http") else ""
     return f"""{code_stamp(data.get("code"))} Ran {data["wall_s"]:.0f} s (simulated time, manual clock).
 
     .venv/bin/python -m bench.bench_adaptive
@@ -392,51 +440,100 @@ the queue is long meanwhile.
 
 What this is and is not: the server is sglang_sim's engine (step cost, KV admission with
 new_token_ratio, retraction of the request with the fewest output tokens, full recompute), not a GPU;
-the real worker's HTTP path and Celery prefetch are not in the loop (tests/test_adaptive.py drives the
-real worker's controller through the simulator's HTTP endpoints). Plots: the bound and the server's
-running / waiting counts over time, KV usage on the right axis.
-
+the real worker's HTTP path and Celery prefetch are in the loop only in the section below. Plots: the
+bound and the server's running / waiting counts over time, KV usage on the right axis.
+{http}
 {plots}
 """
+
+
+def _print_profile(result: dict[str, Any]) -> None:
+    print(
+        f"{result['profile']}: adaptive {result['adaptive_tok_s']:,.0f} tok/s, best fixed "
+        f"{result['best_fixed_tok_s']:,.0f} ({result['best_fixed']}), fixed 150 "
+        f"{result['default_fixed_tok_s']:,.0f}: {result['ratio_to_best']:.3f} of best, "
+        f"{result['adaptive_moves']} moves, retractions {result['adaptive_retractions']}",
+        flush=True,
+    )
+    for st in result["steady"]:
+        print(
+            f"  steady {st['from_s']:.0f}-{st['to_s']:.0f} s: bound {st['bound_mean']:.0f}, "
+            f"CV {st['bound_cv']:.1%}, max-min {st['bound_spread']:.1%} of it "
+            f"(server running CV {st['running_cv']:.1%}), {st['ratio_to_best']:.3f} of best there",
+            flush=True,
+        )
+    if result["settle_after_change_s"] is not None:
+        print(f"  settled {result['settle_after_change_s']:.0f} s after the change", flush=True)
+
+
+def http_part() -> dict[str, Any]:
+    """The real worker over HTTP (bench/adaptive_http.py): the quarter-size KV-bound profile swept on the manual
+    clock for as long as an HTTP run lasts in simulated time, then adaptive, the best fixed and fixed 150."""
+    from bench import adaptive_http
+
+    profile = Profile(
+        "kv-bound-quarter",
+        "kv-bound with every length a quarter",
+        dict(adaptive_http.ENGINE),
+        duration_s=adaptive_http.TIME_SCALE * adaptive_http.RUN_WALL_S,
+        prompt_tokens=adaptive_http.PROMPT_TOKENS,
+        output_median=adaptive_http.OUTPUT_MEDIAN,
+        output_sigma=adaptive_http.OUTPUT_SIGMA,
+        output_cap=adaptive_http.OUTPUT_CAP,
+        max_new_tokens=adaptive_http.MAX_NEW_TOKENS,
+    )
+    sweep = {n: run(profile, n).tok_s for n in HTTP_SWEEP}
+    best = max(sweep, key=lambda n: sweep[n])
+    print(f"kv-bound-quarter sweep (manual clock): {sweep}; best {best}", flush=True)
+    result = adaptive_http.bench_http(best, DEFAULT_FIXED)
+    result["sweep"] = {str(n): v for n, v in sweep.items()}
+    result["best_fixed"] = best
+    adaptive = result["runs"][0]
+    for r in result["runs"]:
+        r["ratio_to_adaptive"] = r["tok_s"] / adaptive["tok_s"]
+        print(
+            f"  http {r['bound']}: {r['tok_s']:,.0f} tok/s over the second half ({r['sim_s']:.0f} simulated s), "
+            f"bound {r['bound_mean']:.0f} (max-min {r['bound_spread']:.1%}), server running {r['running_mean']:.0f}, "
+            f"waiting {r['waiting_mean']:.0f}, {r['prompts_done']} prompts stored",
+            flush=True,
+        )
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--from-json", type=Path, help="re-render BENCHMARKS.md from a saved result")
     parser.add_argument("--profile", choices=[p.name for p in PROFILES], action="append")
+    parser.add_argument("--skip-http", action="store_true", help="keep the saved real-worker (HTTP) part")
+    parser.add_argument("--http-only", action="store_true", help="run only the real-worker (HTTP) part")
     args = parser.parse_args()
+    saved = RESULTS / "adaptive.json"
     if args.from_json:
-        import json
-
         data = json.loads(args.from_json.read_text())
     else:
         started = time.perf_counter()
-        chosen = [p for p in PROFILES if not args.profile or p.name in args.profile]
-        results = []
-        for profile in chosen:
-            result = bench_profile(profile)
-            png = plot(result, RESULTS / f"adaptive_{profile.name}.png")
-            result["plot"] = str(png.relative_to(RESULTS.parent.parent)) if png else None
-            results.append(result)
-            print(
-                f"{profile.name}: adaptive {result['adaptive_tok_s']:,.0f} tok/s, best fixed "
-                f"{result['best_fixed_tok_s']:,.0f} ({result['best_fixed']}), fixed 150 "
-                f"{result['default_fixed_tok_s']:,.0f}: {result['ratio_to_best']:.3f} of best, "
-                f"{result['adaptive_moves']} moves, retractions {result['adaptive_retractions']}",
-                flush=True,
-            )
-            for st in result["steady"]:
-                print(
-                    f"  steady {st['from_s']:.0f}-{st['to_s']:.0f} s: bound {st['bound_mean']:.0f}, "
-                    f"CV {st['bound_cv']:.1%}, max-min {st['bound_spread']:.1%} of it "
-                    f"(server running CV {st['running_cv']:.1%}), {st['ratio_to_best']:.3f} of best there",
-                    flush=True,
-                )
-            if result["settle_after_change_s"] is not None:
-                print(f"  settled {result['settle_after_change_s']:.0f} s after the change", flush=True)
-        data = {"profiles": results, "wall_s": time.perf_counter() - started, "code": code_version()}
+        old = json.loads(saved.read_text()) if saved.exists() else {}
+        if args.http_only:
+            data = old
+        else:
+            chosen = [p for p in PROFILES if not args.profile or p.name in args.profile]
+            results = []
+            for profile in chosen:
+                result = bench_profile(profile)
+                png = plot(result, RESULTS / f"adaptive_{profile.name}.png")
+                result["plot"] = str(png.relative_to(RESULTS.parent.parent)) if png else None
+                results.append(result)
+                _print_profile(result)
+            data = {"profiles": results, "wall_s": time.perf_counter() - started, "code": code_version()}
+            if old.get("http"):
+                data["http"] = old["http"]
+        if not args.skip_http and not args.profile:
+            http_started = time.perf_counter()
+            data["http"] = http_part()
+            data["http"]["wall_s"] = time.perf_counter() - http_started
+            data["http"]["code"] = code_version()
         if not args.profile:
-            write_json(RESULTS / "adaptive.json", data)
+            write_json(saved, data)
     if not args.profile:
         update_section("bench_adaptive", "Adaptive in-flight bound", render(data))
 
