@@ -36,7 +36,9 @@ def stale_steps(settings: Any, job: str, prompt_ids: Iterable[str]) -> set[str]:
     (an empty set for another job, or without its Redis state)."""
     from storage.verify_steps import unreachable_steps
 
-    return unreachable_steps(settings, job, prompt_ids)
+    ids = list(prompt_ids)
+    # No turn rows (a single-turn job): nothing to ask Redis, which a token export otherwise never needs.
+    return unreachable_steps(settings, job, ids) if ids else set()
 
 
 def is_step(prompt_id: str) -> bool:
