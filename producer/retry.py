@@ -181,6 +181,7 @@ def _chain_heads(
 ) -> tuple[list[dict], dict[str, str]]:
     """--turns all: of the truncated turn rows, the earliest of each settled conversation (the rest are
     re-derived from it); the earliest of each unsettled one → why it is skipped. Superseded rows are dropped."""
+    from storage.verify_steps import unreachable_steps
     from thinkfleet.turns import answers_key, beyond_chain_ends, split_step_id, turn_id
 
     keys = settings.keys
@@ -189,7 +190,18 @@ def _chain_heads(
         for pid, raw in client.hscan_iter(answers_key(keys, job), count=1000)
         if b"chain_end" in raw and "chain_end" in json.loads(raw)
     ]
-    superseded = beyond_chain_ends([r["prompt_id"] for r in rows], ends)
+    steps_of: dict[str, list[str]] = {}
+    prompts: list[str] = []  # an agentic job's submitted prompts
+    if b"tool_results" in (client.hget(keys.job(job), "turns") or b""):
+        for raw, _ in client.hscan_iter(keys.prompts(job), count=1000):
+            prompts.append(raw.decode())
+            step = split_step_id(raw.decode())
+            if step is not None and step[2] > 0:
+                steps_of.setdefault(step[0], []).append(raw.decode())
+    # An agentic job's stale steps (no current chain reaches them: storage/verify_steps.py) are superseded too:
+    # never a head, never a chain still running.
+    stale = unreachable_steps(settings, job, [*(r["prompt_id"] for r in rows), *prompts])
+    superseded = beyond_chain_ends([r["prompt_id"] for r in rows], ends) | stale
     heads: dict[str, tuple[tuple[int, int], dict]] = {}
     for row in rows:
         parts = split_step_id(row["prompt_id"])  # an agentic job's steps …/t{i}s{j} order within their turn
@@ -199,12 +211,6 @@ def _chain_heads(
             heads[parts[0]] = (parts[1:], row)
     done = {m.decode() for m in client.smembers(keys.done(job))}
     dead = {m.decode() for m in client.hkeys(keys.dead(job))}
-    steps_of: dict[str, list[str]] = {}
-    if b"tool_results" in (client.hget(keys.job(job), "turns") or b""):
-        for raw, _ in client.hscan_iter(keys.prompts(job), count=1000):
-            step = split_step_id(raw.decode())
-            if step is not None and step[2] > 0:
-                steps_of.setdefault(step[0], []).append(raw.decode())
     chosen, skipped = [], {}
     for conv, (_, row) in sorted(heads.items()):
         count = int(json.loads(client.hget(keys.conversations(job), conv) or "{}").get("turn_count") or 0)
@@ -212,7 +218,7 @@ def _chain_heads(
         submitted = [pid for pid, h in zip(turns, client.hmget(keys.prompts(job), turns), strict=True) if h]
         # An agentic job's steps after the first of a turn are submitted prompts too (their ids are not planned).
         submitted += [p for p in steps_of.get(conv, ()) if p not in submitted]
-        if all(pid in done or pid in dead for pid in submitted):
+        if all(pid in done or pid in dead or pid in stale for pid in submitted):
             chosen.append(row)
         else:
             skipped[row["prompt_id"]] = CHAIN_RUNNING

@@ -405,6 +405,7 @@ def test_verify_passes_and_the_messages_export_carries_the_fed_tool_messages(
 def test_a_step_no_chain_reaches_is_superseded_by_verify_and_left_out_of_every_export(
     agentic_job: AgenticJob, tmp_path: Path
 ) -> None:
+    from producer.retry import _chain_heads
     from storage.exports import export_job
     from storage.verify import verify_job
 
@@ -422,10 +423,11 @@ def test_a_step_no_chain_reaches_is_superseded_by_verify_and_left_out_of_every_e
     assert last_steps, "some conversation's last turn ends in a step after tool results"
     before, last = last_steps[0]
     assert split_step_id(before)[1] == split_step_id(last)[1]  # type: ignore[index]
-    key = run.settings.keys.turn_answers(run.job)
+    key, done = run.settings.keys.turn_answers(run.job), run.settings.keys.done(run.job)
     record = answers[before]
     rerun = {k: v for k, v in record.items() if k not in ("next", "tool_calls", "tool_results", "args_differ")}
     run.client.hset(key, before, json.dumps(rerun))
+    run.client.srem(done, last)  # as the re-run's finalize takes the steps it no longer derives out of done
     try:
         assert beyond_chain_ends(rows, [p for p, a in _records(run).items() if a.get("chain_end")]) == set()
         # Then: verify lists X as superseded and passes; every export gives the current chains' steps only.
@@ -435,8 +437,14 @@ def test_a_step_no_chain_reaches_is_superseded_by_verify_and_left_out_of_every_e
             out = tmp_path / f"{fmt}.jsonl"
             export_job(run.settings, run.job, fmt, str(out), tokenizer=str(run.tok_dir))
             assert {r["id"] for r in map(json.loads, out.read_text().splitlines())} == rows - {last}, fmt
+        # And: a later `producer retry --truncated` takes no stale row as a chain's head, and a conversation whose
+        # only prompt out of done is stale is settled (not "still running").
+        first = turn_id(split_step_id(last)[0], 0)  # type: ignore[index]
+        chosen, skipped = _chain_heads(run.client, run.settings, run.job, [{"prompt_id": last}, {"prompt_id": first}])
+        assert [r["prompt_id"] for r in chosen] == [first] and skipped == {}
     finally:
         run.client.hset(key, before, json.dumps(record))
+        run.client.sadd(done, last)
 
 
 def test_merge_turns_gives_one_sample_per_conversation_over_model_emitted_ids_only(
