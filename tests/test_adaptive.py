@@ -12,10 +12,12 @@ import random
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import redis
+import requests
 
 from producer.bounds import inflight_bounds
 from testing.fleet import WorkerProcess, free_port, job_progress, wait_for_port, wait_until
@@ -33,6 +35,7 @@ from workers.adaptive import (
     parse_load,
     parse_retractions,
 )
+from workers.app import prefetch_for
 
 INTERVAL_S = 5.0
 #: Samples per decision, as the worker's watcher reads (every interval / 4).
@@ -445,10 +448,27 @@ def test_an_auto_worker_bounds_itself_by_the_server_and_starts_again_after_its_r
 
     try:
         worker.wait_ready(client, settings.keys)
-        job = submit_ids(settings, "auto", make_prompts(120))
+        job = submit_ids(settings, "auto", make_prompts(600))  # a queue that outlasts the first checks
         # Given a server with 12 slots: the bound is what it runs plus a short queue, under the cap of 40
         wait_until(lambda: info().get("inflight_mode") == "auto" and 12 <= int(info()["inflight_bound"]) <= 16, 60)
         assert info()["inflight_reason"]
+        # And Celery's prefetch follows the bound, not the cap: while prompts still wait in the queue, the worker
+        # holds no more than the bound plus its headroom (the cap's prefetch is 40 + 10)
+        metrics_port = int(info()["metrics_port"])
+
+        def held_and_prefetch() -> tuple[float, int]:
+            text = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+            lines = [line for line in text.splitlines() if line.startswith("thinkfleet_held_messages ")]
+            return (float(lines[0].split()[1]) if lines else -1.0), prefetch_for(int(info()["inflight_bound"]))
+
+        # (the messages reserved before the first decision drain first)
+        wait_until(lambda: 0 < (hp := held_and_prefetch())[0] <= hp[1], 60, what="held down to the bound's prefetch")
+        samples = []
+        while client.llen(settings.queue) > 0 and len(samples) < 20:
+            samples.append(held_and_prefetch())
+            time.sleep(0.1)
+        assert len(samples) >= 3, "the queue ran dry before the prefetch could be watched"
+        assert all(held <= prefetch for held, prefetch in samples), samples  # without it: up to 39 of 50 held
         # And producer status shows it per worker (producer/bounds.py reads what the heartbeat publishes)
         shown = inflight_bounds(client, settings)[worker.name]
         assert shown["mode"] == "auto" and shown["cap"] == 40 and shown["reason"]

@@ -10,13 +10,62 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery import Celery
+from celery import Celery, bootsteps
 
 from thinkfleet.broker import celery_app
 from thinkfleet.settings import Settings
+from workers.runtime import current_runtime
 from workers.tasks import register_tasks
 
 _app: Celery | None = None
+#: Seconds between two looks at the in-flight bound by :class:`PrefetchFollowsBound`.
+PREFETCH_CHECK_S = 1.0
+
+
+def prefetch_for(bound: int) -> int:
+    """Messages a worker reserves for an in-flight bound: the bound plus its commit headroom (the rule of
+    ``Settings.commit_headroom``, applied to the bound instead of the cap ``max_inflight``)."""
+    return bound + max(4, bound // 4)
+
+
+class PrefetchFollowsBound(bootsteps.StartStopStep):
+    """Celery's prefetch follows the in-flight bound (``inflight_mode=auto``), not its cap.
+
+    ``worker_concurrency`` (the prefetch) is sized once, from the cap ``max_inflight`` (512 by default: 640
+    messages). With the bound at ~110, the rest — ~530 prompts — would wait in this worker's memory for a
+    request slot: leased, renewed, unavailable to every other host (at a job's tail one host works through
+    them while the others idle) and restored only after the visibility timeout if it dies. So the prefetch is
+    ``prefetch_for(bound)``, checked every PREFETCH_CHECK_S on Celery's consumer thread (where kombu's QoS may
+    be set); a lower prefetch takes effect as held messages are acked, nothing is handed back."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self._timer: Any = None
+
+    def start(self, c: Any) -> None:
+        self._timer = c.timer.call_repeatedly(PREFETCH_CHECK_S, self.follow, (c,), priority=10)
+
+    def stop(self, c: Any) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def follow(self, c: Any) -> None:
+        rt = current_runtime()
+        qos = getattr(c, "qos", None)
+        if rt is None or getattr(rt, "adaptive", None) is None or qos is None:
+            return  # fixed bound (the prefetch already is its own), or not started yet
+        want = min(prefetch_for(rt.attempts.semaphore.limit), c.initial_prefetch_count or 10**9)
+        if qos.value != want:
+            # The value the consumer loop keeps (QoS.set alone would be undone: the loop re-applies ``value``
+            # whenever it differs from what was set), then applied now: this is the consumer's thread.
+            if want < qos.value:
+                qos.decrement_eventually(qos.value - want)
+            else:
+                qos.increment_eventually(want - qos.value)
+            qos.update()
 
 
 def make_app(settings: Settings | None = None, register: bool = True) -> Celery:
@@ -27,6 +76,7 @@ def make_app(settings: Settings | None = None, register: bool = True) -> Celery:
         # The worker runs its prompts on its event loop, not a thread each (workers/pool.py). Celery's
         # ``--pool`` left at its default takes the configured pool; an explicit ``--pool threads`` still works.
         app.conf.worker_pool = "workers.pool:LoopPool"
+        app.steps["consumer"].add(PrefetchFollowsBound)
     return app
 
 
