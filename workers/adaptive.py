@@ -193,7 +193,9 @@ class LoadWatcher:
 
     ``get_json`` / ``get_text`` are the worker's HTTP client calls; ``inflight`` counts this worker's
     requests at the server; ``on_move`` publishes a move (metrics, heartbeat info). Failed reads are
-    skipped (the health gate owns outages); a missing ``/v1/loads`` falls back to ``/get_load``.
+    skipped (the health gate owns outages); a missing ``/v1/loads`` falls back to ``/get_load``, and so
+    does one that answers 5xx while ``/get_load`` answers (for good after V1_LOADS_FAILURES in a row), with
+    the KV figures from ``/metrics`` then.
     """
 
     controller: InflightController
