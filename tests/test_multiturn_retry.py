@@ -136,6 +136,11 @@ def test_truncated_turn_rerun_rederives_later_turns_at_the_jobs_priority(redis_u
     done = total - len(superseded)
     assert client.scard(k.done(job)) == done, "a superseded turn is not done"
     assert int(client.hget(k.counters(job), "done") or 0) == done, "the done counter follows the re-derivations"
+    # A superseded turn leaves the job (no chain derives it): nothing pending, so status calls it finished.
+    assert client.hlen(k.prompts(job)) == int(client.hget(k.counters(job), "submitted") or 0) == done
+    status = producer_cli(settings, "status", job, "--json", "--deep")
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["unaccounted"] == 0 and json.loads(status.stdout)["finished"], status.stdout
     report = verify_job(settings, job)
     assert report.ok, report.to_dict()
     assert report.superseded == sorted(superseded) and not report.missing

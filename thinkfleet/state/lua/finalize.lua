@@ -8,8 +8,9 @@
 -- now. The epoch of the row made committed is recorded (committed_epochs); a retried finalize of that very row is
 -- not fenced.
 -- A next turn already done or dead (a re-run of turn i re-derives it) leaves done/dead before its message lands,
--- or the claim would skip it; so do the later turns a chain that now ends here no longer derives (drop). The
--- counters follow as requeue.lua corrects them (the next turn is of the same dataset).
+-- or the claim would skip it; so do the later turns a chain that now ends here no longer derives (drop), which
+-- also leave the job's prompts (submitted). The counters follow as requeue.lua corrects them (the next turn is
+-- of the same dataset).
 -- KEYS: done, claims, counters, dataset_counters, worker_counters, timeline, deliveries, dead, committed_epochs,
 --       job (the record hash), and only when a row carries an answer or a next turn: queue, prompts,
 --       prompt_dataset, answers; last of all, always: finalize_marks
@@ -82,7 +83,16 @@ for i = 6, #ARGV - 1, 12 do
       redis.call('HINCRBY', KEYS[3], 'turns_enqueued', 1)
     end
     if ARGV[i + 8] ~= '' then
-      for _, id in ipairs(cjson.decode(ARGV[i + 8])) do take_out(id) end
+      for _, id in ipairs(cjson.decode(ARGV[i + 8])) do
+        take_out(id)
+        -- and out of the job: no chain derives it now, so it is not pending (status, wait and the live invariant
+        -- count what is submitted); a later re-run that derives it again enqueues it as new
+        if redis.call('HDEL', KEYS[13], id) == 1 then
+          redis.call('HDEL', KEYS[12], id)
+          redis.call('HINCRBY', KEYS[3], 'submitted', -1)
+          redis.call('HINCRBY', KEYS[4], 'submitted', -1)
+        end
+      end
     end
   end
   end
