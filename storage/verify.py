@@ -213,6 +213,8 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
         superseded |= steps.stale
     report.superseded = sorted(superseded)
     report.missing = [pid for pid in report.missing if pid not in superseded]
+    # (a superseded turn also left the submitted set — finalize.lua drops it — so it is listed once, as superseded)
+    report.not_submitted = [pid for pid in report.not_submitted if pid not in superseded]
     if CONVERSATION_ID in winners.column_names and winners[CONVERSATION_ID].null_count < winners.num_rows:
         # --turns all: Python sets of the ids (a multi-turn job's turns are checked by name)
         report.missing_turns = missing_turns(winners, set(_walk(stored)) - superseded, set(state.dead), chain_ends)

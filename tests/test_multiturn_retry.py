@@ -143,7 +143,7 @@ def test_truncated_turn_rerun_rederives_later_turns_at_the_jobs_priority(redis_u
     assert json.loads(status.stdout)["unaccounted"] == 0 and json.loads(status.stdout)["finished"], status.stdout
     report = verify_job(settings, job)
     assert report.ok, report.to_dict()
-    assert report.superseded == sorted(superseded) and not report.missing
+    assert report.superseded == sorted(superseded) and not report.missing and not report.not_submitted
     exported = export_job(settings, job, "eagle3", str(tmp_path / "eagle3"))
     assert exported.rows == done and exported.skipped.get("superseded", 0) == len(superseded)
 
