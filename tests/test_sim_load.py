@@ -171,6 +171,10 @@ def test_a_retracted_request_reports_its_retraction_in_meta_info_and_metrics() -
     )
     results: dict[str, Any] = {}
     with SimulatorThread(**options) as sim:
+        # (before any retraction /metrics has no line of the counters, as a real 0.5.9: none yet)
+        fresh = requests.get(f"{sim.url}/metrics", timeout=10).text
+        assert "sglang:num_retracted_requests" not in fresh and parse_retractions(fresh) is None
+        assert "sglang:num_used_tokens" in fresh and "sglang:max_total_num_tokens" in fresh
 
         def call(rid: str, ids: list[int]) -> None:
             body = {"input_ids": ids, "rid": rid, "sampling_params": {"max_new_tokens": 600, "ignore_eos": True}}
