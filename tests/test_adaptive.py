@@ -453,13 +453,15 @@ def test_an_auto_worker_bounds_itself_by_the_server_and_starts_again_after_its_r
         wait_until(lambda: info().get("inflight_mode") == "auto" and 12 <= int(info()["inflight_bound"]) <= 16, 60)
         assert info()["inflight_reason"]
         # And Celery's prefetch follows the bound, not the cap: while prompts still wait in the queue, the worker
-        # holds no more than the bound plus its headroom (the cap's prefetch is 40 + 10)
+        # holds no more than the bound plus the commit headroom (the cap's prefetch is 40 + 10)
         metrics_port = int(info()["metrics_port"])
+        worker_settings = settings.with_overrides(max_inflight=40)  # the worker's cap: its commit headroom is 10
 
         def held_and_prefetch() -> tuple[float, int]:
             text = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
             lines = [line for line in text.splitlines() if line.startswith("thinkfleet_held_messages ")]
-            return (float(lines[0].split()[1]) if lines else -1.0), prefetch_for(int(info()["inflight_bound"]))
+            prefetch = prefetch_for(int(info()["inflight_bound"]), worker_settings)
+            return (float(lines[0].split()[1]) if lines else -1.0), prefetch
 
         # (the messages reserved before the first decision drain first)
         wait_until(lambda: 0 < (hp := held_and_prefetch())[0] <= hp[1], 60, what="held down to the bound's prefetch")
