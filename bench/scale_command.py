@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 import sys
 import time
 import uuid
@@ -88,6 +89,8 @@ def run(cmd: str, uri: str, job: str, out: str, settings: object | None = None) 
         result["files"] = sum(len(d.files_written) for d in res.datasets)
         result["rows"] = sum(d.rows_after for d in res.datasets)
         result["wall_s"] = time.perf_counter() - started
+        # The command's own peak: the digest below reads the whole job into memory (at 1M prompts, GBs).
+        result["command_peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         # The committed view after compaction, row for row (row groups may be cut otherwise). Columns null in every
         # row and the schema's metadata are left out: a later schema version adds (null) columns, nothing else.
         table = pq.read_table(os.path.join(uri, job)).drop_columns(["dataset"]).replace_schema_metadata(None)
