@@ -313,8 +313,11 @@ def test_sglang_serves_the_model_with_kimi_parsers_metrics_and_bounded_queues() 
     assert flag(args, "--reasoning-parser") == "kimi_k2"
     assert flag(args, "--tool-call-parser") == "kimi_k2"
     assert flag(args, "--port") == SGLANG_PORT
-    # The server must be able to run everything the worker keeps in flight, and bounds its own queue.
-    assert int(flag(args, "--max-running-requests")) >= int(env["THINKFLEET_MAX_INFLIGHT"])
+    # The server bounds its batch (the worker's auto in-flight bound starts from it) and its own queue; a cap set
+    # in .env must not be below the batch bound.
+    assert int(flag(args, "--max-running-requests")) > 0
+    if "THINKFLEET_MAX_INFLIGHT" in env:
+        assert int(flag(args, "--max-running-requests")) <= int(env["THINKFLEET_MAX_INFLIGHT"])
     assert int(flag(args, "--max-queued-requests")) > 0
     # The model directory is mounted read-only at the path the server reports.
     assert f"{env['MODEL_PATH']}:{env['MODEL_PATH']}:ro" in sglang["volumes"]
@@ -582,7 +585,10 @@ def test_env_example_documents_every_thinkfleet_setting_and_no_stale_one() -> No
 def test_env_example_values_are_valid_settings() -> None:
     env = {k: v for k, v in dotenv().items() if k.startswith("THINKFLEET_") and k != "THINKFLEET_IMAGE"}
     settings = Settings(**{k.removeprefix("THINKFLEET_").lower(): v for k, v in env.items()})
-    assert settings.max_inflight == int(env["THINKFLEET_MAX_INFLIGHT"])
+    assert settings.inflight_interval_s == float(env["THINKFLEET_INFLIGHT_INTERVAL_S"])
+    # The example leaves the in-flight bound to the server (auto) under the default cap, not a guessed number.
+    assert settings.inflight_mode == env["THINKFLEET_INFLIGHT_MODE"] == "auto" and "THINKFLEET_MAX_INFLIGHT" not in env
+    assert settings.max_inflight == Settings.model_fields["max_inflight"].default
 
 
 def test_env_example_sets_every_required_variable() -> None:

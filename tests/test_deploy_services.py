@@ -39,6 +39,7 @@ from tests.test_deploy_compose import (
     duration_s,
     load_compose,
 )
+from thinkfleet.settings import Settings
 
 MISSING = [m for m in ("sglang_sim.cli", "producer.cli", "storage.writer") if importlib.util.find_spec(m) is None]
 pytestmark = [
@@ -407,9 +408,11 @@ def test_worker_serves_metrics_with_the_configured_bound(fleet: Fleet) -> None:
     status, body = http(fleet.metrics_url)
     assert status == 200
     metrics = body.decode()
-    # The configured THINKFLEET_MAX_INFLIGHT is the cap (inflight_mode auto moves thinkfleet_inflight_bound under it).
+    # The cap is .env's THINKFLEET_MAX_INFLIGHT, else the setting's default (inflight_mode auto moves
+    # thinkfleet_inflight_bound under it).
+    cap = dotenv().get("THINKFLEET_MAX_INFLIGHT", Settings.model_fields["max_inflight"].default)
     bound = re.search(r"^thinkfleet_inflight_cap (\S+)$", metrics, flags=re.MULTILINE)
-    assert bound and float(bound.group(1)) == float(dotenv()["THINKFLEET_MAX_INFLIGHT"])
+    assert bound and float(bound.group(1)) == float(cap)
     completed = re.findall(r'^thinkfleet_completed_total\{dataset="(\w+)"\} (\S+)$', metrics, flags=re.MULTILINE)
     assert {name: float(n) for name, n in completed} == {"math": 6.0, "code": 6.0}
     # The compose healthcheck probes exactly this endpoint.
