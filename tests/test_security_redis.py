@@ -698,6 +698,7 @@ AMBIGUOUS = {
     *("shutdown",),  # ThreadPoolExecutor.shutdown (workers/pool.py), not SHUTDOWN
     *("get", "set", "exists", "delete", "execute", "update", "role", "from_url", "parse_response"),
     *("from_pool", "dump", "json"),  # Redis.from_pool builds a client; pickle.dump, not DUMP; aiohttp's .json()
+    *("digest",),  # hashlib's .digest() (producer/inputs.py's duplicate-id hash), not Redis 8's DIGEST
 }
 #: redis-py helpers → the commands they send.
 HELPERS = {
