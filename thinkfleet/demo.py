@@ -147,11 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         agentic_main()
         return
     settings = demo_settings()
-    workdir = Path(os.environ.get("THINKFLEET_DEMO_DIR", ".demo")).resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
-    output_uri = settings.output_uri
-    if "://" not in output_uri:
-        output_uri = str(Path(output_uri).resolve())
+    workdir, output_uri = _places(settings)
     job = time.strftime("demo-%Y%m%d-%H%M%S")
     tokenizer = build_test_tokenizer(workdir / "kimi-test-tokenizer")
     print(f"· Kimi-shaped test tokenizer at {tokenizer}")
@@ -194,14 +190,20 @@ def main(argv: list[str] | None = None) -> None:
     print(f"Report:  {workdir / 'report'}/report.html")
 
 
-def agentic_main() -> None:
-    """The agentic sample (``--agentic``): see the module docstring."""
-    settings = demo_settings()
+def _places(settings: Settings) -> tuple[Path, str]:
+    """The demo's working directory (``THINKFLEET_DEMO_DIR``, default ``.demo``) and its output URI, absolute."""
     workdir = Path(os.environ.get("THINKFLEET_DEMO_DIR", ".demo")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     output_uri = settings.output_uri
     if "://" not in output_uri:
         output_uri = str(Path(output_uri).resolve())
+    return workdir, output_uri
+
+
+def agentic_main() -> None:
+    """The agentic sample (``--agentic``): see the module docstring."""
+    settings = demo_settings()
+    workdir, output_uri = _places(settings)
     conversations, tools = AGENTIC_DIR / "chat.jsonl", AGENTIC_DIR / "tools.py"
     if not (conversations.exists() and tools.exists()):
         raise SystemExit(f"--agentic runs from a checkout: {AGENTIC_DIR} (chat.jsonl, tools.py) is missing")
