@@ -151,43 +151,56 @@ def main(argv: list[str] | None = None) -> None:
     job = time.strftime("demo-%Y%m%d-%H%M%S")
     tokenizer = build_test_tokenizer(workdir / "kimi-test-tokenizer")
     print(f"· Kimi-shaped test tokenizer at {tokenizer}")
-    with _redis(settings.redis_url, workdir) as redis_url, _simulator(workdir, time_scale=40) as sim_url:
-        env = worker_env(
-            redis_url, sim_url, output_uri, max_inflight=48, key_prefix=settings.key_prefix, queue=settings.queue
+    with (
+        _redis(settings.redis_url, workdir) as redis_url,
+        _simulator(workdir, time_scale=40) as sim_url,
+        _workers(settings, workdir, redis_url, sim_url, output_uri) as env,
+    ):
+        print(f"· 2 workers consuming (logs in {workdir / 'logs'})")
+        _producer(
+            env,
+            "submit",
+            str(DATA_DIR / "sample_chat.jsonl"),
+            str(DATA_DIR / "sample_tools.jsonl"),
+            "--job",
+            job,
+            "--tokenizer",
+            str(tokenizer),
+            "--max-new-tokens",
+            "4096",
+            # The simulated server's context (with a real model directory, its config.json says it).
+            "--context-length",
+            str(CONTEXT_LENGTH),
+            "--seed",
+            "1",
         )
-        env.pop("THINKFLEET_BROKER_URL", None)  # the demo's broker is the Redis it found or started
-        client = redis.Redis.from_url(redis_url)
-        workers = [WorkerProcess(f"demo-w{i}", env, workdir / "logs").start() for i in (1, 2)]
-        try:
-            for w in workers:
-                w.wait_ready(client, settings.keys)
-            print(f"· 2 workers consuming (logs in {workdir / 'logs'})")
-            _producer(
-                env,
-                "submit",
-                str(DATA_DIR / "sample_chat.jsonl"),
-                str(DATA_DIR / "sample_tools.jsonl"),
-                "--job",
-                job,
-                "--tokenizer",
-                str(tokenizer),
-                "--max-new-tokens",
-                "4096",
-                # The simulated server's context (with a real model directory, its config.json says it).
-                "--context-length",
-                str(CONTEXT_LENGTH),
-                "--seed",
-                "1",
-            )
-            _producer(env, "wait", job, "--timeout", "600")
-            _producer(env, "status", job)
-            _producer(env, "verify", job)
-            _producer(env, "report", job, "--out", str(workdir / "report"))
-        finally:
-            for w in workers:
-                w.terminate()
+        _producer(env, "wait", job, "--timeout", "600")
+        _producer(env, "status", job)
+        _producer(env, "verify", job)
+        _producer(env, "report", job, "--out", str(workdir / "report"))
     print(f"\nParquet: {output_uri}/{job}/dataset=*/part-*.parquet")
     print(f"Report:  {workdir / 'report'}/report.html")
+
+
+@contextlib.contextmanager
+def _workers(
+    settings: Settings, workdir: Path, redis_url: str, sim_url: str, output_uri: str, **extra: object
+) -> Iterator[dict[str, str]]:
+    """Two demo workers against ``redis_url`` and ``sim_url``, consuming until the block ends; yields the
+    environment the producer commands run with. ``extra``: more worker settings (``worker_env``)."""
+    env = worker_env(
+        redis_url, sim_url, output_uri, max_inflight=48, key_prefix=settings.key_prefix, queue=settings.queue, **extra
+    )
+    env.pop("THINKFLEET_BROKER_URL", None)  # the demo's broker is the Redis it found or started
+    client = redis.Redis.from_url(redis_url)
+    workers = [WorkerProcess(f"demo-w{i}", env, workdir / "logs").start() for i in (1, 2)]
+    try:
+        for w in workers:
+            w.wait_ready(client, settings.keys)
+        yield env
+    finally:
+        for w in workers:
+            w.terminate()
 
 
 def _places(settings: Settings) -> tuple[Path, str]:
@@ -221,40 +234,30 @@ def agentic_main() -> None:
     with (
         _redis(settings.redis_url, workdir) as redis_url,
         _simulator(workdir, time_scale=40, extra_args=(*sim_args, "--max-tool-calls", "2")) as sim_url,
-    ):
-        env = worker_env(
+        # A --turns all job's tokenizer loads only from the worker's roots: the demo's own.
+        _workers(
+            settings,
+            workdir,
             redis_url,
             sim_url,
             output_uri,
-            max_inflight=48,
-            key_prefix=settings.key_prefix,
-            queue=settings.queue,
             tool_executors=executor,
-            # A --turns all job's tokenizer loads only from the worker's roots: the demo's own.
             tokenizer_roots=str(Path(tokenizer).parent),
-        )
-        env.pop("THINKFLEET_BROKER_URL", None)  # the demo's broker is the Redis it found or started
-        client = redis.Redis.from_url(redis_url)
-        workers = [WorkerProcess(f"demo-w{i}", env, workdir / "logs").start() for i in (1, 2)]
+        ) as env,  # fmt: skip
+    ):
         messages = workdir / f"{job}-messages.jsonl"
-        try:
-            for w in workers:
-                w.wait_ready(client, settings.keys)
-            print(f"· 2 workers consuming, running {executor} (logs in {workdir / 'logs'})")
-            _producer(
-                env,
-                *("submit", str(conversations), "--job", job, "--tokenizer", str(tokenizer)),
-                *("--turns", "all", "--tool-results", "executor", "--tool-executor", executor),
-                *("--max-new-tokens", "4096", "--context-length", str(CONTEXT_LENGTH), "--seed", "1"),
-            )
-            _producer(env, "wait", job, "--timeout", "600")
-            _producer(env, "status", job)
-            _producer(env, "verify", job)
-            _producer(env, "export", job, "--format", "messages", "--out", str(messages))
-            _producer(env, "report", job, "--out", str(workdir / "report"))
-        finally:
-            for w in workers:
-                w.terminate()
+        print(f"· 2 workers consuming, running {executor} (logs in {workdir / 'logs'})")
+        _producer(
+            env,
+            *("submit", str(conversations), "--job", job, "--tokenizer", str(tokenizer)),
+            *("--turns", "all", "--tool-results", "executor", "--tool-executor", executor),
+            *("--max-new-tokens", "4096", "--context-length", str(CONTEXT_LENGTH), "--seed", "1"),
+        )
+        _producer(env, "wait", job, "--timeout", "600")
+        _producer(env, "status", job)
+        _producer(env, "verify", job)
+        _producer(env, "export", job, "--format", "messages", "--out", str(messages))
+        _producer(env, "report", job, "--out", str(workdir / "report"))
     steps, executed = _agentic_summary(messages)
     print(f"\n· {steps} steps stored; {executed} tool results from the example executor fed back")
     print(f"Parquet:  {output_uri}/{job}/dataset=*/part-*.parquet")
