@@ -176,6 +176,19 @@ def sim_stats(sim_url: str, rids: bool = False) -> dict[str, object]:
         return json.loads(resp.read())
 
 
+def worker_metrics(client: redis.Redis, keys: Keys, worker: str) -> str:
+    """The Prometheus page of a running worker, found through the port its heartbeat record names."""
+    port = json.loads(client.hget(keys.workers, worker))["metrics_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return response.read().decode()
+
+
+def metric_counter(text: str, name: str, label: str, value: str) -> float:
+    """The value of counter ``name`` (``name_total``) in a Prometheus page where ``label`` is ``value``; 0 if absent."""
+    match = re.search(rf'^{name}_total{{[^}}]*{label}="{re.escape(value)}"[^}}]*}} (\S+)$', text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
 def cli_env(settings: Settings) -> dict[str, str]:
     """Environment that points the ``producer`` CLI at ``settings`` (flags are not needed then)."""
     env = dict(os.environ)

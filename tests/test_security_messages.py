@@ -12,9 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import re
 import time
-import urllib.request
 import zlib
 from pathlib import Path
 
@@ -36,9 +34,11 @@ from testing.harness import (
     fast_env,
     isolated_settings,
     make_prompts,
+    metric_counter,
     record_result,
     register_ids,
     simulator,
+    worker_metrics,
 )
 from testing.rows import make_row
 from thinkfleet.broker.celery_app import send_tasks as _publish
@@ -288,17 +288,6 @@ def test_export_refuses_a_tokenizer_that_needs_remote_code_without_trust_remote_
 
 
 # -- a real worker: every hostile message refused, the job beside them whole ------------------------------
-def _metrics(client: redis.Redis, keys: Keys, worker: str) -> str:
-    port = json.loads(client.hget(keys.workers, worker))["metrics_port"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        return response.read().decode()
-
-
-def _counter(text: str, name: str, label: str, value: str) -> float:
-    match = re.search(rf'^{name}_total{{[^}}]*{label}="{re.escape(value)}"[^}}]*}} (\S+)$', text, re.M)
-    return float(match.group(1)) if match else 0.0
-
-
 def _publish_hostile(settings: Settings, real_hash: str, ids: list[int]) -> None:
     """Messages that are refused before any job state is touched (the malformed list)."""
     app = make_app(settings, register=False)
@@ -373,7 +362,7 @@ def test_hostile_messages_are_each_refused_with_a_counted_reason_and_the_job_bes
             wait_until(lambda: job_progress(client, keys, "sec")["done"] == 8, 120, what="8 rows")
             wait_until(lambda: job_progress(client, keys, "sec")["dead"] == 4, 60, what="4 dead letters")
             wait_until(lambda: client.llen(keys.malformed) == 4, 60, what="4 malformed records")
-            metrics = _metrics(client, keys, "w1")
+            metrics = worker_metrics(client, keys, "w1")
             assert worker.alive() and worker.starts == 1, "no hostile message took the worker down"
         finally:
             worker.terminate()
@@ -396,10 +385,10 @@ def test_hostile_messages_are_each_refused_with_a_counted_reason_and_the_job_bes
     assert kinds == expected_malformed, malformed
     # … counted …
     for error_class in expected_dead.values():
-        assert _counter(metrics, "thinkfleet_dead_lettered", "error_class", error_class) == 1, error_class
-    assert _counter(metrics, "thinkfleet_internal_errors", "kind", "compressed_message") == 2
-    assert _counter(metrics, "thinkfleet_internal_errors", "kind", "oversize") == 1
-    assert _counter(metrics, "thinkfleet_internal_errors", "kind", "malformed_message") == 1
+        assert metric_counter(metrics, "thinkfleet_dead_lettered", "error_class", error_class) == 1, error_class
+    assert metric_counter(metrics, "thinkfleet_internal_errors", "kind", "compressed_message") == 2
+    assert metric_counter(metrics, "thinkfleet_internal_errors", "kind", "oversize") == 1
+    assert metric_counter(metrics, "thinkfleet_internal_errors", "kind", "malformed_message") == 1
     # … and logged.
     assert "refused message zipped (compressed_message)" in log and "refused message zlib-bomb" in log
     assert "refused message oversize (oversize)" in log

@@ -20,9 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import time
-import urllib.request
 from pathlib import Path
 
 import msgpack
@@ -35,7 +33,17 @@ from storage.compact import compact_job
 from storage.writer import PartWriter
 from testing.datasets import conversation_rows, write_jsonl
 from testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
-from testing.harness import check_job, fast_env, isolated_settings, make_prompts, producer_cli, register_ids, simulator
+from testing.harness import (
+    check_job,
+    fast_env,
+    isolated_settings,
+    make_prompts,
+    metric_counter,
+    producer_cli,
+    register_ids,
+    simulator,
+    worker_metrics,
+)
 from testing.rows import make_row
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet.broker.celery_app import send_tasks
@@ -321,17 +329,6 @@ def test_compaction_never_reads_or_deletes_a_path_outside_its_job(tmp_path: Path
 
 
 # -- end to end ---------------------------------------------------------------------------------------------------
-def _metrics(client: redis.Redis, keys: Keys, worker: str) -> str:
-    port = json.loads(client.hget(keys.workers, worker))["metrics_port"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        return response.read().decode()
-
-
-def _counter(text: str, name: str, label: str, value: str) -> float:
-    match = re.search(rf'^{name}_total{{[^}}]*{label}="{re.escape(value)}"[^}}]*}} (\S+)$', text, re.M)
-    return float(match.group(1)) if match else 0.0
-
-
 def _send_raw(settings: Settings, args: list[object], task_id: str) -> None:
     """Publish args exactly as given (no signing: what a Redis writer without the key can push)."""
     app = make_app(settings, register=False)
@@ -397,7 +394,7 @@ def test_forged_work_is_refused_with_a_reason_and_the_genuine_job_is_stored_exac
             wait_until(lambda: client.llen(keys.malformed) == len(forged), 60, what="the forged messages refused")
             wait_until(lambda: job_progress(client, keys, "forgedrec")["dead"] == 2, 60, what="unsigned record")
             wait_until(lambda: job_progress(client, keys, "changedrec")["dead"] == 2, 60, what="changed record")
-            metrics = _metrics(client, keys, "w1")
+            metrics = worker_metrics(client, keys, "w1")
         finally:
             worker.terminate()
     log = worker.log_path.read_text(errors="replace")
@@ -406,8 +403,8 @@ def test_forged_work_is_refused_with_a_reason_and_the_genuine_job_is_stored_exac
     assert sorted(m["error"].split(":")[0] for m in malformed) == sorted(error for _, error in forged.values())
     assert {m["message_id"] for m in malformed} == {"genuine/p00000/r0", "genuine/p00001/r5"}
     assert all(m["args"] for m in malformed), "the refused message's args are kept"
-    assert _counter(metrics, "thinkfleet_internal_errors", "kind", "unsigned_message") == 3
-    assert _counter(metrics, "thinkfleet_internal_errors", "kind", "bad_signature") == 2
+    assert metric_counter(metrics, "thinkfleet_internal_errors", "kind", "unsigned_message") == 3
+    assert metric_counter(metrics, "thinkfleet_internal_errors", "kind", "bad_signature") == 2
     # … the forged and the changed records dead-letter their (genuinely signed) messages, whole …
     assert {d["error_class"] for d in dead_letters(client, keys, "forgedrec").values()} == {"unsigned_job"}
     assert {d["error_class"] for d in dead_letters(client, keys, "changedrec").values()} == {"bad_job_signature"}
@@ -416,7 +413,7 @@ def test_forged_work_is_refused_with_a_reason_and_the_genuine_job_is_stored_exac
     assert {pid: d["error_class"] for pid, d in dead_letters(client, keys, "genuine").items()} == {
         "p00009": "bad_content_hash"
     }
-    assert _counter(metrics, "thinkfleet_internal_errors", "kind", "part_path_refused") == 1
+    assert metric_counter(metrics, "thinkfleet_internal_errors", "kind", "part_path_refused") == 1
     assert "its claim's part is refused" in log and Path(planted).exists()
     # Nothing genuine is lost or changed: p0, p1 and p2 are stored as the producer signed them (the budget, the
     # revision and the planted row of the forgeries are nowhere), byte for byte against the simulator.
