@@ -290,7 +290,7 @@ class Ledger:
         re-run of its turn) leaves ``done``/``dead`` as it is enqueued, and so do the later turns a chain that
         ends here no longer derives (``NextTurn.drop``), the counters following (as ``producer retry``)."""
         k = self.keys
-        args: list[Any] = [self.worker, "", alarm_min_rows, alarm_share, dataset]
+        args: list[Any] = [self.worker, alarm_min_rows, alarm_share, dataset]
         for row, turn in zip(rows, turns or [None] * len(rows), strict=True):
             args += [row.prompt_id, row.completion_tokens, row.think_flag, int(row.truncated)]
             if turn is None:

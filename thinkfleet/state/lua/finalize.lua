@@ -14,7 +14,7 @@
 -- KEYS: done, claims, counters, dataset_counters, worker_counters, timeline, deliveries, dead, committed_epochs,
 --       job (the record hash), and only when a row carries an answer or a next turn: queue, prompts,
 --       prompt_dataset, answers; last of all, always: finalize_marks
--- ARGV: worker, '' (was the host's time: the timeline takes Redis TIME), alarm_min_rows, alarm_missing_share, dataset, then per row: prompt_id, tokens, think_end
+-- ARGV: worker, alarm_min_rows, alarm_missing_share, dataset, then per row: prompt_id, tokens, think_end
 --       ('1' closed reasoning, '0' expected to and did not, '2' not expected to reason: not watched by the alarm),
 --       truncated, answer ('' = none), next_prompt_id ('' = none), next_content_hash, next_message,
 --       drop (JSON list of turn prompt ids, '' = none), the claim's epoch, the row's own epoch (an orphan's part
@@ -49,7 +49,7 @@ local function holder(pid, e, row_e, gen)
 end
 -- (not for a purged job: its record is gone, and a finalize must not bring its keys back)
 if redis.call('EXISTS', KEYS[10]) == 1 then redis.call('HSET', KEYS[#KEYS], ARGV[1], ARGV[#ARGV]) end
-for i = 6, #ARGV - 1, 12 do
+for i = 5, #ARGV - 1, 12 do
   local pid = ARGV[i]
   local held = holder(pid, ARGV[i + 9], ARGV[i + 10], ARGV[i + 11])
   if held and held ~= 'ours' then
@@ -78,7 +78,7 @@ for i = 6, #ARGV - 1, 12 do
         redis.call('HINCRBY', KEYS[3], 'submitted', 1)
         redis.call('HINCRBY', KEYS[4], 'submitted', 1)
       end
-      redis.call('HSET', KEYS[13], ARGV[i + 5], ARGV[5])
+      redis.call('HSET', KEYS[13], ARGV[i + 5], ARGV[4])
       redis.call('RPUSH', KEYS[11], ARGV[i + 7])
       redis.call('HINCRBY', KEYS[3], 'turns_enqueued', 1)
     end
@@ -118,7 +118,7 @@ local now = redis.call('TIME')
 local at = string.format('%d.%06d', now[1], now[2])
 redis.call('ZADD', KEYS[6], at, at .. ':' .. new_rows .. ':' .. tokens)
 -- The reasoning alarm watches the job's first alarm_min_rows rows expected to reason, then the running share.
-local minrows = tonumber(ARGV[3])
+local minrows = tonumber(ARGV[2])
 local seen = tonumber(redis.call('HGET', KEYS[3], 'alarm_rows') or '0')
 local miss = tonumber(redis.call('HGET', KEYS[3], 'alarm_missing') or '0')
 for _, f in ipairs(flags) do
@@ -129,7 +129,7 @@ end
 redis.call('HSET', KEYS[3], 'alarm_rows', seen, 'alarm_missing', miss)
 local rows = tonumber(redis.call('HGET', KEYS[3], 'expected_think_end') or '0')
 local missing_all = tonumber(redis.call('HGET', KEYS[3], 'missing_think_end'))
-local share = tonumber(ARGV[4])
+local share = tonumber(ARGV[3])
 local fire = 0
 if (seen >= minrows and miss >= share * minrows) or (rows >= minrows and missing_all >= share * rows) then
   fire = 1
