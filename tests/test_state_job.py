@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -169,6 +170,56 @@ def test_worker_storage_and_producer_agree_on_every_default(redis_url: str, tmp_
     assert specs["old"].tokens == KIMI_TOKENS
     assert specs["nulls"].tokens == SpanTokens(7, 8, None, None, None, None, (5,))
     client.close()
+
+
+class _HeldReads:
+    """A real asyncio Redis client whose ``HGETALL`` (the record read) waits for ``release``: a test can make a
+    second message arrive while the first one's re-read is in flight, which is otherwise a matter of luck."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self._client = client
+        self.reading = asyncio.Event()
+        self.release = asyncio.Event()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._client, name)
+
+    async def hgetall(self, key: str) -> object:
+        self.reading.set()
+        await self.release.wait()
+        return await self._client.hgetall(key)
+
+
+def test_a_message_that_comes_during_the_generation_reread_gets_the_new_record(redis_url: str) -> None:
+    """``producer purge`` (or a lost Redis) and a new submit mint a new generation. The first message of it makes
+    the worker re-read the record; a second one that comes while that read is in flight must wait for it, not take
+    the cached old record — with which it would be skipped as a purged generation's message and acked (the CI
+    failure of test_redis_lost_entirely_resubmit: 5 of 26 re-submitted prompts acked, never stored)."""
+    keys = Keys(prefix=f"t{uuid.uuid4().hex[:8]}")
+    client = redis.Redis.from_url(redis_url)
+    client.hset(keys.job("j"), mapping={"name": json.dumps("j"), "generation": json.dumps("old")})
+
+    async def run() -> tuple[str, str, str]:
+        async with aioredis.Redis.from_url(redis_url) as r:
+            held = _HeldReads(r)
+            held.release.set()
+            cache = JobCache(held, keys)  # type: ignore[arg-type]
+            before = (await cache.get("j", None, "old")).generation
+            client.hset(keys.job("j"), "generation", json.dumps("new"))  # the re-submit's MULTI
+            held.release.clear()
+            held.reading.clear()
+            first = asyncio.create_task(cache.get("j", None, "new"))
+            await held.reading.wait()  # the first message's re-read is in flight…
+            second = asyncio.create_task(cache.get("j", None, "new"))  # …when the second message comes
+            await asyncio.sleep(0)
+            held.release.set()
+            return before, (await first).generation, (await second).generation
+
+    try:
+        assert asyncio.run(run()) == ("old", "new", "new")
+    finally:
+        client.delete(keys.job("j"))
+        client.close()
 
 
 def test_a_job_without_a_record_reads_as_none_everywhere(redis_url: str, tmp_path: Path) -> None:

@@ -128,12 +128,15 @@ class JobCache:
         async with self._lock:
             spec = self._specs.get(job)
             if spec is None or not self._fresh(spec, job, dataset, generation):
-                if generation:
-                    self._reread.add((job, f"generation:{generation}"))
                 loaded = await load_job(self.r, self.keys, job, self.signer)  # MessageRefused: never cached
                 if loaded is None:
                     raise UnknownJob(f"job {job!r} has no record at {self.keys.job(job)}; re-run producer submit")
                 self._specs[job] = JobSpec.from_record(*loaded)
+                # Marked only now that the record read is cached: :meth:`_fresh` runs outside the lock, and a
+                # mark made before the read finished let a message that came meanwhile take the *old* spec for
+                # the reread one — a re-submit's messages were then skipped as a purged generation's and acked.
+                if generation:
+                    self._reread.add((job, f"generation:{generation}"))
                 if dataset is not None:
                     self._reread.add((job, dataset))
         return self._specs[job]
