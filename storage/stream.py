@@ -20,7 +20,8 @@ hand on nothing before the second pass is done, plan again (:data:`REPLANS` time
 :class:`PlanStale` for the caller to start over.
 
 Sizes are estimated from the token counts (4 bytes an id) plus a fixed share per row; ``memory_bytes`` (the
-``storage_memory_mb`` setting) bounds a batch handed on (``/ 16``: its consumer makes copies), a group of parts read
+``storage_memory_mb`` setting, less what the process holds once the keys are read: :func:`room`) bounds a batch
+handed on (``/ 16``: its consumer makes copies), a group of parts read
 at once (``/ 8``) and a sort run held in memory (``/ 16``: read back, sorted and cut, it is held three times, beside
 the batch its consumer is turning into records).
 """
@@ -161,7 +162,7 @@ def plan_parts(
     # keys do, which pass 1 holds anyway (report's columns).
     small = sum(p.size or 0 for p in parts) * _EXPANSION <= memory_bytes // 4 or not set(columns) & _BULKY
     found = _plan(loc, [p.path for p in parts], [*key_columns, *(columns if small else ())], check_all, damaged)
-    found.memory_bytes = memory_bytes
+    found.memory_bytes = room(memory_bytes)  # what is left once the keys are held
     return found
 
 
@@ -346,8 +347,10 @@ def committed_batches(
     batch_bytes = batch_bytes or max(1, memory_bytes // 16)
     for attempt in range(REPLANS):
         p = plan(loc, job, datasets, keys, columns=columns, memory_bytes=memory_bytes)
+        # The batches, groups and runs share what the plan left of the setting, in the caller's proportions.
+        batch = max(1, batch_bytes * p.memory_bytes // max(1, memory_bytes))
         try:
-            yield from ordered(p, columns, memory_bytes, batch_bytes, order, group_by)
+            yield from ordered(p, columns, p.memory_bytes, batch, order, group_by)
             return
         except PlanStale:
             if attempt == REPLANS - 1:
@@ -487,3 +490,20 @@ def memory_bytes_of(settings: object) -> int:
     """The ``storage_memory_mb`` setting in bytes (the default when a settings object predates it)."""
     mb = getattr(settings, "storage_memory_mb", None)
     return int(mb) << 20 if mb else DEFAULT_MEMORY_BYTES
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (``/proc/self/statm``; 0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def room(memory_bytes: int) -> int:
+    """What the memory setting leaves for batches, part groups and sort runs beside what this process already
+    holds — the interpreter and its libraries (~150 MB), a plan's keys (~100 B a stored row) — so that the
+    command's peak, not only its batches, stays near the setting. Never under a quarter of the setting: one
+    smaller than the interpreter and the keys together is approached, not met."""
+    return max(memory_bytes // 4, memory_bytes - resident_bytes())

@@ -147,8 +147,9 @@ class Settings(BaseSettings):
     storage_memory_mb: int = Field(
         1024,
         ge=16,
-        description="verify/report/export/compact: the memory their reads are sized to, MiB (batches of rows; the "
-        "job's per-prompt keys come on top, ~100 B a stored row); a larger job spills sorted runs to local temp files.",
+        description="verify/report/export/compact: the peak memory they aim for, MiB — their batches, part groups "
+        "and sort runs take what the interpreter and the job's per-prompt keys (~100 B a stored row) leave of it, at "
+        "least a quarter; a larger job spills sorted runs to local temp files.",
     )
     alarm_min_rows: int = Field(100, ge=1, description="Rows observed before the alarm may fire.")
     alarm_missing_share: float = Field(

@@ -194,7 +194,7 @@ class Rows:
             pids: list[str] = []
             ends: list[str] = []
             try:
-                for table in stream.winner_batches(plan, columns, self.memory_bytes):
+                for table in stream.winner_batches(plan, columns):  # sized to what the plan left
                     table = table.filter(pc.is_valid(table[CONVERSATION_ID]))
                     ids = table[PROMPT_ID].to_pylist()
                     pids += ids
@@ -315,7 +315,7 @@ class Files:
         self.text: IO[str] | None = None
         self.parquet: pq.ParquetWriter | None = None
         self.tmp: str | None = None
-        #: Rows held for the next row group, and the most held (an eighth of the memory setting, from eagle3).
+        #: Rows held for the next row group, and the most held (a sixteenth of the memory setting, from eagle3).
         self._held: list[pa.Table] = []
         self._held_bytes = 0
         self.row_group_bytes = row_group_bytes

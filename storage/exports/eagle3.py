@@ -42,7 +42,8 @@ class Eagle3(ExportFormat):
         suffix = ".parquet" if parquet else ".jsonl"
         lengths: list[np.ndarray] = []
         columns = MERGE_COLUMNS if opts.merge_turns else COLUMNS
-        with Files(loc, suffix, opts.shard_rows, result, EAGLE3_SCHEMA, rows.memory_bytes // 8) as files:
+        # A row group is held, joined into one table and encoded: about three times this share at once.
+        with Files(loc, suffix, opts.shard_rows, result, EAGLE3_SCHEMA, rows.memory_bytes // 16) as files:
             for _, tables in rows.dataset_tables(columns, merge_turns=opts.merge_turns):
                 for table in tables:
                     if opts.merge_turns:
