@@ -507,7 +507,8 @@ def markdown(r: dict[str, Any]) -> str:
             "prompts) built through the producer's staging and commit and a real ledger (half stored, 1 % dead, 256 "
             "running, the rest queued), against a private redis-server. CLI figures are `python -m producer.cli` "
             "subprocesses, interpreter start and imports included (status CLI: the median of 5 calls; the imports "
-            "of click, rich, redis and the settings, ≈ 0.4 s of CPU here, are most of it: submit's, retry's and "
+            "of click, rich, redis and the settings, ≈ 0.3 s of CPU on a quiet box (a busy one doubles it), are "
+            "most of it: submit's, retry's and "
             "storage's modules load only when those run, tests/test_scale_cli_imports.py); *read* is "
             "`StatusReader.read()` in process, the part that scales. Redis CPU = the server's "
             "(INFO cpu) over the call less its idle rate; *cmds* = INFO commandstats. *Check* = the periodic "
@@ -529,8 +530,8 @@ def markdown(r: dict[str, Any]) -> str:
                  f"×{x('check', 'redis_cpu_ms'):.1f}."]  # fmt: skip
     subs = [(n, f["submit"]) for n, f in sizes.items() if "submit" in f]
     if subs:
-        body += ["", "`producer submit` (`--submit`, timed where it ran: a 1M-row one takes ≈ 45 min on this 2-core "
-                 "box) of a JSONL of short chats (the test tokenizer, `--processes 2`): RSS of the "
+        body += ["", "`producer submit` (`--submit`; `--merge` keeps a size's row from the run that timed it) "
+                 "of a JSONL of short chats (the test tokenizer, `--processes 2`): RSS of the "
                  "producer process alone, and of its whole tree (the render children share its pages, so the tree "
                  "counts them more than once), in the middle and the last third of the run.", "",
                  table(["rows", "wall", "producer RSS peak (mid / last third)", "tree RSS peak (mid / last third)",
