@@ -354,7 +354,7 @@ class PromptPipeline:
                 raise refusal
             # The message's own checks (thinkfleet/message.py): overrides whitelist, ids decoded within
             # max_prompt_tokens, corrupt blob, content hash recomputed, ids below the vocabulary.
-            vocab = (await self._limits(task.job, job.sampling_params, self.gate.info)).vocab_size
+            vocab = (await self._limits(task, job.sampling_params, self.gate.info)).vocab_size
             input_ids = task.verified_ids(MessageLimits(self.settings.max_prompt_tokens, vocab))
         except MessageRefused as exc:
             # Resending it cannot help: dead-lettered with the check it failed (the whole message kept).
@@ -515,7 +515,7 @@ class PromptPipeline:
             await asyncio.sleep(self.settings.health_interval_s)
             raise HandBack()
         info = self.gate.info
-        limits = await self._limits(task.job, sampling, info)
+        limits = await self._limits(task, sampling, info)
         max_new = sampling.get("max_new_tokens")
         refused = check_request(input_ids, int(max_new) if max_new is not None else None, limits)
         if refused is not None and refused.error_class == "context_overflow":
@@ -524,7 +524,7 @@ class PromptPipeline:
             fresh = await self.gate.refresh_info(info)
             if fresh is not info:
                 info = fresh
-                limits = await self._limits(task.job, sampling, info)
+                limits = await self._limits(task, sampling, info)
                 refused = check_request(input_ids, int(max_new) if max_new is not None else None, limits)
         if refused is not None:
             # Never sent: an id >= the vocabulary or an overflowing context must not reach the GPU.
@@ -563,13 +563,15 @@ class PromptPipeline:
         await self.hooks.after_commit(committed)
         return outcome
 
-    async def _limits(self, job: str, sampling: dict[str, Any], info: ServerInfo | None) -> RequestLimits:
-        """The limits a prompt of ``job`` must fit: the server's, else the job record's. The first prompt
-        of a job runs its preflight (record read, seed warning) once per worker."""
-        check = self._job_checks.get(job)
+    async def _limits(self, task: PromptTask, sampling: dict[str, Any], info: ServerInfo | None) -> RequestLimits:
+        """The limits a prompt of ``task``'s job must fit: the server's, else the job record's. The first prompt
+        of a job runs its preflight (record read, seed warning) once per worker — once per record generation: a
+        purged and re-submitted job may name another tokenizer's vocabulary and context."""
+        key = f"{task.job}\0{task.generation}"
+        check = self._job_checks.get(key)
         if check is None:
             async with self._job_check_lock:
-                check = self._job_checks.get(job) or await self._job_preflight(job, sampling, info)
+                check = self._job_checks.get(key) or await self._job_preflight(task, key, sampling, info)
         vocab = info.vocab_size if info and info.vocab_size else None
         context = info.context_length if info and info.context_length else None
         return RequestLimits(
@@ -582,8 +584,12 @@ class PromptPipeline:
             version=info.version if info else None,
         )
 
-    async def _job_preflight(self, job: str, sampling: dict[str, Any], info: ServerInfo | None) -> JobCheck:
-        record = (await self.jobs.get(job)).record  # the record as read (and checked) for the job's spec
+    async def _job_preflight(
+        self, task: PromptTask, key: str, sampling: dict[str, Any], info: ServerInfo | None
+    ) -> JobCheck:
+        job = task.job
+        # the record as read (and checked) for the job's spec, of the message's generation
+        record = (await self.jobs.get(job, task.dataset, task.generation)).record
         vocab = getattr(record, "vocab_size", None)
         context = getattr(record, "context_length", None)
         vocab_from = getattr(record, "vocab_source", "")
@@ -594,7 +600,7 @@ class PromptPipeline:
             vocab_source=f": {vocab_from}" if vocab_from else "",
             context_source=f": {context_from}" if context_from else "",
         )
-        self._job_checks[job] = check
+        self._job_checks[key] = check
         seeded = sampling.get("sampling_seed") is not None
         deterministic = info.deterministic if info else None
         if seeded and deterministic is False:
