@@ -216,10 +216,11 @@ def markdown(saved: dict[str, Any]) -> str:
         lines.append(
             f"Growth, new code, 1M / 88k prompts (short rows; x{large['prompts'] / small['prompts']:.1f} rows, "
             f"x{large['parts'] / small['parts']:.1f} parts — the 1M job has 40-row parts): " + "; ".join(growth) + ". "
-            "Time follows the part count (a part's open and footer cost more than its rows). Memory beyond the "
-            "setting's batches and runs: the interpreter and libraries (~150 MB) and the key columns of every stored "
-            "row (~100 B a row, Arrow); verify's prompt sets are Arrow arrays too, and freed heap pages go back to the "
-            "system after every scan (storage/reader.py, release_freed_memory)."
+            "Time follows the part count (a part's open and footer cost more than its rows). The setting is the peak "
+            "aimed for: batches, part groups and sort runs take what the interpreter and libraries (~150 MB) and the "
+            "key columns of every stored row (~100 B a row, Arrow) leave of it (storage/stream.py, room); verify's "
+            "prompt sets are Arrow arrays too, and freed heap pages go back to the system after every scan "
+            "(storage/reader.py, release_freed_memory)."
         )
     return "\n".join(lines)
 
