@@ -5,8 +5,9 @@ malformed message, a prompt that crashes every worker (poison), and storage that
 
 from __future__ import annotations
 
+import ctypes
 import json
-import shutil
+import os
 import time
 from pathlib import Path
 
@@ -253,6 +254,15 @@ def test_a_poison_prompt_that_kills_its_worker_is_dead_lettered_after_max_delive
     outcome.assert_clean()
 
 
+def _exchange(a: Path, b: Path) -> None:
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``): no moment where either is missing."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_fdcwd, rename_exchange = -100, 2
+    if libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), f"{a} <-> {b}")
+
+
 def test_output_unwritable_for_20s_keeps_rows_stops_consuming_and_finishes_clean(
     redis_url: str, tmp_path: Path, sim
 ) -> None:
@@ -272,9 +282,10 @@ def test_output_unwritable_for_20s_keeps_rows_stops_consuming_and_finishes_clean
         wait_until(lambda: job_progress(client, keys, "unwritable")["done"] >= 20, 120, what="20 rows stored")
         dataset_dir = Path(settings.output_uri) / "unwritable" / "dataset=synthetic"
         aside = tmp_path / "aside"
-        # A regular file where the dataset directory was: every part write fails (root ignores chmod).
-        shutil.move(str(dataset_dir), str(aside))
-        dataset_dir.write_text("blocked")
+        # A regular file where the dataset directory was: every part write fails (root ignores chmod). Swapped in
+        # one step: a move and then a write would let a part written in between make the directory again.
+        aside.write_text("blocked")
+        _exchange(aside, dataset_dir)
         # A part written just before the swap is durable (it moved aside with its directory) and may still be
         # finalized: count from the worker's first failed commit on, plus a moment for such a finalize.
         wait_until(lambda: "stopped consuming" in worker.log_path.read_text(), 60, what="the first failed commit")
@@ -284,8 +295,8 @@ def test_output_unwritable_for_20s_keeps_rows_stops_consuming_and_finishes_clean
         time.sleep(20)
         blocked["completed_during"] = float(sim_stats(sim.url)["completed"]) - blocked["completed_before"]
         blocked["done_during"] = job_progress(client, keys, "unwritable")["done"] - blocked["done_before"]
-        dataset_dir.unlink()
-        shutil.move(str(aside), str(dataset_dir))
+        _exchange(aside, dataset_dir)  # the directory back, in one step too
+        aside.unlink()
         wait_until(lambda: _resolved(client, keys, "unwritable") == 300, 240, what="all resolved")
         assert worker.alive()
         watch.stop()
