@@ -142,8 +142,8 @@ def _compact_snapshot(
     # Source order (row index, then sample, then a conversation's turns) reads naturally; prompt_id makes it total.
     sizes = stream.row_bytes(plan, plan.winners, SCHEMA.names)[_source_order(plan.winners)]
     files = _file_ranges(sizes, max_rows, max_bytes)
-    room = plan.memory_bytes  # the setting less what the process holds with the keys (stream.room)
-    pending = _Rows(stream.ordered(plan, SCHEMA.names, room, max(1, room // 16), _source_order))
+    # batches of what the plan left of the setting (stream.room), as committed_batches' callers ask
+    pending = _Rows(stream.ordered(plan, SCHEMA.names, max(1, plan.memory_bytes // 16), _source_order))
     replaced = json.dumps(sorted(posixpath.basename(p) for p in paths)).encode()
     for seq, (lo, hi) in enumerate(files):
         path = layout.compacted_part_path(loc, job, dataset, seq)

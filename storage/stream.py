@@ -20,10 +20,10 @@ hand on nothing before the second pass is done, plan again (:data:`REPLANS` time
 :class:`PlanStale` for the caller to start over.
 
 Sizes are estimated from the token counts (4 bytes an id) plus a fixed share per row; ``memory_bytes`` (the
-``storage_memory_mb`` setting, less what the process holds once the keys are read: :func:`room`) bounds a batch
-handed on (``/ 16``: its consumer makes copies), a group of parts read
-at once (``/ 8``) and a sort run held in memory (``/ 16``: read back, sorted and cut, it is held three times, beside
-the batch its consumer is turning into records).
+``storage_memory_mb`` setting, less what the process holds once the keys are read: :func:`room`, kept as
+:attr:`Plan.memory_bytes`) bounds a batch handed on (``/ 16``: its consumer makes copies), a group of parts read at
+once (``/ 8``) and a sort run held in memory (``/ 16``: read back, sorted and cut, it is held three times, beside the
+batch its consumer is turning into records).
 """
 
 from __future__ import annotations
@@ -256,15 +256,13 @@ def _per_output_token(loc: layout.Location, paths: list[str], part_rows: np.ndar
 
 
 # -- pass 2 ---------------------------------------------------------------------------------------------------
-def winner_batches(
-    p: Plan, columns: Sequence[str], memory_bytes: int | None = None, ranks: np.ndarray | None = None
-) -> Iterator[pa.Table]:
+def winner_batches(p: Plan, columns: Sequence[str], ranks: np.ndarray | None = None) -> Iterator[pa.Table]:
     """The winners' ``columns`` (+ :data:`ROW_NO`-free), in part order, a group of parts at a time.
 
     With ``ranks`` (one per winner) each table also carries the winner's rank as ``_rank``. Raises
     :class:`PlanStale` when a part with winners vanished or was found damaged since :func:`plan`."""
     columns = list(columns)
-    memory_bytes = memory_bytes or p.memory_bytes
+    memory_bytes = p.memory_bytes  # what the plan left of the setting (room)
     if p.winners.num_rows == 0:
         return
     if p.holds(columns):  # read in pass 1
@@ -350,7 +348,7 @@ def committed_batches(
         # The batches, groups and runs share what the plan left of the setting, in the caller's proportions.
         batch = max(1, batch_bytes * p.memory_bytes // max(1, memory_bytes))
         try:
-            yield from ordered(p, columns, p.memory_bytes, batch, order, group_by)
+            yield from ordered(p, columns, batch, order, group_by)
             return
         except PlanStale:
             if attempt == REPLANS - 1:
@@ -360,7 +358,6 @@ def committed_batches(
 def ordered(
     p: Plan,
     columns: list[str],
-    memory_bytes: int,
     batch_bytes: int,
     order: Callable[[pa.Table], np.ndarray] | None,
     group_by: str | None = None,
@@ -378,10 +375,10 @@ def ordered(
     cuts = _cut_points(p.winners, perm, group_by)  # ranks where a table may start
     # A run is read back whole, sorted (a copy) and cut (another): three times its size at once, while the consumer
     # holds the batch before (a token export: the batch, its records and their index arithmetic).
-    run_target = max(1, memory_bytes // 16)
+    run_target = max(1, p.memory_bytes // 16)  # of what the plan left of the setting (room)
     runs = _split(sizes, cuts, run_target)  # rank ranges held in memory at once
     if len(runs) == 1:
-        table = _collect(winner_batches(p, columns, memory_bytes, ranks))
+        table = _collect(winner_batches(p, columns, ranks))
         yield from _emit(table, 0, sizes, cuts, batch_bytes)
         return
     tmp = tempfile.mkdtemp(prefix="thinkfleet-sort-")
@@ -391,7 +388,7 @@ def ordered(
         sinks = {}
         schema = pa.schema([*(SCHEMA.field(c) for c in columns), pa.field(_RANK, pa.int64())])
         try:
-            for table in winner_batches(p, columns, memory_bytes, ranks):
+            for table in winner_batches(p, columns, ranks):
                 run_of = np.searchsorted(bounds, table[_RANK].to_numpy(), side="right")
                 order_in = np.argsort(run_of, kind="stable")
                 sorted_runs = run_of[order_in]
