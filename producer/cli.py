@@ -27,7 +27,7 @@ from producer.status import (
 from producer.view import status_line, status_view
 from thinkfleet.cli import STATE, settings_options
 from thinkfleet.profiles import FAMILIES
-from thinkfleet.settings import Settings
+from thinkfleet.settings import Settings, redacted_url
 
 if TYPE_CHECKING:
     from producer.submit import SubmitOptions
@@ -447,11 +447,15 @@ def status_cmd(
         console.print(status_view(reader.read()))
         return
     clock = CheckClock(check_every_s)
+    outage = RedisOutage(Console(stderr=True), settings)
     try:
         if not console.is_terminal or as_json:
             # Redirected (a file, a pipe, a log): a live view writes nothing until it ends; a line per refresh.
             while True:
-                st = _checked_read(reader, clock)
+                st = _watch_read(reader, clock, outage)
+                if st is None:
+                    time.sleep(interval)
+                    continue
                 click.echo(json.dumps(st) if as_json else status_line(st))
                 sys.stdout.flush()
                 if st.get("finished"):
@@ -461,7 +465,10 @@ def status_cmd(
 
         with Live(status_view(reader.read()), console=console, refresh_per_second=4) as live:
             while True:
-                st = _checked_read(reader, clock)
+                st = _watch_read(reader, clock, outage)
+                if st is None:
+                    time.sleep(interval)
+                    continue
                 live.update(status_view(st))
                 if st.get("finished"):
                     return
@@ -535,8 +542,21 @@ def wait_cmd(
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     err = Console(stderr=True)
     unaccounted_since: float | None = None
+    outage = RedisOutage(err, settings)
     while True:
-        st = _checked_read(reader, clock)
+        try:
+            st = _checked_read(reader, clock)
+            if st["finished"]:
+                st["missing_from_storage"], examples = confirm_stored(settings, job, client)
+        except REDIS_DOWN as exc:
+            # A restart or failover of the job's Redis: the workers ride through it, so does wait (until --timeout).
+            outage.down(exc)
+            if deadline is not None and time.monotonic() >= deadline:
+                err.print(f"timed out: Redis at {outage.url} did not answer ({outage.reason})")
+                sys.exit(EXIT_TIMEOUT)
+            time.sleep(interval if deadline is None else max(0.0, min(interval, deadline - time.monotonic())))
+            continue
+        outage.up()
         if st.get("unaccounted"):
             unaccounted_since = unaccounted_since or time.monotonic()
             if time.monotonic() - unaccounted_since >= lost_after_s:
@@ -554,8 +574,7 @@ def wait_cmd(
             err.print(f"[bold red]error:[/] job {job!r} has no record in Redis; submit it first")
             sys.exit(1)
         if st["finished"]:
-            missing, examples = confirm_stored(settings, job, client)
-            st["missing_from_storage"] = missing
+            missing = st["missing_from_storage"]
             _emit(st, as_json)
             if missing:
                 err.print(
@@ -572,6 +591,44 @@ def wait_cmd(
             )
             sys.exit(EXIT_TIMEOUT)
         time.sleep(interval if deadline is None else max(0.0, min(interval, deadline - time.monotonic())))
+
+
+#: What a Redis restart or failover raises at a client (BusyLoadingError, while it loads its AOF, is a
+#: ConnectionError).
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+
+
+class RedisOutage:
+    """One line on stderr when the job's Redis stops answering and one when it answers again: ``wait`` and
+    ``status --watch`` keep polling through a restart instead of dying with a traceback."""
+
+    def __init__(self, err: Console, settings: Settings) -> None:
+        self.err = err
+        self.url = redacted_url(settings.redis_url)
+        self.since: float | None = None
+        self.reason = ""
+
+    def down(self, exc: Exception) -> None:
+        self.reason = f"{type(exc).__name__}: {exc}"
+        if self.since is None:
+            self.since = time.monotonic()
+            self.err.print(f"[yellow]Redis at {escape(self.url)} does not answer[/] ({escape(self.reason)}); retrying")
+
+    def up(self) -> None:
+        if self.since is not None:
+            self.err.print(f"Redis answers again after {time.monotonic() - self.since:.0f}s")
+            self.since = None
+
+
+def _watch_read(reader: StatusReader, clock: CheckClock, outage: RedisOutage) -> dict[str, Any] | None:
+    """``status --watch``'s read; None while Redis does not answer (said once on stderr)."""
+    try:
+        st = _checked_read(reader, clock)
+    except REDIS_DOWN as exc:
+        outage.down(exc)
+        return None
+    outage.up()
+    return st
 
 
 def _emit(st: dict[str, Any], as_json: bool) -> None:

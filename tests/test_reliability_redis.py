@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from testing.datasets import chat_rows, write_jsonl
 from testing.fleet import RecoveryWatch, WorkerProcess, in_flight, job_progress, wait_until
 from testing.harness import (
     check_job,
+    cli_env,
     fast_env,
     isolated_settings,
     make_prompts,
@@ -55,14 +58,27 @@ def test_redis_restarted_with_aof_mid_job_loses_and_duplicates_nothing(tmp_path:
                 for w in workers:
                     w.wait_ready(client, keys)
                 job = submit_ids(settings, "aof", make_prompts(60))
+                # `producer wait` polls the job all along (it must ride through the restart, not die).
+                wait_err = tmp_path / "wait.err"
+                waiter = subprocess.Popen(
+                    [sys.executable, "-m", "producer.cli", "wait", "aof", "--interval", "0.2", "--timeout", "600"],
+                    env=cli_env(settings),
+                    stdout=subprocess.DEVNULL,
+                    stderr=wait_err.open("w"),
+                )
                 wait_until(lambda: job_progress(client, keys, "aof")["done"] >= 15, 120, what="15 rows")
                 wait_until(lambda: in_flight(client, keys, "aof"), 30, what="work in flight")
-                # When Redis is killed mid-job and restarted from its AOF on the same port.
+                # When Redis is killed mid-job and restarted from its AOF on the same port (once wait has seen
+                # it gone: a condition, not a sleep, so a busy machine cannot skip the outage).
                 watch = RecoveryWatch(server.url(), keys, "aof", "redis-restart").start()
                 server.stop(kill=True)
-                time.sleep(1.0)
+                wait_until(lambda: "does not answer" in wait_err.read_text(), 60, what="wait to see Redis gone")
                 server.start()
                 wait_until(lambda: _progress(client, keys, "aof")["done"] == 60, 180, what="60 rows")
+                # Then wait says finished (exit 0) after saying the outage in one line, with no traceback.
+                assert waiter.wait(timeout=120) == 0, wait_err.read_text()
+                said = wait_err.read_text()
+                assert "Traceback" not in said and "Redis answers again" in said, said
             finally:
                 for w in workers:
                     w.terminate()

@@ -353,3 +353,12 @@ def redis_password_problem(url: str | None, setting: str = "THINKFLEET_REDIS_URL
 def load_settings(**overrides: Any) -> Settings:
     """Settings from env/.env with CLI overrides applied."""
     return Settings().with_overrides(**overrides)
+
+
+def redacted_url(url: str) -> str:
+    """The URL without its password (it goes into logs and messages)."""
+    parts = urlsplit(url)
+    if parts.password:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+        return urlunsplit(parts._replace(netloc=netloc))
+    return url

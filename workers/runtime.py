@@ -24,7 +24,6 @@ import socket
 import threading
 import time
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -37,7 +36,7 @@ from storage.writer import PartWriter, StorageNotWritable
 from thinkfleet.broker.transit import TransitSweeper
 from thinkfleet.broker.visibility import unacked_index_key
 from thinkfleet.message import PromptTask
-from thinkfleet.settings import Settings
+from thinkfleet.settings import Settings, redacted_url
 from thinkfleet.signing import SigningKeyError, signer_for
 from thinkfleet.state.lifecycle import CANCELLED
 from workers.adaptive import Move, bound_info, inflight_watcher, limits_from
@@ -305,7 +304,7 @@ class WorkerRuntime:
                         raise
                     log.warning(
                         "Redis at %s not reachable yet (%s: %s): retrying, up to %.0f s more",
-                        _redact(s.redis_url), type(exc).__name__, exc, deadline - loop.time(),
+                        redacted_url(s.redis_url), type(exc).__name__, exc, deadline - loop.time(),
                     )  # fmt: skip
                     await asyncio.sleep(min(2.0, 0.2 * 2**attempt))
         except RedisError as exc:
@@ -315,7 +314,7 @@ class WorkerRuntime:
                 else "check THINKFLEET_REDIS_URL and that the head node's Redis is reachable from this host"
             )
             reason = f"{type(exc).__name__}: {exc}"
-            raise RuntimeStartError(f"cannot use Redis at {_redact(s.redis_url)}: {reason}; {hint}") from exc
+            raise RuntimeStartError(f"cannot use Redis at {redacted_url(s.redis_url)}: {reason}; {hint}") from exc
         finally:
             await probe.aclose()
 
@@ -490,15 +489,6 @@ class WorkerRuntime:
 def early_flush_rows(settings: Settings) -> int:
     """Rows waiting for their commit that start a flush before ``flush_interval_s`` (each holds a pool thread)."""
     return max(1, settings.commit_headroom * 3 // 4)
-
-
-def _redact(url: str) -> str:
-    """The URL without its password (it goes into logs)."""
-    parts = urlsplit(url)
-    if parts.password:
-        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-        return urlunsplit(parts._replace(netloc=netloc))
-    return url
 
 
 _runtime: WorkerRuntime | None = None
