@@ -189,7 +189,7 @@ def render(rows: list[dict[str, Any]], runs: dict[str, Any]) -> str:
         "(`git rev-parse HEAD`, `-dirty` when the tree had uncommitted changes)"
         + (f"; {unstamped} row(s) recorded before rows were stamped." if unstamped else "."),
         "",
-        "Every scenario runs real processes: its own `redis-server` (or RabbitMQ), `worker` (celery) "
+        "Every scenario runs real processes: its own `redis-server`, `worker` (celery) "
         "subprocesses, the SGLang simulator over loopback, real Parquet. After each one the suite checks "
         "that every submitted prompt has exactly one row in the committed view whose `output_ids` equal "
         "the simulator's deterministic output byte for byte (`sglang_sim.content.expected_generation`), "
@@ -264,9 +264,9 @@ _BODY = """\
   `test_redis_away_longer_than_the_worker_retries_hands_work_back`.
 - **A worker restarted under the same name stranded its previous run's prompts.** Its fresh heartbeat
   made the dead run's claims look alive, so copies redelivered to other workers waited on them forever
-  (seen with RabbitMQ, which redelivers at once). A starting worker now releases its previous run's
+  (seen with a broker that redelivers at once). A starting worker now releases its previous run's
   claims (keeping their part, so a committed row is only finalized). Test:
-  `test_a_worker_restarted_under_its_name_gives_up_its_dead_runs_claims`, RabbitMQ SIGKILL scenario.
+  `test_a_worker_restarted_under_its_name_gives_up_its_dead_runs_claims`.
 - **A restarted worker could stay idle forever.** When its first health probe succeeded while Celery
   was attaching the consumer, a check-then-act on two threads cancelled consuming after the gate had
   already switched it on, and nothing switched it back. `workers/runtime.py` now sets consuming from
@@ -278,32 +278,21 @@ _BODY = """\
 - **`rediss://` brokers did not verify the server certificate** (kombu's default). `thinkfleet/broker/celery_app.py`
   now requires verification unless the URL says `?ssl_cert_reqs=none|optional`.
 
-## Redis or RabbitMQ as the broker
+## The broker is the job-state Redis
 
-Job state (claims, done, dead letters, counters) lives in Redis either way; only the queue moves.
+The queue lives in the same Redis as the job state (claims, done, dead letters, counters), and nowhere else:
+a next turn, a retry and a re-derived tool step are enqueued in the same Redis transaction as the state change
+that owes them (`thinkfleet/state/lua/finalize.lua`, the submit commit, `producer retry`), so each is enqueued
+exactly when it is owed. A broker apart from it cannot share that transaction: with RabbitMQ, `producer submit`
+and every next turn were pushed onto Redis lists no RabbitMQ worker read (0 of 50 prompts stored). So a
+`THINKFLEET_BROKER_URL` other than `THINKFLEET_REDIS_URL` (RabbitMQ or another Redis) is refused at start, by
+every `producer` command (usage error) and by the worker (exit 78, nothing consumed), naming the fix: unset it.
+Test: `test_a_worker_that_cannot_start_consumes_nothing_and_exits_naming_the_cause[broker_apart]`.
 
-- **Redis (default)** — one service to run; `producer submit` stages and enqueues tens of thousands of
-  messages per second straight into the list, and `producer status`/`submit` see queued and running
-  messages exactly. Acks are emulated: a message not acknowledged within the visibility timeout is
-  redelivered. thinkfleet sets it to `lease_s` and live workers renew what they hold, so long
-  generations are not redelivered; when a copy is (a worker frozen past its lease, or another worker
-  configured with a shorter lease — the shortest wins), the claims make it cost nothing. Use AOF
-  (`appendfsync everysec` or `always`) so a restart keeps the queue.
-- **RabbitMQ** — real acks: a dead worker's messages come back the moment its connection drops (no
-  lease to wait out), and quorum queues (declared for `amqp://`) survive a broker node restart. But:
-  `producer submit` publishes through Celery (much slower than the Redis staging path) and cannot
-  see queued messages, so a re-submit relies on storage and the done set. And RabbitMQ closes the
-  channel of any consumer that holds a message unacknowledged longer than **`consumer_timeout`
-  (default 30 min)**, redelivering everything that channel held: with a 10,240-token budget at a few
-  tokens/s a generation can exceed that. Raise it in `rabbitmq.conf` (`consumer_timeout = 14400000`,
-  4 h, comfortably above `request_timeout_floor_s + max_new_tokens / request_min_decode_tok_s`) or set
-  it per queue with the `x-consumer-timeout` argument (RabbitMQ ≥ 3.12). From RabbitMQ 4.0 quorum
-  queues drop (or dead-letter) a message after 20 redeliveries by default (`delivery-limit`); every
-  hand-back (a reject with requeue) counts one, so raise the limit by policy for long jobs on flaky
-  servers. (The suite ran RabbitMQ 3.10, which has neither the per-queue timeout nor that default.)
-
-Choose Redis unless you already operate RabbitMQ or need instant redelivery after host loss; with
-RabbitMQ, set `consumer_timeout` before the first long job.
+Acks over Redis are emulated: a message not acknowledged within the visibility timeout is redelivered.
+thinkfleet sets it to `lease_s` and live workers renew what they hold, so long generations are not redelivered;
+when a copy is (a worker frozen past its lease, or another worker configured with a shorter lease — the shortest
+wins), the claims make it cost nothing. Use AOF (`appendfsync everysec` or `always`) so a restart keeps the queue.
 
 ## Not covered
 

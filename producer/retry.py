@@ -43,7 +43,6 @@ import redis
 
 from producer.enqueue import Stager, job_priority
 from producer.state import StateError, SubmitLock
-from thinkfleet.broker.celery_app import send_tasks
 from thinkfleet.broker.envelope import Envelope
 from thinkfleet.cli import STATE, settings_options
 from thinkfleet.message import OVERRIDE_KEYS, PromptTask, pack_ids
@@ -107,16 +106,7 @@ def _requeue(client: redis.Redis, settings: Settings, job: str, field: str, task
     """
     if not tasks:
         return
-    if settings.broker_url and settings.broker_url != settings.redis_url:
-        # The queue lives elsewhere (RabbitMQ, another Redis): no transaction spans both. Take the prompts
-        # out first: a worker then never skips a retried message as dead, and a crash before the publish
-        # leaves them unaccounted (``producer verify`` names them, a re-submit re-enqueues them) rather
-        # than silently acknowledged.
-        with client.pipeline(transaction=True) as pipe:
-            _take_out(pipe, settings, job, field, tasks)
-            pipe.execute()
-        send_tasks(settings, tasks)
-        return
+    settings.require_supported_broker()  # the queue is in this Redis: one MULTI takes out and enqueues
     # Back onto the job's priority list, the messages saying that priority (as its submit queued them).
     priority = job_priority(client, settings, job)
     envelope = Envelope(settings, priority)

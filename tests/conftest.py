@@ -4,7 +4,7 @@
 Tests never touch the shared Redis at 127.0.0.1:6379: each session starts its own redis-server on a
 free port (so parallel runs and a developer's data stay apart) and each test gets a fresh DB.
 
-A service a test needs (redis-server, RabbitMQ) that is missing skips the test on a developer's
+A service a test needs (redis-server) that is missing skips the test on a developer's
 machine but **fails** it under CI (``CI`` set, as CI runners do): CI must never pass by skipping.
 Use ``testing.services.service_missing`` inside a test or fixture, or mark a module with
 ``needs_service``.

@@ -84,7 +84,7 @@ def test_two_workers_on_one_host_with_one_metrics_port_lose_nothing(redis_url: s
     outcome.assert_clean()
 
 
-@pytest.mark.parametrize("fault", ["redis_password", "output_unwritable"])
+@pytest.mark.parametrize("fault", ["redis_password", "output_unwritable", "broker_apart"])
 def test_a_worker_that_cannot_start_consumes_nothing_and_exits_naming_the_cause(
     redis_url: str, tmp_path: Path, sim, fault: str
 ) -> None:
@@ -100,6 +100,10 @@ def test_a_worker_that_cannot_start_consumes_nothing_and_exits_naming_the_cause(
         env["THINKFLEET_REDIS_URL"] = bad
         env["THINKFLEET_BROKER_URL"] = bad
         expect = "cannot use Redis"
+    elif fault == "broker_apart":
+        # A RabbitMQ broker (nothing answers there: the worker must refuse before it ever connects).
+        env["THINKFLEET_BROKER_URL"] = "amqp://guest:broker-secret@127.0.0.1:1//"
+        expect = "Unset THINKFLEET_BROKER_URL"
     else:
         blocker = tmp_path / "a-file"
         blocker.write_text("not a directory")
@@ -117,6 +121,8 @@ def test_a_worker_that_cannot_start_consumes_nothing_and_exits_naming_the_cause(
     assert expect in log and "nothing was consumed" in log, log[-3000:]
     if fault == "output_unwritable":
         assert "make it writable for uid" in log
+    elif fault == "broker_apart":
+        assert "broker-secret" not in log, "the broker's password must not be logged"
     else:
         assert "wrong-password" not in log, "the password must not be logged"
     assert client.llen(settings.queue) == 5

@@ -330,22 +330,3 @@ def test_truncated_retry_interrupted_before_its_commit_changes_nothing(
     assert not after["deliveries"] and not after["staging"]
     served = [json.loads(m)["headers"]["id"] for m in reversed(after["queue"])]  # type: ignore[call-overload]
     assert served == [f"cut-trunc/{pid}/r1" for pid in truncated]
-
-
-def test_retry_with_the_queue_in_another_redis_takes_out_first_then_publishes(redis_url: str, tmp_path: Path) -> None:
-    # The broker is another Redis (here: DB 0 of the same server, which the fixtures never hand out).
-    broker_url = redis_url.rsplit("/", 1)[0] + "/0"
-    settings = isolated_settings(redis_url, str(tmp_path / "out"), broker_url=broker_url)
-    client = redis.Redis.from_url(redis_url)
-    broker = redis.Redis.from_url(broker_url)
-    try:
-        _dead_letter_all(settings, "elsewhere", 5)
-        ids = retry_dead(settings, "elsewhere")
-        assert len(ids) == 5 and not client.hlen(settings.keys.dead("elsewhere"))
-        assert int(client.hget(settings.keys.counters("elsewhere"), "dead") or 0) == 0
-        assert not client.llen(settings.queue), "nothing lands in the job-state Redis"
-        queued = [json.loads(m)["headers"]["id"] for m in broker.lrange(settings.queue, 0, -1)]
-        assert sorted(queued) == sorted(f"elsewhere/{pid}/r0" for pid in ids)
-    finally:
-        broker.delete(settings.queue)
-        broker.close()

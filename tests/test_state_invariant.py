@@ -160,5 +160,5 @@ def test_verify_live_cannot_check_an_unknown_job_or_a_rabbitmq_broker(settings: 
     env = {"THINKFLEET_KEY_PREFIX": settings.key_prefix, "THINKFLEET_BROKER_URL": "amqp://guest:secret@h//"}
     redis.Redis.from_url(settings.redis_url).hset(settings.keys.prompts("j"), "a", "h")
     result = CliRunner().invoke(cli, ["verify", "j", "--live", "--redis-url", settings.redis_url], env=env)
-    assert result.exit_code == 2 and "needs a Redis broker" in result.output
+    assert result.exit_code == 2 and "Unset THINKFLEET_BROKER_URL" in result.output  # refused before any check
     assert "secret" not in result.output

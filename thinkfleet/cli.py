@@ -56,6 +56,7 @@ def settings_options(
             settings = load_settings(**overrides)
             if check_redis_password:
                 settings.require_safe_redis_password(click.UsageError)
+                settings.require_supported_broker(click.UsageError)
                 from thinkfleet.signing import SigningKeyError, signer_for
 
                 try:

@@ -35,7 +35,11 @@ class Settings(BaseSettings):
 
     # -- where things are ---------------------------------------------------------------------------
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for job state (and broker).")
-    broker_url: str | None = Field(None, description="Celery broker; defaults to redis_url. amqp://… selects RabbitMQ.")
+    broker_url: str | None = Field(
+        None,
+        description="Celery broker: must be redis_url itself (the default); a broker apart from the job-state Redis "
+        "(RabbitMQ, another Redis) is refused at start.",
+    )
     redis_password_file: str | None = Field(
         None,
         description="File holding the Redis password (a compose secret); it replaces any password in redis_url "
@@ -290,6 +294,24 @@ class Settings(BaseSettings):
             problem = redis_password_problem(url, setting)
             if problem:
                 raise error(problem)
+
+    def require_supported_broker(self, error: type[Exception] = ValueError) -> None:
+        """Raise ``error`` naming the fix when the broker is not the job-state Redis itself (the producer CLI and the
+        worker's start call this before anything is enqueued or consumed).
+
+        The queue must live in ``redis_url``: a next turn, a retry and a re-derived step are enqueued in the same
+        Redis transaction as the state change that makes them (``thinkfleet/state/lua/finalize.lua``, the submit
+        commit, ``producer retry``), so each is enqueued exactly when it is owed. A second broker (RabbitMQ, another
+        Redis) cannot share that transaction: its next turns were pushed where no worker read them."""
+        if self.broker_url in (None, self.redis_url):
+            return
+        scheme = urlsplit(str(self.broker_url)).scheme or "?"
+        raise error(
+            f"THINKFLEET_BROKER_URL is a {scheme}:// broker apart from THINKFLEET_REDIS_URL: not supported. thinkfleet "
+            "keeps its queue in the job-state Redis, because next turns, retries and re-derived steps are enqueued "
+            "in the same Redis transaction as the state change that owes them. Unset THINKFLEET_BROKER_URL (or set "
+            "it to THINKFLEET_REDIS_URL)."
+        )
 
     def with_overrides(self, **overrides: Any) -> Settings:
         """A copy with CLI flags applied; ``None`` means "flag not given"."""

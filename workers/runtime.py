@@ -291,6 +291,7 @@ class WorkerRuntime:
         way — a worker started during a Redis restart must not exit for it."""
         s = self.settings
         s.require_safe_redis_password(RuntimeStartError)  # placeholder or short password for a remote Redis
+        s.require_supported_broker(RuntimeStartError)  # the queue must be the job-state Redis
         probe = aioredis.from_url(s.redis_url, socket_connect_timeout=10, socket_timeout=10)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + s.redis_start_wait_s
