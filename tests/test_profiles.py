@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import redis
 
 from producer.submit import SubmitError, SubmitOptions, submit
 from sglang_sim.config import SimConfig
@@ -389,6 +390,23 @@ def test_the_committer_never_alarms_for_a_job_without_reasoning_spans(reasoning_
 
     asyncio.run(run())
     assert alarms == (["j"] if reasoning_spans else [])
+
+
+def test_an_alarm_that_cannot_be_recorded_leaves_the_rows_stored_and_the_committer_running() -> None:
+    # Given a committer whose alarm write fails (Redis answered an error in the middle of the flush).
+    async def on_alarm(job: str, seen: int, miss: int) -> None:
+        raise redis.exceptions.ConnectionError("Redis went away during the alarm write")
+
+    async def run() -> list[str]:
+        committer = GroupCommitter(_Writer(), _Ledger(), 10, 0.01, 1, 0.5, on_alarm)  # type: ignore[arg-type]
+        committer.start()
+        # When two rows are committed one after the other, each firing the alarm.
+        first = await asyncio.wait_for(committer.commit("j", "d", {}, JobFinalRow("p1", 10, False, False)), 30)
+        second = await asyncio.wait_for(committer.commit("j", "d", {}, JobFinalRow("p2", 10, False, False)), 30)
+        return [first, second]
+
+    # Then both rows are stored (their part named), and the group-commit task is still alive for the second.
+    assert asyncio.run(run()) == ["j/d/part-0", "j/d/part-0"]
 
 
 # -- the simulator ------------------------------------------------------------------------------------------

@@ -170,7 +170,15 @@ class GroupCommitter:
             elif len(self._pending) >= self.early_flush_rows or self._pending_bytes >= self.part_target_bytes:
                 self._urgent.set()
             if batch:
-                await self._flush(batch)
+                try:
+                    await self._flush(batch)
+                except Exception as exc:
+                    # Our own bug: the task must outlive it (every later commit waits on it) and the batch's
+                    # prompts are handed back through their runs' crash path, never left waiting forever.
+                    log.exception("group commit of %d rows failed unexpectedly: their prompts go back", len(batch))
+                    for item in batch:
+                        if not item.future.done():
+                            item.future.set_exception(exc)
 
     def _within_target(self, items: list[_Pending]) -> int:
         """How many of ``items`` (at least one) stay within the part size target."""
@@ -257,7 +265,11 @@ class GroupCommitter:
         # A job run without reasoning spans (--no-reasoning-spans) has no </think> to miss: never alarm.
         watched = any(getattr(i.final, "reasoning_alarm", True) for i in items)
         if finalized is not None and finalized.fire and watched:
-            await self.on_alarm(job, finalized.seen, finalized.missing)
+            try:
+                await self.on_alarm(job, finalized.seen, finalized.missing)
+            except Exception as exc:  # the rows are stored and done: a lost alarm write must not strand them
+                # (the condition holds again at the next flush of the job, which records it then).
+                log.error("reasoning alarm of job %s not recorded: %s: %s", job, type(exc).__name__, exc)
         for item in items:
             if not item.future.done():
                 self._remember(job, dataset, part, item.final, fences.get(item.final.prompt_id))

@@ -230,11 +230,16 @@ class PromptPipeline:
                         )  # fmt: skip
             except RedisError:
                 pass
+            except Exception:  # our own bug: log it and keep the loop, or stray claims would never be released
+                log.exception("releasing stray claims failed unexpectedly; trying again next round")
             for job, prompt_id in list(self._unreleased):
                 if prompt_id not in self._active:
                     try:
                         await self.ledger.release(job, prompt_id)
                     except RedisError:
+                        break
+                    except Exception:
+                        log.exception("releasing the claim of %s/%s failed unexpectedly; trying again", job, prompt_id)
                         break
                 self._unreleased.discard((job, prompt_id))
 
