@@ -64,3 +64,32 @@ def test_a_restore_that_finds_no_connection_at_close_leaves_the_message_to_the_s
     assert client.hlen(unacked) == 1
     assert "could not restore 1 delivered message" in caplog.text
     client.delete(name, unacked, str(kombu_transport_options(prefix, 60)["unacked_index_key"]))
+
+
+def test_a_delivery_whose_unacked_record_fails_stays_in_transit(redis_url: str) -> None:
+    # Given a worker's channel popping through its transit list (thinkfleet/broker/transit.py).
+    prefix, name = f"cc{uuid.uuid4().hex[:6]}", f"q{uuid.uuid4().hex[:6]}"
+    transit = f"{prefix}:transit:w1"
+    client = redis.Redis.from_url(redis_url)
+    options = {**kombu_transport_options(prefix, 60), "transit_key": transit, "transit_queue": name}
+    queue = Queue(name, routing_key=name)
+    with Connection(redis_url, transport=Transport, transport_options=options) as conn:
+        Producer(conn.channel()).publish({"prompt": 1}, routing_key=name, declare=[queue])
+        channel = conn.channel()
+        received: list[object] = []
+        consumer = conn.Consumer(queue, channel=channel, callbacks=[lambda body, message: received.append(body)])
+        consumer.consume()
+
+        # When Redis fails the write that records the delivery as unacked (kombu's QoS.append).
+        def fail(message: object, delivery_tag: object) -> None:
+            raise redis.exceptions.ConnectionError("Redis went away while recording the delivery")
+
+        channel.qos.append = fail  # type: ignore[method-assign]
+        with pytest.raises(redis.exceptions.ConnectionError):
+            conn.drain_events(timeout=10)
+        # Then the message was never handed to the consumer and is still in the transit list (the sweep returns
+        # it to the queue), not only in this process's memory: it used to be removed from transit regardless.
+        assert received == []
+        assert client.llen(transit) == 1 and not client.llen(name)
+        assert not client.hlen(str(options["unacked_key"]))
+    client.delete(name, transit, str(options["unacked_key"]), str(options["unacked_index_key"]))

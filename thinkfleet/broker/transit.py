@@ -122,6 +122,7 @@ class QoS(kombu_redis.QoS):
             pipe.zadd(self.unacked_index_key, {delivery_tag: now}).hset(
                 self.unacked_key, delivery_tag, dumps([message._raw, exchange, routing_key])
             ).execute()
+        self.channel._transit_recorded = True  # the transit copy may go now (Channel._brpop_read)
         virtual.QoS.append(self, message, delivery_tag)
 
     def ack(self, delivery_tag: Any) -> None:
@@ -209,6 +210,8 @@ class Channel(kombu_redis.Channel):
     #: Block on the step-0 list next: at the start (a fresh worker waits on the queue, as it always did)
     #: and whenever the last EVAL found every list empty.
     _transit_block: bool = True
+    #: Set by :meth:`QoS.append` once the delivery is in the unacked hash (then its transit copy may go).
+    _transit_recorded: bool = False
     #: (pool, client) of the channel's synchronous commands (see :meth:`conn_or_acquire`).
     _command_client: tuple[Any, Any] | None = None
 
@@ -265,6 +268,7 @@ class Channel(kombu_redis.Channel):
         if source is None:
             return super()._brpop_read(**options)
         item = None
+        settled = False  # recorded as unacked (or dropped as undecodable): only then may it leave transit
         try:
             try:
                 item = self.client.parse_response(self.client.connection, self._transit_command, **options)
@@ -283,13 +287,22 @@ class Channel(kombu_redis.Channel):
             except ValueError as exc:
                 # kombu would raise out of its event loop and stop the worker ("Unrecoverable error").
                 log.error("dropped an undecodable message from queue %s (%d bytes): %s", source, len(item), exc)
+                settled = True
                 raise Empty() from None
-            self.connection._deliver(message, source)
+            # kombu records the delivery as unacked (QoS.append) before it calls the consumer; a failure there
+            # (Redis errored mid-write) leaves the message in transit, where the sweep returns it to the queue.
+            self._transit_recorded = False
+            try:
+                self.connection._deliver(message, source)
+            except BaseException:
+                settled = self._transit_recorded  # the consumer failed after the record: the unacked hash has it
+                raise
+            settled = True
             return True
         finally:
             self._in_poll = None
             self._transit_pending = None
-            if item:
+            if item and settled:
                 # Recorded as unacked by now (or refused): no longer in transit.
                 with self.conn_or_acquire() as client:
                     client.lrem(self.transit_key, 1, item)
