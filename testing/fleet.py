@@ -7,11 +7,14 @@ the foundation imports nothing above it; it is re-exported here so tests import 
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -182,3 +185,13 @@ def register_id_job(
     client.hset(keys.dataset_counters(job, dataset), "submitted", in_dataset)
     client.hset(keys.counters(job), "submitted", total)
     return generation
+
+
+def exchange_paths(a: Path, b: Path) -> None:
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``): no moment where either is missing — a
+    move and then a write would let a worker's part write in between make a moved directory again."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_fdcwd, rename_exchange = -100, 2
+    if libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), f"{a} <-> {b}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import time
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ import pytest
 import redis
 
 from sglang_sim.testing import SimulatorProcess
-from testing.fleet import WorkerProcess, job_progress, job_settled, wait_until
+from testing.fleet import WorkerProcess, exchange_paths, job_progress, job_settled, wait_until
 from testing.harness import check_job, fast_env, isolated_settings, make_prompts, record_result, submit_ids
 from testing.invariant_watch import InvariantWatch
 from testing.services import RedisServer
@@ -153,11 +152,11 @@ def _strike(
         out = Path(settings.output_uri) / job
         aside = out.with_name(out.name + ".away")
         if out.is_dir():
-            shutil.move(str(out), str(aside))
-            out.write_text("blocked")  # root ignores chmod: a file where the job's directory was
+            aside.write_text("blocked")  # root ignores chmod: a file where the job's directory was
+            exchange_paths(aside, out)  # in one step (a part written between a move and a write made it again)
             time.sleep(fault.length_s)  # the block itself
-            out.unlink()
-            shutil.move(str(aside), str(out))
+            exchange_paths(aside, out)
+            aside.unlink()
 
 
 def test_schedule_is_reproducible_and_covers_every_fault() -> None:

@@ -5,9 +5,7 @@ malformed message, a prompt that crashes every worker (poison), and storage that
 
 from __future__ import annotations
 
-import ctypes
 import json
-import os
 import time
 from pathlib import Path
 
@@ -15,7 +13,7 @@ import pytest
 import redis
 
 from sglang_sim.testing import SimulatorProcess
-from testing.fleet import WorkerProcess, dead_letters, free_port, job_progress, wait_until
+from testing.fleet import WorkerProcess, dead_letters, exchange_paths, free_port, job_progress, wait_until
 from testing.harness import (
     STEADY_LEASE,
     check_job,
@@ -260,15 +258,6 @@ def test_a_poison_prompt_that_kills_its_worker_is_dead_lettered_after_max_delive
     outcome.assert_clean()
 
 
-def _exchange(a: Path, b: Path) -> None:
-    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``): no moment where either is missing."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    at_fdcwd, rename_exchange = -100, 2
-    if libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), f"{a} <-> {b}")
-
-
 def test_output_unwritable_for_20s_keeps_rows_stops_consuming_and_finishes_clean(
     redis_url: str, tmp_path: Path, sim
 ) -> None:
@@ -291,7 +280,7 @@ def test_output_unwritable_for_20s_keeps_rows_stops_consuming_and_finishes_clean
         # A regular file where the dataset directory was: every part write fails (root ignores chmod). Swapped in
         # one step: a move and then a write would let a part written in between make the directory again.
         aside.write_text("blocked")
-        _exchange(aside, dataset_dir)
+        exchange_paths(aside, dataset_dir)
         # A part written just before the swap is durable (it moved aside with its directory) and may still be
         # finalized: count from the worker's first failed commit on, plus a moment for such a finalize.
         wait_until(lambda: "stopped consuming" in worker.log_path.read_text(), 60, what="the first failed commit")
@@ -301,7 +290,7 @@ def test_output_unwritable_for_20s_keeps_rows_stops_consuming_and_finishes_clean
         time.sleep(20)
         blocked["completed_during"] = float(sim_stats(sim.url)["completed"]) - blocked["completed_before"]
         blocked["done_during"] = job_progress(client, keys, "unwritable")["done"] - blocked["done_before"]
-        _exchange(aside, dataset_dir)  # the directory back, in one step too
+        exchange_paths(aside, dataset_dir)  # the directory back, in one step too
         aside.unlink()
         wait_until(lambda: _resolved(client, keys, "unwritable") == 300, 240, what="all resolved")
         assert worker.alive()
