@@ -1,7 +1,8 @@
 """The nemesis grows to the operator: a seeded schedule of the operator's commands — pause/resume, cancel then resume
 and ``retry --error-class cancelled``, ``purge --force`` and the same ``producer submit`` again, ``compact`` —
-and worker kills, all while two workers run one job submitted with the real producer. Every command goes through
-the ``producer`` CLI, as an operator types it.
+and worker kills, all while two workers run one job submitted with the real producer: single prompts, and
+``--turns all`` conversations (each turn i+1 must be rendered from the committed turn i: testing/chains.py).
+Every command goes through the ``producer`` CLI, as an operator types it.
 
 Then ``producer wait`` says finished (exit 0), and so does everything after it: every prompt is stored exactly once,
 byte-exact against the simulator, ``producer verify`` passes and ``producer status`` agrees with storage.
@@ -23,13 +24,15 @@ import pytest
 import redis
 
 from producer import render
-from producer.job import JobRecord
-from testing.datasets import chat_rows, write_jsonl
+from storage.reader import raw_duplicates, read_committed
+from testing.chains import chain_problems
+from testing.datasets import chat_rows, conversation_rows, write_jsonl
 from testing.fleet import WorkerProcess, job_progress, wait_until
-from testing.harness import check_job, fast_env, isolated_settings, producer_cli, record_result, simulator
+from testing.harness import Outcome, check_job, fast_env, isolated_settings, producer_cli, record_result, simulator
 from testing.services import RedisServer
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet.settings import Settings
+from thinkfleet.state.job import JobRecord
 
 OPERATIONS = ("pause_resume", "cancel_retry", "purge_resubmit", "compact", "kill")
 CI_SEED = 3
@@ -78,15 +81,22 @@ def _nothing_runs(settings: Settings) -> bool:
     return st.get("queued") == 0 and st.get("running") == 0
 
 
-def run_operators(tmp_path: Path, tok_dir: Path, seed: int, prompts: int, operations: int) -> None:
+def run_operators(tmp_path: Path, tok_dir: Path, seed: int, units: int, operations: int, turns: int = 0) -> None:
+    """``units`` prompts (``turns`` = 0) or conversations of ``turns`` user turns each (``--turns all``)."""
     plan = schedule(seed, operations)
     server = RedisServer(tmp_path / "redis").start()
     settings = isolated_settings(server.url(), str(tmp_path / "out"))
     client = redis.Redis.from_url(server.url())
-    rows = chat_rows(prompts, words=20, seed=seed)
+    if turns:
+        rows = conversation_rows(units, turns, 10, "You are a careful assistant.", reasoning="x", seed_step=seed + 100)
+    else:
+        rows = chat_rows(units, words=20, seed=seed)
     data = write_jsonl(tmp_path / f"{DATASET}.jsonl", rows)
+    total = units * (turns or 1)
     submit = ("submit", str(data), "--job", JOB, "--tokenizer", str(tok_dir), "--processes", "1")
     submit += ("--max-new-tokens", "1024", "--seed", "7", "--json", "--no-progress")
+    if turns:
+        submit += ("--turns", "all", "--context-length", "131072")
     started = time.monotonic()
     done: list[str] = []
     try:
@@ -96,9 +106,9 @@ def run_operators(tmp_path: Path, tok_dir: Path, seed: int, prompts: int, operat
             try:
                 for w in workers:
                     w.wait_ready(client, settings.keys)
-                assert json.loads(_cli(settings, *submit))["enqueued"] == prompts
+                assert json.loads(_cli(settings, *submit))["enqueued"] == units
                 for op in plan:
-                    wait_until(lambda o=op: _stored(client, settings) >= o.at * prompts, 300, 0.2, what=str(op))
+                    wait_until(lambda o=op: _stored(client, settings) >= o.at * total, 300, 0.2, what=str(op))
                     _operate(op, settings, client, workers, submit)
                     done.append(f"{op.kind}@{op.at:.2f}")
                 # Then `producer wait` says finished: every prompt stored or dead-lettered…
@@ -109,27 +119,48 @@ def run_operators(tmp_path: Path, tok_dir: Path, seed: int, prompts: int, operat
             finally:
                 for w in workers:
                     w.terminate()
-        # …and storage, verify and status agree with it: every prompt stored once, byte-exact, none dead.
-        tok = render.load_tokenizer(str(tok_dir))
-        expected = {
-            f"{DATASET}/r{i}": render.render_ids(tok, row["messages"][:2], None, {"thinking": True})
-            for i, row in enumerate(rows)
-        }
-        sampling = JobRecord.load(client, settings.keys, JOB).sampling_params
-        outcome = check_job(settings, JOB, expected, sampling)
+        # …and storage, verify and status agree with it: every prompt (every turn) stored once, byte-exact, none dead.
+        record = JobRecord.load(client, settings.keys, JOB)
+        assert record is not None
+        if turns:
+            outcome = _check_turns(settings, data, tok_dir, record, total)
+        else:
+            tok = render.load_tokenizer(str(tok_dir))
+            expected = {
+                f"{DATASET}/r{i}": render.render_ids(tok, row["messages"][:2], None, {"thinking": True})
+                for i, row in enumerate(rows)
+            }
+            outcome = check_job(settings, JOB, expected, record.sampling_params)
         record_result(
-            f"operator nemesis: {operations} commands (seed {seed})",
+            f"operator nemesis{' --turns all' if turns else ''}: {operations} commands (seed {seed})",
             outcome,
             ", ".join(done),
             [],
             time.monotonic() - started,
             workers=2,
-            notes="pause/resume, cancel + resume + retry --error-class cancelled, purge --force + the same submit, "
-            "compact and worker kills, each through the producer CLI while the job runs",
+            notes="pause/resume, kill + cancel + resume + retry --error-class cancelled, purge --force + the same "
+            "submit, compact and worker kills, each through the producer CLI while the job runs",
         )
         outcome.assert_clean()
     finally:
         server.stop()
+
+
+def _check_turns(settings: Settings, data: Path, tok_dir: Path, record: JobRecord, total: int) -> Outcome:
+    """check_job for a ``--turns all`` job: verify, status and storage agree, and every chain is whole and exact."""
+    verify = producer_cli(settings, "verify", JOB, "--json")
+    problems = [] if verify.returncode == 0 else [f"producer verify failed: {verify.stdout[-3000:]}"]
+    rows = {r["prompt_id"]: r for r in read_committed(settings.output_uri, JOB).to_pylist()}
+    dups = raw_duplicates(settings.output_uri, JOB)
+    duplicated = sorted(set(dups["prompt_id"].to_pylist())) if dups.num_rows else []
+    problems += chain_problems(data, DATASET, tok_dir, record, rows)
+    st = json.loads(_cli(settings, "status", JOB, "--json"))
+    got = {k: st.get(k) for k in ("total", "done", "dead", "queued", "running", "finished")}
+    want = {"total": total, "done": total, "dead": 0, "queued": 0, "running": 0, "finished": True}
+    if got != want:
+        problems.append(f"producer status {got} disagrees with storage {want}")
+    lost = [p.split(":")[0] for p in problems if "not stored" in p]
+    return Outcome(total, len(rows), 0, lost, duplicated, [], verify.returncode == 0, got == want, problems)
 
 
 def _operate(
@@ -168,11 +199,16 @@ def test_schedule_is_reproducible_and_covers_every_operation() -> None:
 
 
 def test_operator_nemesis_short_fixed_seed(tmp_path: Path, tok_dir: Path) -> None:
-    run_operators(tmp_path, tok_dir, CI_SEED, prompts=48, operations=len(OPERATIONS))
+    run_operators(tmp_path, tok_dir, CI_SEED, units=48, operations=len(OPERATIONS))
+
+
+def test_operator_nemesis_turns_all_short_fixed_seed(tmp_path: Path, tok_dir: Path) -> None:
+    run_operators(tmp_path, tok_dir, CI_SEED, units=12, operations=len(OPERATIONS), turns=3)
 
 
 @pytest.mark.slow
 def test_operator_nemesis_soak(tmp_path: Path, tok_dir: Path) -> None:
     seed = int(os.environ.get("THINKFLEET_OPERATOR_SEED") or random.SystemRandom().randrange(1 << 30))
     print(f"operator nemesis seed {seed} (THINKFLEET_OPERATOR_SEED={seed} re-runs this schedule)")
-    run_operators(tmp_path, tok_dir, seed, prompts=200, operations=12)
+    run_operators(tmp_path, tok_dir, seed, units=200, operations=12)
+    run_operators(tmp_path / "turns", tok_dir, seed, units=40, operations=12, turns=3)
