@@ -1,6 +1,6 @@
 """The multi-turn checker: every turn of every conversation stored, and turn i+1 rendered from the committed turn i.
 
-Shared by the ``--turns all`` tests and the operator nemesis (tests/test_reliability_operators.py): given the
+Shared by the ``--turns all`` tests and the operator nemesis (tests/test_reliability_operator_nemesis.py): given the
 dataset a job was submitted from, its record and its committed rows, each turn's ``input_ids`` must be the chat
 template's rendering of the conversation with the model's own answers (decoded from the stored ids of turns
 0..i-1) in place of the dataset's, and each ``output_ids`` the simulator's deterministic answer to that prompt.

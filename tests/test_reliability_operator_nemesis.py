@@ -8,7 +8,7 @@ Then ``producer wait`` says finished (exit 0), and so does everything after it: 
 byte-exact against the simulator, ``producer verify`` passes and ``producer status`` agrees with storage.
 
 The schedule is drawn from a seed (:func:`schedule`): ``THINKFLEET_OPERATOR_SEED=N .venv/bin/pytest
-tests/test_reliability_operators.py -m slow`` re-runs one. CI runs :data:`CI_SEED` (each command once).
+tests/test_reliability_operator_nemesis.py -m slow`` re-runs one. CI runs :data:`CI_SEED` (each command once).
 """
 
 from __future__ import annotations
