@@ -10,10 +10,11 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -195,3 +196,15 @@ def exchange_paths(a: Path, b: Path) -> None:
     if libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), f"{a} <-> {b}")
+
+
+def draw_schedule(
+    rng: random.Random, kinds: Sequence[str], count: int, low: float, high: float
+) -> list[tuple[float, str]]:
+    """``count`` (share of the job, kind) pairs at increasing shares in [low, high], each kind at least once when
+    there is room: the fault and operator schedules' draw (the same ``rng`` then draws each event's details)."""
+    drawn = list(kinds) if count >= len(kinds) else rng.sample(list(kinds), count)
+    drawn += [rng.choice(list(kinds)) for _ in range(count - len(drawn))]
+    rng.shuffle(drawn)
+    shares = sorted(rng.uniform(low, high) for _ in range(count))
+    return list(zip(shares, drawn, strict=True))

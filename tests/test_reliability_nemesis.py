@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from sglang_sim.testing import SimulatorProcess
-from testing.fleet import WorkerProcess, exchange_paths, job_progress, job_settled, wait_until
+from testing.fleet import WorkerProcess, draw_schedule, exchange_paths, job_progress, job_settled, wait_until
 from testing.harness import check_job, fast_env, isolated_settings, make_prompts, record_result, submit_ids
 from testing.invariant_watch import InvariantWatch
 from testing.services import RedisServer
@@ -42,13 +42,9 @@ class Fault:
 def schedule(seed: int, faults: int) -> list[Fault]:
     """``faults`` faults at increasing shares of the job, each kind at least once when there is room."""
     rng = random.Random(seed)
-    kinds = list(FAULTS) if faults >= len(FAULTS) else rng.sample(FAULTS, faults)
-    kinds += [rng.choice(FAULTS) for _ in range(faults - len(kinds))]
-    rng.shuffle(kinds)
-    shares = sorted(rng.uniform(0.05, 0.85) for _ in range(faults))
     return [
         Fault(share, kind, rng.randrange(3), rng.uniform(1.0, 2.5) * LEASE_S if kind == "pause" else rng.uniform(1, 4))
-        for share, kind in zip(shares, kinds, strict=True)
+        for share, kind in draw_schedule(rng, FAULTS, faults, 0.05, 0.85)
     ]
 
 

@@ -27,7 +27,7 @@ from producer import render
 from storage.reader import raw_duplicates, read_committed
 from testing.chains import chain_problems
 from testing.datasets import chat_rows, conversation_rows, write_jsonl
-from testing.fleet import WorkerProcess, job_progress, wait_until
+from testing.fleet import WorkerProcess, draw_schedule, job_progress, wait_until
 from testing.harness import Outcome, check_job, fast_env, isolated_settings, producer_cli, record_result, simulator
 from testing.services import RedisServer
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
@@ -50,11 +50,8 @@ class Operation:
 def schedule(seed: int, operations: int) -> list[Operation]:
     """``operations`` commands at increasing shares of the job, each kind at least once when there is room."""
     rng = random.Random(seed)
-    kinds = list(OPERATIONS) if operations >= len(OPERATIONS) else rng.sample(OPERATIONS, operations)
-    kinds += [rng.choice(OPERATIONS) for _ in range(operations - len(kinds))]
-    rng.shuffle(kinds)
-    shares = sorted(rng.uniform(0.05, 0.8) for _ in range(operations))
-    return [Operation(share, kind, rng.randrange(2)) for share, kind in zip(shares, kinds, strict=True)]
+    drawn = draw_schedule(rng, OPERATIONS, operations, 0.05, 0.8)
+    return [Operation(share, kind, rng.randrange(2)) for share, kind in drawn]
 
 
 @pytest.fixture(scope="module")
