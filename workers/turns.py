@@ -51,6 +51,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import redis.asyncio as aioredis
 
+from storage.schema import CHAIN_END
+from thinkfleet.chain_end import end_of
 from thinkfleet.keys import Keys
 from thinkfleet.message import MessageRefused, PromptTask, content_hash, pack_ids
 from thinkfleet.signing import signer_for
@@ -110,6 +112,13 @@ class NextTurn:
     next_message: bytes = b""
     #: Later turns a chain that ends here no longer derives: out of done/dead (their rows are superseded).
     drop: tuple[str, ...] = ()
+
+    @property
+    def chain_end(self) -> str:
+        """The row's ``chain_end`` column (thinkfleet/chain_end.py): "" when it enqueues its successor, else the
+        answer record's reason, else ``complete`` — the same decision the finalize carries, stored with the row."""
+        reason = json.loads(self.answer).get("chain_end") if not self.next_prompt_id else None
+        return end_of(self.next_prompt_id, str(reason) if reason else None)
 
 
 class _JobTurns:
@@ -217,7 +226,13 @@ class TurnChainer:
         """Per row: None (not a turn of a multi-turn job) or what its finalize records and enqueues."""
         if not await self.multi_turn(job):
             return [None] * len(rows)
-        return [await self._next_or_end(job, dataset, row) for row in rows]
+        out = []
+        for row in rows:
+            nxt = await self._next_or_end(job, dataset, row)
+            if nxt is not None:  # how the chain goes on or ends is stored with the row (storage outlives Redis)
+                row[CHAIN_END] = nxt.chain_end
+            out.append(nxt)
+        return out
 
     async def plan_stored(self, job: str, dataset: str, part: str, prompt_id: str) -> NextTurn | None:
         """:meth:`plan` for a row already in a committed part (the orphan recovery)."""
