@@ -53,7 +53,11 @@ REPLAY, EXEC = "ends-replay", "ends-exec"
 
 
 def _call(i: int, name: str, args: dict[str, Any]) -> dict[str, Any]:
-    return {"id": f"functions.{name}:{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+    return {
+        "id": f"functions.{name}:{i}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(args)},
+    }
 
 
 def _rows(n: int) -> list[dict[str, Any]]:
@@ -177,3 +181,111 @@ def test_replay_chains_ending_at_a_call_the_dataset_cannot_answer_finish_and_ver
 
 def test_executor_chains_ending_at_max_tool_steps_finish_and_verify(fleet: Fleet) -> None:
     _assert_agree_and_recorded(fleet, EXEC, "max_tool_steps")
+
+
+# -- the rule ------------------------------------------------------------------------------------------------
+def test_a_chain_that_stopped_without_a_reason_is_owed_and_one_that_ended_with_a_reason_is_not() -> None:
+    from thinkfleet.chain_end import COMPLETE, CONTINUES, owed_successors, record_link, stored_link, walk
+
+    def row(pid: str, end: str | None, calls: bool = False, agentic: bool = True, record: Any = None) -> Any:
+        return stored_link(pid, 2, 0 if agentic else None, calls, end, record)
+
+    rows = [
+        # a: t0 called tools and went on to its step 1, which ended the chain with a reason before turn 1 (the
+        # shape verify flagged as MISSING TURNS before the walk).
+        row("a/t0", CONTINUES, calls=True), row("a/t0s1", "tool_mismatch", calls=True),
+        # b: complete after two turns, through a step.
+        row("b/t0", CONTINUES, calls=True), row("b/t0s1", CONTINUES), row("b/t1", COMPLETE),
+        # c: t0 answered without a call and went on to turn 1 — which nobody enqueued: stopped without a reason.
+        row("c/t0", CONTINUES),
+        # d: t0 went on to its step 1, which is pending (submitted, not stored).
+        row("d/t0", CONTINUES, calls=True),
+        # e: t0 went on to turn 1, which was dead-lettered (a dead turn ends the chain, in the dead letters).
+        row("e/t0", CONTINUES),
+        # f: max_tool_steps at step 1 of turn 0.
+        row("f/t0", CONTINUES, calls=True), row("f/t0s1", "max_tool_steps", calls=True),
+    ]  # fmt: skip
+    links = {link.prompt_id: link for link in rows}
+    assert walk("a", links) == (["a/t0", "a/t0s1"], "")
+    assert walk("c", links) == (["c/t0"], "c/t1")
+    assert walk("d", links) == (["d/t0"], "d/t0s1")
+    present = {"d/t0s1", "e/t1"}  # submitted or dead-lettered
+    owed = owed_successors("abcdef", links, present)
+    assert owed == {"c": "c/t1"}
+    # The same with a look-up function (status and wait ask Redis about the candidates only).
+    asked: list[list[str]] = []
+    assert owed_successors("abcdef", links, lambda ids: asked.append(ids) or [p for p in ids if p in present]) == owed
+    assert asked == [["c/t1", "d/t0s1", "e/t1"]]
+    # Rows written before the column: their Redis answer record decides; without one, a call ends a plain chain.
+    old = row("g/t0", None, agentic=False, record={"role": "assistant", "chain_end": "tool_call"})
+    assert (old.ends, old.end) == (True, "tool_call")
+    assert row("g/t0", None, agentic=False, record={"role": "assistant"}).following == "g/t1"
+    assert row("g/t0", None, calls=True, agentic=False).ends
+    assert row("g/t1", None, agentic=False).end == COMPLETE
+    # An agentic record names what it enqueued; without next nor chain_end it completed its conversation.
+    assert record_link("h/t0", 2, {"next": "h/t0s1"}, True).following == "h/t0s1"
+    assert record_link("h/t1s2", 2, {}, True).end == COMPLETE
+
+
+# -- wait and verify on a chain that stopped without a reason ------------------------------------------------
+def test_wait_exits_3_and_verify_fails_on_a_stranded_conversation_and_both_pass_once_it_ends(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """A hand-built job state: c0 complete, c1 ended with a reason at turn 0, c2's turn 0 stored saying the chain
+    goes on — and its turn 1 never enqueued (the enqueue lost, as issue 32's purge + re-submit lost them)."""
+    from producer.submit import SubmitOptions, submit
+    from storage.writer import PartWriter
+    from testing.rows import make_row
+
+    settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    k, job, r = settings.keys, "stranded", redis_client
+    tok = build_test_tokenizer(default_test_tokenizer_dir())
+    convs = [
+        {"id": f"c{c}", "messages": [{"role": "user", "content": f"q{c}.{t}"} if i % 2 == 0 else
+                                     {"role": "assistant", "content": f"a{c}.{t}"} for t in range(2) for i in (0, 1)]}
+        for c in range(3)
+    ]  # fmt: skip
+    data = write_jsonl(tmp_path / "chat.jsonl", convs)
+    submit(settings, SubmitOptions(paths=[data], job=job, tokenizer=str(tok), processes=1, turns="all"))
+    ends = {"chat/c0/t0": "", "chat/c0/t1": "complete", "chat/c1/t0": "tool_call", "chat/c2/t0": ""}
+    rows = [
+        make_row(pid, dataset="chat", job=job, seed=i, conversation_id=pid.rsplit("/", 1)[0], turn_index=int(pid[-1]),
+                 turn_count=2, chain_end=end)
+        for i, (pid, end) in enumerate(ends.items())
+    ]  # fmt: skip
+    PartWriter(settings.output_uri, "w1").write(job, "chat", rows)
+    # What the finalizes wrote: done, the answer records (c1's says its chain end), c0's turn 1 submitted.
+    r.hset(k.prompts(job), mapping={row["prompt_id"]: row["content_hash"] for row in rows})
+    r.hset(k.prompt_dataset(job), mapping=dict.fromkeys(ends, "chat"))
+    r.sadd(k.done(job), *ends)
+    for pid, end in ends.items():
+        r.hset(k.turn_answers(job), pid, json.dumps({"role": "assistant", "content": "a", **({"chain_end": end} if end
+                                                     not in ("", "complete") else {})}))  # fmt: skip
+
+    def outcome() -> tuple[int, dict[str, Any], int, dict[str, Any]]:
+        waited = producer_cli(settings, "wait", job, "--timeout", "30", "--interval", "0.2", "--json")
+        verified = producer_cli(settings, "verify", job, "--json")
+        return waited.returncode, json.loads(waited.stdout), verified.returncode, json.loads(verified.stdout)
+
+    wait_rc, st, verify_rc, report = outcome()
+    assert (wait_rc, verify_rc) == (3, 1), (st, report)
+    assert st["remaining"] == 0 and not st["finished"]
+    assert st["conversations"]["stranded"] == 1 and st["conversations"]["stranded_ids"] == ["chat/c2/t1"]
+    assert st["conversations"]["ends"] == {"tool_call": 1} and st["conversations"]["complete"] == 1
+    assert report["missing_turns"] == ["chat/c2/t1"]
+
+    # Redis' copy says c2's chain ended (as a recovery that diverged from the stored row could leave it): status
+    # believes it, but storage — the truth, which verify reads — says the chain goes on: wait confirms from storage.
+    r.hset(k.turn_answers(job), "chat/c2/t0", json.dumps({"role": "assistant", "chain_end": "tool_call"}))
+    wait_rc, st, verify_rc, report = outcome()
+    assert st["conversations"]["stranded"] == 0, st["conversations"]
+    assert (wait_rc, verify_rc) == (3, 1) and st["missing_turns"] == report["missing_turns"] == ["chat/c2/t1"]
+
+    # Once the turn is dead-lettered (a dead turn ends the chain, in the dead letters), both call the job done.
+    r.hset(k.turn_answers(job), "chat/c2/t0", json.dumps({"role": "assistant"}))
+    r.hset(k.dead(job), "chat/c2/t1", json.dumps({"error_class": "context_overflow"}))
+    r.hset(k.prompts(job), "chat/c2/t1", "h-chat/c2/t1")
+    r.hset(k.prompt_dataset(job), "chat/c2/t1", "chat")
+    wait_rc, st, verify_rc, report = outcome()
+    assert (wait_rc, verify_rc) == (0, 0), (st, report)
+    assert st["finished"] and st["conversations"]["dead"] == 1 and report["missing_turns"] == []
