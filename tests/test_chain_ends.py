@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -111,11 +112,16 @@ def fleet(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -
                 (REPLAY, replay, ["--tool-results", "replay", "--max-tool-steps", "3"]),
                 (EXEC, executor, ["--tool-results", "executor", "--tool-executor", EXECUTOR, "--max-tool-steps", "2"]),
             )
-            for job, data, extra in submits:
-                done = producer_cli(settings, "submit", str(data), "--job", job, *common, *extra)
-                assert done.returncode == 0, done.stderr
-            for w in workers:
-                w.wait_ready(client, settings.keys)
+            # The submits run while the workers start (each job's prompts wait in Redis for them).
+            with ThreadPoolExecutor(len(submits)) as pool:
+                running = [
+                    pool.submit(producer_cli, settings, "submit", str(data), "--job", job, *common, *extra)
+                    for job, data, extra in submits
+                ]
+                for w in workers:
+                    w.wait_ready(client, settings.keys)
+                for done in (f.result() for f in running):
+                    assert done.returncode == 0, done.stderr
 
             def settled() -> bool:
                 for job in (REPLAY, EXEC):
@@ -155,32 +161,43 @@ def _last_rows(run: Fleet, job: str) -> dict[str, dict[str, Any]]:
     return last
 
 
-def _assert_agree_and_recorded(run: Fleet, job: str, reason: str) -> None:
+def _assert_agree_and_recorded(run: Fleet, job: str, conversations: int, reason: str) -> None:
     waited, verified = _wait_and_verify(run, job)
     report = json.loads(verified.stdout)
     assert (waited.returncode == 0) == (verified.returncode == 0), (waited.stderr, verified.stdout)
     assert waited.returncode == 0, waited.stderr
     assert verified.returncode == 0 and report["missing_turns"] == [], verified.stdout
+    # wait's status: every conversation settled — complete or ended with its reason — none stranded, and the
+    # stored chains confirmed by verify's rule.
+    convs = json.loads(waited.stdout)["conversations"]
+    assert convs["total"] == conversations and convs["in_progress"] == 0 and convs["stranded"] == 0, convs
+    assert convs["complete"] + convs["chain_ended"] + convs["dead"] == conversations, convs
+    assert json.loads(waited.stdout)["missing_turns"] == []
     answers = _answers(run, job)
     last = _last_rows(run, job)
-    assert len(last) == len({json.loads(line)["id"] for line in (run.tmp / job.split("-")[1] / "chat.jsonl").open()})
+    assert len(last) == conversations
     early = 0
+    ended: dict[str, int] = {}
     for conv, row in last.items():
         record = answers[row["prompt_id"]]
         want = record.get("chain_end") or "complete"
+        # The chain's last row carries how it ended (storage), as the answer record (Redis' copy) says.
         assert row["chain_end"] == want, (conv, row["prompt_id"], row["chain_end"], record)
+        if want != "complete":
+            ended[want] = ended.get(want, 0) + 1
         _, turn, step = split_step_id(row["prompt_id"]) or ("", 0, 0)
         early += want == reason and turn + 1 < row["turn_count"] and step > 0
+    assert convs["ends"] == ended
     # The case verify used to flag: a chain ended at a step after results were fed back, before the last turn.
     assert early >= 1, f"no chain of {job} ended with {reason} at a step > 0 before its last turn"
 
 
 def test_replay_chains_ending_at_a_call_the_dataset_cannot_answer_finish_and_verify(fleet: Fleet) -> None:
-    _assert_agree_and_recorded(fleet, REPLAY, "tool_mismatch")
+    _assert_agree_and_recorded(fleet, REPLAY, CONVERSATIONS, "tool_mismatch")
 
 
 def test_executor_chains_ending_at_max_tool_steps_finish_and_verify(fleet: Fleet) -> None:
-    _assert_agree_and_recorded(fleet, EXEC, "max_tool_steps")
+    _assert_agree_and_recorded(fleet, EXEC, EXEC_CONVERSATIONS, "max_tool_steps")
 
 
 # -- the rule ------------------------------------------------------------------------------------------------
