@@ -29,6 +29,10 @@ the results are fed back and the turn goes on step by step, workers/tool_steps.p
 history has tool calls were cut at the submit (turns up to the first tool call: the conversation record's
 ``cut_at_tool``).
 
+Whatever :meth:`TurnChainer.plan` decides for a row — its successor, or why the chain ends there — is also written
+into the row itself (its ``chain_end`` column, :attr:`NextTurn.chain_end`: thinkfleet/chain_end.py), before the part
+is written: storage alone says where every conversation stands, which ``producer verify`` and ``wait`` check.
+
 A re-run of turn i (``producer retry --truncated``: revision r > 0) re-derives the turns after it. The answer
 record keeps the revision it was decoded from (``"revision"``), and turn i+1 is enqueued one revision above its
 own recorded answer (0 when it has none), so its new row wins the committed view; ``finalize`` takes it out of
