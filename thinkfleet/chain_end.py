@@ -42,7 +42,7 @@ END_UNRECORDED_CALL = "tool_call"
 MAX_WALK = 10_000
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # (one per stored turn row when a job's chains are walked: kept small)
 class ChainLink:
     """Does this stored row end its chain, and why: ``end`` is :data:`CONTINUES`, :data:`COMPLETE` or the reason;
     ``following`` is the successor a continuing row derived ("" when it ends)."""
