@@ -194,6 +194,15 @@ def _assert_agree_and_recorded(run: Fleet, job: str, conversations: int, reason:
 
 def test_replay_chains_ending_at_a_call_the_dataset_cannot_answer_finish_and_verify(fleet: Fleet) -> None:
     _assert_agree_and_recorded(fleet, REPLAY, CONVERSATIONS, "tool_mismatch")
+    # The ends are storage's: with Redis' answer records gone, the stored chains still say where each one stands.
+    from storage.chains import owed_in_storage
+
+    key = fleet.settings.keys.turn_answers(REPLAY)
+    fleet.client.rename(key, key + ":aside")
+    try:
+        assert owed_in_storage(fleet.settings, REPLAY, fleet.client) == {}
+    finally:
+        fleet.client.rename(key + ":aside", key)
 
 
 def test_executor_chains_ending_at_max_tool_steps_finish_and_verify(fleet: Fleet) -> None:
