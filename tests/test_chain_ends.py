@@ -299,6 +299,8 @@ def test_wait_exits_3_and_verify_fails_on_a_stranded_conversation_and_both_pass_
     assert st["conversations"]["stranded"] == 1 and st["conversations"]["stranded_ids"] == ["chat/c2/t1"]
     assert st["conversations"]["ends"] == {"tool_call": 1} and st["conversations"]["complete"] == 1
     assert report["missing_turns"] == ["chat/c2/t1"]
+    view = producer_cli(settings, "status", job)
+    assert "1 conversation(s) stopped without a recorded end" in " ".join(view.stdout.split()), view.stdout
 
     # Redis' copy says c2's chain ended (as a recovery that diverged from the stored row could leave it): status
     # believes it, but storage — the truth, which verify reads — says the chain goes on: wait confirms from storage.
