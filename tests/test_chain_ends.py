@@ -8,7 +8,9 @@ its successor (the next step, or the next turn) must then be stored, pending or 
 last stored row goes on to nothing *stopped without a reason*: verify fails on it (MISSING TURNS) and wait does not
 call the job finished (exit 3) — one rule, :func:`thinkfleet.chain_end.owed_successors`.
 
-End to end (real workers, the simulator with the dataset's tools in its catalogue, real Parquet, the CLI):
+End to end (real workers — one SIGKILLed between a part write and its finalize, its orphan part finalized by the
+other from the stored rows —, the simulator with the dataset's tools in its catalogue, real Parquet, the CLI); every
+stored row's ``chain_end`` is what its finalize did (the answer record's reason, "" with a ``next``, else complete):
 
 - an agentic replay job whose recorded turn 0 calls one tool: the model's calls decode; many chains end at a tool
   call the dataset has no result for (parallel calls, or a call at a step the dataset answers) — some at a step
@@ -38,6 +40,7 @@ from testing.datasets import write_jsonl
 from testing.fleet import WorkerProcess, job_progress, wait_until
 from testing.harness import fast_env, isolated_settings, producer_cli, simulator
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
+from thinkfleet import failpoints
 from thinkfleet.settings import Settings
 from thinkfleet.turns import split_step_id
 from workers.tool_exec import TRUSTED_ENV
@@ -106,7 +109,12 @@ def fleet(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -
     executor = write_jsonl(tmp / "exec" / "chat.jsonl", _rows(EXEC_CONVERSATIONS))
     with simulator(tmp / "logs", *sim_args) as sim:
         env = {**fast_env(settings, sim, max_inflight=8), TRUSTED_ENV: EXECUTOR}
-        workers = [WorkerProcess(f"w{i}", env, tmp / "logs").start() for i in range(2)]
+        env.pop(failpoints.TIMES_ENV, None)
+        # w0 dies between a part write and its finalize: w1 finalizes the orphan part from the stored rows (the
+        # recovery re-plans each row: its finalize must match the chain_end the dead run stored with it).
+        armed = {**env, failpoints.ENV: "after_part_write=kill", failpoints.DIR_ENV: str(tmp / "failpoints")}
+        (tmp / "failpoints").mkdir()
+        workers = [WorkerProcess("w0", armed, tmp / "logs").start(), WorkerProcess("w1", env, tmp / "logs").start()]
         try:
             submits = (
                 (REPLAY, replay, ["--tool-results", "replay", "--max-tool-steps", "3"]),
@@ -131,6 +139,7 @@ def fleet(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -
                 return True
 
             wait_until(settled, 240, what="both agentic jobs")
+            assert (tmp / "failpoints" / "failpoint-after_part_write-0").exists(), "w0 died after a part write"
             yield Fleet(settings, client, tmp, tok_dir)
         finally:
             for w in workers:
@@ -174,6 +183,12 @@ def _assert_agree_and_recorded(run: Fleet, job: str, conversations: int, reason:
     assert convs["complete"] + convs["chain_ended"] + convs["dead"] == conversations, convs
     assert json.loads(waited.stdout)["missing_turns"] == []
     answers = _answers(run, job)
+    # Every stored step records what its finalize did (the dead run's rows, finalized by the recovery, too): goes
+    # on ("", the record names its next), complete (neither), or the record's reason.
+    for row in read_committed(run.settings.output_uri, job).to_pylist():
+        record = answers[row["prompt_id"]]
+        want = record.get("chain_end") or ("" if record.get("next") else "complete")
+        assert row["chain_end"] == want, (row["prompt_id"], row["chain_end"], record)
     last = _last_rows(run, job)
     assert len(last) == conversations
     early = 0
