@@ -21,6 +21,7 @@ from producer.status import (
     CheckClock,
     StatusReader,
     checked_status,
+    confirm_chains,
     confirm_stored,
     format_duration,
 )
@@ -532,7 +533,8 @@ def wait_cmd(
     settings: Settings,
 ) -> None:
     """Block until every prompt of JOB is stored or dead-lettered (exit 0); 124 on timeout; 3 when
-    prompts are lost (unaccounted for --lost-after seconds) or done in Redis but missing from storage.
+    prompts are lost (unaccounted for --lost-after seconds) or done in Redis but missing from storage, or (--turns
+    all) a conversation stopped without a recorded end — its next turn never enqueued (verify's MISSING TURNS).
 
     Each poll reads counters (constant memory, O(1) of the queue); the places of pending prompts are scanned
     by a full check every --check-every seconds (every poll for a small job)."""
@@ -546,8 +548,14 @@ def wait_cmd(
     while True:
         try:
             st = _checked_read(reader, clock)
-            if st["finished"]:
+            confirmed = bool(st["finished"])  # then storage is asked whether it agrees
+            if confirmed:
                 st["missing_from_storage"], examples = confirm_stored(settings, job, client)
+                # The stored chains, by the rule verify applies (storage, not Redis, is the truth of where they
+                # stand).
+                st["missing_turns"] = confirm_chains(settings, job, client) if st.get("conversations") else []
+                if st["missing_turns"]:
+                    st["finished"] = False
         except REDIS_DOWN as exc:
             # A restart or failover of the job's Redis: the workers ride through it, so does wait (until --timeout).
             outage.down(exc)
@@ -573,14 +581,25 @@ def wait_cmd(
             _emit(st, as_json)
             err.print(f"[bold red]error:[/] job {job!r} has no record in Redis; submit it first")
             sys.exit(1)
-        if st["finished"]:
+        stranded = (st.get("conversations") or {}).get("stranded")
+        if st.get("remaining") == 0 and stranded:
+            # Nothing pending, yet a conversation's last answer goes on to a prompt nobody enqueued: nothing will
+            # ever run it (thinkfleet/chain_end.py). Not finished — and waiting longer would not change that.
+            _emit(st, as_json)
+            _stranded(err, job, stranded, st["conversations"].get("stranded_ids") or [])
+            sys.exit(EXIT_INCONSISTENT)
+        if confirmed:
             missing = st["missing_from_storage"]
+            owed = st["missing_turns"]
             _emit(st, as_json)
             if missing:
                 err.print(
                     f"[bold red]{missing} prompt(s) are done in Redis but not in storage[/] "
                     f"(e.g. {examples}); run `producer verify {job}`"
                 )
+                sys.exit(EXIT_INCONSISTENT)
+            if owed:
+                _stranded(err, job, len(owed), owed)
                 sys.exit(EXIT_INCONSISTENT)
             return
         if deadline is not None and time.monotonic() >= deadline:
@@ -591,6 +610,14 @@ def wait_cmd(
             )
             sys.exit(EXIT_TIMEOUT)
         time.sleep(interval if deadline is None else max(0.0, min(interval, deadline - time.monotonic())))
+
+
+def _stranded(err: Console, job: str, count: int, examples: list[str]) -> None:
+    err.print(
+        f"[bold red]{count:,} conversation(s) of {job} stopped without a recorded end[/]: their last stored turn goes "
+        f"on to a prompt that was never enqueued nor dead-lettered (e.g. {examples[:3]}); nothing will run it. "
+        f"`producer verify {job}` lists them (MISSING TURNS)."
+    )
 
 
 #: What a Redis restart or failover raises at a client (BusyLoadingError, while it loads its AOF, is a

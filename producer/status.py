@@ -92,7 +92,11 @@ class StatusReader:
         counters = {k.decode(): int(float(v)) for k, v in r.hgetall(keys.counters(job)).items()}
         workers = {k.decode(): int(float(v)) for k, v in r.hgetall(keys.worker_counters(job)).items()}
         remaining = totals["total"] - totals["done"] - totals["dead"]
-        finished = remaining == 0 and totals["total"] > 0
+        # --turns all: where each conversation stands (a full look once nothing is pending: a chain that stopped
+        # without a recorded end leaves nothing pending, and the job is not finished then — thinkfleet/chain_end.py).
+        turns = self._turns(counters, deep or remaining == 0)
+        stranded = (turns.get("conversations") or {}).get("stranded")
+        finished = remaining == 0 and totals["total"] > 0 and not stranded
         rates = self._rates(now, counters, workers, finished)
         mean_out = counters.get("output_tokens", 0) / counters["done"] if counters.get("done") else None
         tok_s = rates["output_tokens_per_s"]
@@ -138,7 +142,7 @@ class StatusReader:
             "clock_warnings": clock_warnings(r, self.settings),
             "inflight_bounds": inflight_bounds(r, self.settings),  # producer/bounds.py
             "clock_skew_warn_s": self.settings.clock_skew_warn_s,
-            **self._turns(counters, deep),
+            **turns,
         }
 
     def _cheap(self, messages: int | None, record: JobRecord) -> bool:
@@ -219,15 +223,23 @@ class StatusReader:
         return totals, datasets, unaccounted_ids, broker is not None
 
     def _turns(self, counters: dict[str, int], deep: bool = True) -> dict[str, Any]:
-        """--turns all: ``conversations`` {total, complete, in_progress, cut_at_tool, chain_ended, dead} and
-        ``turns`` {enqueued, done}, from the job hash's ``turns`` field, the ``turns_enqueued`` counter (later
-        turns the workers enqueued), the done set, the dead letters and the answers hash. {} for other jobs.
-        Not ``deep``: only what sizes and counters say (complete/in progress/ended/dead need the scan: null)."""
+        """--turns all: ``conversations`` {total, complete, in_progress, cut_at_tool, chain_ended, ends, dead,
+        stranded} and ``turns`` {planned, enqueued, done}, from the job hash's ``turns`` field, the
+        ``turns_enqueued`` counter (later turns the workers enqueued), the done set, the dead letters, the submitted
+        prompts and the answer records. {} for other jobs. Not ``deep``: only what sizes and counters say (the rest
+        needs the scan: null).
+
+        Each conversation's chain is walked from turn 0 along the answer records (thinkfleet/chain_end.py, the rule
+        ``producer verify`` applies to the stored rows): complete; chain_ended (a recorded reason, counted per
+        reason in ``ends``); dead (its next prompt is dead-lettered); stranded (its last answer goes on to a prompt
+        nobody submitted: nothing will run it, the job is not finished); else in progress."""
+        from thinkfleet.chain_end import COMPLETE, record_link, walk
         from thinkfleet.turns import (
             TURNS_FIELD,
             answers_key,
             conversations_key,
             regenerates_all_turns,
+            split_step_id,
             split_turn_id,
             turn_id,
             turns_meta,
@@ -239,7 +251,7 @@ class StatusReader:
             return {}
         if not deep:
             total = max(int(r.hlen(conversations_key(keys, job))), int(meta.get("conversations") or 0))
-            unknown = dict.fromkeys(("complete", "in_progress", "chain_ended", "dead"))
+            unknown = dict.fromkeys(("complete", "in_progress", "chain_ended", "dead", "stranded"))
             return {
                 "conversations": {"total": total, **unknown, "cut_at_tool": int(meta.get("cut_at_tool") or 0)},
                 "turns": {
@@ -250,38 +262,53 @@ class StatusReader:
             }
         done = {m.decode() for m in r.smembers(keys.done(job))}
         dead = {k.decode() for k in r.hkeys(keys.dead(job))}
-        ended: set[str] = set()
-        agentic = bool(meta.get("tool_results"))  # steps …/t{i}s{j}: a turn ends at its step without a next
-        finals: set[tuple[str, int]] = set()
-        for pid, raw in r.hscan_iter(answers_key(keys, job), count=1000):
-            if b"chain_end" in raw and "chain_end" in (_json_or_text(raw) or {}):
-                parts = split_turn_id(pid.decode())
-                if parts is not None:
-                    ended.add(parts[0])
-            elif agentic and b'"next"' not in raw and (parts := split_turn_id(pid.decode())) is not None:
-                finals.add(parts)
-        dead_in = {p[0] for p in map(split_turn_id, dead) if p is not None} if agentic else set()
-        total = complete = chain_ended = dead_convs = 0
-        for conv, raw in r.hscan_iter(conversations_key(keys, job), count=1000):
-            total += 1
-            c, count = conv.decode(), int(json.loads(raw)["turn_count"])
-            if (c, count - 1) in finals if agentic else turn_id(c, count - 1) in done:
+        agentic = bool(meta.get("tool_results"))  # steps …/t{i}s{j}: the records name what they enqueued (next)
+        counts = {
+            conv.decode(): int(json.loads(raw)["turn_count"])
+            for conv, raw in r.hscan_iter(conversations_key(keys, job), count=1000)
+        }
+        links = {}
+        for raw_pid, raw in r.hscan_iter(answers_key(keys, job), count=1000):
+            pid, record = raw_pid.decode(), _json_or_text(raw)
+            parts = split_step_id(pid)
+            if parts is not None and isinstance(record, dict) and parts[0] in counts:
+                links[pid] = record_link(pid, counts[parts[0]], record, agentic)
+        walks = {conv: walk(conv, links) for conv in counts}
+        waiting = sorted({next_id for _, next_id in walks.values() if next_id and next_id not in dead})
+        submitted = set()
+        if waiting:  # the successors the chains wait for: submitted (pending or done) or not
+            flags = r.hmget(keys.prompts(job), waiting)
+            submitted = {pid for pid, flag in zip(waiting, flags, strict=True) if flag is not None}
+        complete = chain_ended = dead_convs = stranded = 0
+        ends: dict[str, int] = {}
+        stranded_ids: list[str] = []
+        for conv, (chain, next_id) in walks.items():
+            end = links[chain[-1]].end if chain and not next_id else None
+            if end == COMPLETE:
                 complete += 1
-            elif c in ended:
+            elif end:
                 chain_ended += 1
-            elif c in dead_in or any(turn_id(c, t) in dead for t in range(count)):
+                kind = end.split(":", 1)[0]  # "error: <why>" counts as error
+                ends[kind] = ends.get(kind, 0) + 1
+            elif next_id in dead or (not chain and turn_id(conv, 0) in dead):
                 dead_convs += 1
-        total = max(total, int(meta.get("conversations") or 0))
+            elif next_id and next_id not in submitted:
+                stranded += 1
+                stranded_ids.append(next_id)
+        total = max(len(counts), int(meta.get("conversations") or 0))
         turns_done = sum(1 for pid in done if split_turn_id(pid) is not None)
         tools = {"tool_errors": counters.get("tool_errors", 0)} if agentic else {}  # executor failures: tool_error
         return {
             "conversations": {
                 "total": total,
                 "complete": complete,
-                "in_progress": total - complete - chain_ended - dead_convs,
+                "in_progress": total - complete - chain_ended - dead_convs - stranded,
                 "cut_at_tool": int(meta.get("cut_at_tool") or 0),
                 "chain_ended": chain_ended,
+                "ends": dict(sorted(ends.items())),
                 "dead": dead_convs,
+                "stranded": stranded,
+                "stranded_ids": sorted(stranded_ids)[:UNACCOUNTED_IDS],
                 **tools,
             },
             "turns": {
@@ -432,6 +459,18 @@ def confirm_stored(settings: Settings, job: str, client: redis.Redis, examples: 
     absent = pc.invert(pc.is_in(done, value_set=stored_ids.cast(pa.string())))
     missing = done.filter(absent)
     return len(missing), sorted(missing.slice(0, examples).to_pylist())
+
+
+def confirm_chains(settings: Settings, job: str, client: redis.Redis) -> list[str]:
+    """The next prompts that a ``--turns all`` job's stored chains stopped before, with nothing submitted or
+    dead-lettered for them (empty: every conversation is complete, ended with a recorded reason, or has a prompt to
+    run): the rule ``producer verify`` fails on (MISSING TURNS), read from storage the same way
+    (storage/chains.py)."""
+    try:
+        from storage.chains import owed_in_storage
+    except ImportError:  # storage not installed: the answer records' walk (status) is all we know
+        return []
+    return sorted(owed_in_storage(settings, job, client).values())
 
 
 @dataclass

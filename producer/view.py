@@ -167,11 +167,26 @@ def status_view(st: dict[str, Any]) -> Group:
         parts.append(
             Text(
                 f"conversations (--turns all): {_n(c['complete'])}/{c['total']:,} complete, {_n(c['in_progress'])} "
-                f"in progress, {_n(c['chain_ended'])} ended at a tool call, {_n(c.get('dead', 0))} stopped at a dead "
-                f"turn, {c['cut_at_tool']:,} cut at a dataset tool call"
+                f"in progress, {_n(c['chain_ended'])} ended with a recorded reason"
+                + (f" ({', '.join(f'{k} {v:,}' for k, v in c['ends'].items())})" if c.get("ends") else "")
+                + f", {_n(c.get('dead', 0))} stopped at a dead turn, {c['cut_at_tool']:,} cut at a dataset tool call"
                 + (f", {c['tool_errors']:,} tool errors" if "tool_errors" in c else "")
                 + f"   turns: {t['done']:,} done of "
                 f"{t['enqueued']:,} enqueued ({t.get('planned', 0):,} planned)"
+            )
+        )
+    if st.get("conversations") and st["conversations"].get("stranded"):
+        c = st["conversations"]
+        parts.append(
+            Panel(
+                Text(
+                    f"{c['stranded']:,} conversation(s) stopped without a recorded end: the last answer goes on to a "
+                    f"prompt nobody enqueued or dead-lettered, and nothing will run it (producer verify: MISSING "
+                    f"TURNS).\n" + ", ".join(c.get("stranded_ids") or []),
+                    style="bold red",
+                ),
+                title="STRANDED CONVERSATIONS",
+                border_style="red",
             )
         )
     r = st["rates"]

@@ -38,7 +38,9 @@ from storage.spans import KIMI_TOKENS, Spans, SpanTokens, compute_spans_batch, p
 #: ids, checked by ``producer verify``); both null in parts of versions 1–5.
 #: 7: + ``step_index`` and ``tool_args_differ`` (an agentic ``--turns all`` job, ``tool_results`` set:
 #: thinkfleet/tool_steps.py; null for other jobs and parts of versions 1–6).
-SCHEMA_VERSION = "7"
+#: 8: + ``chain_end`` (``--turns all``: how the row's conversation chain goes on or ends, thinkfleet/chain_end.py;
+#: null for single-turn jobs and parts of versions 1–7, whose ends are judged from Redis' answer records).
+SCHEMA_VERSION = "8"
 
 # -- column names (import these instead of spelling strings) ------------------------------------------
 JOB = "job"
@@ -63,6 +65,10 @@ TURN_COUNT = "turn_count"
 #: of tool results), and whether the step's calls' arguments differ from the dataset's (null: no call matched).
 STEP_INDEX = "step_index"
 TOOL_ARGS_DIFFER = "tool_args_differ"
+#: ``--turns all``: "" = the chain goes on (this row's finalize enqueued its next turn or step); "complete" = the
+#: conversation's last answer; else the reason the chain ends here (``tool_mismatch``, ``max_tool_steps``,
+#: ``tool_error``, ``tool_call``, ``error: …``: :mod:`thinkfleet.chain_end`). Null: not a turn, or written before it.
+CHAIN_END = "chain_end"
 INPUT_IDS = "input_ids"
 OUTPUT_IDS = "output_ids"
 REASONING_START = "reasoning_start"
@@ -128,6 +134,7 @@ SCHEMA = pa.schema(
         pa.field(TURN_COUNT, pa.int32()),  # --turns all: turns of the conversation
         pa.field(STEP_INDEX, pa.int32()),  # agentic jobs: the step within the turn (…/t{i}s{j}; 0 = …/t{i})
         pa.field(TOOL_ARGS_DIFFER, pa.bool_()),  # agentic jobs: the calls' arguments differ from the dataset's
+        pa.field(CHAIN_END, pa.string()),  # --turns all: "" goes on, "complete", or why the chain ends here
         # -- tokens: exactly what went in and came out ----------------------------------------------
         pa.field(INPUT_IDS, TOKEN_IDS, nullable=False),  # prompt ids sent to /generate (ends with <think>)
         pa.field(OUTPUT_IDS, TOKEN_IDS, nullable=False),  # every generated id, stop token included

@@ -9,9 +9,12 @@ from the message); the seed's bug — thinking prompts whose
 outputs almost never close reasoning (reasoning alarm); or no submitted set to check against.
 
 Multi-turn jobs (``--turns all``): a later turn joins the submitted set only when a worker enqueues it, so a
-chain that stopped without its turn being enqueued is checked from the stored rows: a conversation whose turn
-i is stored, whose answer record (Redis ``turn_answers``; without Redis, the row itself) has no ``chain_end``
-and whose turn i+1 < ``turn_count`` is neither stored nor dead-lettered fails (``missing_turns``). A turn past
+chain that stopped without its turn being enqueued is checked from the stored rows (storage/chains.py, the rule
+of thinkfleet/chain_end.py that ``producer wait`` confirms too): each conversation's chain is walked from turn 0
+along its committed rows — each row's ``chain_end`` says whether it goes on (to its next step or turn) or ends
+(complete, or a reason); rows written before that column are judged by their Redis answer record — and a chain
+whose last stored row goes on to a prompt that is neither submitted nor dead-lettered fails (``missing_turns``).
+A chain that ended with a recorded reason is never flagged. A turn past
 its conversation's earliest chain end (a re-run of an earlier turn now calls a tool: ``producer retry
 --truncated``) is *superseded* (``thinkfleet.turns.beyond_chain_ends``): listed, neither missing nor an error,
 and ``export`` skips its row.
@@ -41,22 +44,21 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from storage import jobstate, layout, quarantine, reader, stream
+from storage.chains import CHAIN_COLUMNS, RecordReader, redis_records, stored_links
 from storage.checks import CHECK_COLUMNS, ThinkingStats, flat_ids, row_problems
 from storage.manifest import read_submitted
 from storage.schema import (
     CONTENT_HASH,
-    CONVERSATION_ID,
     DATASET,
     IDS_CRC32,
     INPUT_IDS,
     MANIFEST_SCHEMA,
     PROMPT_ID,
     TOOL_CALL_SPANS,
-    TURN_COUNT,
-    TURN_INDEX,
     table_ids_checksums,
 )
 from thinkfleet import profiles
+from thinkfleet.chain_end import owed_successors
 from thinkfleet.message import hash_id_bytes, is_content_hash
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import JobRecord
@@ -201,8 +203,10 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
         report.malformed = {p: malformed[p] for p in sorted(malformed, key=lambda p: (str(dataset_of.get(p)), p))}
     report.hash_mismatch = sorted(checked.hash_mismatch)
     report.checksum_mismatch = sorted(checked.checksum_mismatch)
-    ends = _chain_ends(settings, job) if state.redis_ok else None
-    chain_ends = tool_rows if ends is None else ends
+    # Where each conversation's chain stands, from the rows themselves (their chain_end column: storage/chains.py;
+    # Redis' answer records only for rows written before it): the same rule `producer wait` confirms.
+    convs, links = stored_links(winners, tool_rows, _answer_records(settings, job) if state.redis_ok else None)
+    chain_ends = {pid for pid, link in links.items() if link.ends}
     # (no chain end: nothing is superseded, and the ids need not be walked)
     superseded = beyond_chain_ends(_walk(stored, sub_ids), chain_ends) if chain_ends else set()
     steps = None
@@ -215,11 +219,10 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
     report.missing = [pid for pid in report.missing if pid not in superseded]
     # (a superseded turn also left the submitted set — finalize.lua drops it — so it is listed once, as superseded)
     report.not_submitted = [pid for pid in report.not_submitted if pid not in superseded]
-    if CONVERSATION_ID in winners.column_names and winners[CONVERSATION_ID].null_count < winners.num_rows:
-        # --turns all: Python sets of the ids (a multi-turn job's turns are checked by name)
-        report.missing_turns = missing_turns(winners, set(_walk(stored)) - superseded, set(state.dead), chain_ends)
-        not_turns = set(report.missing) | superseded
-        report.missing_turns = [pid for pid in report.missing_turns if pid not in not_turns]
+    if convs:
+        # --turns all: a chain whose last stored row goes on to a prompt nobody submitted or dead-lettered stopped
+        # without a reason (a submitted one with no row is MISSING above).
+        report.missing_turns = sorted(owed_successors(convs, links, _known(sub_ids, state.dead)).values())
     if steps is not None:
         report.step_prompt_mismatch = steps.mismatches
         report.notes.extend([steps.note] if steps.note else [])
@@ -345,7 +348,7 @@ def _done_ids(settings: Settings, job: str) -> pa.Array | None:
     return _ids(pa.chunked_array(chunks, pa.string()).unique())  # SSCAN may return a member twice
 
 
-_KEY_COLUMNS = [DATASET, CONTENT_HASH, CONVERSATION_ID, TURN_INDEX, TURN_COUNT]
+_KEY_COLUMNS = list(dict.fromkeys([DATASET, CONTENT_HASH, *CHAIN_COLUMNS]))
 _ROW_COLUMNS = [*CHECK_COLUMNS, CONTENT_HASH, IDS_CRC32]
 
 
@@ -414,26 +417,30 @@ def checksum_mismatches(table: pa.Table) -> list[str]:
     return [pids[i] for i in differ.nonzero()[0].tolist()]
 
 
-def missing_turns(winners: pa.Table, stored: set[str], dead: set[str], chain_ends: set[str]) -> list[str]:
-    """--turns all: the prompt ids of turns i+1 that should exist — turn i is stored, did not end its chain
-    (``chain_ends``: turn prompt ids), i+1 < turn_count — but are neither stored nor dead-lettered."""
-    if CONVERSATION_ID not in winners.column_names or winners[CONVERSATION_ID].null_count == winners.num_rows:
-        return []
-    out = []
-    rows = zip(
-        winners[PROMPT_ID].to_pylist(),
-        winners[CONVERSATION_ID].to_pylist(),
-        winners[TURN_INDEX].to_pylist(),
-        winners[TURN_COUNT].to_pylist(),
-        strict=True,
-    )
-    for pid, conv, turn, count in rows:
-        if conv is None or turn is None or count is None or turn + 1 >= count or pid in chain_ends:
-            continue
-        following = f"{conv}/t{turn + 1}"
-        if following not in stored and following not in dead:
-            out.append(following)
-    return sorted(out)
+def _known(submitted: pa.Array, dead: Any) -> Any:
+    """:func:`thinkfleet.chain_end.owed_successors`'s ``present``: the candidates submitted or dead-lettered."""
+
+    def present(prompt_ids: list[str]) -> list[str]:
+        ids = _ids(prompt_ids)
+        known = ids.filter(pc.is_in(ids, value_set=submitted)).to_pylist() if len(submitted) else []
+        return known + [pid for pid in prompt_ids if pid in dead]
+
+    return present
+
+
+def _answer_records(settings: Settings, job: str) -> RecordReader:
+    """Redis' answer records of the rows written before ``chain_end`` (none when Redis does not answer)."""
+    import redis
+
+    def read(prompt_ids: list[str]) -> dict[str, dict[str, Any]]:
+        try:
+            client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+            with client:
+                return redis_records(client, settings.keys.turn_answers(job))(prompt_ids)
+        except (redis.RedisError, OSError):
+            return {}
+
+    return read
 
 
 def _chain_ends(settings: Settings, job: str) -> set[str] | None:

@@ -46,12 +46,15 @@ def test_status_counts_conversations_and_turns(redis_url: str, redis_client: red
     r.hset(answers, "chat/c2/t0", json.dumps({"role": "assistant", "content": "", "chain_end": "tool_call"}))
     r.hset(k.dead("mt"), "chat/c3/t1", json.dumps({"error_class": "context_overflow"}))
     r.hset(k.counters("mt"), mapping={"done": len(done), "turns_enqueued": 4})  # c0 t1,t2; c1 t1; c3 t1
+    # (each enqueued turn joined the submitted set in its finalize: a turn nobody submitted would be stranded)
+    r.hset(k.prompts("mt"), mapping=dict.fromkeys(["chat/c0/t1", "chat/c0/t2", "chat/c1/t1", "chat/c3/t1"], "h"))
 
     result = CliRunner().invoke(cli, ["status", "mt", "--json", "--redis-url", redis_url])
     assert result.exit_code == 0, result.output
     st = json.loads(result.output)
     assert st["conversations"] == {
-        "total": 5, "complete": 1, "in_progress": 2, "cut_at_tool": 1, "chain_ended": 1, "dead": 1,
+        "total": 5, "complete": 1, "in_progress": 2, "cut_at_tool": 1, "chain_ended": 1, "ends": {"tool_call": 1},
+        "dead": 1, "stranded": 0, "stranded_ids": [],
     }  # fmt: skip
     assert st["turns"] == {"planned": 14, "enqueued": 9, "done": 6}
 

@@ -94,7 +94,8 @@ def plan_conversation(messages: list[dict[str, Any]], keep_tools: bool = False) 
 
 
 #: Fields of an answer record (``answers_key``) that are no part of the assistant message: ``chain_end`` (no
-#: turn follows: ``tool_call`` or ``error: …``) and ``revision`` (the revision of the row it was decoded from;
+#: turn follows: ``tool_call`` or ``error: …``; the row's own ``chain_end`` column holds it too, and is the truth:
+#: thinkfleet/chain_end.py) and ``revision`` (the revision of the row it was decoded from;
 #: missing = 0; a re-derived next turn is enqueued one revision above its own recorded answer), and ``signature``
 #: (the deriving worker's, with a signing key: thinkfleet/signing.py).
 #: An agentic job's records add ``next`` (the prompt its finalize enqueued), ``tool_results`` (the ``tool`` messages

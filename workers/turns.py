@@ -29,6 +29,10 @@ the results are fed back and the turn goes on step by step, workers/tool_steps.p
 history has tool calls were cut at the submit (turns up to the first tool call: the conversation record's
 ``cut_at_tool``).
 
+Whatever :meth:`TurnChainer.plan` decides for a row — its successor, or why the chain ends there — is also written
+into the row itself (its ``chain_end`` column, :attr:`NextTurn.chain_end`: thinkfleet/chain_end.py), before the part
+is written: storage alone says where every conversation stands, which ``producer verify`` and ``wait`` check.
+
 A re-run of turn i (``producer retry --truncated``: revision r > 0) re-derives the turns after it. The answer
 record keeps the revision it was decoded from (``"revision"``), and turn i+1 is enqueued one revision above its
 own recorded answer (0 when it has none), so its new row wins the committed view; ``finalize`` takes it out of
@@ -51,6 +55,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import redis.asyncio as aioredis
 
+from storage.schema import CHAIN_END
+from thinkfleet.chain_end import end_of
 from thinkfleet.keys import Keys
 from thinkfleet.message import MessageRefused, PromptTask, content_hash, pack_ids
 from thinkfleet.signing import signer_for
@@ -110,6 +116,13 @@ class NextTurn:
     next_message: bytes = b""
     #: Later turns a chain that ends here no longer derives: out of done/dead (their rows are superseded).
     drop: tuple[str, ...] = ()
+
+    @property
+    def chain_end(self) -> str:
+        """The row's ``chain_end`` column (thinkfleet/chain_end.py): "" when it enqueues its successor, else the
+        answer record's reason, else ``complete`` — the same decision the finalize carries, stored with the row."""
+        reason = json.loads(self.answer).get("chain_end") if not self.next_prompt_id else None
+        return end_of(self.next_prompt_id, str(reason) if reason else None)
 
 
 class _JobTurns:
@@ -217,7 +230,13 @@ class TurnChainer:
         """Per row: None (not a turn of a multi-turn job) or what its finalize records and enqueues."""
         if not await self.multi_turn(job):
             return [None] * len(rows)
-        return [await self._next_or_end(job, dataset, row) for row in rows]
+        out = []
+        for row in rows:
+            nxt = await self._next_or_end(job, dataset, row)
+            if nxt is not None:  # how the chain goes on or ends is stored with the row (storage outlives Redis)
+                row[CHAIN_END] = nxt.chain_end
+            out.append(nxt)
+        return out
 
     async def plan_stored(self, job: str, dataset: str, part: str, prompt_id: str) -> NextTurn | None:
         """:meth:`plan` for a row already in a committed part (the orphan recovery)."""

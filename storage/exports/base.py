@@ -35,6 +35,7 @@ import pyarrow.parquet as pq
 from storage import layout, stream
 from storage.exports.tool_steps import stale_steps
 from storage.schema import (
+    CHAIN_END,
     CONVERSATION_ID,
     DATASET,
     FINISH_REASON,
@@ -47,7 +48,9 @@ from storage.schema import (
     SPAN_COLUMNS,
     STEP_INDEX,
     TOOL_CALL_SPANS,
+    TURN_COUNT,
 )
+from thinkfleet.chain_end import stored_link
 from thinkfleet.settings import Settings
 from thinkfleet.turns import beyond_chain_ends
 
@@ -168,8 +171,9 @@ class Rows:
         self._superseded: set[str] | None = None
 
     def superseded(self) -> set[str]:
-        """--turns all: the turn rows past their conversation's chain end — a stored turn whose output calls a
-        tool ends it (a re-run of an earlier turn may end it before turns stored earlier): not current, skipped
+        """--turns all: the turn rows past their conversation's chain end — a stored row whose ``chain_end`` says
+        it ends the chain (thinkfleet/chain_end.py; a re-run of an earlier turn may end it before turns stored
+        earlier): not current, skipped
         (``thinkfleet.turns.beyond_chain_ends``; ``producer verify`` lists them); an agentic job's steps no current
         chain reaches too (storage/exports/tool_steps.py)."""
         if self._superseded is None:
@@ -185,7 +189,7 @@ class Rows:
     def _turns_of(self, dataset: str) -> tuple[list[str], list[str]]:
         """(turn prompt ids, those whose output calls a tool) of a dataset; nothing more is read when no
         committed row has a conversation (a single-turn job: the keys say so)."""
-        columns = [PROMPT_ID, CONVERSATION_ID, TOOL_CALL_SPANS, STEP_INDEX]
+        columns = [PROMPT_ID, CONVERSATION_ID, TOOL_CALL_SPANS, STEP_INDEX, TURN_COUNT, CHAIN_END]
         for _ in range(stream.REPLANS):
             plan = stream.plan(self.loc, self.job, [dataset], [CONVERSATION_ID], columns=columns,
                                memory_bytes=self.memory_bytes)  # fmt: skip
@@ -198,10 +202,17 @@ class Rows:
                     table = table.filter(pc.is_valid(table[CONVERSATION_ID]))
                     ids = table[PROMPT_ID].to_pylist()
                     pids += ids
-                    calls = table[TOOL_CALL_SPANS].to_pylist()
-                    # An agentic job's step (step_index set) that calls a tool goes on with its results: no chain end.
-                    steps = table[STEP_INDEX].to_pylist()
-                    ends += [pid for pid, c, s in zip(ids, calls, steps, strict=True) if c and s is None]
+                    # Each row's own chain_end (thinkfleet/chain_end.py); a row written before that column: a plain
+                    # turn that calls a tool ended its chain (an agentic step that calls goes on with its results).
+                    rows = zip(
+                        ids, table[TURN_COUNT].to_pylist(), table[STEP_INDEX].to_pylist(),
+                        table[TOOL_CALL_SPANS].to_pylist(), table[CHAIN_END].to_pylist(), strict=True,
+                    )  # fmt: skip
+                    for pid, count, step, calls, end in rows:
+                        if end is None and step is not None:
+                            continue
+                        if stored_link(pid, int(count or 0), step, bool(calls), end).ends:
+                            ends.append(pid)
             except stream.PlanStale:
                 continue
             return pids, ends
