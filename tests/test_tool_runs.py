@@ -3,9 +3,12 @@
 End to end: an agentic executor job on a simulator that draws a new output for every request
 (``--sample-per-request``: a regenerated step calls other tools, or the same ones, or none), workers SIGKILLed four
 times after an executor's results are recorded and before the step's part is written (failpoint
-``after_tool_record``), restarted each time. Then no conversation ends ``tool_error`` (no executor failed), every
+``after_tool_record``), restarted each time, and one worker SIGSTOPped after its executor answered and before the
+record, continued once its steps were taken over and stored. Then no conversation ends ``tool_error`` (no executor
+failed; but where a live run drew exactly the calls the stopped one had called: their outcome is unknown), every
 step's recorded results answer the calls of the step as stored, some step was regenerated with other calls and
-ran its tools again, and no executor call id (one per step revision and calls) was called twice.
+ran its tools again, no executor call id (one per step revision and calls) was called twice, and the paused
+worker, fenced, recorded nothing.
 
 With a real Redis and real claims (thinkfleet/state/ledger.py): a run whose claim another run took over neither
 calls the executor nor records results — before the call, nor when the takeover happens during it — and a step
@@ -31,7 +34,7 @@ from sglang_sim.tools import write_catalogue
 from storage.conversations import ToolMarkers, output_message
 from storage.reader import raw_duplicates, read_committed
 from testing.datasets import write_jsonl
-from testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
+from testing.fleet import WorkerProcess, dead_letters, in_flight, job_progress, wait_until
 from testing.harness import fast_env, isolated_settings, producer_cli, simulator
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet import failpoints
@@ -79,6 +82,9 @@ class KilledRun:
     fp_dir: Path
     executor_log: Path
     restarts: int
+    #: The paused worker's executor records as they were while it was stopped (field → record).
+    frozen: dict[str, dict[str, Any]]
+    zombie_log: Path
 
 
 def _rows() -> list[dict[str, Any]]:
@@ -96,11 +102,16 @@ def _rows() -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def killed_run(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilledRun]:
+    """The job on three workers: ``w-zombie`` alone first, SIGSTOPped right after its first executor call (before
+    its record) and continued once every step it held was stored by the others — its calls' records must stay
+    pending marks; ``w0`` and ``w1``, SIGKILLed four times between them after a record (each restarted)."""
     tmp_path = tmp_path_factory.mktemp("tool-runs")
-    (tmp_path / "logs").mkdir()
+    logs = tmp_path / "logs"
+    logs.mkdir()
     fp_dir = tmp_path / "failpoints"
     fp_dir.mkdir()
     settings = isolated_settings(redis_server.url(0), str(tmp_path / "out"))
+    keys = settings.keys
     client = redis.Redis.from_url(settings.redis_url)
     tok_dir = Path(build_test_tokenizer(default_test_tokenizer_dir()))
     catalogue = write_catalogue(tmp_path / "tools.json", load_tokenizer(str(tok_dir)), "kimi", TOOLS)
@@ -112,12 +123,14 @@ def killed_run(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFacto
     sim_args = ["--tool-catalogue", str(catalogue), "--time-scale", "400", "--sample-per-request"]
     for key, value in SIM_CONTENT.items():
         sim_args += [f"--{key.replace('_', '-')}", str(value)]
-    with simulator(tmp_path / "logs", *sim_args) as sim:
+    with simulator(logs, *sim_args) as sim:
         # Deaths here are the test's, not the prompts': a step killed twice must not become a suspect.
         env = fast_env(settings, sim, max_inflight=4, lease_s=3, reaper_interval_s=0.5, max_deliveries=20)
-        env.update({TRUSTED_ENV: spec, failpoints.ENV: "after_tool_record=kill", failpoints.DIR_ENV: str(fp_dir)})
-        env[failpoints.TIMES_ENV] = str(KILLS)
-        workers = [WorkerProcess(f"w{i}", env, tmp_path / "logs").start() for i in range(2)]
+        env.update({TRUSTED_ENV: spec, failpoints.DIR_ENV: str(fp_dir)})
+        env.pop(failpoints.TIMES_ENV, None)
+        killing = {**env, failpoints.ENV: "after_tool_record=kill", failpoints.TIMES_ENV: str(KILLS)}
+        zombie = WorkerProcess("w-zombie", {**env, failpoints.ENV: "after_tool_call=stop:1"}, logs).start()
+        workers = [zombie]
         restarts = 0
         try:
             submitted = producer_cli(
@@ -126,21 +139,35 @@ def killed_run(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFacto
                 "--tool-results", "executor", "--tool-executor", spec, "--max-tool-steps", "6", "--json",
             )  # fmt: skip
             assert submitted.returncode == 0, submitted.stderr
+            wait_until(zombie.stopped, 240, what="w-zombie stopped after its first executor call")
+            held = in_flight(client, keys, job, zombie.name)
+            records = {k.decode(): json.loads(v) for k, v in client.hgetall(keys.tool_calls(job)).items()}
+            frozen = {f: r for f, r in records.items() if r.get("worker") == zombie.name}
+            assert frozen and all(r.get(PENDING) for r in frozen.values()), records
+            workers += [WorkerProcess(f"w{i}", killing, logs).start() for i in range(2)]
 
             def settled() -> bool:
-                # A killed worker comes back under its name (its claims are let go at start, its steps run again).
+                # A killed worker comes back under its name (its claims are let go at start, its steps run again);
+                # the zombie comes back once the others stored every step it held.
                 nonlocal restarts
-                for w in workers:
+                for w in workers[1:]:
                     if not w.alive():
                         w.start()
                         restarts += 1
-                p = job_progress(client, settings.keys, job)
+                if zombie.stopped() and not client.smismember(keys.done(job), list(held)).count(0):
+                    zombie.cont()
+                p = job_progress(client, keys, job)
                 kills = sum((fp_dir / f"failpoint-after_tool_record-{n}").exists() for n in range(KILLS))
-                return kills == KILLS and p["done"] > 0 and p["done"] + p["dead"] == p["submitted"]
+                fenced = int(client.hget(keys.counters(job), "fenced") or 0)
+                finished = p["done"] > 0 and p["done"] + p["dead"] == p["submitted"]
+                return kills == KILLS and not zombie.stopped() and fenced > 0 and finished
 
-            wait_until(settled, 300, what="every step of the agentic job, after four kills")
-            yield KilledRun(settings, client, job, tok_dir, fp_dir, Path(f"{executor}.calls"), restarts)
+            wait_until(settled, 300, what="every step of the agentic job, after four kills and a pause")
+            yield KilledRun(
+                settings, client, job, tok_dir, fp_dir, Path(f"{executor}.calls"), restarts, frozen, zombie.log_path
+            )
         finally:
+            zombie.cont()
             for w in workers:
                 w.terminate()
             client.close()
@@ -160,9 +187,13 @@ def test_a_step_regenerated_after_its_tool_ran_runs_its_own_calls_and_never_ends
     assert raw_duplicates(run.settings.output_uri, run.job).num_rows == 0
     answers = _answers(run)
     ended = {pid: a for pid, a in answers.items() if a.get("chain_end") == "tool_error"}
-    assert ended == {}, f"no executor failed, yet chains ended tool_error: {ended}"
+    # No executor failed: a chain may end tool_error only where the step's live run drew exactly the calls the
+    # paused zombie had called (its outcome unknown, never recorded: not called a second time).
+    for pid, a in ended.items():
+        field = record_field(pid, int(a.get("revision") or 0), calls_digest(answer_message(a)["tool_calls"]))
+        assert field in run.frozen and "no recorded outcome" in a["tool_error"], (pid, a.get("tool_error"))
     counters = run.client.hgetall(run.settings.keys.counters(run.job))
-    assert int(counters.get(b"tool_errors", 0)) == 0
+    assert int(counters.get(b"tool_errors", 0)) == len(ended)
 
     # Every step's recorded results answer the calls of the step as stored (decoded from its committed row).
     record = JobRecord.load(run.client, run.settings.keys, run.job)
@@ -198,6 +229,27 @@ def test_a_step_regenerated_after_its_tool_ran_runs_its_own_calls_and_never_ends
     assert ids and len(ids) == len(set(ids)), Counter(ids).most_common(3)
     per_step = Counter(request[0].split("@")[0] for request in requests)
     assert any(n >= 2 for n in per_step.values()), "a step regenerated after its tool ran called its tools again"
+
+
+def test_a_worker_paused_after_its_executor_call_records_nothing_once_its_step_was_taken_over(
+    killed_run: KilledRun,
+) -> None:
+    run = killed_run
+    assert (run.fp_dir / "failpoint-after_tool_call-0").exists()
+    records = {k.decode(): json.loads(v) for k, v in run.client.hgetall(run.settings.keys.tool_calls(run.job)).items()}
+    # Its executor ran, but what it answered was never recorded: its marks are as they were while it was stopped
+    # (the live runs that took its steps over called their own calls, or found the mark and did not call again).
+    assert {f: records[f] for f in run.frozen} == run.frozen
+    assert all(r.get(PENDING) and "results" not in r for r in run.frozen.values())
+    log = run.zombie_log.read_text(errors="replace")
+    assert "during its executor call: not recorded" in log, "the zombie came back and was fenced at its record"
+    assert int(run.client.hget(run.settings.keys.counters(run.job), "fenced") or 0) >= 1
+    # No answer record carries results the zombie got: each step's results answer its stored calls (above), and no
+    # record of the zombie's calls holds results.
+    for pid, answer in _answers(run).items():
+        if answer.get("tool_results"):
+            digest = calls_digest(answer_message(answer)["tool_calls"])
+            assert record_field(pid, int(answer.get("revision") or 0), digest) not in run.frozen
 
 
 # -- fencing, with real claims ---------------------------------------------------------------------------------
