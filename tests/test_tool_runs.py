@@ -3,7 +3,7 @@
 End to end: an agentic executor job on a simulator that draws a new output for every request
 (``--sample-per-request``: a regenerated step calls other tools, or the same ones, or none), workers SIGKILLed four
 times after an executor's results are recorded and before the step's part is written (failpoint
-``after_tool_record``), restarted each time, and one worker SIGSTOPped after its executor answered and before the
+``after_tool_record``), restarted each time, and one worker SIGSTOPped during its executor call, before the
 record, continued once its steps were taken over and stored. Then no conversation ends ``tool_error`` (no executor
 failed; but where a live run drew exactly the calls the stopped one had called: their outcome is unknown), every
 step's recorded results answer the calls of the step as stored, some step was regenerated with other calls and
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -62,13 +64,23 @@ CONVERSATIONS, TURNS, KILLS = 6, 2, 4
 TOOLS = [("calculator", {"expression": f"{a} * {a + 1}"}) for a in range(24)]
 SIM_CONTENT = {"tool_call_share": 0.75, "length_median_tokens": 40.0, "max_tool_calls": 2}
 #: Logs every request (its call ids) and answers each call with what it was asked: a result says which call it
-#: answers.
+#: answers. While a ``.hold`` file is next to it, the first call to find it (``.held``) waits until it is gone.
 EXECUTOR = """
-import json
+import json, os, pathlib, time
+HERE = pathlib.Path(__file__)
 
 def execute(request):
     with open(__file__ + ".calls", "a") as f:
         f.write(json.dumps([call["id"] for call in request["calls"]]) + "\\n")
+    hold = HERE.with_suffix(".hold")
+    if hold.exists():
+        try:
+            os.close(os.open(HERE.with_suffix(".held"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            pass
+        else:
+            while hold.exists():
+                time.sleep(0.05)
     return [json.dumps({"name": c["name"], "arguments": c["arguments"]}) for c in request["calls"]]
 """
 
@@ -102,9 +114,9 @@ def _rows() -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def killed_run(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilledRun]:
-    """The job on three workers: ``w-zombie`` alone first, SIGSTOPped right after its first executor call (before
-    its record) and continued once every step it held was stored by the others — its calls' records must stay
-    pending marks; ``w0`` and ``w1``, SIGKILLed four times between them after a record (each restarted)."""
+    """The job on three workers: ``w-zombie`` alone first, SIGSTOPped during its first executor call (before its
+    record) and continued once every step it held was stored by the others — its call's record must stay a
+    pending mark; ``w0`` and ``w1``, SIGKILLed four times between them after a record (each restarted)."""
     tmp_path = tmp_path_factory.mktemp("tool-runs")
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -129,9 +141,12 @@ def killed_run(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFacto
         env.update({TRUSTED_ENV: spec, failpoints.DIR_ENV: str(fp_dir)})
         env.pop(failpoints.TIMES_ENV, None)
         killing = {**env, failpoints.ENV: "after_tool_record=kill", failpoints.TIMES_ENV: str(KILLS)}
-        zombie = WorkerProcess("w-zombie", {**env, failpoints.ENV: "after_tool_call=stop:1"}, logs).start()
+        # The zombie's held call must not time out (and be tried again) while it is stopped.
+        zombie = WorkerProcess("w-zombie", {**env, "THINKFLEET_TOOL_TIMEOUT_S": "600"}, logs).start()
         workers = [zombie]
         restarts = 0
+        hold, held = executor.with_suffix(".hold"), executor.with_suffix(".held")
+        hold.touch()
         try:
             submitted = producer_cli(
                 settings, "submit", str(data), "--job", job, "--tokenizer", str(tok_dir), "--processes", "1",
@@ -139,8 +154,14 @@ def killed_run(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFacto
                 "--tool-results", "executor", "--tool-executor", spec, "--max-tool-steps", "6", "--json",
             )  # fmt: skip
             assert submitted.returncode == 0, submitted.stderr
-            wait_until(zombie.stopped, 240, what="w-zombie stopped after its first executor call")
-            held = in_flight(client, keys, job, zombie.name)
+            # The zombie alone, until its first executor call is under way (its pending mark recorded); then it is
+            # stopped (a GC pause, a frozen VM) and the call may return — it will once the zombie is continued.
+            wait_until(held.exists, 240, what="w-zombie's first executor call")
+            assert zombie.proc is not None
+            os.kill(zombie.proc.pid, signal.SIGSTOP)
+            wait_until(zombie.stopped, 60, what="w-zombie stopped")
+            hold.unlink()
+            held_steps = in_flight(client, keys, job, zombie.name)
             records = {k.decode(): json.loads(v) for k, v in client.hgetall(keys.tool_calls(job)).items()}
             frozen = {f: r for f, r in records.items() if r.get("worker") == zombie.name}
             assert frozen and all(r.get(PENDING) for r in frozen.values()), records
@@ -154,7 +175,7 @@ def killed_run(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFacto
                     if not w.alive():
                         w.start()
                         restarts += 1
-                if zombie.stopped() and not client.smismember(keys.done(job), list(held)).count(0):
+                if zombie.stopped() and not client.smismember(keys.done(job), list(held_steps)).count(0):
                     zombie.cont()
                 p = job_progress(client, keys, job)
                 kills = sum((fp_dir / f"failpoint-after_tool_record-{n}").exists() for n in range(KILLS))
@@ -167,6 +188,7 @@ def killed_run(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFacto
                 settings, client, job, tok_dir, fp_dir, Path(f"{executor}.calls"), restarts, frozen, zombie.log_path
             )
         finally:
+            hold.unlink(missing_ok=True)
             zombie.cont()
             for w in workers:
                 w.terminate()
@@ -235,7 +257,6 @@ def test_a_worker_paused_after_its_executor_call_records_nothing_once_its_step_w
     killed_run: KilledRun,
 ) -> None:
     run = killed_run
-    assert (run.fp_dir / "failpoint-after_tool_call-0").exists()
     records = {k.decode(): json.loads(v) for k, v in run.client.hgetall(run.settings.keys.tool_calls(run.job)).items()}
     # Its executor ran, but what it answered was never recorded: its marks are as they were while it was stopped
     # (the live runs that took its steps over called their own calls, or found the mark and did not call again).
