@@ -144,8 +144,9 @@ class Keys:
         return f"{self.prefix}:job:{job}:turn_answers"
 
     def tool_calls(self, job: str) -> str:
-        """HASH ``{step prompt id}@{revision}`` → JSON of an agentic job's executor results for that step (or its
-        ``pending`` mark while the call runs): the idempotency record of workers/tool_exec.py."""
+        """HASH ``{step prompt id}@{revision}:{calls digest}`` → JSON of an agentic job's executor results for those
+        calls of that step revision (or its ``pending`` mark while the call runs), with the ``epoch`` and ``worker``
+        of the run that made them: the idempotency record of workers/tool_exec.py (state/lua/tool_calls.lua)."""
         return f"{self.prefix}:job:{job}:tool_calls"
 
     def job_glob(self, job: str) -> str:

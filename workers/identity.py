@@ -272,6 +272,10 @@ class GuardedLedger(Ledger):
         self._refuse()
         return await super().dead_letter(*args, **kwargs)
 
+    async def tool_call(self, *args: Any, **kwargs: Any) -> Any:
+        self._refuse()
+        return await super().tool_call(*args, **kwargs)
+
     async def abandon_claims(self, *args: Any, **kwargs: Any) -> Any:
         if self.suspended is not None:
             return 0  # the claims under the name may be the other process's

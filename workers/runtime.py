@@ -177,6 +177,7 @@ class WorkerRuntime:
             on_up=self._server_up,
             metrics=self.metrics,
         )
+        chainer.ledger = self.ledger  # an agentic step's executor call is fenced by the run's claim
         chainer.served_model = lambda: self.gate.info.model_path if self.gate.info else None  # tokenizer roots
         self.attempts = RequestAttempts(
             s, self.client, self.gate, self.metrics, lambda: self.draining, on_idle=self.committer.flush_soon

@@ -3,19 +3,28 @@
 The executor is the user's: a Python callable (``module:function`` or ``path/to/file.py:function``, async or sync)
 or an HTTP endpoint (``http(s)://…``, POSTed JSON), named by the job (``--tool-executor``). It receives
 ``{"job", "conversation", "turn", "step", "calls": [{"id", "name", "arguments"}]}`` — arguments as decoded from the
-native tool-call tokens, ``id`` a *stable* call id (``{step prompt id}@r{revision}#{i}``: the same for every attempt
-of that step revision) — and returns one result per call (a list of strings or ``{"content": …}`` objects).
+native tool-call tokens, ``id`` a *stable* call id (``{step prompt id}@r{revision}:{calls digest}#{i}``: the same for
+every attempt of that step revision that makes these calls, another for other calls) — and returns one result per
+call (a list of strings or ``{"content": …}`` objects).
 
 A worker runs only executors it is told to trust (``THINKFLEET_TOOL_EXECUTORS`` / ``worker --tool-executors``,
 comma-separated specs; "*" = any): the spec comes from the job record in Redis, and importing a module named there
 would run whatever code a Redis writer chose.
 
-Exactly once, per step revision: the call is marked ``pending`` in ``Keys.tool_calls`` (HSETNX: one caller wins)
-before it runs and its results are written there (before the step's finalize enqueues the next step). A later
-attempt — the orphan recovery of a worker killed after the call, a redelivery — finds the results and reuses them
-without calling again; one that finds only the ``pending`` mark cannot know whether the call happened and ends the
-chain (``tool_error``) rather than call twice. An error or timeout is retried (``executor_retries`` more times,
-inside the one mark), then ends the chain with its reason (``chain_end: tool_error``, counted as ``tool_errors``).
+At most once, per step revision *and calls*: a record in ``Keys.tool_calls`` is keyed by the step revision and the
+digest of the decoded calls it answers (:func:`record_field`), so results are only ever fed back to the calls they
+answer. A run marks the record ``pending`` before it calls the executor and records the outcome over its mark after
+(before its part is written and its finalize enqueues the next step), both through one Lua check-and-set that
+also checks the run's claim (thinkfleet/state/lua/tool_calls.lua): a fenced run — paused past its lease, its step
+taken over — neither calls nor records (:class:`ToolFenced`; its row is refused at mark_part). A later attempt with
+the same calls — the orphan recovery of a worker killed after the record, a redelivery, a regenerated step that
+drew the same calls — reuses the recorded results without calling again; a regenerated step whose answer makes
+*other* calls (a kill after the record, before the part write, and the model sampled anew) has its own record and
+runs its tools once. One that finds only another run's ``pending`` mark for its calls cannot know whether the call
+happened and ends the chain (``tool_error``) rather than call twice. An error or timeout is retried
+(``executor_retries`` more times, inside the one mark), then ends the chain with its reason (``chain_end:
+tool_error``, counted as ``tool_errors``). The outcome is kept in memory until Redis took its record: a commit
+retried after a Redis error records it rather than calling again.
 Calls run with their own timeout and bounded concurrency. Timeout, retries and concurrency are the worker's settings
 (``THINKFLEET_TOOL_TIMEOUT_S``, ``_RETRIES``, ``_CONCURRENCY``; ``worker --tool-timeout-s …``): how hard a host
 may drive a tool is the host's call, like its in-flight bound.
@@ -29,16 +38,15 @@ import importlib
 import importlib.util
 import inspect
 import json
+import logging
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from thinkfleet.failpoints import failpoint
-from thinkfleet.keys import Keys
 from thinkfleet.settings import Settings
+from thinkfleet.state.ledger import Fence, Ledger
 
 #: The environment variable that lists the executors a worker runs (the ``tool_executors`` setting).
 TRUSTED_ENV = "THINKFLEET_TOOL_EXECUTORS"
@@ -48,13 +56,21 @@ DEFAULT_RETRIES: int = Settings.model_fields["tool_retries"].default
 DEFAULT_CONCURRENCY: int = Settings.model_fields["tool_concurrency"].default
 PENDING = "pending"
 
+log = logging.getLogger("thinkfleet.worker")
+
 
 class ToolExecError(Exception):
     """The executor failed (after its retries), timed out, or its outcome is unknown."""
 
 
-def stable_call_id(step_prompt_id: str, revision: int, index: int) -> str:
-    return f"{step_prompt_id}@r{revision}#{index}"
+class ToolFenced(Exception):
+    """This run's claim is not current (another run took the step over): it calls and records nothing, and its
+    row is fenced at mark_part."""
+
+
+def stable_call_id(step_prompt_id: str, revision: int, digest: str, index: int) -> str:
+    """Call ``index`` of the step revision's calls whose :func:`calls_digest` is ``digest``."""
+    return f"{step_prompt_id}@r{revision}:{digest}#{index}"
 
 
 def trusted(spec: str, allowed_specs: str | None = None) -> bool:
@@ -102,6 +118,8 @@ class ToolExecutor:
         self.spec, self.timeout_s, self.retries = spec, timeout_s, retries
         self._sem = asyncio.Semaphore(max(1, concurrency))
         self._fn = None if spec.startswith(("http://", "https://")) else load_callable(spec)
+        #: field → an outcome this process got from the executor and has not recorded yet (its record raised).
+        self.unrecorded: dict[str, dict[str, Any]] = {}
 
     @classmethod
     def for_worker(cls, spec: str, settings: Settings) -> ToolExecutor:
@@ -139,9 +157,18 @@ class ToolExecutor:
         raise ToolExecError(f"executor {self.spec!r} failed: {type(last).__name__}: {last}")
 
 
+def calls_digest(calls: Sequence[dict[str, Any]]) -> str:
+    """The identity of a run's decoded calls (names and arguments, in order): what a record answers."""
+    return hashlib.sha256(json.dumps([c.get("function") for c in calls], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def record_field(step_prompt_id: str, revision: int, digest: str) -> str:
+    """The ``Keys.tool_calls`` field of one step revision's calls (:func:`calls_digest`)."""
+    return f"{step_prompt_id}@{revision}:{digest}"
+
+
 async def executed_results(
-    client: aioredis.Redis,
-    keys: Keys,
+    ledger: Ledger,
     executor: ToolExecutor,
     job: str,
     step_prompt_id: str,
@@ -150,41 +177,36 @@ async def executed_results(
     calls: Sequence[dict[str, Any]],
 ) -> list[dict[str, Any]]:
     """The ``tool`` messages for ``calls`` of this step revision: recorded ones, else the executor's, recorded
-    first (see the module docstring). ``where``: {conversation, turn, step}."""
-    key, field = keys.tool_calls(job), f"{step_prompt_id}@{revision}"
-    # The calls the record answers: another generation of this step revision (its first row never committed, the
-    # prompt run again) may call otherwise, and must not be answered with these results.
-    digest = hashlib.sha256(json.dumps([c.get("function") for c in calls], sort_keys=True).encode()).hexdigest()[:16]
-    recorded = await client.hget(key, field)
-    if recorded is None and await client.hsetnx(key, field, json.dumps({PENDING: True, "calls": digest})):
+    first (see the module docstring). ``where``: {conversation, turn, step}. ToolFenced: this run's claim is not
+    current (nothing called or recorded)."""
+    digest = calls_digest(calls)
+    field = record_field(step_prompt_id, revision, digest)
+    own = {"calls": digest, "epoch": (ledger.fence(job, step_prompt_id) or Fence()).epoch, "worker": ledger.worker}
+    state, found = await ledger.tool_call(job, step_prompt_id, "mark", field, json.dumps({PENDING: True, **own}))
+    if state == "fenced":
+        raise ToolFenced(f"{step_prompt_id}: its claim is held by {found}: the executor is not called")
+    record = json.loads(found) if state == "recorded" else {PENDING: True}
+    kept = executor.unrecorded.get(field)
+    if state == "marked" or (_own(record, own) and kept is not None and kept.get("epoch") == own["epoch"]):
         request = {
             "job": job,
             **where,
             "calls": [
                 {
-                    "id": stable_call_id(step_prompt_id, revision, i),
+                    "id": stable_call_id(step_prompt_id, revision, digest, i),
                     "name": (c.get("function") or {}).get("name", ""),
                     "arguments": (c.get("function") or {}).get("arguments", ""),
                 }
                 for i, c in enumerate(calls)
             ],
         }
-        try:
-            results = await executor.run(request)
-        except ToolExecError as exc:
-            await client.hset(key, field, json.dumps({"error": str(exc), "calls": digest}))
-            raise
-        failpoint("after_tool_call", step_prompt_id)
-        await client.hset(key, field, json.dumps({"results": results, "calls": digest}, ensure_ascii=False))
-        failpoint("after_tool_record", step_prompt_id)
-        recorded = await client.hget(key, field)
-    record = json.loads(recorded) if recorded is not None else {PENDING: True}
+        record = await _call_and_record(ledger, executor, job, step_prompt_id, field, own, request)
     if "error" in record:
         raise ToolExecError(str(record["error"]))
     if "results" not in record:
         raise ToolExecError(f"{step_prompt_id}: an earlier attempt's executor call has no recorded outcome")
-    if record.get("calls") != digest:
-        raise ToolExecError(f"{step_prompt_id}: the recorded results answer other calls (an earlier generation's)")
+    if record.get("calls") != digest:  # the field names the digest: only a foreign write gets here
+        raise ToolExecError(f"{step_prompt_id}: the recorded results answer other calls")
     return [
         {
             "role": "tool",
@@ -194,3 +216,39 @@ async def executed_results(
         }
         for i, (call, r) in enumerate(zip(calls, record["results"], strict=True))
     ]
+
+
+def _own(record: dict[str, Any], own: dict[str, Any]) -> bool:
+    """``record`` is this run's own pending mark (its outcome not recorded: a Redis error after the call)."""
+    return bool(record.get(PENDING)) and (record.get("epoch"), record.get("worker")) == (own["epoch"], own["worker"])
+
+
+async def _call_and_record(
+    ledger: Ledger,
+    executor: ToolExecutor,
+    job: str,
+    step_prompt_id: str,
+    field: str,
+    own: dict[str, Any],
+    request: dict[str, Any],
+) -> dict[str, Any]:
+    """Call the executor once for this run (an outcome it kept from a failed record is recorded again instead),
+    then record the outcome over our pending mark while our claim is current."""
+    outcome = executor.unrecorded.get(field)
+    if outcome is None or outcome.get("epoch") != own["epoch"]:
+        try:
+            outcome = {"results": await executor.run(request), **own}
+        except ToolExecError as exc:
+            outcome = {"error": str(exc), **own}
+        failpoint("after_tool_call", step_prompt_id)
+        # Kept until Redis answers the record: a commit retried after a Redis error records it, not a second call.
+        executor.unrecorded[field] = outcome
+    state, found = await ledger.tool_call(job, step_prompt_id, "record", field, json.dumps(outcome, ensure_ascii=False))
+    executor.unrecorded.pop(field, None)
+    if state == "fenced":
+        log.warning("fenced: %s/%s lost its claim (now %s) during its executor call: not recorded", job, field, found)
+        raise ToolFenced(f"{step_prompt_id}: its claim is held by {found}: the executor's outcome is not recorded")
+    if state != "recorded":
+        raise ToolExecError(f"{step_prompt_id}: another run's record holds these calls: {found[:200]}")
+    failpoint("after_tool_record", step_prompt_id)
+    return outcome

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import TYPE_CHECKING, Any
 
 from thinkfleet.tool_steps import (
@@ -32,10 +33,12 @@ from thinkfleet.tool_steps import (
     step_messages,
 )
 from thinkfleet.turns import answers_key, split_step_id, step_id, turn_id
-from workers.tool_exec import ToolExecError
+from workers.tool_exec import ToolExecError, ToolFenced
 
 if TYPE_CHECKING:
     from workers.turns import NextTurn, TurnChainer, _JobTurns
+
+log = logging.getLogger(__name__)
 
 #: Steps a history walk follows at most (a record cycle would otherwise never end).
 MAX_WALK = 10_000
@@ -75,6 +78,11 @@ async def next_step(
                 recorded["tool_results"] = await _execute(
                     chainer, job, pid, revision, (conv_id, turn, step), calls, meta
                 )
+            except ToolFenced as exc:
+                # Another run holds the step now: ours calls nothing, records nothing, and mark_part refuses its row
+                # (the fence is dropped) — nor does its finalize write an answer if it ever got there.
+                log.warning("fenced: %s/%s: %s", job, pid, exc)
+                return NextTurn(pid, "")
             except ToolExecError as exc:
                 await chainer.r.hincrby(chainer.keys.counters(job), "tool_errors", 1)
                 recorded["tool_error"] = str(exc)
@@ -141,7 +149,8 @@ async def _execute(
     calls: list[dict[str, Any]],
     meta: dict[str, Any],
 ) -> list[dict[str, Any]]:
-    """The executor's results for this step revision (workers/tool_exec.py: recorded before the next step is)."""
+    """The executor's results for this step revision's calls (workers/tool_exec.py: recorded before the next step
+    is, fenced by this run's claim in the worker's ledger)."""
     from workers.tool_exec import ToolExecutor, executed_results
 
     executors: dict[str, ToolExecutor] = chainer.__dict__.setdefault("_executors", {})
@@ -149,7 +158,9 @@ async def _execute(
         executors[job] = ToolExecutor.for_worker(str(meta.get("executor") or ""), chainer.settings)
     conv_id, turn, step = where
     place = {"conversation": conv_id, "turn": turn, "step": step}
-    return await executed_results(chainer.r, chainer.keys, executors[job], job, pid, revision, place, calls)
+    if chainer.ledger is None:
+        raise ToolExecError(f"{pid}: no claim ledger here to fence its executor call by (a worker's chainer has one)")
+    return await executed_results(chainer.ledger, executors[job], job, pid, revision, place, calls)
 
 
 def _cut(jt: _JobTurns, row: dict[str, Any]) -> bool:

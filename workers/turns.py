@@ -137,6 +137,8 @@ class TurnChainer:
 
     def __init__(self, client: aioredis.Redis, keys: Keys, settings: Any, writer: Any = None) -> None:
         self.r, self.keys, self.settings, self.writer = client, keys, settings, writer
+        #: The worker's ledger (set by the runtime): an agentic step's executor call is fenced by its claim there.
+        self.ledger: Any = None
         self.queue: str = settings.queue
         self._mode: dict[str, bool] = {}
         #: The job's ``turns`` record (its agentic settings: thinkfleet/tool_steps.py).

@@ -170,6 +170,7 @@ class Ledger:
         self._finalize = client.register_script(lua("finalize"))
         self._abandon = client.register_script(lua("abandon"))
         self._dead_letter = client.register_script(lua("dead_letter"))
+        self._tool_calls = client.register_script(lua("tool_calls"))
 
     def _claim_json(self, part: str | None = None, isolated: bool = False) -> str:
         claim: dict[str, Any] = {"worker": self.worker, "part": part, "at": time.time()}
@@ -488,6 +489,21 @@ class Ledger:
             except ResponseError as exc:  # e.g. WRONGTYPE: a foreign key where the claims hash belongs
                 log.warning("abandon_claims: skipping job %r: %s", job, exc)
         return abandoned
+
+    async def tool_call(self, job: str, prompt_id: str, mode: str, field: str, value: str) -> tuple[str, str]:
+        """An agentic step's executor record (workers/tool_exec.py), fenced by our claim (tool_calls.lua): ``mark``
+        writes the pending mark ``value`` before the executor is called, ``record`` its outcome over our mark.
+        Returns (state, detail) as tool_calls.lua does; a fenced run's fence goes, so mark_part refuses its row."""
+        k = self.keys
+        epoch, generation = self._fence(job, prompt_id)
+        keys = [k.claims(job), k.done(job), k.dead(job), k.job(job), k.tool_calls(job)]
+        args = [mode, prompt_id, field, self.worker, epoch, generation, value, f"{time.time():.6f}"]
+        state, detail = (
+            v.decode() if isinstance(v, bytes) else str(v) for v in await self._tool_calls(keys=keys, args=args)
+        )
+        if state == "fenced":
+            self._drop(job, prompt_id)
+        return state, detail
 
     async def raise_alarm(self, job: str, evidence: dict[str, Any]) -> bool:
         """Set the job's alarm once; True if this call set it."""

@@ -7,8 +7,9 @@ only executors it lists). ``bash scripts/demo.sh --agentic`` runs it on the simu
 The simulator's tool catalogue (``sglang_sim.tools.DEFAULT_TOOLS``) calls exactly these two tools.
 
 The request (workers/tool_exec.py): ``{"job", "conversation", "turn", "step", "calls": [{"id", "name",
-"arguments"}]}``; the answer: one result per call, in order. ``id`` is stable across retries of a step, so an
-executor with side effects can deduplicate on it.
+"arguments"}]}``; the answer: one result per call, in order. ``id`` is stable across retries of a step that make
+the same calls (other calls of a regenerated step get other ids), so an executor with side effects can deduplicate
+on it.
 """
 
 from __future__ import annotations
