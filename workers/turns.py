@@ -121,6 +121,8 @@ class NextTurn:
     def chain_end(self) -> str:
         """The row's ``chain_end`` column (thinkfleet/chain_end.py): "" when it enqueues its successor, else the
         answer record's reason, else ``complete`` — the same decision the finalize carries, stored with the row."""
+        if not self.answer:
+            return ""  # a fenced run's (workers/tool_steps.py): it records nothing, and mark_part refuses its row
         reason = json.loads(self.answer).get("chain_end") if not self.next_prompt_id else None
         return end_of(self.next_prompt_id, str(reason) if reason else None)
 
