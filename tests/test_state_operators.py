@@ -1,0 +1,89 @@
+"""Operator commands as transitions of the prompt state machine, against a real Redis (Lua scripts, no workers):
+``producer cancel`` ends every parked message as a dead letter (or keeps it parked for a live run), and revisions
+are fenced like epochs — ``mark_part`` and ``finalize`` refuse a run of a lower revision than the one ``producer
+retry --truncated`` asked for."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import redis
+
+from testing.fleet import dead_letters
+from testing.harness import isolated_settings, make_prompts, submit_ids
+from thinkfleet.keys import Keys
+from thinkfleet.state import lifecycle as lc
+
+PART = "file:///out/j/dataset=ds/part-1.parquet"
+
+
+def _claim(client: redis.Redis, keys: Keys, job: str, pid: str, worker: str, part: str | None = None) -> None:
+    """A claim as claim.lua + mark_part.lua leave it (a run of ``worker`` at epoch 7)."""
+    client.hset(keys.claims(job), pid, json.dumps({"worker": worker, "part": part, "at": 1.0, "epoch": "7"}))
+
+
+def test_cancel_dead_letters_parked_prompts_whose_claims_a_dead_worker_left(redis_url: str, tmp_path: Path) -> None:
+    # Given a paused job of 8 prompts, all parked: a worker that died (no heartbeat) holds claims on p0..p2, one
+    # naming the part it was committing (p2); a live worker runs p3; p4 was stored already (a stray copy).
+    settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    client = redis.Redis.from_url(redis_url)
+    keys = settings.keys
+    submit_ids(settings, "c", make_prompts(8, seed=11, length=8))
+    assert lc.pause(client, settings, "c") == 8
+    for pid in ("p00000", "p00001"):
+        _claim(client, keys, "c", pid, "dead-worker")
+    _claim(client, keys, "c", "p00002", "dead-worker", part=PART)
+    client.hset(keys.deliveries("c"), "p00000", json.dumps({"x": 0, "k": 1, "ik": 0, "error": "WorkerLost"}))
+    client.set(keys.heartbeat("live-worker"), "1")
+    _claim(client, keys, "c", "p00003", "live-worker")
+    client.sadd(keys.done("c"), "p00004")
+    # When the job is cancelled.
+    result = lc.cancel_detail(client, settings, "c")
+    # Then every parked prompt no live run holds is dead-lettered `cancelled`, and the count is the dead letters.
+    dead = dead_letters(client, keys, "c")
+    expected = {f"p{i:05d}" for i in (0, 1, 2, 5, 6, 7)}
+    assert set(dead) == expected
+    assert {d["error_class"] for d in dead.values()} == {"cancelled"}
+    assert result == lc.CancelResult(dead=6, finished=1, live=1)
+    assert int(client.hget(keys.counters("c"), "dead")) == 6
+    assert int(client.hget(keys.dataset_counters("c", "synthetic"), "dead")) == 6
+    # The dead runs' claims go (no crash count left to charge a revived prompt) — except the one naming a part,
+    # kept ownerless and settled so that the revived prompt is finalized from that part, not generated twice.
+    assert set(client.hkeys(keys.claims("c"))) == {b"p00002", b"p00003"}
+    kept = json.loads(client.hget(keys.claims("c"), "p00002"))
+    assert kept["worker"] == "" and kept["settled"] and kept["part"] == PART
+    assert not client.hexists(keys.deliveries("c"), "p00000")
+    # The live run's message stays parked (that run ends the prompt); the stored prompt's copy is gone.
+    parked = [lc.decode_message(m).prompt_id for m in client.lrange(keys.parked("c"), 0, -1)]
+    assert parked == ["p00003"]
+    # And a second cancel after the live run ended clears its copy without a second dead letter.
+    client.sadd(keys.done("c"), "p00003")
+    client.hdel(keys.claims("c"), "p00003")
+    assert lc.cancel_detail(client, settings, "c") == lc.CancelResult(finished=1)
+    assert not client.llen(keys.parked("c"))
+    assert int(client.hget(keys.counters("c"), "dead")) == 6
+
+
+def test_cancel_racing_a_resume_leaves_each_message_parked_queued_or_dead(redis_url: str, tmp_path: Path) -> None:
+    # Given a cancelled job whose parked messages a resume moves back meanwhile (simulated: moved before the
+    # script runs on the slice the cancel read).
+    settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    client = redis.Redis.from_url(redis_url)
+    keys = settings.keys
+    submit_ids(settings, "r", make_prompts(4, seed=12, length=8))
+    lc.pause(client, settings, "r")
+    client.set(keys.job_state("r"), lc.CANCELLED)
+    raws = client.lrange(keys.parked("r"), 0, -1)
+    lc.unpark(client, settings, "r")  # the resume wins the race for every message
+    script = client.register_script(lc.lua("cancel"))
+    args: list[object] = [keys.heartbeat("")]
+    for raw in raws:
+        task = lc.decode_message(raw)
+        args += [raw, task.prompt_id, lc.dead_record(task, "cancelled", "x", "t"), 1]
+    base = [keys.parked("r"), keys.dead("r"), keys.claims("r"), keys.counters("r"), keys.deliveries("r")]
+    states = script(keys=[*base, keys.done("r"), keys.dataset_counters("r", "synthetic")], args=args)
+    # Then nothing is dead-lettered for messages the cancel no longer holds: they are queued again.
+    assert states == [b"gone"] * 4
+    assert not dead_letters(client, keys, "r")
+    assert client.llen(settings.queue) == 4
