@@ -5,15 +5,18 @@ retry --truncated`` asked for."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import redis
+import redis.asyncio as aioredis
 
 from testing.fleet import dead_letters
 from testing.harness import isolated_settings, make_prompts, submit_ids
 from thinkfleet.keys import Keys
 from thinkfleet.state import lifecycle as lc
+from thinkfleet.state.ledger import FinalRow, Ledger
 
 PART = "file:///out/j/dataset=ds/part-1.parquet"
 
@@ -87,3 +90,59 @@ def test_cancel_racing_a_resume_leaves_each_message_parked_queued_or_dead(redis_
     assert states == [b"gone"] * 4
     assert not dead_letters(client, keys, "r")
     assert client.llen(settings.queue) == 4
+
+
+async def _ledger(redis_url: str, keys: Keys, worker: str) -> Ledger:
+    client = aioredis.from_url(redis_url)
+    await client.set(keys.heartbeat(worker), "1")
+    return Ledger(client, keys, worker)
+
+
+def test_a_run_of_an_older_revision_than_requested_is_fenced_at_mark_and_finalize(redis_url: str) -> None:
+    async def scenario() -> None:
+        keys = Keys("oprev")
+        job = "j"
+        # Given a revision-0 run of p1 that holds its claim at its epoch (a zombie paused while producer retry
+        # --truncated took the prompt out of done and asked for revision 1; nobody claimed revision 1 yet).
+        zombie = await _ledger(redis_url, keys, "zombie")
+        await zombie.claim(job, "p1", revision=0)
+        await zombie.r.hset(keys.revisions(job), "p1", 1)
+        # When it marks and finalizes its revision-0 row.
+        fenced = await zombie.mark_part(job, ["p1"], PART)
+        late = await zombie.finalize(job, "ds", [FinalRow("p1", 5, True, True, revision=0)], 100, 0.95)
+        # Then both refuse it (counted as fenced), and the revision-1 message is then claimed and stored.
+        assert fenced == {"p1": "revision 1"}
+        assert late.new == 0 and late.fenced == {"p1": "revision 1"}
+        assert not await zombie.r.sismember(keys.done(job), "p1")
+        assert int(await zombie.r.hget(keys.counters(job), "fenced")) == 2
+        other = await _ledger(redis_url, keys, "other")
+        claim = await other.claim(job, "p1", revision=1)
+        assert claim.state == "new", "the fenced run let go of its own claim"
+        assert await other.mark_part(job, ["p1"], PART) == {}
+        assert (await other.finalize(job, "ds", [FinalRow("p1", 9, True, False, revision=1)], 100, 0.95)).new == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_claim_redis_lost_is_not_taken_back_by_an_older_revision(redis_url: str) -> None:
+    async def scenario() -> None:
+        keys = Keys("oprev2")
+        job = "j"
+        # Given a revision-0 run whose claim is gone (finalized by another run, then producer retry --truncated
+        # took the prompt out of done and asked for revision 1) — mark_part would take an unheld prompt back.
+        zombie = await _ledger(redis_url, keys, "zombie")
+        await zombie.claim(job, "p1", revision=0)
+        await zombie.r.delete(keys.claims(job))
+        await zombie.r.hset(keys.revisions(job), "p1", 1)
+        # Then neither its mark nor its finalize takes it: the prompt waits for its revision-1 message.
+        assert await zombie.mark_part(job, ["p1"], PART) == {"p1": "revision 1"}
+        result = await zombie.finalize(job, "ds", [FinalRow("p1", 5, True, True)], 100, 0.95)
+        assert result.fenced == {"p1": "revision 1"}
+        assert not await zombie.r.hexists(keys.claims(job), "p1")
+        assert not await zombie.r.sismember(keys.done(job), "p1")
+        # And a row of the requested revision (or above) is finalized as before.
+        await zombie.claim(job, "p1", revision=1)
+        assert await zombie.mark_part(job, ["p1"], PART) == {}
+        assert (await zombie.finalize(job, "ds", [FinalRow("p1", 5, True, False, revision=1)], 100, 0.95)).new == 1
+
+    asyncio.run(scenario())

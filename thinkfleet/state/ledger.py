@@ -91,6 +91,9 @@ class FinalRow:
     expects_reasoning: bool = True
     #: The epoch the stored row carries: this run's claim's, or for an orphan an earlier claim's (0: unknown).
     epoch: int = 0
+    #: The revision the stored row carries (its message's; for an orphan the stored row's): finalize refuses a row
+    #: of a lower revision than the one requested since (``producer retry --truncated``, ``Keys.revisions``).
+    revision: int = 0
 
     @property
     def think_flag(self) -> int:
@@ -99,10 +102,12 @@ class FinalRow:
 
 
 class Fence(NamedTuple):
-    """What this process holds of a prompt's claim: its epoch and the job record generation the run is for."""
+    """What this process holds of a prompt's claim: its epoch, the job record generation and the message revision
+    the run is for (mark_part.lua refuses a run of a lower revision than the one requested since)."""
 
     epoch: str = ""  # a decimal string, as claim.lua minted it ('' = no claim held)
     generation: str = ""  # '' = not recorded
+    revision: str = "0"  # the run's message revision, a decimal string
 
 
 _NO_FENCE = Fence()
@@ -211,7 +216,7 @@ class Ledger:
         if previous and state != "superseded":
             prev = json.loads(previous)
         if state in OURS:
-            self.held[(job, prompt_id)] = Fence(epoch, generation)
+            self.held[(job, prompt_id)] = Fence(epoch, generation, str(int(revision)))
         return Claim(state, prev, int(epoch) if epoch else 0)
 
     def _fence(self, job: str, prompt_id: str) -> Fence:
@@ -256,14 +261,14 @@ class Ledger:
         return result
 
     async def mark_part(self, job: str, prompt_ids: list[str], part: str) -> dict[str, str]:
-        """Record ``part`` in each claim that is still ours at our epoch — the check just before a part is
-        written. Returns the prompts that are not ours any more (prompt id → what holds it now): their rows must
-        not be written."""
+        """Record ``part`` in each claim that is still ours at our epoch (and of a revision not below the one
+        requested) — the check just before a part is written. Returns the prompts that are not ours any more (prompt
+        id → what holds it now): their rows must not be written."""
         k = self.keys
         args: list[Any] = [self.worker, part, f"{time.time():.6f}"]
         for pid in prompt_ids:
             args += [pid, *self._fence(job, pid)]
-        keys = [k.claims(job), k.done(job), k.dead(job), k.job(job), k.counters(job)]
+        keys = [k.claims(job), k.done(job), k.dead(job), k.job(job), k.counters(job), k.revisions(job)]
         fenced = _pairs(await self._mark_part(keys=keys, args=args))
         for pid in fenced:
             self._drop(job, pid)
@@ -298,8 +303,8 @@ class Ledger:
             else:
                 drop = json.dumps(list(turn.drop)) if turn.drop else ""
                 args += [turn.answer, turn.next_prompt_id, turn.next_hash, turn.next_message, drop]
-            epoch, generation = self._fence(job, row.prompt_id)
-            args += [epoch, str(row.epoch) if row.epoch else epoch, generation]
+            epoch, generation, _ = self._fence(job, row.prompt_id)
+            args += [epoch, str(row.epoch) if row.epoch else epoch, generation, int(row.revision)]
         keys = [
             k.done(job),
             k.claims(job),
@@ -315,7 +320,7 @@ class Ledger:
         if any(t is not None for t in turns or []):
             keys += [queue, k.prompts(job), k.prompt_dataset(job), answers]
         seq, mark = self._next_mark()
-        keys.append(k.finalize_marks(job))
+        keys += [k.revisions(job), k.finalize_marks(job)]
         args.append(mark)
         new, fire, seen, miss, flat = await self._finalize(keys=keys, args=args)
         self._marked[job] = max(self._marked.get(job, 0), seq)
