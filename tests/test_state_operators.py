@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from testing.fleet import dead_letters
 from testing.harness import isolated_settings, make_prompts, submit_ids
 from thinkfleet.keys import Keys
+from thinkfleet.message import PromptTask, pack_ids
 from thinkfleet.state import lifecycle as lc
 from thinkfleet.state.ledger import FinalRow, Ledger
 
@@ -144,5 +145,33 @@ def test_a_claim_redis_lost_is_not_taken_back_by_an_older_revision(redis_url: st
         await zombie.claim(job, "p1", revision=1)
         assert await zombie.mark_part(job, ["p1"], PART) == {}
         assert (await zombie.finalize(job, "ds", [FinalRow("p1", 5, True, False, revision=1)], 100, 0.95)).new == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_purged_jobs_straggler_dead_letter_recreates_none_of_its_keys(redis_url: str, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        # Given a worker running a prompt of a job that is then purged (`producer purge --force` while it runs).
+        settings = isolated_settings(redis_url, str(tmp_path / "out"))
+        client = redis.Redis.from_url(redis_url)
+        keys = settings.keys
+        submit_ids(settings, "pg", make_prompts(2, seed=13, length=8))
+        generation = json.loads(client.hget(keys.job("pg"), "generation"))
+        worker = await _ledger(redis_url, keys, "w")
+        assert (await worker.claim("pg", "p00000", generation=generation)).state == "new"
+        lc.purge(client, settings, "pg")
+        assert not list(client.scan_iter(match=f"{keys.job('pg')}*"))
+        # When its run ends in a permanent failure (or its stray copy names a job that is gone: unknown_job).
+        task = PromptTask("pg", "synthetic", "p00000", 0, "h", pack_ids([1, 2, 3]), generation=generation)
+        assert not await worker.dead_letter(task, "server_error", "HTTP 500 five times", 5)
+        assert not await worker.dead_letter(task, "unknown_job", "no record", 0)
+        # Then no key of the purged job comes back; the dead letters are recorded in the malformed list instead.
+        assert not list(client.scan_iter(match=f"{keys.job('pg')}*"))
+        recorded = [json.loads(m) for m in client.lrange(keys.malformed, 0, -1)]
+        assert [r["error"].split(":")[0] for r in recorded] == ["purged_job", "purged_job"]
+        # And a job submitted anew under the name (another generation) is not touched by the old message either.
+        submit_ids(settings, "pg", make_prompts(2, seed=13, length=8))
+        assert not await worker.dead_letter(task, "server_error", "late", 5)
+        assert not client.hlen(keys.dead("pg"))
 
     asyncio.run(scenario())

@@ -121,6 +121,8 @@ class Finalized(NamedTuple):
     fenced: dict[str, str]  # prompt id → what holds it now (another claim's epoch@worker, 'done', 'dead')
 
 
+#: dead_letter.lua's answer for a job whose record is gone or of another generation (purged).
+PURGED = -2
 #: How many of its latest dead letters a worker remembers, to record again those a Redis rollback lost.
 RECENT_DEAD_LETTERS = 5_000
 #: A dead letter's ``answer``: at most this many output ids, and this many characters of JSON in all.
@@ -167,8 +169,9 @@ class Ledger:
         self._mark_nonce = uuid.uuid4().hex[:12]
         self._mark_seq = 0
         self._marked: dict[str, int] = {}
-        #: Our latest dead letters (job, prompt id) → (dataset, record, epoch), for :meth:`redo_dead_letters`.
-        self._recent_dead: Recent[tuple[str, str], tuple[str, str, str]] = Recent(RECENT_DEAD_LETTERS)
+        #: Our latest dead letters (job, prompt id) → (dataset, record, epoch, generation), for
+        #: :meth:`redo_dead_letters`.
+        self._recent_dead: Recent[tuple[str, str], tuple[str, str, str, str]] = Recent(RECENT_DEAD_LETTERS)
         self._claim = client.register_script(lua("claim"))
         self._mark_part = client.register_script(lua("mark_part"))
         self._release = client.register_script(lua("release"))
@@ -402,7 +405,9 @@ class Ledger:
     ) -> bool:
         """Record a permanent failure; the record keeps the whole message so `producer retry` can resend it,
         and ``answer`` (what the server sent, e.g. for ``bad_output``; bounded by :func:`bounded_answer`)
-        under ``"answer"``. False when the prompt was already dead or done (nothing changed)."""
+        under ``"answer"``. False when the prompt was already dead or done (nothing changed) — or when its job was
+        purged (its record gone or of another generation): the message is then recorded in the fleet-wide malformed
+        list with its reason, and nothing of the job is written."""
         job, dataset = task.job, task.dataset
         fields: dict[str, Any] = {
             "error_class": error_class,
@@ -418,10 +423,12 @@ class Ledger:
         record = json.dumps(fields, default=repr)
         epoch = self._fence(job, task.prompt_id).epoch
         self._drop(job, task.prompt_id)
-        result = await self._write_dead_letter(job, dataset, task.prompt_id, record, epoch)
+        result = await self._write_dead_letter(job, dataset, task.prompt_id, record, epoch, task.generation)
         if result > 0:
-            self._recent_dead.remember((job, task.prompt_id), (dataset, record, epoch))
-        if result < 0:
+            self._recent_dead.remember((job, task.prompt_id), (dataset, record, epoch, task.generation))
+        if result == PURGED:
+            await self._purged(task, error_class, record)
+        elif result < 0:
             log.warning(
                 "fenced: dead letter %s of %s/%s refused: its claim (epoch %s) was taken over by another run",
                 error_class,
@@ -431,14 +438,36 @@ class Ledger:
             )
         return result > 0
 
-    async def _write_dead_letter(self, job: str, dataset: str, prompt_id: str, record: str, epoch: str) -> int:
+    async def _write_dead_letter(
+        self, job: str, dataset: str, prompt_id: str, record: str, epoch: str, generation: str
+    ) -> int:
         k = self.keys
         seq, mark = self._next_mark()
         keys = [k.dead(job), k.claims(job), k.counters(job), k.dataset_counters(job, dataset), k.deliveries(job)]
-        keys += [k.done(job), k.finalize_marks(job)]
-        result = int(await self._dead_letter(keys=keys, args=[prompt_id, record, self.worker, epoch, mark]))
-        self._marked[job] = max(self._marked.get(job, 0), seq)
+        keys += [k.done(job), k.finalize_marks(job), k.job(job)]
+        args = [prompt_id, record, self.worker, epoch, mark, generation]
+        result = int(await self._dead_letter(keys=keys, args=args))
+        if result != PURGED:
+            self._marked[job] = max(self._marked.get(job, 0), seq)
         return result
+
+    async def _purged(self, task: PromptTask, error_class: str, record: str) -> None:
+        """A dead letter of a purged job's message (a straggler): recorded where no job key is touched — the
+        fleet-wide malformed list, with its reason and the whole dead-letter record — logged once."""
+        log.warning(
+            "%s/%s: its job record is gone or another generation now (producer purge): dead letter %s recorded in %s",
+            task.job, task.prompt_id, error_class, self.keys.malformed,
+        )  # fmt: skip
+        entry = {
+            "message_id": task.task_id,
+            "error": f"purged_job: {error_class} of generation {task.generation!r}, job record gone or replaced",
+            "at": time.time(),
+            "args": record[:4000],
+        }
+        async with self.r.pipeline(transaction=True) as p:
+            p.lpush(self.keys.malformed, json.dumps(entry))
+            p.ltrim(self.keys.malformed, 0, 9999)
+            await p.execute()
 
     async def redo_dead_letters(self, job: str) -> int:
         """Redis lost writes of ours (:meth:`lost_finalizes`): record again each of our recent dead letters of
@@ -447,8 +476,8 @@ class Ledger:
         pids = [pid for (j, pid) in list(self._recent_dead) if j == job]
         again = 0
         for pid in await self.unresolved(job, pids):
-            dataset, record, epoch = self._recent_dead[(job, pid)]
-            if await self._write_dead_letter(job, dataset, pid, record, epoch) > 0:
+            dataset, record, epoch, generation = self._recent_dead[(job, pid)]
+            if await self._write_dead_letter(job, dataset, pid, record, epoch, generation) > 0:
                 log.warning("dead-lettered %s/%s again: Redis had lost its dead letter (a rollback?)", job, pid)
                 again += 1
         return again
