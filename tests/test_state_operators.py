@@ -175,3 +175,27 @@ def test_a_purged_jobs_straggler_dead_letter_recreates_none_of_its_keys(redis_ur
         assert not client.hlen(keys.dead("pg"))
 
     asyncio.run(scenario())
+
+
+def test_a_purged_jobs_straggler_commit_or_crash_recreates_none_of_its_keys(redis_url: str, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        # Given three runs of a job's prompts when the job is purged: one committing, one generating, one crashing.
+        settings = isolated_settings(redis_url, str(tmp_path / "out"))
+        client = redis.Redis.from_url(redis_url)
+        keys = settings.keys
+        submit_ids(settings, "pg", make_prompts(3, seed=14, length=8))
+        generation = json.loads(client.hget(keys.job("pg"), "generation"))
+        worker = await _ledger(redis_url, keys, "w")
+        for pid in ("p00000", "p00001", "p00002"):
+            assert (await worker.claim("pg", pid, generation=generation)).state == "new"
+        assert await worker.mark_part("pg", ["p00000"], PART) == {}
+        lc.purge(client, settings, "pg")
+        # When the first writes and finalizes its row, the second marks its part, and a third run crashes.
+        late = await worker.finalize("pg", "synthetic", [FinalRow("p00000", 5, True, False)], 100, 0.95)
+        assert late.new == 0 and late.fenced == {"p00000": "generation"}
+        assert await worker.mark_part("pg", ["p00001"], PART) == {"p00001": "generation"}
+        assert await worker.crashed("pg", "p00002", "RuntimeError: boom") == 0
+        # Then no key of the purged job comes back (no fenced counter, no crash count).
+        assert not list(client.scan_iter(match=f"{keys.job('pg')}*"))
+
+    asyncio.run(scenario())

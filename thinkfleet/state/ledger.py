@@ -253,11 +253,11 @@ class Ledger:
 
     async def _give_back(self, job: str, prompt_id: str, error: str) -> int:
         k = self.keys
-        epoch = self._fence(job, prompt_id).epoch
+        fence = self._fence(job, prompt_id)
         result = int(
             await self._release(
-                keys=[k.claims(job), k.deliveries(job), k.done(job), k.dead(job)],
-                args=[prompt_id, self.worker, error, epoch],
+                keys=[k.claims(job), k.deliveries(job), k.done(job), k.dead(job), k.job(job)],
+                args=[prompt_id, self.worker, error, fence.epoch, fence.generation],
             )
         )
         self._drop(job, prompt_id)

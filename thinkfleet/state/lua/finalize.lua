@@ -107,7 +107,12 @@ for i = 5, #ARGV - 1, 13 do
   end
   end
 end
-if #fenced > 0 then redis.call('HINCRBY', KEYS[3], 'fenced', #fenced / 2) end
+-- (a purged job's straggler, 'generation', is not counted: its counters would bring the purged job's keys back)
+local counted = 0
+for n = 2, #fenced, 2 do
+  if fenced[n] ~= 'generation' then counted = counted + 1 end
+end
+if counted > 0 then redis.call('HINCRBY', KEYS[3], 'fenced', counted) end
 if new_rows == 0 then return {0, 0, 0, 0, fenced} end
 if undead > 0 then
   redis.call('HINCRBY', KEYS[3], 'dead', -undead)

@@ -1,5 +1,6 @@
 -- Just before a part is written: each claim that is still ours, at our epoch, records the part's path.
--- KEYS: claims, done, dead, job (the record hash), counters (its 'fenced' counts the rows refused here), revisions
+-- KEYS: claims, done, dead, job (the record hash), counters (its 'fenced' counts the rows refused here but a purged
+--       job's, 'generation'), revisions
 -- ARGV: worker, part, now, then per row: prompt_id, epoch (the claim's), generation (of the job record it ran for),
 --       revision (of the run's message)
 -- Returns the rows that are no longer ours, as {prompt_id, what holds it now} pairs flattened: the holder's
@@ -10,6 +11,7 @@
 -- is held by nobody: it becomes ours again at our epoch (any later claim gets a higher one) — unless the job was
 -- purged and submitted anew meanwhile (another generation: 'generation').
 local fenced = {}
+local counted = 0
 for i = 4, #ARGV, 4 do
   local pid, e, gen = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   local wanted = tonumber(redis.call('HGET', KEYS[6], pid) or '0')
@@ -37,10 +39,12 @@ for i = 4, #ARGV, 4 do
   if holder then
     fenced[#fenced + 1] = pid
     fenced[#fenced + 1] = holder
+    -- a purged job's straggler ('generation') is not counted: its counters would bring the purged job's keys back
+    if holder ~= 'generation' then counted = counted + 1 end
   else
     claim['part'] = ARGV[2]
     redis.call('HSET', KEYS[1], pid, cjson.encode(claim))
   end
 end
-if #fenced > 0 then redis.call('HINCRBY', KEYS[5], 'fenced', #fenced / 2) end
+if counted > 0 then redis.call('HINCRBY', KEYS[5], 'fenced', counted) end
 return fenced
