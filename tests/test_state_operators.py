@@ -199,3 +199,32 @@ def test_a_purged_jobs_straggler_commit_or_crash_recreates_none_of_its_keys(redi
         assert not list(client.scan_iter(match=f"{keys.job('pg')}*"))
 
     asyncio.run(scenario())
+
+
+def test_a_re_derived_next_turn_supersedes_the_leftover_copy_of_its_older_message(redis_url: str) -> None:
+    async def scenario() -> None:
+        from thinkfleet.broker.envelope import Envelope
+        from thinkfleet.settings import Settings
+        from workers.turns import NextTurn
+
+        keys = Keys("opnext")
+        job = "j"
+        # Given turn 1 of a conversation stored at revision 0, and turn 0 re-run as revision 1 (retry --truncated):
+        # its finalize re-derives turn 1 as revision 1, rendered from the new turn-0 answer.
+        worker = await _ledger(redis_url, keys, "w")
+        await worker.r.sadd(keys.done(job), "c/t1")
+        await worker.r.hset(keys.prompts(job), "c/t1", "h-old")
+        assert (await worker.claim(job, "c/t0", revision=1)).state == "new"
+        envelope = Envelope(Settings(redis_url=redis_url, key_prefix="opnext", queue="opnext-q"))
+        task = PromptTask(job, "ds", "c/t1", 0, "h-new", pack_ids([1, 2, 3]), revision=1)
+        turn = NextTurn("c/t0", '{"content": "new"}', "c/t1", "h-new", envelope.encode(task))
+        row = FinalRow("c/t0", 5, True, False, revision=1)
+        done = await worker.finalize(job, "ds", [row], 100, 0.95, [turn], "opnext-q", keys.turn_answers(job))
+        assert done.new == 1 and not await worker.r.sismember(keys.done(job), "c/t1")
+        # Then a leftover copy of turn 1's revision-0 message (rendered from the old turn 0) is superseded, and the
+        # re-derived revision-1 message runs.
+        assert (await worker.claim(job, "c/t1", revision=0)).state == "superseded"
+        assert (await worker.claim(job, "c/t1", revision=1)).state == "new"
+        await worker.r.delete("opnext-q")
+
+    asyncio.run(scenario())

@@ -307,7 +307,8 @@ class Ledger:
                 drop = json.dumps(list(turn.drop)) if turn.drop else ""
                 args += [turn.answer, turn.next_prompt_id, turn.next_hash, turn.next_message, drop]
             epoch, generation, _ = self._fence(job, row.prompt_id)
-            args += [epoch, str(row.epoch) if row.epoch else epoch, generation, int(row.revision)]
+            next_revision = message_revision(turn.next_message) if turn is not None and turn.next_prompt_id else 0
+            args += [epoch, str(row.epoch) if row.epoch else epoch, generation, int(row.revision), next_revision]
         keys = [
             k.done(job),
             k.claims(job),
@@ -542,6 +543,16 @@ class Ledger:
 
     async def count(self, job: str, field: str, amount: int = 1) -> None:
         await self.r.hincrby(self.keys.counters(job), field, amount)
+
+
+def message_revision(raw: bytes | str) -> int:
+    """The revision of an encoded task message, from its task id (``job/prompt_id/rN``, thinkfleet/message.py); 0
+    when it names none."""
+    from thinkfleet.broker.queues import task_id_of
+
+    tid = task_id_of(raw.encode() if isinstance(raw, str) else raw) or ""
+    _, sep, rev = tid.rpartition("/r")
+    return int(rev) if sep and rev.isdigit() else 0
 
 
 def _pairs(flat: list[Any]) -> dict[str, str]:

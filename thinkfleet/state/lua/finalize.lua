@@ -12,7 +12,9 @@
 -- also leave the job's prompts (submitted). The counters follow as requeue.lua corrects them (the next turn is
 -- of the same dataset).
 -- Revisions are fenced like epochs: a row of a lower revision than the one requested since (producer retry
--- --truncated, Keys.revisions) is fenced ('revision N') whatever its claim says (our own claim on it goes).
+-- --truncated, Keys.revisions) is fenced ('revision N') whatever its claim says (our own claim on it goes). A next
+-- turn enqueued at a revision above the one requested for it (a re-derivation) raises it in the same step: a
+-- leftover copy of its older message (rendered from the turn as it was) is superseded, not run.
 -- KEYS: done, claims, counters, dataset_counters, worker_counters, timeline, deliveries, dead, committed_epochs,
 --       job (the record hash), and only when a row carries an answer or a next turn: queue, prompts,
 --       prompt_dataset, answers; last of all, always: revisions, finalize_marks
@@ -21,7 +23,7 @@
 --       truncated, answer ('' = none), next_prompt_id ('' = none), next_content_hash, next_message,
 --       drop (JSON list of turn prompt ids, '' = none), the claim's epoch, the row's own epoch (an orphan's part
 --       row was written under an earlier claim), the generation of the job record it ran for ('' = not recorded),
---       the row's revision;
+--       the row's revision, the next turn's revision (its message's; 0 = none);
 --       last of all, always: the caller's finalize mark ('nonce:seq', written to finalize_marks under the worker: a
 --       worker that later finds an older mark there knows Redis lost finalizes of its own, Ledger.lost_finalizes)
 -- Returns {new rows, alarm fires, alarm rows seen, of them missing, {fenced prompt_id, holder, ...}}
@@ -59,7 +61,7 @@ local function holder(pid, e, row_e, gen, rev)
 end
 -- (not for a purged job: its record is gone, and a finalize must not bring its keys back)
 if redis.call('EXISTS', KEYS[10]) == 1 then redis.call('HSET', KEYS[#KEYS], ARGV[1], ARGV[#ARGV]) end
-for i = 5, #ARGV - 1, 13 do
+for i = 5, #ARGV - 1, 14 do
   local pid = ARGV[i]
   local held = holder(pid, ARGV[i + 9], ARGV[i + 10], ARGV[i + 11], ARGV[i + 12])
   if held and held ~= 'ours' then
@@ -90,6 +92,10 @@ for i = 5, #ARGV - 1, 13 do
       end
       redis.call('HSET', KEYS[13], ARGV[i + 5], ARGV[4])
       redis.call('RPUSH', KEYS[11], ARGV[i + 7])
+      local nrev = tonumber(ARGV[i + 13]) or 0
+      if nrev > tonumber(redis.call('HGET', KEYS[#KEYS - 1], ARGV[i + 5]) or '0') then
+        redis.call('HSET', KEYS[#KEYS - 1], ARGV[i + 5], nrev)
+      end
       redis.call('HINCRBY', KEYS[3], 'turns_enqueued', 1)
     end
     if ARGV[i + 8] ~= '' then
