@@ -1,12 +1,13 @@
 """Operator commands racing live, dead and paused workers (issue 32, scenarios 4 and 6): real ``worker`` processes, a
-real Redis, the simulator over HTTP, real Parquet; every wait is on a condition, every race held open by a stall,
-a SIGKILL or a SIGSTOP.
+real Redis, the simulator over HTTP, real Parquet; every wait is on a condition, every race held open by a failpoint
+(kill or stop) or a paused job.
 
 - ``producer cancel`` while a SIGKILLed worker's claims are parked: every prompt ends dead-lettered ``cancelled``
   (cancel's count is the dead letters), and ``resume`` + ``retry --error-class cancelled`` stores them all.
 - a revision-0 run held paused (failpoint ``after_mark=stop``) across ``producer retry --truncated``: when it
   resumes, its late row is fenced (revision), and the revision-1 message is generated and stored: the committed
-  row is revision 1, ``wait`` and ``verify`` agree.
+  row is revision 1, ``wait`` and ``verify`` agree; and the orphan recovery never finalizes an older revision's
+  committed part row for a newer revision's message.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import redis
 
 from sglang_sim.testing import SimulatorProcess
@@ -192,5 +194,64 @@ def test_a_revision_0_run_paused_across_a_truncated_retry_is_fenced_and_revision
         [],
         time.monotonic() - started,
         workers=3,
+    )
+    outcome.assert_clean()
+
+
+def test_an_older_revisions_committed_part_is_not_finalized_for_the_requested_revision(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # Given 2 prompts stored at revision 0 (truncated at 8 tokens), re-run by producer retry --truncated as
+    # revision 1 while no worker runs, and a dead run's claim on one of them naming the committed revision-0 part
+    # (a run that wrote its part and died before its finalize: the orphan recovery's case).
+    n = 2
+    settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    client = redis.Redis.from_url(redis_url)
+    keys = settings.keys
+    sim = _fast_sim(tmp_path)
+    env = fast_env(settings, sim.url, max_inflight=4, **LEASE)
+    first = WorkerProcess("first", env, tmp_path).start()
+    second = WorkerProcess("second", env, tmp_path)
+    started = time.monotonic()
+    try:
+        first.wait_ready(client, keys)
+        job = submit_ids(settings, "orv", make_prompts(n, seed=23), max_new_tokens=8)
+        wait_until(lambda: job_progress(client, keys, "orv")["done"] == n, 120, what="revision 0 stored")
+        first.terminate()
+        retry = producer_cli(settings, "retry", "orv", "--truncated", "--max-new-tokens", "64", "--json")
+        assert retry.returncode == 0, retry.stderr
+        rerun = set(json.loads(retry.stdout)["prompt_ids"])
+        assert rerun, "outputs were cut at 8 tokens"
+        pid = sorted(rerun)[0]
+        part = next(
+            str(p)
+            for p in sorted((tmp_path / "out").rglob("part-*.parquet"))
+            if pid in pq.read_table(p, columns=[PROMPT_ID])[PROMPT_ID].to_pylist()
+        )
+        dead_run = {"worker": "", "part": part, "settled": True, "at": time.time(), "epoch": "1"}
+        client.hset(keys.claims("orv"), pid, json.dumps(dead_run))
+        # When a worker takes the revision-1 messages.
+        second.start().wait_ready(client, keys)
+        wait_until(lambda: job_progress(client, keys, "orv")["done"] == n, 120, what="revision 1 stored")
+        waited = producer_cli(settings, "wait", "orv", "--timeout", "60")
+        assert waited.returncode == 0, waited.stdout + waited.stderr
+    finally:
+        first.kill()
+        second.terminate()
+        sim.kill()
+    # Then the prompt is generated at revision 1 — its revision-0 row is not finalized for it — and stored once.
+    winners = reader.read_committed(settings.output_uri, "orv", columns=[PROMPT_ID, REVISION])
+    revisions = dict(zip(winners[PROMPT_ID].to_pylist(), winners[REVISION].to_pylist(), strict=True))
+    assert {p: revisions[p] for p in rerun} == dict.fromkeys(rerun, 1)
+    assert "holds revision 0" in second.log_path.read_text(errors="replace")
+    overrides = {p: {"max_new_tokens": 64} for p in rerun}
+    outcome = check_job(settings, "orv", job.prompts, job.sampling_params, overrides=overrides)
+    record_result(
+        "orphan recovery of an older revision's committed part after producer retry --truncated",
+        outcome,
+        f"{n} prompts, {len(rerun)} re-run as revision 1; a dead run's claim names {pid}'s revision-0 part",
+        [],
+        time.monotonic() - started,
+        workers=2,
     )
     outcome.assert_clean()
