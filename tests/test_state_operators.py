@@ -14,10 +14,12 @@ import redis.asyncio as aioredis
 
 from testing.fleet import dead_letters
 from testing.harness import isolated_settings, make_prompts, submit_ids
+from thinkfleet.broker.queues import decode_message
 from thinkfleet.keys import Keys
 from thinkfleet.message import PromptTask, pack_ids
 from thinkfleet.state import lifecycle as lc
 from thinkfleet.state.ledger import FinalRow, Ledger
+from thinkfleet.state.scripts import lua
 
 PART = "file:///out/j/dataset=ds/part-1.parquet"
 
@@ -59,7 +61,7 @@ def test_cancel_dead_letters_parked_prompts_whose_claims_a_dead_worker_left(redi
     assert kept["worker"] == "" and kept["settled"] and kept["part"] == PART
     assert not client.hexists(keys.deliveries("c"), "p00000")
     # The live run's message stays parked (that run ends the prompt); the stored prompt's copy is gone.
-    parked = [lc.decode_message(m).prompt_id for m in client.lrange(keys.parked("c"), 0, -1)]
+    parked = [decode_message(m).prompt_id for m in client.lrange(keys.parked("c"), 0, -1)]
     assert parked == ["p00003"]
     # And a second cancel after the live run ended clears its copy without a second dead letter.
     client.sadd(keys.done("c"), "p00003")
@@ -80,10 +82,10 @@ def test_cancel_racing_a_resume_leaves_each_message_parked_queued_or_dead(redis_
     client.set(keys.job_state("r"), lc.CANCELLED)
     raws = client.lrange(keys.parked("r"), 0, -1)
     lc.unpark(client, settings, "r")  # the resume wins the race for every message
-    script = client.register_script(lc.lua("cancel"))
+    script = client.register_script(lua("cancel"))
     args: list[object] = [keys.heartbeat("")]
     for raw in raws:
-        task = lc.decode_message(raw)
+        task = decode_message(raw)
         args += [raw, task.prompt_id, lc.dead_record(task, "cancelled", "x", "t"), 1]
     base = [keys.parked("r"), keys.dead("r"), keys.claims("r"), keys.counters("r"), keys.deliveries("r")]
     states = script(keys=[*base, keys.done("r"), keys.dataset_counters("r", "synthetic")], args=args)
