@@ -230,3 +230,28 @@ def test_a_re_derived_next_turn_supersedes_the_leftover_copy_of_its_older_messag
         await worker.r.delete("opnext-q")
 
     asyncio.run(scenario())
+
+
+def test_a_dead_letter_keeps_a_dead_runs_claim_naming_its_part_for_the_revived_claim(redis_url: str) -> None:
+    async def scenario() -> None:
+        keys = Keys("opdl")
+        job = "j"
+        # Given a run that named its part and died before its finalize (its row may be committed), and a worker
+        # that pops the prompt's copy of a cancelled job: it dead-letters it before any claim of its own.
+        dead_run = await _ledger(redis_url, keys, "dead-run")
+        await dead_run.claim(job, "p1")
+        assert await dead_run.mark_part(job, ["p1"], PART) == {}
+        await dead_run.r.delete(keys.heartbeat("dead-run"))
+        worker = await _ledger(redis_url, keys, "w")
+        task = PromptTask(job, "ds", "p1", 0, "h", pack_ids([1, 2, 3]))
+        assert await worker.dead_letter(task, "cancelled", "job cancelled", 0)
+        # Then the claim stays, ownerless and settled, naming the part; after producer retry the next claim takes it
+        # over without charging a death and finds the part (the pipeline finalizes from it when the row is there).
+        kept = json.loads(await worker.r.hget(keys.claims(job), "p1"))
+        assert kept["worker"] == "" and kept["settled"] and kept["part"] == PART
+        await worker.r.hdel(keys.dead(job), "p1")  # what producer retry's requeue.lua does
+        again = await worker.claim(job, "p1")
+        assert again.state == "stale" and again.part == PART
+        assert not await worker.r.hexists(keys.deliveries(job), "p1"), "no death charged"
+
+    asyncio.run(scenario())

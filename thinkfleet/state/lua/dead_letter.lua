@@ -20,7 +20,17 @@ if ARGV[4] ~= '' then
     end
   end
 end
-redis.call('HDEL', KEYS[2], ARGV[1])
+-- A claim naming a part stays, ownerless and settled (as release.lua and cancel.lua keep it): that run may have
+-- committed its row, and the claim after `producer retry` finalizes from the part instead of generating a second row.
+local held = redis.call('HGET', KEYS[2], ARGV[1])
+local claim = held and cjson.decode(held)
+if claim and claim['part'] and claim['part'] ~= cjson.null then
+  claim['worker'] = ''
+  claim['settled'] = true
+  redis.call('HSET', KEYS[2], ARGV[1], cjson.encode(claim))
+elseif claim then
+  redis.call('HDEL', KEYS[2], ARGV[1])
+end
 redis.call('HDEL', KEYS[5], ARGV[1])
 if redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('HINCRBY', KEYS[3], 'dead', 1)
