@@ -99,14 +99,19 @@ def make_commands(common_options: Callable[..., Any]) -> list:
     def cancel_cmd(job: str, settings: Settings) -> None:
         """Cancel JOB: queued prompts dead-lettered `cancelled`, in-flight ones aborted; stored rows kept."""
         try:
-            n = lc.cancel(_client(settings), settings, job)
+            done = lc.cancel_detail(_client(settings), settings, job)
         except lc.LifecycleError as e:
             _fail(str(e))
         click.echo(
-            f"job {job} cancelled: {n} queued prompt(s) dead-lettered `cancelled`; workers abort its in-flight "
+            f"job {job} cancelled: {done.dead} queued prompt(s) dead-lettered `cancelled`; workers abort its in-flight "
             f"requests within seconds (revive: `producer resume {job}` then `producer retry {job} --error-class "
             "cancelled`)"
         )
+        if done.live:
+            click.echo(
+                f"{done.live} parked message(s) kept: a live worker runs their prompts (that run stores or "
+                f"dead-letters them; `producer cancel {job}` again clears the copies)"
+            )
 
     @click.command("purge")
     @click.argument("job")
@@ -129,6 +134,8 @@ def make_commands(common_options: Callable[..., Any]) -> list:
             deadline = time.monotonic() + PURGE_FORCE_WAIT_S
             while (busy := _busy(client, settings, job)) and time.monotonic() < deadline:
                 time.sleep(1.0)
+                # again: copies kept for live runs that have ended since, claims of runs that died since
+                lc.cancel_parked(client, settings, job, who="producer purge --force")
             if busy:
                 Console(stderr=True).print(
                     f"[yellow]warning:[/] {busy['running']} prompt(s) still running after {PURGE_FORCE_WAIT_S:.0f} s;"

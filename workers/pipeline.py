@@ -494,13 +494,22 @@ class PromptPipeline:
         if row is None:
             log.warning("part %s has no row for %s/%s: generating it", part, task.job, task.prompt_id)
             return None
+        revision = int(row.get("revision") or 0)
+        if revision < task.revision:
+            # A run of an older revision (producer retry --truncated asked for this one since): never this
+            # message's row — finalize would refuse it (mark_part.lua/finalize.lua fence revisions); generate.
+            log.warning(
+                "part %s holds revision %d of %s/%s, this message is revision %d: generating it",
+                part, revision, task.job, task.prompt_id, task.revision,
+            )  # fmt: skip
+            return None
         log.info("prompt %s/%s was committed in %s by an earlier run: finalizing", task.job, task.prompt_id, part)
         # As a fresh row would be finalized (rows.final_row): an orphan of a thinking-off job is no alarm row.
         opens = prompt_opens_reasoning(input_ids, job.tokens)
         truncated = row["finish_reason"] == "length"
         epoch = int(row.get("epoch") or 0)
         counts = int(row["completion_tokens"]), bool(row["has_think_end"])
-        final = final_row(task, job, *counts, truncated, opens, epoch)
+        final = final_row(task, job, *counts, truncated, opens, epoch, revision)
         finalized = await self.committer.finalize_orphan(task.job, task.dataset, part, final)
         if task.prompt_id in finalized.fenced:
             raise Fenced(finalized.fenced[task.prompt_id])

@@ -110,9 +110,11 @@ def final_row(
     truncated: bool,
     prompt_opens: bool,
     epoch: int = 0,
+    revision: int | None = None,
 ) -> JobFinalRow:
     """What ``finalize`` records of a row — the same for a row just generated and for an orphan's stored row:
-    whether its job watches the alarm, and whether this row is expected to reason."""
+    whether its job watches the alarm, and whether this row is expected to reason. ``revision``: the stored row's
+    (an orphan's); None: the message's."""
     return JobFinalRow(
         prompt_id=task.prompt_id,
         completion_tokens=completion_tokens,
@@ -121,4 +123,5 @@ def final_row(
         reasoning_alarm=job.tokens.reasoning_spans,
         expects_reasoning=prompt_opens or job.expects_reasoning,
         epoch=epoch,
+        revision=task.revision if revision is None else revision,
     )

@@ -91,6 +91,9 @@ class FinalRow:
     expects_reasoning: bool = True
     #: The epoch the stored row carries: this run's claim's, or for an orphan an earlier claim's (0: unknown).
     epoch: int = 0
+    #: The revision the stored row carries (its message's; for an orphan the stored row's): finalize refuses a row
+    #: of a lower revision than the one requested since (``producer retry --truncated``, ``Keys.revisions``).
+    revision: int = 0
 
     @property
     def think_flag(self) -> int:
@@ -99,10 +102,12 @@ class FinalRow:
 
 
 class Fence(NamedTuple):
-    """What this process holds of a prompt's claim: its epoch and the job record generation the run is for."""
+    """What this process holds of a prompt's claim: its epoch, the job record generation and the message revision
+    the run is for (mark_part.lua refuses a run of a lower revision than the one requested since)."""
 
     epoch: str = ""  # a decimal string, as claim.lua minted it ('' = no claim held)
     generation: str = ""  # '' = not recorded
+    revision: str = "0"  # the run's message revision, a decimal string
 
 
 _NO_FENCE = Fence()
@@ -116,6 +121,8 @@ class Finalized(NamedTuple):
     fenced: dict[str, str]  # prompt id → what holds it now (another claim's epoch@worker, 'done', 'dead')
 
 
+#: dead_letter.lua's answer for a job whose record is gone or of another generation (purged).
+PURGED = -2
 #: How many of its latest dead letters a worker remembers, to record again those a Redis rollback lost.
 RECENT_DEAD_LETTERS = 5_000
 #: A dead letter's ``answer``: at most this many output ids, and this many characters of JSON in all.
@@ -162,8 +169,9 @@ class Ledger:
         self._mark_nonce = uuid.uuid4().hex[:12]
         self._mark_seq = 0
         self._marked: dict[str, int] = {}
-        #: Our latest dead letters (job, prompt id) → (dataset, record, epoch), for :meth:`redo_dead_letters`.
-        self._recent_dead: Recent[tuple[str, str], tuple[str, str, str]] = Recent(RECENT_DEAD_LETTERS)
+        #: Our latest dead letters (job, prompt id) → (dataset, record, epoch, generation), for
+        #: :meth:`redo_dead_letters`.
+        self._recent_dead: Recent[tuple[str, str], tuple[str, str, str, str]] = Recent(RECENT_DEAD_LETTERS)
         self._claim = client.register_script(lua("claim"))
         self._mark_part = client.register_script(lua("mark_part"))
         self._release = client.register_script(lua("release"))
@@ -212,7 +220,7 @@ class Ledger:
         if previous and state != "superseded":
             prev = json.loads(previous)
         if state in OURS:
-            self.held[(job, prompt_id)] = Fence(epoch, generation)
+            self.held[(job, prompt_id)] = Fence(epoch, generation, str(int(revision)))
         return Claim(state, prev, int(epoch) if epoch else 0)
 
     def _fence(self, job: str, prompt_id: str) -> Fence:
@@ -246,25 +254,25 @@ class Ledger:
 
     async def _give_back(self, job: str, prompt_id: str, error: str) -> int:
         k = self.keys
-        epoch = self._fence(job, prompt_id).epoch
+        fence = self._fence(job, prompt_id)
         result = int(
             await self._release(
-                keys=[k.claims(job), k.deliveries(job), k.done(job), k.dead(job)],
-                args=[prompt_id, self.worker, error, epoch],
+                keys=[k.claims(job), k.deliveries(job), k.done(job), k.dead(job), k.job(job)],
+                args=[prompt_id, self.worker, error, fence.epoch, fence.generation],
             )
         )
         self._drop(job, prompt_id)
         return result
 
     async def mark_part(self, job: str, prompt_ids: list[str], part: str) -> dict[str, str]:
-        """Record ``part`` in each claim that is still ours at our epoch — the check just before a part is
-        written. Returns the prompts that are not ours any more (prompt id → what holds it now): their rows must
-        not be written."""
+        """Record ``part`` in each claim that is still ours at our epoch (and of a revision not below the one
+        requested) — the check just before a part is written. Returns the prompts that are not ours any more (prompt
+        id → what holds it now): their rows must not be written."""
         k = self.keys
         args: list[Any] = [self.worker, part, f"{time.time():.6f}"]
         for pid in prompt_ids:
             args += [pid, *self._fence(job, pid)]
-        keys = [k.claims(job), k.done(job), k.dead(job), k.job(job), k.counters(job)]
+        keys = [k.claims(job), k.done(job), k.dead(job), k.job(job), k.counters(job), k.revisions(job)]
         fenced = _pairs(await self._mark_part(keys=keys, args=args))
         for pid in fenced:
             self._drop(job, pid)
@@ -299,8 +307,9 @@ class Ledger:
             else:
                 drop = json.dumps(list(turn.drop)) if turn.drop else ""
                 args += [turn.answer, turn.next_prompt_id, turn.next_hash, turn.next_message, drop]
-            epoch, generation = self._fence(job, row.prompt_id)
-            args += [epoch, str(row.epoch) if row.epoch else epoch, generation]
+            epoch, generation, _ = self._fence(job, row.prompt_id)
+            next_revision = message_revision(turn.next_message) if turn is not None and turn.next_prompt_id else 0
+            args += [epoch, str(row.epoch) if row.epoch else epoch, generation, int(row.revision), next_revision]
         keys = [
             k.done(job),
             k.claims(job),
@@ -316,7 +325,7 @@ class Ledger:
         if any(t is not None for t in turns or []):
             keys += [queue, k.prompts(job), k.prompt_dataset(job), answers]
         seq, mark = self._next_mark()
-        keys.append(k.finalize_marks(job))
+        keys += [k.revisions(job), k.finalize_marks(job)]
         args.append(mark)
         new, fire, seen, miss, flat = await self._finalize(keys=keys, args=args)
         self._marked[job] = max(self._marked.get(job, 0), seq)
@@ -398,7 +407,9 @@ class Ledger:
     ) -> bool:
         """Record a permanent failure; the record keeps the whole message so `producer retry` can resend it,
         and ``answer`` (what the server sent, e.g. for ``bad_output``; bounded by :func:`bounded_answer`)
-        under ``"answer"``. False when the prompt was already dead or done (nothing changed)."""
+        under ``"answer"``. False when the prompt was already dead or done (nothing changed) — or when its job was
+        purged (its record gone or of another generation): the message is then recorded in the fleet-wide malformed
+        list with its reason, and nothing of the job is written."""
         job, dataset = task.job, task.dataset
         fields: dict[str, Any] = {
             "error_class": error_class,
@@ -414,10 +425,12 @@ class Ledger:
         record = json.dumps(fields, default=repr)
         epoch = self._fence(job, task.prompt_id).epoch
         self._drop(job, task.prompt_id)
-        result = await self._write_dead_letter(job, dataset, task.prompt_id, record, epoch)
+        result = await self._write_dead_letter(job, dataset, task.prompt_id, record, epoch, task.generation)
         if result > 0:
-            self._recent_dead.remember((job, task.prompt_id), (dataset, record, epoch))
-        if result < 0:
+            self._recent_dead.remember((job, task.prompt_id), (dataset, record, epoch, task.generation))
+        if result == PURGED:
+            await self._purged(task, error_class, record)
+        elif result < 0:
             log.warning(
                 "fenced: dead letter %s of %s/%s refused: its claim (epoch %s) was taken over by another run",
                 error_class,
@@ -427,14 +440,36 @@ class Ledger:
             )
         return result > 0
 
-    async def _write_dead_letter(self, job: str, dataset: str, prompt_id: str, record: str, epoch: str) -> int:
+    async def _write_dead_letter(
+        self, job: str, dataset: str, prompt_id: str, record: str, epoch: str, generation: str
+    ) -> int:
         k = self.keys
         seq, mark = self._next_mark()
         keys = [k.dead(job), k.claims(job), k.counters(job), k.dataset_counters(job, dataset), k.deliveries(job)]
-        keys += [k.done(job), k.finalize_marks(job)]
-        result = int(await self._dead_letter(keys=keys, args=[prompt_id, record, self.worker, epoch, mark]))
-        self._marked[job] = max(self._marked.get(job, 0), seq)
+        keys += [k.done(job), k.finalize_marks(job), k.job(job)]
+        args = [prompt_id, record, self.worker, epoch, mark, generation]
+        result = int(await self._dead_letter(keys=keys, args=args))
+        if result != PURGED:
+            self._marked[job] = max(self._marked.get(job, 0), seq)
         return result
+
+    async def _purged(self, task: PromptTask, error_class: str, record: str) -> None:
+        """A dead letter of a purged job's message (a straggler): recorded where no job key is touched — the
+        fleet-wide malformed list, with its reason and the whole dead-letter record — logged once."""
+        log.warning(
+            "%s/%s: its job record is gone or another generation now (producer purge): dead letter %s recorded in %s",
+            task.job, task.prompt_id, error_class, self.keys.malformed,
+        )  # fmt: skip
+        entry = {
+            "message_id": task.task_id,
+            "error": f"purged_job: {error_class} of generation {task.generation!r}, job record gone or replaced",
+            "at": time.time(),
+            "args": record[:4000],
+        }
+        async with self.r.pipeline(transaction=True) as p:
+            p.lpush(self.keys.malformed, json.dumps(entry))
+            p.ltrim(self.keys.malformed, 0, 9999)
+            await p.execute()
 
     async def redo_dead_letters(self, job: str) -> int:
         """Redis lost writes of ours (:meth:`lost_finalizes`): record again each of our recent dead letters of
@@ -443,8 +478,8 @@ class Ledger:
         pids = [pid for (j, pid) in list(self._recent_dead) if j == job]
         again = 0
         for pid in await self.unresolved(job, pids):
-            dataset, record, epoch = self._recent_dead[(job, pid)]
-            if await self._write_dead_letter(job, dataset, pid, record, epoch) > 0:
+            dataset, record, epoch, generation = self._recent_dead[(job, pid)]
+            if await self._write_dead_letter(job, dataset, pid, record, epoch, generation) > 0:
                 log.warning("dead-lettered %s/%s again: Redis had lost its dead letter (a rollback?)", job, pid)
                 again += 1
         return again
@@ -524,6 +559,16 @@ class Ledger:
 
     async def count(self, job: str, field: str, amount: int = 1) -> None:
         await self.r.hincrby(self.keys.counters(job), field, amount)
+
+
+def message_revision(raw: bytes | str) -> int:
+    """The revision of an encoded task message, from its task id (``job/prompt_id/rN``, thinkfleet/message.py); 0
+    when it names none."""
+    from thinkfleet.broker.queues import task_id_of
+
+    tid = task_id_of(raw.encode() if isinstance(raw, str) else raw) or ""
+    _, sep, rev = tid.rpartition("/r")
+    return int(rev) if sep and rev.isdigit() else 0
 
 
 def _pairs(flat: list[Any]) -> dict[str, str]:

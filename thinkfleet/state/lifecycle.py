@@ -15,8 +15,10 @@ The state is one STRING, ``Keys.job_state(job)``: ``paused`` or ``cancelled``; a
   ``resume`` of a cancelled job makes it active again (then ``producer retry JOB --error-class
   cancelled`` revives its cancelled prompts).
 - **cancel** sets the state, parks the queued messages, then dead-letters each parked message as
-  ``cancelled`` (the whole message kept) in the same MULTI that removes it from the parked list.
-  Workers dead-letter what they pop afterwards, and abort their in-flight requests of the job.
+  ``cancelled`` (the whole message kept) in the same Lua call that removes it from the parked list
+  (``lua/cancel.lua``): a dead worker's claim on it goes (kept, ownerless, when it names a part that may have
+  committed); a message whose prompt a live worker runs stays parked (that run ends it). Workers dead-letter
+  what they pop afterwards, and abort their in-flight requests of the job.
 - **purge** deletes every key of the job and its name from ``Keys.jobs``; storage is untouched.
 """
 
@@ -130,44 +132,69 @@ def dead_record(task: PromptTask, error_class: str, message: str, worker: str) -
     )
 
 
+@dataclass(frozen=True)
+class CancelResult:
+    """What one :func:`cancel_parked` pass did with the job's parked messages (``lua/cancel.lua``)."""
+
+    dead: int = 0  # dead-lettered ``cancelled`` now
+    finished: int = 0  # copies of prompts already done or dead: removed
+    live: int = 0  # a live worker runs the prompt: kept parked (that run ends it)
+    malformed: int = 0  # not a prompt task: moved to the fleet-wide malformed list
+
+
 def cancel(client: redis.Redis, settings: Settings, job: str, who: str = "producer cancel") -> int:
     """Cancel ``job``: its queued and parked prompts dead-lettered ``cancelled``; workers abort its
-    in-flight requests (they watch the state). Stored rows stay. Returns how many were dead-lettered."""
+    in-flight requests (they watch the state). Stored rows stay. Returns how many were dead-lettered now."""
+    return cancel_detail(client, settings, job, who).dead
+
+
+def cancel_detail(client: redis.Redis, settings: Settings, job: str, who: str = "producer cancel") -> CancelResult:
+    """:func:`cancel`, saying also what stayed parked (a live worker's run) and what was a copy of a finished prompt."""
     _require_job(client, settings, job)
-    keys = settings.keys
-    client.set(keys.job_state(job), CANCELLED)
+    client.set(settings.keys.job_state(job), CANCELLED)
     park_queued(client, settings, job)
-    dead_letter = client.register_script(lua("dead_letter"))
+    return cancel_parked(client, settings, job, who)
+
+
+def cancel_parked(client: redis.Redis, settings: Settings, job: str, who: str = "producer cancel") -> CancelResult:
+    """Dead-letter the parked messages of a cancelled ``job`` (``lua/cancel.lua``, a slice per call): each leaves
+    the parked list only as its prompt's dead letter or as a copy of a finished prompt; a message whose prompt a
+    live worker runs stays parked. Only prompts dead-lettered here are counted as ``dead``."""
+    keys = settings.keys
+    script = client.register_script(lua("cancel"))
     parked = keys.parked(job)
-    count = 0
+    totals = {"dead": 0, "finished": 0, "live": 0, "malformed": 0}
+    start = 0  # messages kept parked (live runs) stay at the head: the next slice starts after them
     while True:
-        raws = client.lrange(parked, 0, CHUNK - 1)
+        raws = client.lrange(parked, start, start + CHUNK - 1)
         if not raws:
-            return count
-        with client.pipeline(transaction=True) as pipe:
-            for raw in raws:
-                try:
-                    task = decode_message(raw)
-                except Exception as exc:  # not a prompt task: keep it where nothing is lost
-                    record = {"message_id": None, "error": f"{type(exc).__name__}: {exc}", "at": time.time()}
-                    record["args"] = repr(raw)[:4000]
+            return CancelResult(**totals)
+        args: list[Any] = [keys.heartbeat("")]
+        datasets: dict[str, int] = {}
+        for raw in raws:
+            try:
+                task = decode_message(raw)
+            except Exception as exc:  # not a prompt task: keep it where nothing is lost
+                record = {"message_id": None, "error": f"{type(exc).__name__}: {exc}", "at": time.time()}
+                record["args"] = repr(raw)[:4000]
+                with client.pipeline(transaction=True) as pipe:
+                    pipe.lrem(parked, 1, raw)
                     pipe.lpush(keys.malformed, json.dumps(record))
-                else:
-                    dead_letter(
-                        keys=[
-                            keys.dead(job),
-                            keys.claims(job),
-                            keys.counters(job),
-                            keys.dataset_counters(job, task.dataset),
-                            keys.deliveries(job),
-                            keys.done(job),
-                        ],
-                        args=[task.prompt_id, dead_record(task, CANCELLED_CLASS, f"job cancelled by {who}", who)],
-                        client=pipe,
-                    )
-                    count += 1
-                pipe.lrem(parked, 1, raw)
-            pipe.execute()
+                    removed, _ = pipe.execute()
+                totals["malformed"] += int(removed)
+                continue
+            index = datasets.setdefault(task.dataset, len(datasets) + 1)
+            record = dead_record(task, CANCELLED_CLASS, f"job cancelled by {who}", who)
+            args += [raw, task.prompt_id, record, index]
+        if len(args) > 1:
+            base = [parked, keys.dead(job), keys.claims(job), keys.counters(job), keys.deliveries(job), keys.done(job)]
+            states = script(keys=base + [keys.dataset_counters(job, d) for d in datasets], args=args)
+            for state in states:
+                name = state.decode() if isinstance(state, bytes) else str(state)
+                if name in totals:
+                    totals[name] += 1
+                if name == "live":
+                    start += 1
 
 
 def job_keys(client: redis.Redis, settings: Settings, job: str) -> list[str]:

@@ -1,10 +1,14 @@
 -- Record a permanent failure (exactly once per prompt: a second dead letter changes no counter).
--- KEYS: dead, claims, counters, dataset_counters, deliveries, done, and from a worker finalize_marks
+-- KEYS: dead, claims, counters, dataset_counters, deliveries, done, finalize_marks, job (the record hash)
 -- ARGV: prompt_id, record_json, worker, epoch (of the caller's claim; '' = refused before any claim), the caller's
---       mark ('nonce:seq', as finalize.lua writes it: a worker that finds an older one knows Redis lost it)
+--       mark ('nonce:seq', as finalize.lua writes it: a worker that finds an older one knows Redis lost it),
+--       generation (of the job record the message was made for; '' = not recorded)
 -- Returns 1 recorded, 0 already dead or done, -1 fenced: the prompt's claim is another run's now (the caller was
--- paused past its lease), which must not be ended from here (counted in the job's 'fenced' counter).
-if KEYS[7] then redis.call('HSET', KEYS[7], ARGV[3], ARGV[5]) end  -- a worker's (producer cancel passes none)
+-- paused past its lease), which must not be ended from here (counted in the job's 'fenced' counter); -2 the job
+-- record is gone or another generation (producer purge, perhaps a new submit, while the message ran or waited):
+-- nothing of the job is written — a straggler must not bring a purged job's keys back.
+if ARGV[6] ~= '' and redis.call('HGET', KEYS[8], 'generation') ~= '"' .. ARGV[6] .. '"' then return -2 end
+redis.call('HSET', KEYS[7], ARGV[3], ARGV[5])
 if redis.call('SISMEMBER', KEYS[6], ARGV[1]) == 1 then return 0 end
 if ARGV[4] ~= '' then
   local cur = redis.call('HGET', KEYS[2], ARGV[1])
@@ -16,7 +20,17 @@ if ARGV[4] ~= '' then
     end
   end
 end
-redis.call('HDEL', KEYS[2], ARGV[1])
+-- A claim naming a part stays, ownerless and settled (as release.lua and cancel.lua keep it): that run may have
+-- committed its row, and the claim after `producer retry` finalizes from the part instead of generating a second row.
+local held = redis.call('HGET', KEYS[2], ARGV[1])
+local claim = held and cjson.decode(held)
+if claim and claim['part'] and claim['part'] ~= cjson.null then
+  claim['worker'] = ''
+  claim['settled'] = true
+  redis.call('HSET', KEYS[2], ARGV[1], cjson.encode(claim))
+elseif claim then
+  redis.call('HDEL', KEYS[2], ARGV[1])
+end
 redis.call('HDEL', KEYS[5], ARGV[1])
 if redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('HINCRBY', KEYS[3], 'dead', 1)

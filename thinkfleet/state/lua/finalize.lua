@@ -11,14 +11,19 @@
 -- or the claim would skip it; so do the later turns a chain that now ends here no longer derives (drop), which
 -- also leave the job's prompts (submitted). The counters follow as requeue.lua corrects them (the next turn is
 -- of the same dataset).
+-- Revisions are fenced like epochs: a row of a lower revision than the one requested since (producer retry
+-- --truncated, Keys.revisions) is fenced ('revision N') whatever its claim says (our own claim on it goes). A next
+-- turn enqueued at a revision above the one requested for it (a re-derivation) raises it in the same step: a
+-- leftover copy of its older message (rendered from the turn as it was) is superseded, not run.
 -- KEYS: done, claims, counters, dataset_counters, worker_counters, timeline, deliveries, dead, committed_epochs,
 --       job (the record hash), and only when a row carries an answer or a next turn: queue, prompts,
---       prompt_dataset, answers; last of all, always: finalize_marks
+--       prompt_dataset, answers; last of all, always: revisions, finalize_marks
 -- ARGV: worker, alarm_min_rows, alarm_missing_share, dataset, then per row: prompt_id, tokens, think_end
 --       ('1' closed reasoning, '0' expected to and did not, '2' not expected to reason: not watched by the alarm),
 --       truncated, answer ('' = none), next_prompt_id ('' = none), next_content_hash, next_message,
 --       drop (JSON list of turn prompt ids, '' = none), the claim's epoch, the row's own epoch (an orphan's part
---       row was written under an earlier claim), the generation of the job record it ran for ('' = not recorded);
+--       row was written under an earlier claim), the generation of the job record it ran for ('' = not recorded),
+--       the row's revision, the next turn's revision (its message's; 0 = none);
 --       last of all, always: the caller's finalize mark ('nonce:seq', written to finalize_marks under the worker: a
 --       worker that later finds an older mark there knows Redis lost finalizes of its own, Ledger.lost_finalizes)
 -- Returns {new rows, alarm fires, alarm rows seen, of them missing, {fenced prompt_id, holder, ...}}
@@ -32,8 +37,15 @@ end
 local flags = {}
 local fenced = {}
 -- nil when the row may be finalized, else what holds the prompt now (or 'ours' when this row is already it)
-local function holder(pid, e, row_e, gen)
+local function holder(pid, e, row_e, gen, rev)
+  local wanted = tonumber(redis.call('HGET', KEYS[#KEYS - 1], pid) or '0')
   local cur = redis.call('HGET', KEYS[2], pid)
+  if (tonumber(rev) or 0) < wanted then
+    -- our own claim goes with it (as mark_part.lua): the new revision's run must not wait on it
+    local mine = cur and cjson.decode(cur)
+    if mine and mine['worker'] == ARGV[1] and tostring(mine['epoch']) == e then redis.call('HDEL', KEYS[2], pid) end
+    return 'revision ' .. wanted
+  end
   if cur then
     local claim = cjson.decode(cur)
     if claim['worker'] == ARGV[1] and tostring(claim['epoch']) == e then return nil end
@@ -49,9 +61,9 @@ local function holder(pid, e, row_e, gen)
 end
 -- (not for a purged job: its record is gone, and a finalize must not bring its keys back)
 if redis.call('EXISTS', KEYS[10]) == 1 then redis.call('HSET', KEYS[#KEYS], ARGV[1], ARGV[#ARGV]) end
-for i = 5, #ARGV - 1, 12 do
+for i = 5, #ARGV - 1, 14 do
   local pid = ARGV[i]
-  local held = holder(pid, ARGV[i + 9], ARGV[i + 10], ARGV[i + 11])
+  local held = holder(pid, ARGV[i + 9], ARGV[i + 10], ARGV[i + 11], ARGV[i + 12])
   if held and held ~= 'ours' then
     fenced[#fenced + 1] = pid
     fenced[#fenced + 1] = held
@@ -80,6 +92,10 @@ for i = 5, #ARGV - 1, 12 do
       end
       redis.call('HSET', KEYS[13], ARGV[i + 5], ARGV[4])
       redis.call('RPUSH', KEYS[11], ARGV[i + 7])
+      local nrev = tonumber(ARGV[i + 13]) or 0
+      if nrev > tonumber(redis.call('HGET', KEYS[#KEYS - 1], ARGV[i + 5]) or '0') then
+        redis.call('HSET', KEYS[#KEYS - 1], ARGV[i + 5], nrev)
+      end
       redis.call('HINCRBY', KEYS[3], 'turns_enqueued', 1)
     end
     if ARGV[i + 8] ~= '' then
@@ -97,7 +113,12 @@ for i = 5, #ARGV - 1, 12 do
   end
   end
 end
-if #fenced > 0 then redis.call('HINCRBY', KEYS[3], 'fenced', #fenced / 2) end
+-- (a purged job's straggler, 'generation', is not counted: its counters would bring the purged job's keys back)
+local counted = 0
+for n = 2, #fenced, 2 do
+  if fenced[n] ~= 'generation' then counted = counted + 1 end
+end
+if counted > 0 then redis.call('HINCRBY', KEYS[3], 'fenced', counted) end
 if new_rows == 0 then return {0, 0, 0, 0, fenced} end
 if undead > 0 then
   redis.call('HINCRBY', KEYS[3], 'dead', -undead)

@@ -1,6 +1,8 @@
 -- Give a claim back: the message is handed back to the queue.
--- KEYS: claims, deliveries, done, dead ; ARGV: prompt_id, worker, error ('' for a clean hand-back), epoch (the
--- caller's claim; a claim under another epoch is another run's and is left alone)
+-- KEYS: claims, deliveries, done, dead, job (the record hash) ; ARGV: prompt_id, worker, error ('' for a clean
+-- hand-back), epoch (the caller's claim; a claim under another epoch is another run's and is left alone),
+-- generation (of the job record the run is for; '' = not recorded: a crash of a purged job's run — its record gone
+-- or another generation — counts nothing, so a straggler brings none of its keys back)
 -- A claim that names a part keeps it, with no owner and settled (no death to charge): whoever claims
 -- next checks whether that part committed and finalizes from it instead of generating a second row
 -- (the ambiguous commit). A claim with no part just goes.
@@ -22,6 +24,7 @@ if cur and not finished then
   end
 end
 if ARGV[3] == '' or finished then return 0 end
+if ARGV[5] ~= '' and redis.call('HGET', KEYS[5], 'generation') ~= '"' .. ARGV[5] .. '"' then return 0 end
 local rec = {x = 0, k = 0, ik = 0, error = ''}
 local raw = redis.call('HGET', KEYS[2], ARGV[1])
 if raw then rec = cjson.decode(raw) end
