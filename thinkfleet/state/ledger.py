@@ -530,9 +530,9 @@ class Ledger:
         writes the pending mark ``value`` before the executor is called, ``record`` its outcome over our mark.
         Returns (state, detail) as tool_calls.lua does; a fenced run's fence goes, so mark_part refuses its row."""
         k = self.keys
-        epoch, generation = self._fence(job, prompt_id)
+        fence = self._fence(job, prompt_id)
         keys = [k.claims(job), k.done(job), k.dead(job), k.job(job), k.tool_calls(job)]
-        args = [mode, prompt_id, field, self.worker, epoch, generation, value, f"{time.time():.6f}"]
+        args = [mode, prompt_id, field, self.worker, fence.epoch, fence.generation, value, f"{time.time():.6f}"]
         state, detail = (
             v.decode() if isinstance(v, bytes) else str(v) for v in await self._tool_calls(keys=keys, args=args)
         )
