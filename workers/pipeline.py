@@ -374,6 +374,7 @@ class PromptPipeline:
             return "dead"
         run = (task.job, task.prompt_id)
         group_size = 0  # > 0: a last-chance run in our suspect group, which held this many with it when it joined
+        record: dict[str, Any] = {}  # the delivery record its last `suspect` answer showed
         claimed = False
         waited_since: float | None = None
         try:
@@ -398,7 +399,8 @@ class PromptPipeline:
                     # record sets — with the other suspects and our other work, not one at a time (ledger.py).
                     if group_size:
                         await self.suspects.leave(run)  # a death split its group meanwhile: wait for room again
-                    group_size = await self.suspects.join(run, cap_of(claim.previous))
+                    record = claim.previous or {}
+                    group_size = await self.suspects.join(run, cap_of(record))
                     continue
                 if group_size and claim.state not in OURS:
                     await self.suspects.leave(run)  # not ours to run now (done, busy, …): its place goes
@@ -423,8 +425,8 @@ class PromptPipeline:
         if group_size:
             log.info(
                 "last-chance run of %s/%s in a suspect group of %d (cap %s; crashes charged: %s)",
-                task.job, task.prompt_id, group_size, (claim.previous or {}).get("g") or "none",
-                {key: v for key, v in (claim.previous or {}).items() if key in ("x", "k", "ik")},
+                task.job, task.prompt_id, group_size, record.get("g") or "none",
+                {key: v for key, v in record.items() if key in ("x", "k", "ik")},
             )  # fmt: skip
         self._active.add(task.prompt_id)
         try:
