@@ -46,7 +46,7 @@ from workers.jobs import JobCache, JobSpec, UnknownJob, tokenizer_refusal, token
 from workers.metrics import WorkerMetrics
 from workers.rows import build_row, final_row
 from workers.sglang import PermanentError, RequestLimits, ServerInfo, check_request
-from workers.suspects import SuspectGroup, cap_of
+from workers.suspects import NO_CAP, SuspectGroup, cap_of
 
 log = logging.getLogger("thinkfleet.worker")
 
@@ -400,7 +400,8 @@ class PromptPipeline:
                     if group_size:
                         await self.suspects.leave(run)  # a death split its group meanwhile: wait for room again
                     record = claim.previous or {}
-                    group_size = await self.suspects.join(run, cap_of(record))
+                    cap = min(cap_of(record), self.settings.suspect_group_max or NO_CAP)
+                    group_size = await self.suspects.join(run, cap)
                     continue
                 if group_size and claim.state not in OURS:
                     await self.suspects.leave(run)  # not ours to run now (done, busy, …): its place goes
