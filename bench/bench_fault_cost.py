@@ -38,9 +38,9 @@ from testing.redis_process import RedisProcess
 
 JSON = RESULTS / "fault_cost.json"
 JOB = "faults"
-PROMPTS = 240
+PROMPTS = 480
 HOSTS = 2
-INFLIGHT = 8
+INFLIGHT = 16
 TIME_SCALE = 4.0  # a run of 256 tokens takes ~1.6 s of wall at the simulator's 40 tok/s per request
 MAX_NEW_TOKENS = 256
 KILLS = 5
