@@ -472,12 +472,13 @@ class PromptPipeline:
     async def _leave_group(self, run: tuple[str, str]) -> None:
         """A last-chance run ended: out of our suspect group, here and in Redis (retried by release_later: a run
         left in the set would only make a later death's group look larger — a slower split, never a proof)."""
-        await self.suspects.leave(run)
         try:
-            await self.ledger.leave_group(*run)
+            await self.ledger.leave_group(*run)  # before our own place goes: the set never holds more than the group
             self._group_unleft.discard(run)
         except RedisError:
             self._group_unleft.add(run)
+        finally:
+            await self.suspects.leave(run)
 
     async def came_back_all(self) -> int:
         """Our lease lapsed while we lived: take back the deaths charged for the claims we still hold that other

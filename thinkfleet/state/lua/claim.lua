@@ -57,12 +57,16 @@ if cur then
       if claim['group'] then
         local size = redis.call('SCARD', ARGV[9] .. claim['group'])
         if size == 0 then size = tonumber(claim['gs']) or 1 end  -- the set expired: what it held at the claim
-        if size <= 1 then
+        local before = tonumber(rec['g'] or 0)  -- the cap it ran under (0: none)
+        if size <= 1 or before == 1 then
           charge['ik'] = 1
         else
-          charge['from'] = tonumber(rec['g'] or 0)
-          charge['to'] = math.floor(size / 2)
-          rec['g'] = charge['to']
+          -- Half the group, and at least half its cap: the set may still hold a run that had just ended.
+          local to = math.floor(size / 2)
+          if before > 0 then to = math.min(to, math.floor(before / 2)) end
+          charge['from'] = before
+          charge['to'] = to
+          rec['g'] = to
         end
       elseif claim['isolated'] then
         charge['ik'] = 1  -- a claim of a worker from before suspect groups: run alone
