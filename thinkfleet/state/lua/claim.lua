@@ -26,8 +26,9 @@
 -- when its stale claim is taken over (a claim given back by release.lua or crashed.lua is 'settled' and charges
 -- nothing), and noted in lost[claim epoch] = {w, ik, from, to} so that a worker that was only paused past its
 -- lease takes it back when it shows up alive (came_back.lua). A dead worker's every run is charged, bystanders
--- too; a last-chance run's death splits its group (g = half the group's size then, from the worker life's
--- suspect-group set) — only deaths alone (ik) can make a prompt poison, and only two of them.
+-- too; a last-chance run's death splits its group (g = half the group's size then — from the worker life's
+-- suspect-group set — and at most half the cap it ran under); only deaths alone (ik) can make a prompt poison,
+-- and only two of them.
 if ARGV[8] and ARGV[8] ~= '' and redis.call('HGET', KEYS[7], 'generation') ~= '"' .. ARGV[8] .. '"' then
   return {'superseded', 'generation', ''}
 end
