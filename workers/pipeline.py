@@ -234,7 +234,7 @@ class PromptPipeline:
             except RedisError:
                 pass
             for run in list(self._group_unleft):
-                if run not in self.suspects:  # running again: its own end takes it out
+                if run[1] not in self._active:  # running again: its own end takes it out
                     try:
                         await self.ledger.leave_group(*run)
                     except RedisError:
@@ -373,6 +373,7 @@ class PromptPipeline:
             log.error("dead-lettered %s/%s: %s", task.job, task.prompt_id, exc)
             return "dead"
         run = (task.job, task.prompt_id)
+        slot = object()  # this delivery's place in our suspect group (a redelivered copy has its own)
         group_size = 0  # > 0: a last-chance run in our suspect group, which held this many with it when it joined
         record: dict[str, Any] = {}  # the delivery record its last `suspect` answer showed
         claimed = False
@@ -382,6 +383,9 @@ class PromptPipeline:
                 if task.prompt_id in self._active:
                     # A redelivered copy while our own run of it continues (it may even hold no claim: Redis
                     # restarted empty while it generated): wait for that run, never claim over it.
+                    if group_size:
+                        await self.suspects.leave(slot)  # nor hold a place in our suspect group meanwhile
+                        group_size = 0
                     waited_since = await self._wait_or_hand_back(task, job, waited_since)
                     if waited_since is None:
                         return "already-done"
@@ -398,13 +402,13 @@ class PromptPipeline:
                     # Its last chance before poison: run it in our suspect group once the group fits the cap its
                     # record sets — with the other suspects and our other work, not one at a time (ledger.py).
                     if group_size:
-                        await self.suspects.leave(run)  # a death split its group meanwhile: wait for room again
+                        await self.suspects.leave(slot)  # a death split its group meanwhile: wait for room again
                     record = claim.previous or {}
                     cap = min(cap_of(record), self.settings.suspect_group_max or NO_CAP)
-                    group_size = await self.suspects.join(run, cap)
+                    group_size = await self.suspects.join(slot, cap)
                     continue
                 if group_size and claim.state not in OURS:
-                    await self.suspects.leave(run)  # not ours to run now (done, busy, …): its place goes
+                    await self.suspects.leave(slot)  # not ours to run now (done, busy, …): its place goes
                     group_size = 0
                 if claim.state in ("done", "dead", "superseded"):
                     self.metrics.skipped.inc()
@@ -422,7 +426,7 @@ class PromptPipeline:
                 break
         finally:
             if group_size and not claimed:
-                await self.suspects.leave(run)
+                await self.suspects.leave(slot)
         if group_size:
             log.info(
                 "last-chance run of %s/%s in a suspect group of %d (cap %s; crashes charged: %s)",
@@ -467,9 +471,9 @@ class PromptPipeline:
         finally:
             self._active.discard(task.prompt_id)
             if group_size:
-                await self._leave_group(run)
+                await self._leave_group(run, slot)
 
-    async def _leave_group(self, run: tuple[str, str]) -> None:
+    async def _leave_group(self, run: tuple[str, str], slot: object) -> None:
         """A last-chance run ended: out of our suspect group, here and in Redis (retried by release_later: a run
         left in the set would only make a later death's group look larger — a slower split, never a proof)."""
         try:
@@ -478,7 +482,7 @@ class PromptPipeline:
         except RedisError:
             self._group_unleft.add(run)
         finally:
-            await self.suspects.leave(run)
+            await self.suspects.leave(slot)
 
     async def came_back_all(self) -> int:
         """Our lease lapsed while we lived: take back the deaths charged for the claims we still hold that other

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Hashable
 
 #: A cap of 0 (no death split the prompt's group yet) admits any group.
 NO_CAP = 1 << 30
@@ -28,10 +29,10 @@ def cap_of(record: dict[str, object] | None) -> int:
 
 
 class SuspectGroup:
-    """The suspects this process runs now (run key → its cap), and the FIFO of those waiting for room."""
+    """The suspects this process runs now (each delivery's place → its cap), and the FIFO of those waiting."""
 
     def __init__(self) -> None:
-        self._caps: dict[tuple[str, str], int] = {}
+        self._caps: dict[Hashable, int] = {}
         self._waiting: deque[object] = deque()
         self._changed = asyncio.Condition()
         #: The largest the group has been (for logs and tests: > 1 means suspects overlapped).
@@ -40,14 +41,11 @@ class SuspectGroup:
     def __len__(self) -> int:
         return len(self._caps)
 
-    def __contains__(self, run: object) -> bool:
-        return run in self._caps
-
     def _fits(self, cap: int) -> bool:
         size = len(self._caps) + 1
         return size <= cap and all(size <= c for c in self._caps.values())
 
-    async def join(self, run: tuple[str, str], cap: int) -> int:
+    async def join(self, run: Hashable, cap: int) -> int:
         """Wait for room (in arrival order), then join; returns the group's size with this run."""
         ticket = object()
         async with self._changed:
@@ -61,7 +59,7 @@ class SuspectGroup:
             self.largest = max(self.largest, len(self._caps))
             return len(self._caps)
 
-    async def leave(self, run: tuple[str, str]) -> None:
+    async def leave(self, run: Hashable) -> None:
         async with self._changed:
             if self._caps.pop(run, None) is not None:
                 self._changed.notify_all()
