@@ -242,9 +242,11 @@ def test_a_poison_prompt_that_kills_its_worker_is_dead_lettered_after_max_delive
     dead = dead_letters(client, keys, "killer")
     assert set(dead) == {"p00004"}, dead
     assert dead["p00004"]["error_class"].startswith("poison:"), dead
-    # A death cannot be pinned on one prompt: the culprit is dead-lettered after max_deliveries + 1 deaths,
-    # the last two while it ran isolated (the bystanders of its first kill are stored).
-    assert kills == 3, kills
+    # A death cannot be pinned on one prompt: its first kill makes every prompt in flight a suspect (max 2), and
+    # the suspects run together in one group (thinkfleet/state/ledger.py), halved at each death, so the culprit is
+    # dead-lettered after max_deliveries + 1 + at most ⌊log2 12⌋ deaths, the last two alone in its group (the
+    # bystanders of its kills are stored).
+    assert 3 <= kills <= 2 + 1 + 3, kills
     outcome = check_job(settings, "killer", job.prompts, job.sampling_params, expected_dead={"p00004"})
     record_result(
         "poison prompt: kills its worker",
@@ -252,8 +254,8 @@ def test_a_poison_prompt_that_kills_its_worker_is_dead_lettered_after_max_delive
         "1 prompt SIGKILLs the worker on every delivery; the worker is restarted",
         [],
         time.monotonic() - started,
-        notes="dead-lettered as poison:WorkerLost after 3 kills (THINKFLEET_MAX_DELIVERIES=2, +1 isolated); "
-        "the rest, its first kill's bystanders included, stored",
+        notes=f"dead-lettered as poison:WorkerLost after {kills} kills (THINKFLEET_MAX_DELIVERIES=2, +1 alone, + "
+        "halvings of its suspect group); the rest, its kills' bystanders included, stored",
     )
     outcome.assert_clean()
 

@@ -203,3 +203,104 @@ def test_a_rollback_of_our_terminal_writes_is_seen_by_our_mark_and_dead_letters_
         assert not await a.lost_finalizes(JOB)
 
     run(scenario())
+
+
+async def _record(ledger: Ledger, pid: str) -> dict:
+    raw = await ledger.r.hget(ledger.keys.deliveries(JOB), pid)
+    return json.loads(raw) if raw else {}
+
+
+def test_suspects_run_together_and_a_group_that_dies_again_is_split_in_halves(redis_url: str, keys: Keys) -> None:
+    """Group testing: last-chance prompts share one group per worker; a death halves each member's group, and
+    only deaths alone in their group (ik) can make poison — the culprit is still found, its group's others run."""
+
+    async def scenario() -> None:
+        pids = [f"p{i}" for i in range(4)]
+        # Two unrelated deaths of workers holding all four: each is one crash short of max_deliveries now.
+        for name in ("v0", "v1"):
+            w = await _ledger(redis_url, keys, name)
+            for pid in pids:
+                assert (await w.claim(JOB, pid)).state in ("new", "stale")
+            await _die(w)
+        # All four run at once in one worker's group (not one at a time): each claim is ours.
+        w = await _ledger(redis_url, keys, "g1")
+        for size, pid in enumerate(pids, 1):
+            assert (await w.claim(JOB, pid)).state == "suspect"
+            assert (await w.claim(JOB, pid, isolated=True, group_size=size)).state == "stale"
+        assert await w.r.scard(keys.suspect_group(w.group)) == 4
+        await _die(w)  # the group of four dies: split, nobody is proven anything
+        w = await _ledger(redis_url, keys, "g2")
+        for pid in pids:
+            suspect = await w.claim(JOB, pid)
+            assert suspect.state == "suspect"
+            assert suspect.previous is not None and suspect.previous["g"] == 2 and suspect.previous["ik"] == 0
+        # A group over a member's cap is refused (claimed again once it fits); two fit.
+        assert (await w.claim(JOB, "p0", isolated=True, group_size=3)).state == "suspect"
+        assert (await w.claim(JOB, "p0", isolated=True, group_size=1)).state == "stale"
+        assert (await w.claim(JOB, "p1", isolated=True, group_size=2)).state == "stale"
+        # p2 and p3 run too and are stored (a run leaves the group when it ends).
+        for pid in ("p2", "p3"):
+            assert (await w.claim(JOB, pid, isolated=True, group_size=1)).state == "stale"
+            await w.finalize(JOB, "ds", [FinalRow(pid, 5, True, False)], 100, 0.95)
+            await w.leave_group(JOB, pid)
+        await _die(w)  # p0 (the culprit) kills its group of two
+        # Then each runs alone: p1 completes, p0 dies alone twice and is poison.
+        w = await _ledger(redis_url, keys, "g3")
+        split = await w.claim(JOB, "p1")  # a death is charged when its claim is taken over
+        assert split.state == "suspect" and split.previous is not None and split.previous["g"] == 1
+        assert (await w.claim(JOB, "p1", isolated=True, group_size=1)).state == "stale"
+        await w.finalize(JOB, "ds", [FinalRow("p1", 5, True, False)], 100, 0.95)
+        for alone in (1, 2):
+            w = await _ledger(redis_url, keys, f"alone{alone}")
+            assert (await w.claim(JOB, "p0", isolated=True, group_size=1)).state == "stale"
+            await _die(w)
+        poison = await (await _ledger(redis_url, keys, "last")).claim(JOB, "p0")
+        assert poison.state == "poison" and poison.previous is not None and poison.previous["ik"] == 2
+        assert await w.r.smembers(keys.done(JOB)) == {b"p1", b"p2", b"p3"}
+
+    run(scenario())
+
+
+def test_a_worker_paused_past_its_lease_takes_back_the_death_charged_to_its_prompt(redis_url: str, keys: Keys) -> None:
+    async def scenario() -> None:
+        a = await _ledger(redis_url, keys, "a")
+        mine = await a.claim(JOB, "p1")
+        assert mine.state == "new"
+        await _die(a)  # paused past its lease: its heartbeat expired
+        b = await _ledger(redis_url, keys, "b")
+        assert (await b.claim(JOB, "p1")).state == "stale"
+        assert (await _record(b, "p1"))["k"] == 1, "a lapsed lease looks like a death when the claim is taken over"
+        # Another worker, or another claim of ours, cannot take the charge back; a's own claim can, once.
+        c = await _ledger(redis_url, keys, "c")
+        assert not await c.came_back(JOB, "p1", mine.epoch)
+        assert not await a.came_back(JOB, "p1", mine.epoch + 1)
+        await a.r.set(keys.heartbeat("a"), "1")  # a comes back
+        assert await a.came_back(JOB, "p1", mine.epoch)
+        assert not await a.came_back(JOB, "p1", mine.epoch)
+        assert await a.r.hget(keys.deliveries(JOB), "p1") is None, "no death is charged to p1"
+        assert (await b.claim_owner(JOB, "p1")) == "b", "the run that took it over keeps it"
+
+    run(scenario())
+
+
+def test_a_came_back_worker_takes_back_its_split_but_not_a_later_death(redis_url: str, keys: Keys) -> None:
+    async def scenario() -> None:
+        for name in ("v0", "v1"):  # one crash short of max_deliveries
+            w = await _ledger(redis_url, keys, name)
+            for pid in ("p1", "p2"):
+                await w.claim(JOB, pid)
+            await _die(w)
+        a = await _ledger(redis_url, keys, "a")
+        held = {}
+        for size, pid in enumerate(("p1", "p2"), 1):
+            assert (await a.claim(JOB, pid)).state == "suspect"
+            held[pid] = await a.claim(JOB, pid, isolated=True, group_size=size)
+        await _die(a)  # paused
+        b = await _ledger(redis_url, keys, "b")
+        assert (await b.claim(JOB, "p1", isolated=True, group_size=1)).state == "stale"
+        assert (await _record(b, "p1"))["g"] == 1
+        assert await a.came_back(JOB, "p1", held["p1"].epoch)
+        record = await _record(b, "p1")
+        assert record["k"] == 2 and "g" not in record and record["ik"] == 0
+
+    run(scenario())

@@ -66,8 +66,9 @@ class Keys:
         return f"{self.prefix}:job:{job}:revisions"
 
     def deliveries(self, job: str) -> str:
-        """HASH prompt_id → JSON {n, error}: deliveries that ended in a crash (poison detection).
-        Cleared when the prompt is stored, dead-lettered or re-queued by ``producer retry``."""
+        """HASH prompt_id → JSON {x, k, ik, g, lost, error}: deliveries that ended in a crash (poison detection,
+        thinkfleet/state/lua/claim.lua). Cleared when the prompt is stored, dead-lettered or re-queued by
+        ``producer retry``."""
         return f"{self.prefix}:job:{job}:deliveries"
 
     def counters(self, job: str) -> str:
@@ -167,6 +168,12 @@ class Keys:
     def heartbeat(self, worker: str) -> str:
         """STRING with TTL = lease: present while the worker is alive."""
         return f"{self.prefix}:hb:{worker}"
+
+    def suspect_group(self, group: str) -> str:
+        """SET of the last-chance runs (``{claims key}|{prompt id}``) one worker life runs at once, ``group`` being
+        ``{worker}:{life nonce}`` (thinkfleet/state/lua/claim.lua): when the worker dies, its size is the group's
+        that died together. Expires a day after its last join."""
+        return f"{self.prefix}:suspects:{group}"
 
     def held(self, worker: str) -> str:
         """SET of kombu delivery tags this worker holds (their visibility is renewed while alive)."""

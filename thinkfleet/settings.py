@@ -139,6 +139,13 @@ class Settings(BaseSettings):
         description="Deliveries of one prompt that end in an unexpected crash (an exception or a killed worker) "
         "before it is dead-lettered as poison:<ExceptionClass>.",
     )
+    suspect_group_max: int = Field(
+        0,
+        ge=0,
+        description="Worker: most last-chance prompts (one crash short of max_deliveries) run at once; a group that "
+        "dies is split in halves until a culprit runs alone. 0 = no bound (bystanders of host deaths run at full "
+        "concurrency); 1 = one at a time (cheapest way to find a poison prompt, slowest tail).",
+    )
     storage_retry_max_s: float = Field(
         30.0, gt=0, description="Longest backoff between retries of a failed Parquet commit (rows kept in memory)."
     )

@@ -276,6 +276,11 @@ class GuardedLedger(Ledger):
         self._refuse()
         return await super().tool_call(*args, **kwargs)
 
+    async def came_back(self, *args: Any, **kwargs: Any) -> Any:
+        if self.suspended is not None:
+            return False  # the charges under the name may be the other process's
+        return await super().came_back(*args, **kwargs)
+
     async def abandon_claims(self, *args: Any, **kwargs: Any) -> Any:
         if self.suspended is not None:
             return 0  # the claims under the name may be the other process's

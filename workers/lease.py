@@ -117,6 +117,7 @@ class LeaseKeeper:
         on_lost: Callable[[str], None] = lambda holder: None,
         clock_warn_s: float = 5.0,
         holder: dict[str, Any] | None = None,
+        on_lapse: Callable[[float], None] = lambda gap_s: None,
     ) -> None:
         self.r = client
         self.keys = keys
@@ -127,6 +128,10 @@ class LeaseKeeper:
         self.info = info
         self.sweeper = sweeper
         self.on_lost = on_lost
+        #: Called (with the gap, seconds) when a beat is written more than a lease after the last one: we lived
+        #: through a lapse of our lease (a pause, a partition), and other workers may have taken our claims over.
+        self.on_lapse = on_lapse
+        self._beaten_at: float | None = None  # monotonic time of our last heartbeat written by beat()
         self.clock_warn_s = clock_warn_s
         #: Who we are in the heartbeat (workers/identity.py): host, pid, nonce, started_at, boot id, pid namespace.
         self.holder = holder or holder_record()
@@ -213,6 +218,11 @@ class LeaseKeeper:
     async def beat(self) -> bool:
         """Renew the held tags and, while the name is ours, the heartbeat. False once it is not."""
         written, found = await self._write()
+        if written:
+            now = time.monotonic()
+            if self._beaten_at is not None and now - self._beaten_at > self.lease_s:
+                self.on_lapse(now - self._beaten_at)
+            self._beaten_at = now
         if not written and self.lost is None:
             theirs = parse_holder(found)
             earlier = earlier_life(self.holder, theirs)

@@ -105,6 +105,7 @@ class WorkerRuntime:
         self.storage_ok = True
         #: Who holds our name instead of us, once a heartbeat found it taken (we then write nothing under it).
         self.name_lost: str | None = None
+        self._came_back_tasks: set[asyncio.Task[int]] = set()  # kept referenced until they end
         self._outcomes: dict[str, asyncio.Future[str]] = {}  # task id → outcome, for Celery's trace (workers/pool.py)
         self.loop = EventLoopThread(f"thinkfleet-{identity}").start()
         try:
@@ -251,6 +252,7 @@ class WorkerRuntime:
             TransitSweeper(self.redis, s.keys, self.identity, s.queue),
             on_lost=self._name_lost,
             clock_warn_s=s.clock_skew_warn_s,
+            on_lapse=self._lapsed,
         )
         try:
             took_over = await self.lease.acquire()
@@ -261,6 +263,16 @@ class WorkerRuntime:
         offset = self.lease.clock_offset_s
         if offset is not None and abs(offset) > s.clock_skew_warn_s:
             self.metrics.errors.labels("clock_skew").inc()
+
+    def _lapsed(self, gap_s: float) -> None:
+        """Our lease lapsed while we lived (paused or cut off for ``gap_s``): claims of ours other workers took over
+        meanwhile were charged a death we did not die — take those back now (their runs will be fenced)."""
+        log.warning("our lease lapsed (%.1f s without a heartbeat): taking back deaths charged to our claims", gap_s)
+        pipeline = getattr(self, "pipeline", None)
+        if pipeline is not None:
+            task = asyncio.get_running_loop().create_task(pipeline.came_back_all(), name="came-back")
+            self._came_back_tasks.add(task)
+            task.add_done_callback(self._came_back_tasks.discard)
 
     def _name_lost(self, holder: str) -> None:
         """A heartbeat found our name held by another process (a twin under the same name that started while

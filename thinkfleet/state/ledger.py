@@ -17,13 +17,21 @@ States of one prompt of a job (keys in :mod:`thinkfleet.keys`)::
    counts the exception against the prompt (``x``, exactly attributed).
 
    A killed worker cannot say which prompt killed it, so its death is charged (``k``) to every prompt
-   it held when their stale claims are taken over — the culprit and its bystanders alike. A prompt
-   one crash short of ``max_deliveries`` becomes a *suspect*: ``claim`` answers ``suspect`` without
-   claiming, and the worker claims it again (``isolated=True``) only while it runs no other suspect.
-   A death during an isolated run is also counted as ``ik``. Poison = ``x ≥ max_deliveries``
-   (exceptions), or ``x + k ≥ max_deliveries`` with two isolated deaths (``ik ≥ 2``): a culprit that
-   kills every worker is dead-lettered after ``max_deliveries + 1`` deaths, while a bystander would have
-   to be the one isolated prompt on a worker killed for another reason twice.
+   it held when their stale claims are taken over — the culprit and its bystanders alike. Only a death: a
+   worker paused past its lease (GC, a frozen VM, a partition) that comes back takes the charge back
+   (``came_back``: when its run is fenced, or at once when its heartbeat finds the lease lapsed), and a stray
+   claim a live worker lets go is settled.
+   A prompt one crash short of ``max_deliveries`` becomes a *suspect*: ``claim`` answers ``suspect`` without
+   claiming, and the worker claims it again (``isolated=True``) as a member of its *suspect group* — the
+   last-chance runs it runs at once, alongside its other work (workers/suspects.py). A worker's death takes
+   its whole group, so resolving suspects is group testing: a group that completes clears all its members;
+   a group that dies is split — each member's cap ``g`` becomes half the group's size (the size of the dead
+   worker life's group set, Keys.suspect_group), and a run joins a group only while it fits every member's
+   cap. A death alone in its group counts as ``ik``. Poison = ``x ≥ max_deliveries`` (exceptions), or
+   ``x + k ≥ max_deliveries`` with two deaths alone (``ik ≥ 2``): a culprit that kills every worker is
+   dead-lettered after at most ``max_deliveries + 1 + ⌊log2 n⌋`` deaths, n being the suspects that ran with it
+   (caps bind only after a death, so n is what the worker took at once), while a bystander would have to be
+   alone in a group killed for another reason twice — and suspects no longer run one at a time.
 5. ``dead_letter`` — a permanent failure, with the whole message kept for ``producer retry``.
 
 Fencing. Every claim gets an *epoch* (claim.lua: from Redis TIME, above the job's last one), held here for the run
@@ -167,6 +175,8 @@ class Ledger:
         #: nonce tells our marks from an earlier life's, ``_marked[job]`` is the seq of our latest finalize of the
         #: job that Redis answered — a mark found below it means Redis lost finalizes (:meth:`lost_finalizes`).
         self._mark_nonce = uuid.uuid4().hex[:12]
+        #: This process's suspect group (claim.lua): the last-chance runs it runs at once, one per worker life.
+        self.group = f"{worker}:{self._mark_nonce}"
         self._mark_seq = 0
         self._marked: dict[str, int] = {}
         #: Our latest dead letters (job, prompt id) → (dataset, record, epoch, generation), for
@@ -179,19 +189,34 @@ class Ledger:
         self._abandon = client.register_script(lua("abandon"))
         self._dead_letter = client.register_script(lua("dead_letter"))
         self._tool_calls = client.register_script(lua("tool_calls"))
+        self._came_back = client.register_script(lua("came_back"))
 
-    def _claim_json(self, part: str | None = None, isolated: bool = False) -> str:
+    def _claim_json(self, part: str | None = None, group_size: int = 0) -> str:
         claim: dict[str, Any] = {"worker": self.worker, "part": part, "at": time.time()}
-        if isolated:
-            claim["isolated"] = True
+        if group_size:
+            claim["group"] = self.group
+            claim["gs"] = group_size
         return json.dumps(claim)
+
+    def _member(self, job: str, prompt_id: str) -> str:
+        """A run's name in the suspect group's set (the group spans jobs)."""
+        return f"{self.keys.claims(job)}|{prompt_id}"
 
     # -- transitions ----------------------------------------------------------------------------------
     async def claim(
-        self, job: str, prompt_id: str, isolated: bool = False, revision: int = 0, generation: str = ""
+        self,
+        job: str,
+        prompt_id: str,
+        isolated: bool = False,
+        revision: int = 0,
+        generation: str = "",
+        group_size: int = 1,
     ) -> Claim:
         """Claim ``prompt_id`` for a run of the message's ``revision``; when the state is in :data:`OURS` the
-        claim's epoch is held (:attr:`held`) until the run is finalized, released or dead-lettered."""
+        claim's epoch is held (:attr:`held`) until the run is finalized, released or dead-lettered.
+
+        ``isolated``: a last-chance run (the prompt answered ``suspect``) in this process's suspect group, which
+        then holds ``group_size`` runs with this one; it joins the group's set in Redis until :meth:`leave_group`."""
         k = self.keys
         state, previous, epoch = await self._claim(
             keys=[
@@ -206,12 +231,16 @@ class Ledger:
             args=[
                 prompt_id,
                 self.worker,
-                self._claim_json(isolated=isolated),
+                self._claim_json(group_size=max(1, group_size) if isolated else 0),
                 k.heartbeat(""),
                 self.max_deliveries,
                 int(isolated),
                 int(revision),
                 generation,
+                k.suspect_group(""),
+                self.group,
+                max(1, group_size),
+                self._member(job, prompt_id),
             ],
         )
         state = state.decode() if isinstance(state, bytes) else state
@@ -222,6 +251,17 @@ class Ledger:
         if state in OURS:
             self.held[(job, prompt_id)] = Fence(epoch, generation, str(int(revision)))
         return Claim(state, prev, int(epoch) if epoch else 0)
+
+    async def leave_group(self, job: str, prompt_id: str) -> None:
+        """A last-chance run ended (whichever way): it leaves this process's suspect group, so a later death
+        splits only the runs it took with it."""
+        await self.r.srem(self.keys.suspect_group(self.group), self._member(job, prompt_id))
+
+    async def came_back(self, job: str, prompt_id: str, epoch: int | str) -> bool:
+        """Our claim of ``prompt_id`` under ``epoch`` was taken over while we lived (paused past our lease): take
+        back the death that takeover charged (came_back.lua). True when there was one."""
+        keys = [self.keys.deliveries(job)]
+        return bool(int(await self._came_back(keys=keys, args=[prompt_id, self.worker, str(epoch)])))
 
     def _fence(self, job: str, prompt_id: str) -> Fence:
         return self.held.get((job, prompt_id), _NO_FENCE)
@@ -518,7 +558,9 @@ class Ledger:
                             continue
                         if replay is not None and await replay(job, pid):
                             continue
-                        orphan = json.dumps({**claim, "worker": ""})
+                        # A previous life's claim: it died, the next claim charges its death. A stray while we
+                        # run: we live, so it is let go settled (release.lua's hand-back), charging nothing.
+                        orphan = json.dumps({**claim, "worker": ""} | ({"settled": True} if running else {}))
                         keys = [self.keys.claims(job)]
                         abandoned += int(await self._abandon(keys=keys, args=[prompt_id, raw, orphan]))
             except ResponseError as exc:  # e.g. WRONGTYPE: a foreign key where the claims hash belongs
