@@ -59,6 +59,13 @@ def submit_report(report: SubmitReport, hosts: int, server_tok_s: float, mean_ou
             f"in {report.elapsed_s:.1f} s; Redis ≈ {report.estimated_redis_bytes / 2**20:,.1f} MiB"
         )
     )
+    if report.resumed:
+        parts.append(
+            Text(
+                f"{report.resumed:,} conversation(s) resume from their stored turns: workers finalize those again "
+                "from their parts (answers, next turns) and go on where each stopped"
+            )
+        )
     if report.dry_run:
         parts.append(
             Text(
