@@ -115,6 +115,14 @@ def status_view(st: dict[str, Any]) -> Group:
                 style="yellow",
             )
         )
+    if st.get("stale_generation"):
+        parts.append(
+            Text(
+                f"{st['stale_generation']:,} message(s) of an earlier generation of this job (before a purge and a new "
+                "submit) skipped by workers: never run with the new record; the new submit enqueued their prompts",
+                style="yellow",
+            )
+        )
     for w in st.get("clock_warnings") or ():
         offset = float(w["offset_s"])
         parts.append(

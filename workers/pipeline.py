@@ -34,6 +34,7 @@ from thinkfleet.failpoints import failpoint
 from thinkfleet.message import MessageLimits, MessageRefused, PromptTask
 from thinkfleet.settings import Settings
 from thinkfleet.signing import signer_for
+from thinkfleet.state.counters import STALE_GENERATION
 from thinkfleet.state.job import DEFAULT_MAX_NEW_TOKENS
 from thinkfleet.state.ledger import Ledger
 from thinkfleet.state.lifecycle import CANCELLED, CANCELLED_CLASS, PAUSED
@@ -336,6 +337,8 @@ class PromptPipeline:
                 "skipped", task.job, task.prompt_id, task.generation, job.generation,
             )  # fmt: skip
             self.metrics.skipped.inc()
+            # Counted where `producer status` reads it: a skip is never silent (the new submit re-enqueued it).
+            await self.redis.hincrby(self.settings.keys.counters(task.job), STALE_GENERATION, 1)
             return "already-superseded"
         lifecycle = await self._job_lifecycle(task)
         if lifecycle is not None:
