@@ -34,6 +34,11 @@ from thinkfleet.turns import plan_conversation, turn_messages
 
 CONVERSATIONS, TURNS = 40, 3
 TOTAL = CONVERSATIONS * TURNS
+#: Fields of a verify report that say nothing is wrong.
+OK_FIELDS = {
+    "job", "submitted_source", "submitted", "stored_rows", "committed", "thinking_rows", "think_end_rows",
+    "reasoning_spans", "per_dataset", "notes", "superseded",
+}  # fmt: skip
 #: Stop the first run once this many turns are stored: about half, so chains stand at turn 0 and turn 1.
 HALF = TOTAL // 2
 
@@ -217,3 +222,83 @@ def test_redis_lost_entirely_and_the_same_submit_resume_every_conversation(tmp_p
         _assert_every_chain_complete(settings, client, job, data, tok_dir)
     finally:
         server.stop()
+
+
+def _agentic_rows(conversations: int) -> list[dict]:
+    """As tests/test_agentic_replay.py's: each of 2 user turns calls tools twice (one call, then two) before its
+    answer."""
+    from tests.test_agentic_replay import _call
+
+    rows = []
+    for c in range(conversations):
+        msgs: list[dict] = [{"role": "system", "content": "You are a careful assistant with tools."}]
+        for t in range(2):
+            msgs += [
+                {"role": "user", "content": f"Question {t} of chat {c}: how long is the trip, and the bridge?"},
+                {"role": "assistant", "content": "", "tool_calls": [_call(0, "calculator", {"expression": "240/80"})]},
+                {"role": "tool", "tool_call_id": "functions.calculator:0", "content": f"recorded 3 ({c}.{t})"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    _call(1, "lookup", {"key": "bridge"}), _call(2, "calculator", {"expression": "100 * 101 / 2"})]},
+                {"role": "tool", "tool_call_id": "functions.lookup:1", "content": f"recorded 1887 ({c}.{t})"},
+                {"role": "tool", "tool_call_id": "functions.calculator:2", "content": f"recorded 5050 ({c}.{t})"},
+                {"role": "assistant", "content": f"the dataset's answer {t}"},
+            ]  # fmt: skip
+        rows.append({"id": f"c{c}", "messages": msgs})
+    return rows
+
+
+def test_purge_force_and_resubmit_resume_agentic_step_chains(redis_url: str, tmp_path: Path, tok_dir: Path) -> None:
+    """The same for an agentic job (``--tool-results replay``): a chain of steps resumes at its last stored step,
+    each step's prompt the rendering of the conversation up to it with the results fed back."""
+    from sglang_sim.content import ContentConfig
+    from sglang_sim.tools import write_catalogue
+    from tests.test_agentic_replay import SIM_CONTENT, AgenticJob, _check_chains
+
+    settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    client = redis.Redis.from_url(redis_url)
+    job = "agentic-resume"
+    data = write_jsonl(tmp_path / "chat.jsonl", _agentic_rows(16))
+    catalogue = write_catalogue(tmp_path / "tools.json", load_tokenizer(str(tok_dir)), "kimi")
+    content = ContentConfig(tool_catalogue=str(catalogue), **SIM_CONTENT)  # type: ignore[arg-type]
+    args = (
+        "submit", str(data), "--job", job, "--tokenizer", str(tok_dir), "--processes", "1", "--no-progress",
+        "--max-new-tokens", "400", "--seed", "3", "--context-length", "131072", "--turns", "all",
+        "--max-tool-steps", "3", "--tool-results", "replay", "--tool-mismatch", "keep_recorded", "--json",
+    )  # fmt: skip
+    sim_args = ["--tool-catalogue", str(catalogue), "--time-scale", "100"]
+    for key, value in SIM_CONTENT.items():
+        sim_args += [f"--{key.replace('_', '-')}", str(value)]
+    with simulator(tmp_path, *sim_args) as sim:
+        env = fast_env(settings, sim, max_inflight=4)
+        first = WorkerProcess("w1", env, tmp_path).start()
+        try:
+            first.wait_ready(client, settings.keys)
+            submitted = producer_cli(settings, *args)
+            assert submitted.returncode == 0, submitted.stderr
+            wait_until(lambda: _progress(client, settings, job) >= 30, 240, 0.05, what="30 steps stored")
+        finally:
+            first.terminate()
+        purged = producer_cli(settings, "purge", job, "--force")
+        assert purged.returncode == 0, purged.stdout + purged.stderr
+        second = WorkerProcess("w2", env, tmp_path).start()
+        try:
+            second.wait_ready(client, settings.keys)
+            done = _resubmit_and_finish(settings, args, job)
+        finally:
+            second.terminate()
+    assert done["report"]["resumed"] > 0, done["report"]
+    run = AgenticJob(settings, client, job, data, tok_dir, content, tmp_path, "", tmp_path / "none")
+    _check_chains(run, job)  # every chain walked from t0 along `next` is stored, rendered from what precedes it
+    report = verify_job(settings, job)
+    problems = {k: v for k, v in report.to_dict().items() if v and k not in OK_FIELDS}
+    # verify flags the turn after a turn that ended at a later step with a recorded chain end (its earlier steps
+    # name no chain end): issue 32 scenario 1, another part's; every such flag must be of that kind here.
+    answers = {k.decode(): json.loads(v) for k, v in client.hgetall(settings.keys.turn_answers(job)).items()}
+    ended_turns = {pid.rsplit("s", 1)[0] for pid, rec in answers.items() if "chain_end" in rec}
+    for pid in problems.pop("missing_turns", []):
+        conv, _, turn = pid.rpartition("/t")
+        assert f"{conv}/t{int(turn) - 1}" in ended_turns, f"{pid} flagged, its chain ended with no reason"
+    assert not problems, json.dumps(problems)[:3000]
+    status = producer_cli(settings, "status", job, "--json", "--deep")
+    st = json.loads(status.stdout)
+    assert st["finished"] and st["unaccounted"] == 0 and st["conversations"]["in_progress"] == 0, st["conversations"]

@@ -145,6 +145,7 @@ class TurnChainer:
         #: (tokenizer path, fingerprint, remote code) → the loaded tokenizer: a new generation of the same job
         #: (a purge and the same submit) does not load it again.
         self._toks: dict[tuple[str, str, bool], Any] = {}
+        self._loading = asyncio.Lock()
         #: The model directory this node's server serves (the default tokenizer root); set by the runtime.
         self.served_model: Any = lambda: None
         self._envelopes: dict[int, Any] = {}
@@ -197,15 +198,22 @@ class TurnChainer:
             raise TurnError(str(exc)) from exc
         if spec is None or spec.record is None:
             raise TurnError(f"job {job}: no job record")
-        if (job, spec.generation) not in self._jobs:
-            record, turns = spec.record, spec.turns
-            path = self._tokenizer_path(record, bool(turns.get("trust_remote_code")))
-            trust = bool(turns.get("trust_remote_code")) and bool(getattr(self.settings, "trust_remote_code", False))
-            key = (path, record.tokenizer_fingerprint, trust)
-            if key not in self._toks:
-                self._toks[key] = await asyncio.to_thread(_load_checked, record, trust, path)
-            self._jobs[(job, spec.generation)] = _JobTurns(record, self._toks[key], turns)
-        return self._jobs[(job, spec.generation)]
+        at = (job, spec.generation)
+        if at not in self._jobs:
+            # One load at a time: orphan finalizes run concurrently (a re-submit's resumed chains reach a fresh
+            # worker all at once), and transformers' lazy imports fail when two threads import it at once
+            # (ImportError: cannot import name 'AutoTokenizer'), a crash that lost the head's part.
+            async with self._loading:
+                if at not in self._jobs:
+                    record, turns = spec.record, spec.turns
+                    remote = bool(turns.get("trust_remote_code"))
+                    path = self._tokenizer_path(record, remote)
+                    trust = remote and bool(getattr(self.settings, "trust_remote_code", False))
+                    key = (path, record.tokenizer_fingerprint, trust)
+                    if key not in self._toks:
+                        self._toks[key] = await asyncio.to_thread(_load_checked, record, trust, path)
+                    self._jobs[at] = _JobTurns(record, self._toks[key], turns)
+        return self._jobs[at]
 
     def _tokenizer_path(self, record: JobRecord, remote_code: bool) -> str:
         """The job's tokenizer path resolved inside this worker's roots, or TurnError (the pipeline refuses such a
