@@ -7,7 +7,9 @@ Redis lost entirely — and the same ``producer submit`` runs again, then for ev
 turn decides what comes next: its successor is derived from the stored row as a worker's finalize would (the
 same tokenizer, template and the new generation), every conversation completes, ``producer wait`` exits 0,
 ``producer verify`` passes, and each turn i+1's prompt is the template's rendering of the conversation with the
-model's own (stored) answers of turns 0..i.
+model's own (stored) answers of turns 0..i. The same for an agentic job's step chains (``--tool-results
+replay``). And the plan itself (producer/chains.py), read from real parts: which stored turns get a settled claim
+naming their part, and which one per conversation is enqueued again.
 """
 
 from __future__ import annotations
@@ -302,3 +304,40 @@ def test_purge_force_and_resubmit_resume_agentic_step_chains(redis_url: str, tmp
     status = producer_cli(settings, "status", job, "--json", "--deep")
     st = json.loads(status.stdout)
     assert st["finished"] and st["unaccounted"] == 0 and st["conversations"]["in_progress"] == 0, st["conversations"]
+
+
+def test_the_replay_plan_claims_every_unfinalized_stored_turn_and_enqueues_each_conversations_earliest(
+    tmp_path: Path,
+) -> None:
+    """The plan a re-submit writes (producer/chains.py), read from real parts: every stored turn Redis does not count
+    finished gets a settled claim naming the part its winning row is in; each conversation's earliest such turn
+    (steps order within their turn: t0s2 before t1) is enqueued again from its stored row, with the new generation."""
+    from producer.chains import plan_replay, replay_candidates
+    from storage.writer import PartWriter
+    from testing.rows import make_row
+    from thinkfleet.message import content_hash, unpack_ids
+
+    def row(pid: str, seed: int, revision: int = 0) -> dict:
+        conv, _, _ = pid.rpartition("/t")
+        return make_row(pid, dataset="chat", job="mt", seed=seed, conversation_id=conv, revision=revision)
+
+    stored = ["chat/c0/t0", "chat/c0/t0s1", "chat/c0/t0s2", "chat/c0/t1", "chat/c1/t0", "chat/c1/t1", "chat/c2/t0"]
+    writer = PartWriter(str(tmp_path / "out"), "w1")
+    first = writer.write("mt", "chat", [row(p, i) for i, p in enumerate(stored)])
+    # c1/t1 re-run (revision 1) in another part: its winner is there.
+    second = writer.write("mt", "chat", [row("chat/c1/t1", 99, revision=1)])
+    settings = Settings(output_uri=str(tmp_path / "out"))
+    # c0's first two steps and c1/t0 are done (finalized in this Redis), c2 is not a conversation of this submit.
+    finished = {"chat/c0/t0", "chat/c0/t0s1", "chat/c1/t0"}
+    candidates = replay_candidates(stored, finished, {"chat/c0", "chat/c1"})
+    assert candidates == {"chat/c0/t0s2", "chat/c0/t1", "chat/c1/t1"}
+    plan = plan_replay(settings, "mt", candidates, "gen2")
+    assert plan.held == candidates
+    parts = {pid: json.loads(claim)["part"] for pid, claim in plan.claims.items()}
+    assert parts["chat/c1/t1"] == second and parts["chat/c0/t0s2"] == first
+    assert all(json.loads(c)["settled"] and json.loads(c)["worker"] == "" for c in plan.claims.values())
+    assert [t.prompt_id for t in plan.heads] == ["chat/c0/t0s2", "chat/c1/t1"]
+    head = plan.heads[1]
+    assert (head.revision, head.generation, head.dataset) == (1, "gen2", "chat")
+    ids = unpack_ids(head.ids_blob, None)
+    assert ids == row("chat/c1/t1", 99, revision=1)["input_ids"] and head.content_hash == content_hash(ids)
