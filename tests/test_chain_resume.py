@@ -153,6 +153,9 @@ def test_purge_force_and_the_same_submit_resume_every_conversation(
         # When the job is purged (--force: its queued turns are cancelled first) and submitted again.
         purged = producer_cli(settings, "purge", job, "--force")
         assert purged.returncode == 0, purged.stdout + purged.stderr
+        # (And one conversation's turn 1 is stored with other content than its turn 0 renders — as a turn 1 derived
+        # from an answer that is no longer the committed one: it must be generated again, never finalized.)
+        _store_foreign_turn(settings, job)
         second = WorkerProcess("w2", env, tmp_path).start()
         try:
             second.wait_ready(client, settings.keys)
@@ -163,6 +166,25 @@ def test_purge_force_and_the_same_submit_resume_every_conversation(
     # conversation completed from its stored turns.
     assert done["report"]["enqueued"] >= len(stranded), done["report"]
     _assert_every_chain_complete(settings, client, job, data, tok_dir)
+
+
+def _store_foreign_turn(settings: Settings, job: str) -> str:
+    """A row for turn 1 of the first conversation whose turn 0 is stored, with content no chain renders, the
+    winner among its rows now (epoch just above every stored row's)."""
+    from storage.reader import read_keys
+    from storage.writer import PartWriter
+    from testing.rows import make_row
+
+    keys = read_keys(settings.output_uri, job)
+    stored = set(keys["prompt_id"].to_pylist())
+    conv = next(f"chat/c{c}" for c in range(CONVERSATIONS) if f"chat/c{c}/t0" in stored)
+    epoch = max(e or 0 for e in keys["epoch"].to_pylist()) + 1
+    row = make_row(
+        f"{conv}/t1", dataset="chat", job=job, seed=5, conversation_id=conv, turn_index=1, turn_count=TURNS,
+        row_index=int(conv.rsplit("c", 1)[1]), epoch=epoch,
+    )  # fmt: skip
+    PartWriter(settings.output_uri, "forger").write(job, "chat", [row])
+    return row["prompt_id"]
 
 
 def test_purge_force_and_resubmit_with_a_worker_kept_running(redis_url: str, tmp_path: Path, tok_dir: Path) -> None:

@@ -492,6 +492,15 @@ class PromptPipeline:
         if row is None:
             log.warning("part %s has no row for %s/%s: generating it", part, task.job, task.prompt_id)
             return None
+        if row.get("content_hash") and row["content_hash"] != task.content_hash:
+            # Not this message's row: another prompt under the id (a turn re-derived from another answer since it
+            # was stored — a resumed chain whose earlier turn was generated again). Finalizing it would commit a
+            # turn not rendered from the committed turn before it: generate this one (its row wins by epoch).
+            log.warning(
+                "part %s holds %s/%s with other content (%s, the message's %s): generating it",
+                part, task.job, task.prompt_id, row["content_hash"], task.content_hash,
+            )  # fmt: skip
+            return None
         log.info("prompt %s/%s was committed in %s by an earlier run: finalizing", task.job, task.prompt_id, part)
         # As a fresh row would be finalized (rows.final_row): an orphan of a thinking-off job is no alarm row.
         opens = prompt_opens_reasoning(input_ids, job.tokens)
