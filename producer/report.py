@@ -44,6 +44,9 @@ class SubmitReport:
     elapsed_s: float
     tokenizer_fingerprint: str
     prompt_ends_with_think_start: bool
+    #: --turns all: conversations whose stored turns the workers finalize again, from their parts (a re-submit
+    #: after a purge or a lost Redis: producer/chains.py); their first such turn is counted in ``enqueued``.
+    resumed: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -61,6 +64,7 @@ class SubmitReport:
             "elapsed_s": round(self.elapsed_s, 3),
             "tokenizer_fingerprint": self.tokenizer_fingerprint,
             "prompt_ends_with_think_start": self.prompt_ends_with_think_start,
+            "resumed": self.resumed,
         }
 
 

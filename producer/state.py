@@ -17,6 +17,7 @@ from typing import Any
 
 import redis
 
+from producer.chains import ChainReplay
 from producer.enqueue import Stager
 from thinkfleet.settings import Settings
 from thinkfleet.signing import signer_for
@@ -314,10 +315,13 @@ def commit(
     stager: Stager,
     revived: list[tuple[str, str]] = (),  # type: ignore[assignment]
     dataset_hint: dict[str, str] | None = None,
+    replay: ChainReplay | None = None,
 ) -> None:
     """One MULTI: prompt hashes (staged), job record, counters, done-cache refill, and the staged messages →
     queue. ``revived``: (prompt_id, dataset) of this submit's prompts that were done but lost with a damaged part;
-    ``dataset_hint``: the dataset of stored prompts this submit saw (Redis may have lost their prompt_dataset).
+    ``dataset_hint``: the dataset of stored prompts this submit saw (Redis may have lost their prompt_dataset);
+    ``replay``: stored turns of a ``--turns all`` job the workers finalize again (producer/chains.py): never
+    refilled into done (their successors would be derived by nothing), their settled claims written here.
 
     Workers read the job record before their first message of the job, so both land together.
     """
@@ -326,7 +330,8 @@ def commit(
         prompts.commit(pipe, settings, job)
         # done caches storage: refill it after a Redis loss, the counters following (refill_done.lua). A stored
         # prompt with a message queued (a `retry --truncated` revision) is not done until that revision is stored.
-        newly_known = sorted(existing.stored - existing.done - existing.queued - existing.dead)
+        held = replay.held if replay is not None else set()
+        newly_known = sorted(existing.stored - existing.done - existing.queued - existing.dead - held)
         hint = dataset_hint or {}
         for start in range(0, len(newly_known), CHUNK):
             chunk = newly_known[start : start + CHUNK]
@@ -335,6 +340,10 @@ def commit(
         revived = sorted(revived)
         for start in range(0, len(revived), CHUNK):
             _take_out_of_done(pipe, settings, job, revived[start : start + CHUNK])
+        if replay is not None:
+            # A claim a worker took meanwhile is its own: HSETNX leaves it (the replay then goes through it).
+            for pid, claim in replay.claims.items():
+                pipe.hsetnx(keys.claims(job), pid, claim)
         record.save(pipe, keys, signer_for(settings))  # signed when a key is configured (thinkfleet/signing.py)
         for name, count in record.datasets.items():
             pipe.hset(keys.dataset_counters(job, name), "submitted", count)

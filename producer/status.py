@@ -36,7 +36,7 @@ from thinkfleet.broker.clock import RedisClock
 from thinkfleet.broker.keys import KombuKeys
 from thinkfleet.broker.queues import queue_length
 from thinkfleet.settings import Settings
-from thinkfleet.state.counters import check_counters, last_check, read_counts, record_check
+from thinkfleet.state.counters import STALE_GENERATION, check_counters, last_check, read_counts, record_check
 from thinkfleet.state.invariant import NotObservable, account, broker_client, live_claims
 from thinkfleet.state.places import check_places
 
@@ -137,6 +137,8 @@ class StatusReader:
             "nondeterministic_seeds": counters.get("nondeterministic_seeds", 0),  # seeded, server ignores seeds
             # runs of paused-past-their-lease workers refused (thinkfleet/state/ledger.py): nothing of theirs stored
             "fenced": counters.get("fenced", 0),
+            # messages of an earlier generation of the job (before a purge and a new submit), skipped by workers
+            "stale_generation": counters.get(STALE_GENERATION, 0),
             "max_new_tokens": record.max_new_tokens,
             "job_file": record.job_file,  # the job file as it ran (producer submit job.yaml), else null
             "clock_warnings": clock_warnings(r, self.settings),

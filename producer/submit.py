@@ -40,6 +40,7 @@ import numpy as np
 import redis
 
 from producer import render
+from producer.chains import ChainReplay, plan_replay, replay_candidates
 from producer.enqueue import Stager
 from producer.inputs import Columns, Dataset, InputError, Problem, Prompt, iter_prompts, open_dataset
 from producer.report import (
@@ -229,12 +230,21 @@ def submit(settings: Settings, opts: SubmitOptions, on_progress: ProgressFn | No
                         opts, settings, pool, info, limits, datasets, existing, problems, stager, prompts, on_progress
                     )
                     collector.spool.write(settings, opts.job)
+                    replay = _replay(settings, opts, existing, collector, stager)
                     record = _job_record(opts, info, existing, collector, problems)
                     if opts.turns == "all":  # before the commit: workers read it once turn 0 is queued
                         _write_conversations(client, settings, opts, collector)
                     failpoint("submit_after_stage")
                     commit(
-                        client, settings, record, prompts, existing, stager, collector.revived, collector.stored_hint
+                        client,
+                        settings,
+                        record,
+                        prompts,
+                        existing,
+                        stager,
+                        collector.revived,
+                        collector.stored_hint,
+                        replay,
                     )
                 except BaseException:
                     stager.discard()
@@ -521,6 +531,8 @@ class _Collector:
         self.lost = existing.lost
         self.stored_hint: dict[str, str] = {}  # dataset of stored prompts (the done refill after a Redis loss)
         self.message_bytes = self.enqueued = self.tokens_enqueued = 0
+        #: --turns all: conversations whose stored turns the workers finalize again (producer/chains.py)
+        self.resumed = 0
         self.not_ending = self.changed = self.batch_tokens = 0
         self.first_not_ending: str | None = None
         self.feed: _Feed | None = None  # the inputs being rendered (--turns all: their conversations)
@@ -669,6 +681,26 @@ class _ManifestSpool:
     def close(self) -> None:
         self._chunk = []
         self._file.close()
+
+
+def _replay(
+    settings: Settings, opts: SubmitOptions, existing: Existing, collector: _Collector, stager: Stager
+) -> ChainReplay:
+    """--turns all: the stored turns Redis does not count done (a purge, a Redis lost entirely) are finalized
+    again by the workers, from their parts and in chain order (producer/chains.py): each conversation's earliest
+    one is enqueued again (counted as enqueued and as ``resumed``), never refilled into done."""
+    if opts.turns != "all":
+        return ChainReplay()
+    finished = existing.done | existing.dead | existing.queued
+    candidates = replay_candidates(existing.stored, finished, collector.kept_conversations)
+    replay = plan_replay(settings, opts.job, candidates, collector.generation)
+    if replay.heads:
+        messages = collector.envelope.encode_many(replay.heads)
+        stager.push(messages)
+        collector.enqueued += len(messages)
+        collector.message_bytes += sum(map(len, messages))
+    collector.resumed = len(replay.heads)
+    return replay
 
 
 def _write_conversations(client: redis.Redis, settings: Settings, opts: SubmitOptions, collector: _Collector) -> None:
@@ -853,6 +885,7 @@ def _report(
         elapsed_s=elapsed_s,
         tokenizer_fingerprint=info.fingerprint,
         prompt_ends_with_think_start=info.think_start_id is not None and c.not_ending == 0,
+        resumed=c.resumed,
     )
 
 

@@ -59,6 +59,13 @@ def submit_report(report: SubmitReport, hosts: int, server_tok_s: float, mean_ou
             f"in {report.elapsed_s:.1f} s; Redis ≈ {report.estimated_redis_bytes / 2**20:,.1f} MiB"
         )
     )
+    if report.resumed:
+        parts.append(
+            Text(
+                f"{report.resumed:,} conversation(s) resume from their stored turns: workers finalize those again "
+                "from their parts (answers, next turns) and go on where each stopped"
+            )
+        )
     if report.dry_run:
         parts.append(
             Text(
@@ -105,6 +112,14 @@ def status_view(st: dict[str, Any]) -> Group:
             Text(
                 f"{st['fenced']:,} run(s) fenced: a worker paused past its lease came back after another took its "
                 "prompts over; nothing of theirs was counted (a worker that stalls that long: check its host)",
+                style="yellow",
+            )
+        )
+    if st.get("stale_generation"):
+        parts.append(
+            Text(
+                f"{st['stale_generation']:,} message(s) of an earlier generation of this job (before a purge and a new "
+                "submit) skipped by workers: never run with the new record; the new submit enqueued their prompts",
                 style="yellow",
             )
         )

@@ -189,10 +189,18 @@ class PartWriter:
         encode_parquet(rows_to_table([]))
 
     def final_counts(self, job: str, dataset: str, part_path: str, prompt_id: str) -> dict[str, Any] | None:
-        """``completion_tokens``, ``has_think_end``, ``finish_reason``, ``revision`` and ``epoch`` of ``prompt_id``'s
-        row in a committed part (or in the compacted file that replaced it); None when the row is not there — also
-        when the part is damaged (it is quarantined: storage/quarantine.py)."""
-        columns = ["prompt_id", "completion_tokens", "has_think_end", "finish_reason", "revision", "epoch"]
+        """``completion_tokens``, ``has_think_end``, ``finish_reason``, ``revision``, ``epoch`` and ``content_hash`` of
+        ``prompt_id``'s row in a committed part (or in the compacted file that replaced it); None when the row is not
+        there — also when the part is damaged (it is quarantined: storage/quarantine.py)."""
+        columns = [
+            "prompt_id",
+            "completion_tokens",
+            "has_think_end",
+            "finish_reason",
+            "revision",
+            "epoch",
+            "content_hash",
+        ]
         path = self.loc.path(part_path)
         table = None
         if self.loc.fs.get_file_info(path).type == pafs.FileType.File:

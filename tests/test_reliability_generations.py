@@ -5,7 +5,8 @@ Given a worker that cached generation 1 of a job and holds some of its messages 
 failpoint ``during_generate=stop``), when the job is purged and submitted again with another budget and the worker
 resumes, then its in-flight runs of generation 1 are fenced (their finalize finds another generation), every
 prompt is stored once with generation 2's sampling (byte-exact against the simulator), and a stray copy of a
-generation-1 message is skipped without a generation.
+generation-1 message is skipped without a generation — and counted (``stale_generation``, shown by ``producer
+status``).
 """
 
 from __future__ import annotations
@@ -93,3 +94,11 @@ def test_purge_and_resubmit_under_a_running_worker_never_mixes_generations(redis
     log = worker.log_path.read_text(errors="replace")
     assert "is held by generation now" in log, "the in-flight generation-1 runs should have been fenced"
     assert int(client.hget(keys.counters(job_name), "done")) == PROMPTS
+    # And the skipped stray copy was counted where `producer status` shows it (never acked unseen).
+    skipped = int(client.hget(keys.counters(job_name), "stale_generation") or 0)
+    assert skipped >= 1, "a skipped message of the purged generation is counted"
+    status = producer_cli(settings, "status", job_name, "--json")
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["stale_generation"] == skipped
+    text = producer_cli(settings, "status", job_name)
+    assert "earlier generation of this job" in text.stdout, text.stdout

@@ -236,3 +236,43 @@ def test_a_job_without_a_record_reads_as_none_everywhere(redis_url: str, tmp_pat
     assert state.redis_ok and state.record == {}
     assert jobstate.span_tokens(state.record) == KIMI_TOKENS
     client.close()
+
+
+def test_work_without_a_message_reads_the_record_in_force_after_a_purge_and_resubmit(redis_url: str) -> None:
+    """A turn a worker derives from a stored row has no message to name a generation: ``JobCache.current`` reads
+    the record's generation each time and re-reads the record when it changed (a purge and a new submit), and says
+    UnknownJob while the job has no record — a worker that cached the first record must not derive with it (its
+    turns would carry the purged generation and be skipped: issue 32, scenario 3)."""
+    from workers.jobs import UnknownJob
+    from workers.turns import TurnChainer
+
+    keys = Keys(prefix=f"t{uuid.uuid4().hex[:8]}")
+    client = redis.Redis.from_url(redis_url)
+    turns = json.dumps({"mode": "all", "conversations": 1})
+    client.hset(keys.job("j"), mapping={"name": json.dumps("j"), "generation": json.dumps("g1"), "turns": turns})
+    settings = Settings(redis_url=redis_url, key_prefix=keys.prefix)
+
+    async def run() -> tuple[str, bool, str, str, bool, int]:
+        async with aioredis.Redis.from_url(redis_url) as r:
+            cache = JobCache(r, keys)
+            chainer = TurnChainer(r, keys, settings, jobs=cache)
+            first = (await cache.current("j")).generation
+            multi = await chainer.multi_turn("j")
+            client.delete(keys.job("j"))  # producer purge
+            try:
+                await cache.current("j")
+                purged = "record"
+            except UnknownJob:
+                purged = "none"
+            gone = await chainer.multi_turn("j")
+            client.hset(  # the new submit, at another priority
+                keys.job("j"),
+                mapping={"name": json.dumps("j"), "generation": json.dumps("g2"), "turns": turns, "priority": "3"},
+            )
+            return first, multi, purged, (await cache.current("j")).generation, gone, await chainer.priority("j")
+
+    try:
+        assert asyncio.run(run()) == ("g1", True, "none", "g2", False, 3)
+    finally:
+        client.delete(keys.job("j"))
+        client.close()

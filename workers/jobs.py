@@ -36,6 +36,9 @@ from thinkfleet.state.job import JobRecord, max_new_tokens_of
 from thinkfleet.tokens import KIMI_TOKENS, SpanTokens
 from thinkfleet.turns import TURNS_FIELD, regenerates_all_turns, turns_meta
 
+#: The job hash's field holding the record's generation (``JobRecord.generation``).
+GENERATION_FIELD = "generation"
+
 
 class UnknownJob(Exception):
     """A message names a job with no record in Redis (Redis lost without a re-submit?)."""
@@ -63,6 +66,8 @@ class JobSpec:
     multi_turn: bool = False
     tokenizer: str = ""
     remote_code: bool = False
+    #: The record's ``turns`` field as read and checked (its mode and agentic settings: thinkfleet/tool_steps.py).
+    turns: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     #: The record as read (and, with a signing key, verified): what else of it a worker needs (vocabulary, context).
     record: JobRecord | None = field(default=None, compare=False, repr=False)
 
@@ -100,6 +105,7 @@ class JobSpec:
             multi_turn=regenerates_all_turns(turns),
             tokenizer=record.tokenizer,
             remote_code=bool(turns.get("trust_remote_code")),
+            turns=dict(turns),
             record=record,
         )
 
@@ -140,6 +146,18 @@ class JobCache:
                 if dataset is not None:
                     self._reread.add((job, dataset))
         return self._specs[job]
+
+    async def current(self, job: str) -> JobSpec:
+        """The spec of the record in force now, for work no message names a generation for (a turn derived from
+        a stored row): the record's generation is read (one HGET) and the record re-read when it is not the
+        cached one's — a worker that lived through ``producer purge`` and a new submit derives with the new
+        record, never the one it cached first. :class:`UnknownJob` when there is no record."""
+        raw = await self.r.hget(self.keys.job(job), GENERATION_FIELD)
+        if raw is None and not await self.r.exists(self.keys.job(job)):
+            # purged (or Redis lost it): the cached record is no longer any job's
+            raise UnknownJob(f"job {job!r} has no record at {self.keys.job(job)}; re-run producer submit")
+        generation = JobRecord.from_hash({GENERATION_FIELD: raw}).generation if raw is not None else ""
+        return await self.get(job, generation=generation)
 
     def _fresh(self, spec: JobSpec, job: str, dataset: str | None, generation: str = "") -> bool:
         if generation and generation != spec.generation and (job, f"generation:{generation}") not in self._reread:

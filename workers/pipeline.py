@@ -34,6 +34,7 @@ from thinkfleet.failpoints import failpoint
 from thinkfleet.message import MessageLimits, MessageRefused, PromptTask
 from thinkfleet.settings import Settings
 from thinkfleet.signing import signer_for
+from thinkfleet.state.counters import STALE_GENERATION
 from thinkfleet.state.job import DEFAULT_MAX_NEW_TOKENS
 from thinkfleet.state.ledger import OURS, Ledger
 from thinkfleet.state.lifecycle import CANCELLED, CANCELLED_CLASS, PAUSED
@@ -354,6 +355,8 @@ class PromptPipeline:
                 "skipped", task.job, task.prompt_id, task.generation, job.generation,
             )  # fmt: skip
             self.metrics.skipped.inc()
+            # Counted where `producer status` reads it: a skip is never silent (the new submit re-enqueued it).
+            await self.redis.hincrby(self.settings.keys.counters(task.job), STALE_GENERATION, 1)
             return "already-superseded"
         lifecycle = await self._job_lifecycle(task)
         if lifecycle is not None:
@@ -571,6 +574,15 @@ class PromptPipeline:
             log.warning(
                 "part %s holds revision %d of %s/%s, this message is revision %d: generating it",
                 part, revision, task.job, task.prompt_id, task.revision,
+            )  # fmt: skip
+            return None
+        if row.get("content_hash") and row["content_hash"] != task.content_hash:
+            # Not this message's row: another prompt under the id (a turn re-derived from another answer since it
+            # was stored — a resumed chain whose earlier turn was generated again). Finalizing it would commit a
+            # turn not rendered from the committed turn before it: generate this one (its row wins by epoch).
+            log.warning(
+                "part %s holds %s/%s with other content (%s, the message's %s): generating it",
+                part, task.job, task.prompt_id, row["content_hash"], task.content_hash,
             )  # fmt: skip
             return None
         log.info("prompt %s/%s was committed in %s by an earlier run: finalizing", task.job, task.prompt_id, part)

@@ -149,7 +149,7 @@ class WorkerRuntime:
             raise RuntimeStartError(str(exc)) from exc
         # What hangs off a stored row, in order (workers/hooks.py): the committer and the pipeline call them.
         self.hooks = PostCommitHooks(
-            [TurnChaining(chainer := TurnChainer(self.redis, s.keys, s, self.writer))],  # --turns all jobs
+            [TurnChaining(chainer := TurnChainer(self.redis, s.keys, s, self.writer, self.jobs))],  # --turns all
             on_error=lambda hook, exc: self.metrics.errors.labels("post_commit_hook").inc(),
         )
         self.committer = GroupCommitter(

@@ -54,7 +54,7 @@ async def next_step(
     parts = split_step_id(pid)
     assert parts is not None
     conv_id, turn, step = parts
-    meta = chainer._meta.get(job) or {}
+    meta = jt.meta
     answer = _answer(jt, row)
     revision = int(row.get("revision") or 0)
     recorded: dict[str, Any] = {**answer, "revision": revision} if revision else dict(answer)
@@ -76,7 +76,7 @@ async def next_step(
         if calls:
             try:
                 recorded["tool_results"] = await _execute(
-                    chainer, job, pid, revision, (conv_id, turn, step), calls, meta
+                    chainer, job, pid, revision, (conv_id, turn, step), calls, meta, jt.record.generation
                 )
             except ToolFenced as exc:
                 # Another run holds the step now: ours calls nothing, records nothing, and mark_part refuses its row
@@ -148,19 +148,22 @@ async def _execute(
     where: tuple[str, int, int],
     calls: list[dict[str, Any]],
     meta: dict[str, Any],
+    generation: str = "",
 ) -> list[dict[str, Any]]:
     """The executor's results for this step revision's calls (workers/tool_exec.py: recorded before the next step
     is, fenced by this run's claim in the worker's ledger)."""
     from workers.tool_exec import ToolExecutor, executed_results
 
-    executors: dict[str, ToolExecutor] = chainer.__dict__.setdefault("_executors", {})
-    if job not in executors:  # the job names the executor; this worker's settings trust and limit it
-        executors[job] = ToolExecutor.for_worker(str(meta.get("executor") or ""), chainer.settings)
+    # by (job, generation): a purge and a new submit may name another executor
+    executors: dict[tuple[str, str], ToolExecutor] = chainer.__dict__.setdefault("_executors", {})
+    at = (job, generation)
+    if at not in executors:  # the job names the executor; this worker's settings trust and limit it
+        executors[at] = ToolExecutor.for_worker(str(meta.get("executor") or ""), chainer.settings)
     conv_id, turn, step = where
     place = {"conversation": conv_id, "turn": turn, "step": step}
     if chainer.ledger is None:
         raise ToolExecError(f"{pid}: no claim ledger here to fence its executor call by (a worker's chainer has one)")
-    return await executed_results(chainer.ledger, executors[job], job, pid, revision, place, calls)
+    return await executed_results(chainer.ledger, executors[at], job, pid, revision, place, calls)
 
 
 def _cut(jt: _JobTurns, row: dict[str, Any]) -> bool:

@@ -77,7 +77,7 @@ from thinkfleet.turns import (
     turns_meta,
 )
 from workers.hooks import CommitGroup, FinalizeWrites, PostCommitHook, StoredRow
-from workers.jobs import confined_tokenizer, load_job, tokenizer_roots
+from workers.jobs import JobCache, JobSpec, UnknownJob, confined_tokenizer, tokenizer_roots
 
 log = logging.getLogger(__name__)
 
@@ -128,37 +128,68 @@ class NextTurn:
 
 
 class _JobTurns:
-    def __init__(self, record: JobRecord, tok: Any) -> None:
+    """What one generation of a job's record renders its next turns with: the record, its ``turns`` field, the
+    tokenizer (loaded and checked against the record's fingerprint) and the tool markers."""
+
+    def __init__(self, record: JobRecord, tok: Any, meta: dict[str, Any] | None = None) -> None:
         from storage.conversations import ToolMarkers
 
         self.record, self.tok, self.markers = record, tok, ToolMarkers.of(record)
+        #: The record's ``turns`` field (its agentic settings: thinkfleet/tool_steps.py).
+        self.meta: dict[str, Any] = dict(meta or {})
 
 
 class TurnChainer:
-    """Computes, for rows of a multi-turn job, their turn columns and the next turn's message."""
+    """Computes, for rows of a multi-turn job, their turn columns and the next turn's message.
 
-    def __init__(self, client: aioredis.Redis, keys: Keys, settings: Any, writer: Any = None) -> None:
+    What it knows of a job is keyed by (job, generation): the record in force is asked of :class:`JobCache`
+    (``current``: its generation read each time, the record re-read when it changed), so a worker that lived
+    through ``producer purge`` and a new submit derives later turns with the new record and generation — a turn
+    derived with the purged one would be skipped as superseded, and its chain never go on."""
+
+    def __init__(
+        self, client: aioredis.Redis, keys: Keys, settings: Any, writer: Any = None, jobs: JobCache | None = None
+    ) -> None:
         self.r, self.keys, self.settings, self.writer = client, keys, settings, writer
         #: The worker's ledger (set by the runtime): an agentic step's executor call is fenced by its claim there.
         self.ledger: Any = None
         self.queue: str = settings.queue
-        self._mode: dict[str, bool] = {}
-        #: The job's ``turns`` record (its agentic settings: thinkfleet/tool_steps.py).
-        self._meta: dict[str, dict[str, Any]] = {}
-        self._jobs: dict[str, _JobTurns] = {}
         self.signer = signer_for(settings)
+        #: The worker's job records (shared with the pipeline), re-read per generation.
+        self.jobs = jobs if jobs is not None else JobCache(client, keys, self.signer)
+        #: (job, generation) → what that record renders with.
+        self._jobs: dict[tuple[str, str], _JobTurns] = {}
+        #: (tokenizer path, fingerprint, remote code) → the loaded tokenizer: a new generation of the same job
+        #: (a purge and the same submit) does not load it again.
+        self._toks: dict[tuple[str, str, bool], Any] = {}
+        self._loading = asyncio.Lock()
         #: The model directory this node's server serves (the default tokenizer root); set by the runtime.
         self.served_model: Any = lambda: None
         self._envelopes: dict[int, Any] = {}
-        self._priority: dict[str, int] = {}
+
+    async def _current(self, job: str) -> JobSpec | None:
+        """The job's record in force now (checked), None when it has none (purged, or Redis lost it);
+        :class:`MessageRefused` when it is not the producer's."""
+        try:
+            return await self.jobs.current(job)
+        except UnknownJob:
+            return None
 
     async def multi_turn(self, job: str) -> bool:
-        if job not in self._mode:
-            # The mode only says whether to chain; what a chain renders with comes from the checked record (_job).
-            meta = turns_meta(await self.r.hget(self.keys.job(job), TURNS_FIELD))
-            self._mode[job] = regenerates_all_turns(meta)
-            self._meta[job] = meta
-        return self._mode[job]
+        try:
+            spec = await self._current(job)
+        except MessageRefused:
+            # Not the producer's record: its rows still chain, and each chain ends saying why (_job refuses it).
+            return regenerates_all_turns(turns_meta(await self.r.hget(self.keys.job(job), TURNS_FIELD)))
+        return spec is not None and spec.multi_turn
+
+    async def meta(self, job: str) -> dict[str, Any]:
+        """The ``turns`` field of the job's record in force ({} without one)."""
+        try:
+            spec = await self._current(job)
+        except MessageRefused:
+            return {}
+        return dict(spec.turns) if spec is not None else {}
 
     async def conversation(self, job: str, conv: str, checked: bool = False) -> dict[str, Any]:
         """The conversation record; ``checked``: its signature verified (with a key) — what a next turn is
@@ -177,19 +208,29 @@ class TurnChainer:
         return json.dumps(answer, ensure_ascii=False)
 
     async def _job(self, job: str) -> _JobTurns:
-        if job not in self._jobs:
-            try:
-                loaded = await load_job(self.r, self.keys, job, self.signer)
-            except MessageRefused as exc:
-                raise TurnError(str(exc)) from exc
-            if loaded is None:
-                raise TurnError(f"job {job}: no job record")
-            record, turns = loaded
-            path = self._tokenizer_path(record, bool(turns.get("trust_remote_code")))
-            trust = bool(turns.get("trust_remote_code")) and bool(getattr(self.settings, "trust_remote_code", False))
-            tok = await asyncio.to_thread(_load_checked, record, trust, path)
-            self._jobs[job] = _JobTurns(record, tok)
-        return self._jobs[job]
+        """What the job's record in force renders with, by (job, generation)."""
+        try:
+            spec = await self._current(job)
+        except MessageRefused as exc:
+            raise TurnError(str(exc)) from exc
+        if spec is None or spec.record is None:
+            raise TurnError(f"job {job}: no job record")
+        at = (job, spec.generation)
+        if at not in self._jobs:
+            # One load at a time: orphan finalizes run concurrently (a re-submit's resumed chains reach a fresh
+            # worker all at once), and transformers' lazy imports fail when two threads import it at once
+            # (ImportError: cannot import name 'AutoTokenizer'), a crash that lost the head's part.
+            async with self._loading:
+                if at not in self._jobs:
+                    record, turns = spec.record, spec.turns
+                    remote = bool(turns.get("trust_remote_code"))
+                    path = self._tokenizer_path(record, remote)
+                    trust = remote and bool(getattr(self.settings, "trust_remote_code", False))
+                    key = (path, record.tokenizer_fingerprint, trust)
+                    if key not in self._toks:
+                        self._toks[key] = await asyncio.to_thread(_load_checked, record, trust, path)
+                    self._jobs[at] = _JobTurns(record, self._toks[key], turns)
+        return self._jobs[at]
 
     def _tokenizer_path(self, record: JobRecord, remote_code: bool) -> str:
         """The job's tokenizer path resolved inside this worker's roots, or TurnError (the pipeline refuses such a
@@ -203,13 +244,16 @@ class TurnChainer:
         return path
 
     async def priority(self, job: str) -> int:
-        """The job record's priority as a kombu step (0 without a record): later turns queue at it."""
-        if job not in self._priority:
-            from thinkfleet.broker.keys import priority_step
+        """The priority of the job's record in force, as a kombu step (0 without a record): later turns queue
+        at it."""
+        from thinkfleet.broker.keys import priority_step
 
-            record = self._jobs[job].record if job in self._jobs else await JobRecord.aload(self.r, self.keys, job)
-            self._priority[job] = priority_step(record.priority if record is not None else 0)
-        return self._priority[job]
+        try:
+            spec = await self._current(job)
+        except MessageRefused:
+            spec = None
+        record = spec.record if spec is not None else None
+        return priority_step(record.priority if record is not None else 0)
 
     async def queue_for(self, job: str) -> str:
         """The list ``finalize`` pushes the job's next turns onto: its priority list (as its submit queued)."""
@@ -221,13 +265,14 @@ class TurnChainer:
         """Fill the turn columns of a multi-turn job's rows (before they are written)."""
         if not await self.multi_turn(job):
             return
+        meta = await self.meta(job)
         for row in rows:
             parts = split_turn_id(row["prompt_id"])
             if parts is None:
                 continue
             conv = await self.conversation(job, parts[0])
             row[CONVERSATION_ID], row[TURN_INDEX], row[TURN_COUNT] = parts[0], parts[1], int(conv["turn_count"])
-            if agentic(self._meta.get(job) or {}):
+            if agentic(meta):
                 row[STEP_INDEX] = (split_step_id(row["prompt_id"]) or ("", 0, 0))[2]
 
     async def plan(self, job: str, dataset: str, rows: list[dict[str, Any]]) -> list[NextTurn | None]:
@@ -283,7 +328,7 @@ class TurnChainer:
         conv_id, turn = parts
         conv = await self.conversation(job, conv_id, checked=True)
         jt = await self._job(job)
-        if agentic(self._meta.get(job) or {}):
+        if agentic(jt.meta):
             from workers.tool_steps import next_step
 
             return await next_step(self, jt, job, dataset, row, conv)
@@ -344,7 +389,8 @@ class TurnChainer:
             overrides=_carried(jt.record, dataset, row),
             generation=jt.record.generation,
         )
-        return digest, self._encode(task, await self.priority(job))
+        # the priority of the record this turn is derived with (its generation's), as that record's submit queued
+        return digest, self._encode(task, _priority_step(jt.record.priority))
 
     def _render(self, jt: _JobTurns, messages: list[dict[str, Any]], tools: Any) -> list[int]:
         return render_ids(jt.tok, messages, tools, dict(jt.record.chat_template_kwargs))
@@ -382,6 +428,12 @@ class TurnChaining(PostCommitHook):
         if not rows:
             return None  # no turn of a multi-turn job among them: the plain finalize
         return FinalizeWrites(await self.chainer.queue_for(job), answers_key(self.chainer.keys, job), rows)
+
+
+def _priority_step(priority: int | None) -> int:
+    from thinkfleet.broker.keys import priority_step
+
+    return priority_step(priority)
 
 
 def _carried(record: JobRecord, dataset: str, row: dict[str, Any]) -> dict[str, Any]:

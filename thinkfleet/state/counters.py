@@ -27,6 +27,9 @@ from thinkfleet.keys import Keys
 
 #: The per-dataset counters status reads (``Keys.dataset_counters``).
 FIELDS = ("submitted", "done", "dead")
+#: The job counter of messages of an earlier generation of the job record (before ``producer purge`` and a new
+#: submit) that a worker skipped: never run with the new record, never acked unseen (``producer status`` shows it).
+STALE_GENERATION = "stale_generation"
 #: Members per SSCAN/HSCAN/HMGET round trip of a check (each a short block of Redis).
 SCAN_CHUNK = 2000
 
