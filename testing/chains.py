@@ -23,7 +23,8 @@ def chain_problems(
     data: Path, dataset: str, tok_dir: Path, record: JobRecord, rows: dict[str, dict[str, Any]]
 ) -> list[str]:
     """What is wrong with the committed ``rows`` (prompt id → row) of a ``--turns all`` job submitted from ``data``
-    (a JSONL of ``{id, messages}``, plain conversations without tools): [] when every chain is whole and exact."""
+    (a JSONL of ``{id, messages}``, plain conversations without tools): [] when every chain is whole and exact — it
+    runs to its last turn, or to a row whose ``chain_end`` records why it ended there (the model called a tool)."""
     tok = load_tokenizer(str(tok_dir))
     markers = ToolMarkers.of(record)
     problems: list[str] = []
@@ -49,4 +50,6 @@ def chain_problems(
             spans = [(s["start"], s["end"]) for s in row["tool_call_spans"] or []]
             reasoning, answer = (row["reasoning_start"], row["reasoning_end"]), (row["answer_start"], row["answer_end"])
             answers.append(output_message(tok, row["output_ids"], reasoning, answer, spans, markers))
+            if row.get("chain_end"):  # ended with a recorded reason (a tool call, …) or complete: nothing owed
+                break
     return problems
