@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 from thinkfleet.keys import Keys
 from thinkfleet.message import PromptTask, pack_ids
 from thinkfleet.state.ledger import FinalRow, Ledger
+from thinkfleet.state.scripts import lua
 
 JOB = "j"
 
@@ -201,6 +202,40 @@ def test_a_rollback_of_our_terminal_writes_is_seen_by_our_mark_and_dead_letters_
         await a.r.hset(keys.finalize_marks(JOB), "a", saved)
         await a.r.delete(keys.job(JOB))
         assert not await a.lost_finalizes(JOB)
+
+    run(scenario())
+
+
+def test_a_rollback_is_seen_even_after_a_later_finalize_wrote_a_newer_mark(redis_url: str, keys: Keys) -> None:
+    async def scenario() -> None:
+        # Given a worker that finalized p1 and then p2, and Redis's state saved between the two.
+        a = await _ledger(redis_url, keys, "a")
+        await a.r.hset(keys.job(JOB), "name", json.dumps(JOB))
+        for pid in ("p1", "p2"):
+            assert (await a.claim(JOB, pid)).state == "new"
+            await a.finalize(JOB, "ds", [FinalRow(pid, 5, True, False)], 100, 0.95)
+            if pid == "p1":
+                saved = await a.r.hget(keys.finalize_marks(JOB), "a")
+        # When Redis comes back from that state (p2's finalize and its mark lost) and, before the worker looks, it
+        # finalizes p3: its mark is the latest again.
+        await a.r.srem(keys.done(JOB), "p2")
+        await a.r.hset(keys.finalize_marks(JOB), "a", saved)
+        assert (await a.claim(JOB, "p3")).state == "new"
+        await a.finalize(JOB, "ds", [FinalRow("p3", 5, True, False)], 100, 0.95)
+        # Then the loss is still seen (p3's write found the mark behind p2's), and cleared once made good.
+        assert await a.lost_finalizes(JOB)
+        assert await a.unresolved(JOB, ["p1", "p2", "p3"]) == ["p2"]
+        await a.remark(JOB)
+        assert not await a.lost_finalizes(JOB)
+        # And finalizes landing out of order (concurrent calls) never look like a loss.
+        for pid in ("p4", "p5"):
+            assert (await a.claim(JOB, pid)).state == "new"
+        late = a._next_mark(JOB)[1]  # p4's call, which Redis answers after p5's
+        await a.finalize(JOB, "ds", [FinalRow("p5", 5, True, False)], 100, 0.95)
+        # (the mark alone, as p4's finalize would write it: through the same Lua piece)
+        await a.r.eval(lua("_mark") + "\nwrite_mark(KEYS[1], ARGV[1], ARGV[2])", 1, keys.finalize_marks(JOB), "a", late)
+        assert not await a.lost_finalizes(JOB)
+        assert (await a.r.hget(keys.finalize_marks(JOB), "a")).decode().endswith(f":{a._mark_seq}"), "not regressed"
 
     run(scenario())
 

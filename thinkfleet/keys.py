@@ -87,9 +87,10 @@ class Keys:
         return f"{self.prefix}:job:{job}:checked"
 
     def finalize_marks(self, job: str) -> str:
-        """HASH worker → ``nonce:seq`` of its process's latest finalize (finalize.lua writes it in the same call):
-        a worker that finds an older mark of its own knows Redis lost finalizes it made (a rollback) and
-        finalizes its recent rows again (``Ledger.lost_finalizes``, ``GroupCommitter.recheck``)."""
+        """HASH worker → ``nonce:seq`` of its process's latest finalize or dead letter (finalize.lua, dead_letter.lua
+        write it in the same call, thinkfleet/state/lua/_mark.lua), and ``{worker}|lost`` → 1 when such a write found
+        the mark behind the writes Redis had answered: a worker that finds either knows Redis lost writes it made (a
+        rollback) and makes them again (``Ledger.lost_finalizes``, ``GroupCommitter.recheck``)."""
         return f"{self.prefix}:job:{job}:finalize_marks"
 
     def check_seen(self, job: str, token: str) -> str:

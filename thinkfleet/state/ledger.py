@@ -364,7 +364,7 @@ class Ledger:
         ]
         if any(t is not None for t in turns or []):
             keys += [queue, k.prompts(job), k.prompt_dataset(job), answers]
-        seq, mark = self._next_mark()
+        seq, mark = self._next_mark(job)
         keys += [k.revisions(job), k.finalize_marks(job)]
         args.append(mark)
         new, fire, seen, miss, flat = await self._finalize(keys=keys, args=args)
@@ -378,9 +378,11 @@ class Ledger:
     def _mark(self, seq: int) -> str:
         return f"{self._mark_nonce}:{seq}"
 
-    def _next_mark(self) -> tuple[int, str]:
+    def _next_mark(self, job: str) -> tuple[int, str]:
+        """The next write's sequence number and its mark ``nonce:seq:prev`` (prev: our highest write to ``job`` that
+        Redis answered, which _mark.lua compares with the mark it finds)."""
         self._mark_seq += 1
-        return self._mark_seq, self._mark(self._mark_seq)
+        return self._mark_seq, f"{self._mark(self._mark_seq)}:{self._marked.get(job, 0)}"
 
     def marked_jobs(self) -> list[str]:
         """The jobs this process has finalized rows of (whose marks :meth:`lost_finalizes` can check)."""
@@ -396,23 +398,34 @@ class Ledger:
         async with self.r.pipeline(transaction=False) as p:
             p.exists(self.keys.job(job))
             p.hget(self.keys.finalize_marks(job), self.worker)
-            exists, raw = await p.execute()
+            p.hexists(self.keys.finalize_marks(job), self._lost_field)
+            exists, raw, flagged = await p.execute()
         if not exists:
             # Purged (or Redis lost everything and a re-submit has not come yet): nothing of ours to finalize again
             # — a replay would bring a purged job's keys back. A re-submit mints a new generation, which fences
             # our old rows anyway.
             self._marked.pop(job, None)
             return False
+        if flagged:  # a later write of ours found the mark behind (_mark.lua): the latest mark alone would hide it
+            return True
         text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw or "")
         nonce, _, found = text.partition(":")
         return nonce != self._mark_nonce or not found.isdigit() or int(found) < seq
+
+    @property
+    def _lost_field(self) -> str:
+        """Where _mark.lua flags that Redis lost writes of ours (finalize_marks ``{worker}|lost``)."""
+        return f"{self.worker}|lost"
 
     async def remark(self, job: str) -> None:
         """After the rows a rollback lost were finalized again: our mark says so, and :meth:`lost_finalizes` is
         False until Redis loses writes again."""
         seq = self._marked.get(job)
         if seq is not None:
-            await self.r.hset(self.keys.finalize_marks(job), self.worker, self._mark(seq))
+            async with self.r.pipeline(transaction=True) as p:
+                p.hset(self.keys.finalize_marks(job), self.worker, self._mark(seq))
+                p.hdel(self.keys.finalize_marks(job), self._lost_field)
+                await p.execute()
 
     async def unresolved(self, job: str, prompt_ids: list[str]) -> list[str]:
         """Of ``prompt_ids``, those neither done nor dead (one pipelined round trip per 500)."""
@@ -484,7 +497,7 @@ class Ledger:
         self, job: str, dataset: str, prompt_id: str, record: str, epoch: str, generation: str
     ) -> int:
         k = self.keys
-        seq, mark = self._next_mark()
+        seq, mark = self._next_mark(job)
         keys = [k.dead(job), k.claims(job), k.counters(job), k.dataset_counters(job, dataset), k.deliveries(job)]
         keys += [k.done(job), k.finalize_marks(job), k.job(job)]
         args = [prompt_id, record, self.worker, epoch, mark, generation]

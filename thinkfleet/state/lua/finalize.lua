@@ -1,3 +1,4 @@
+-- uses: _mark
 -- Mark committed rows done (the part holding them is durable); for a multi-turn job (workers/turns.py),
 -- each newly done row also records the model's answer and enqueues its conversation's next turn in the
 -- same atomic step (exactly once: only the call that moves the row into done does it, so a recovery
@@ -24,7 +25,7 @@
 --       drop (JSON list of turn prompt ids, '' = none), the claim's epoch, the row's own epoch (an orphan's part
 --       row was written under an earlier claim), the generation of the job record it ran for ('' = not recorded),
 --       the row's revision, the next turn's revision (its message's; 0 = none);
---       last of all, always: the caller's finalize mark ('nonce:seq', written to finalize_marks under the worker: a
+--       last of all, always: the caller's finalize mark ('nonce:seq:prev', _mark.lua's write_mark: a
 --       worker that later finds an older mark there knows Redis lost finalizes of its own, Ledger.lost_finalizes)
 -- Returns {new rows, alarm fires, alarm rows seen, of them missing, {fenced prompt_id, holder, ...}}
 local new_rows, tokens, think, trunc, expected = 0, 0, 0, 0, 0
@@ -60,7 +61,7 @@ local function holder(pid, e, row_e, gen, rev)
   return nil
 end
 -- (not for a purged job: its record is gone, and a finalize must not bring its keys back)
-if redis.call('EXISTS', KEYS[10]) == 1 then redis.call('HSET', KEYS[#KEYS], ARGV[1], ARGV[#ARGV]) end
+if redis.call('EXISTS', KEYS[10]) == 1 then write_mark(KEYS[#KEYS], ARGV[1], ARGV[#ARGV]) end
 for i = 5, #ARGV - 1, 14 do
   local pid = ARGV[i]
   local held = holder(pid, ARGV[i + 9], ARGV[i + 10], ARGV[i + 11], ARGV[i + 12])
