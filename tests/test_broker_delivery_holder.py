@@ -156,3 +156,22 @@ def test_the_lease_renews_only_the_entries_its_deliveries_still_hold(broker: Bro
     # B's own renewal does renew it.
     asyncio.run(beat(second))
     assert broker.client.zscore(broker.keys.unacked_index, tag) > 5
+
+
+def test_a_holder_record_left_by_kombus_stock_sweep_is_pruned_by_ours(broker: Broker) -> None:
+    # Given our delivery restored by a stock-kombu consumer's sweep (Flower's): it removes the entry, not its holder.
+    a = broker.worker("a")
+    broker.publish(a)
+    broker.get(a)
+    stock = Connection(broker.url, transport_options=kombu_transport_options(broker.prefix, 60))
+    broker.connections.append(stock)
+    broker.expire(stock.channel())
+    assert broker.client.hlen(broker.keys.unacked) == 0 and broker.client.hlen(broker.keys.unacked_holder) == 1
+    broker.client.delete(broker.name)  # (the restored message is taken care of elsewhere: not popped again here)
+    # And another delivery live in B.
+    b = broker.worker("b")
+    broker.publish(b)
+    live = split_delivery_tag(broker.get(b).delivery_tag)
+    # When a worker's sweep runs: the record whose entry is gone goes too; the live entry's stays.
+    b.qos.restore_visible(num=100, interval=1)
+    assert broker.entry() == (1, {live[0].encode(): str(live[1]).encode()})

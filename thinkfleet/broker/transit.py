@@ -141,6 +141,18 @@ redis.call('HDEL', KEYS[3], ARGV[1])
 return {1, ''}
 """
 
+# Drop holder records whose entry is gone without them (kombu's stock transport restores — Flower's sweep — remove
+# the entry only): one HSCAN step, atomic, so an entry appended meanwhile (entry and holder in one MULTI) is never
+# mistaken for gone. KEYS: unacked, unacked_holder. ARGV: the HSCAN cursor, its COUNT. Returns the next cursor.
+_PRUNE = """
+local step = redis.call('HSCAN', KEYS[2], ARGV[1], 'COUNT', ARGV[2])
+local fields = step[2]
+for i = 1, #fields, 2 do
+  if redis.call('HEXISTS', KEYS[1], fields[i]) == 0 then redis.call('HDEL', KEYS[2], fields[i]) end
+end
+return step[1]
+"""
+
 #: Between kombu's delivery tag and this delivery's holder in a channel's delivery tags (a uuid holds no ``#``).
 HOLDER_SEP = "#"
 
@@ -230,11 +242,20 @@ class QoS(kombu_redis.QoS):
             self._remove_from_indices(tag).execute()
             return
         with self.channel.conn_or_acquire() as client:
-            removed, found = client.eval(
-                _SETTLE, 3, self.unacked_key, self.unacked_index_key, self.unacked_holder_key, tag, holder
+            removed, found = self._script(client, "settle", _SETTLE)(
+                keys=[self.unacked_key, self.unacked_index_key, self.unacked_holder_key],
+                args=[tag, holder],
+                client=client,
             )
         if not int(removed):
             self._left(what, tag, holder, found)
+
+    def _script(self, client: Any, name: str, source: str) -> Any:
+        """A script run by EVALSHA (loaded again after a Redis restart), one object per QoS and script."""
+        scripts = self.__dict__.setdefault("_scripts", {})
+        if name not in scripts:
+            scripts[name] = client.register_script(source)
+        return scripts[name]
 
     def _left(self, what: str, tag: str, holder: str, found: Any) -> None:
         found = bytes_to_str(found) if found else ""
@@ -314,6 +335,9 @@ class QoS(kombu_redis.QoS):
             )  # fmt: skip
             return None
 
+    #: Where the next sweep's :data:`_PRUNE` step goes on in the holder hash (0: from the start).
+    _prune_cursor: int = 0
+
     def restore_visible(self, start: int = 0, num: int = 10, interval: int = 10) -> None:
         self._vrestore_count += 1
         if (self._vrestore_count - 1) % (interval or 1):
@@ -335,6 +359,13 @@ class QoS(kombu_redis.QoS):
                     for tag, _score in visible or []:
                         # Expired: restored whoever holds it (kombu's restore, its holder record dropped too).
                         kombu_redis.QoS.restore_by_tag(self, tag, client)
+                    self._prune_cursor = int(
+                        self._script(client, "prune", _PRUNE)(
+                            keys=[self.unacked_key, self.unacked_holder_key],
+                            args=[self._prune_cursor, 100],
+                            client=client,
+                        )
+                    )
             except kombu_redis.MutexHeld:
                 pass
 
