@@ -70,9 +70,9 @@ def broker(redis_url: str) -> Iterator[Broker]:
     b.close()
 
 
-def _taken_over(broker: Broker) -> tuple[Any, Any, Any, Any]:
-    """A's delivery expired and restored (same kombu tag), B's delivery of the same message recorded."""
-    a, b = broker.worker("a"), broker.worker("b")
+def _taken_over(broker: Broker, taker: str = "b") -> tuple[Any, Any, Any, Any]:
+    """A's delivery expired and restored (same kombu tag), the taker's delivery of the same message recorded."""
+    a, b = broker.worker("a"), broker.worker(taker)
     broker.publish(a)
     first = broker.get(a)
     broker.expire(b)
@@ -100,6 +100,18 @@ def test_a_late_outcome_of_a_restored_delivery_leaves_the_new_deliverys_entry(br
     second.reject(requeue=True)
     assert broker.entry() == (0, {})
     assert broker.client.llen(broker.name) == 1
+
+
+def test_a_worker_restarted_under_the_same_name_is_another_holder(broker: Broker) -> None:
+    # Given A's delivery expired and taken by a new life of A (restarted under the same name, e.g. after a Redis
+    # rollback brought back the previous life's entries).
+    _old, _new, first, second = _taken_over(broker, taker="a")
+    # When the previous life's delivery is settled (its process still ran, or its ack was queued).
+    first.ack()
+    # Then the new life's entry stays; only its own ack settles it.
+    assert broker.entry()[0] == 1
+    second.ack()
+    assert broker.entry() == (0, {})
 
 
 def test_the_taker_dying_after_a_late_ack_leaves_its_entry_to_the_visibility_sweep(broker: Broker) -> None:
