@@ -89,4 +89,7 @@ def test_a_fenced_runs_late_ack_leaves_the_takers_delivery_and_the_prompt_is_sti
         notes="the fenced runs' acks left B's unacked entries alone; the visibility sweep restored them",
     )
     outcome.assert_clean()
-    assert _log(a).count("left to its holder") >= len(taken), "each refused late ack logs one line"
+    # Each late ack logged why it settled nothing: B's entry left to B, or (when A came back slower than B's lease)
+    # already restored by the sweep.
+    log = _log(a)
+    assert log.count("left to its holder b/") + log.count("its unacked entry is gone") >= len(taken)

@@ -166,7 +166,7 @@ def split_delivery_tag(tag: Any) -> tuple[str, str | None]:
 
 
 class _LeftToHolder:
-    """How many outcomes of our deliveries found the entry another delivery's (or gone) and left it, by outcome
+    """How many outcomes of our deliveries found the entry another delivery's and left it alone, by outcome
     (``ack``, ``reject``, ``hand-back``, ``restore``): a worker's metrics export them (workers/metrics.py)."""
 
     def __init__(self) -> None:
