@@ -703,6 +703,7 @@ AMBIGUOUS = {
 #: redis-py helpers → the commands they send.
 HELPERS = {
     "pipeline": ["MULTI", "EXEC"],
+    "transaction": ["WATCH", "MULTI", "EXEC"],  # Redis.transaction: a WATCHed MULTI (transit.py's hand-back)
     "register_script": ["EVALSHA", "SCRIPT|LOAD"],
     "scan_iter": ["SCAN"],
     "hscan_iter": ["HSCAN"],

@@ -36,7 +36,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from thinkfleet.broker.transit import TransitSweeper
+from thinkfleet.broker.keys import KombuKeys
+from thinkfleet.broker.transit import TransitSweeper, split_delivery_tag
 from thinkfleet.keys import Keys
 from workers.identity import acquire_name, describe_holder, earlier_life, holder_record, parse_holder
 
@@ -62,20 +63,31 @@ class HeldMessages:
         with self._lock:
             return list(self._tags.values())
 
+    def deliveries(self) -> list[str]:
+        """Kombu tag, holder ('' for a plain kombu tag), … of every delivery held: :data:`_BEAT`'s tail of ARGV."""
+        return [part or "" for tag in self.tags() for part in split_delivery_tag(tag)]
+
     def __len__(self) -> int:
         return len(self._tags)
 
 
-#: One heartbeat, atomically, on Redis's clock. KEYS: heartbeat, the workers hash, kombu's unacked_index.
-#: ARGV: nonce, the heartbeat JSON (without ``at``; '' = the name is lost: renew the tags only), its TTL in ms,
-#: the worker's name, its info JSON (without ``seen_at``; '' = leave the workers hash alone), a value we may
-#: overwrite though its nonce is not ours (a previous life's; '' = none), then the delivery tags held. The tags
-#: are re-scored whatever the heartbeat holds (they are this process's own deliveries). Returns {1, now, ''}
-#: when written, else {0, now, found}.
+#: One heartbeat, atomically, on Redis's clock. KEYS: heartbeat, the workers hash, kombu's unacked_index, the
+#: holder of each unacked entry (KombuKeys.unacked_holder). ARGV: nonce, the heartbeat JSON (without ``at``; '' =
+#: the name is lost: renew the tags only), its TTL in ms, the worker's name, its info JSON (without ``seen_at``; ''
+#: = leave the workers hash alone), a value we may overwrite though its nonce is not ours (a previous life's; '' =
+#: none), then per delivery held its kombu tag and its holder ('' = a plain kombu delivery, no holder recorded). A
+#: tag is re-scored whatever the heartbeat holds (it is this process's own delivery), but only while its entry is
+#: still that delivery's: a delivery of ours whose message was restored and taken by another worker (our lease
+#: lapsed) must not keep that worker's entry alive after it died. Returns {1, now, ''} when written, else
+#: {0, now, found}.
 _BEAT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-for i = 7, #ARGV do redis.call('ZADD', KEYS[3], 'XX', now, ARGV[i]) end
+for i = 7, #ARGV - 1, 2 do
+  if ARGV[i + 1] == '' or redis.call('HGET', KEYS[4], ARGV[i]) == ARGV[i + 1] then
+    redis.call('ZADD', KEYS[3], 'XX', now, ARGV[i])
+  end
+end
 local cur = redis.call('GET', KEYS[1])
 if ARGV[2] == '' then return {0, tostring(now), cur or ''} end
 if cur and cur ~= ARGV[6] then
@@ -118,12 +130,15 @@ class LeaseKeeper:
         clock_warn_s: float = 5.0,
         holder: dict[str, Any] | None = None,
         on_lapse: Callable[[float], None] = lambda gap_s: None,
+        unacked_holder_key: str | None = None,
     ) -> None:
         self.r = client
         self.keys = keys
         self.worker = worker
         self.lease_s = lease_s
         self.unacked_index_key = unacked_index_key
+        #: Who holds each unacked entry (thinkfleet/broker/transit.py): a held tag is renewed only while it is ours.
+        self.unacked_holder_key = unacked_holder_key or KombuKeys(keys.prefix).unacked_holder
         self.held = held
         self.info = info
         self.sweeper = sweeper
@@ -160,7 +175,7 @@ class LeaseKeeper:
         info = "" if starting else json.dumps({**self.info, "clock_offset_s": self.clock_offset_s})
         before = time.time()
         written, now, found = await self._beat(
-            keys=[self.keys.heartbeat(self.worker), self.keys.workers, self.unacked_index_key],
+            keys=[self.keys.heartbeat(self.worker), self.keys.workers, self.unacked_index_key, self.unacked_holder_key],
             args=[
                 self.nonce,
                 "" if self.lost is not None else json.dumps(record),  # a lost name is never taken back
@@ -168,7 +183,7 @@ class LeaseKeeper:
                 self.worker,
                 info,
                 expected or b"",
-                *self.held.tags(),
+                *self.held.deliveries(),
             ],
         )
         after = time.time()

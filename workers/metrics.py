@@ -7,6 +7,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, start_http_server
 
+from thinkfleet.broker.transit import LEFT_TO_HOLDER
 from workers.adaptive import REASON_KINDS
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,15 @@ class WorkerMetrics:
         self.crashes = Counter(
             "thinkfleet_crashed_deliveries", "Deliveries that ended in an unexpected exception", ["error"], registry=r
         )
+        self.left_to_holder = Gauge(
+            "thinkfleet_broker_outcomes_left_to_holder",
+            "Late outcomes of our deliveries that found the message delivered again and left it to that delivery"
+            " (thinkfleet/broker/transit.py), by outcome; only grows",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("ack", "reject", "hand-back", "restore"):
+            self.left_to_holder.labels(outcome).set_function(lambda o=outcome: LEFT_TO_HOLDER[o])
         self.alarm = Gauge("thinkfleet_reasoning_alarm", "1 when rows lack </think> (seed's bug)", registry=r)
         self.latency = Histogram(
             "thinkfleet_request_latency_seconds",

@@ -50,6 +50,13 @@ class KombuKeys:
         return f"{self.prefix}:kombu:unacked_index"
 
     @property
+    def unacked_holder(self) -> str:
+        """HASH delivery tag → ``{worker}/{nonce}``, the one delivery whose entry ``unacked`` holds now (written with
+        the entry): an ack, reject, hand-back or renewal of another delivery of the same message leaves the entry
+        alone (thinkfleet/broker/transit.py). Removed with the entry."""
+        return f"{self.prefix}:kombu:unacked_holder"
+
+    @property
     def unacked_mutex(self) -> str:
         """STRING with TTL: held by the one process sweeping ``unacked_index``."""
         return f"{self.prefix}:kombu:unacked_mutex"
@@ -66,6 +73,7 @@ def kombu_transport_options(prefix: str, visibility_timeout_s: float) -> dict[st
         "visibility_timeout": int(visibility_timeout_s),
         "unacked_key": keys.unacked,
         "unacked_index_key": keys.unacked_index,
+        "unacked_holder_key": keys.unacked_holder,  # our transport's (transit.py); kombu's stock one ignores it
         "unacked_mutex_key": keys.unacked_mutex,
         # A lost worker's messages are restored by our reaper, so the mutex only guards the sweep. A worker killed
         # while it holds it blocks every sweep of the prefix until it expires: short (a sweep takes well under a

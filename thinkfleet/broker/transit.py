@@ -26,11 +26,29 @@ The channel's ack emulation (:class:`QoS`) is kombu's on Redis's clock: a delive
 (thinkfleet/broker/clock.py), so a worker whose host clock runs ahead cannot restore other workers' live
 messages early. (Flower, a stock-transport consumer, still sweeps on its own host's clock: run it where
 Redis runs, as the head node's compose file does.)
+
+Each delivery is settled only by itself. kombu restores an expired delivery with its original delivery tag, and
+the next consumer records it under that same tag: a worker paused past its lease that came back and acked its
+(now fenced) run used to delete the entry another worker held, and when that one died or handed the message back
+nothing restored it. So every delivery on this channel carries its own tag, ``{kombu tag}#{holder}`` (the holder
+is ``{worker}/{nonce}``, a fresh nonce per delivery: a restarted worker of the same name, or a second delivery of
+the same message to this process, is another holder); :meth:`QoS.append` records the holder beside the entry
+(``unacked_holder``, thinkfleet/broker/keys.py), and an ack, reject or hand-back — and the lease keeper's
+renewal (workers/lease.py) — acts on the entry only while it names that holder (:data:`_SETTLE`, a WATCHed
+transaction for the hand-back). Another holder's entry is left alone (one log line, :data:`LEFT_TO_HOLDER`):
+it is settled by its own delivery, or restored by the visibility sweep once that delivery stops renewing it.
+A Redis rollback brings entry and holder back together (one MULTI wrote both), so a delivery settles exactly
+what its own append wrote. kombu's restores keep working: the sweep restores an expired tag whoever holds it and
+drops its holder record with the entry; a channel closing restores only what is still its own deliveries'.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import threading
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from queue import Empty
@@ -43,6 +61,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
+from kombu.utils.objects import cached_property
 
 from thinkfleet.broker.clock import RedisClock
 from thinkfleet.broker.keys import priority_lists
@@ -110,30 +129,181 @@ return false
 """
 
 
+# Settle one delivery: remove kombu's unacked entry of a tag (entry, score, holder record) only while the holder
+# recorded beside it is this delivery's. KEYS: unacked, unacked_index, unacked_holder. ARGV: the kombu tag, this
+# delivery's holder. Returns {1, ''} when removed, else {0, the holder found ('' = none: the entry was restored)}.
+_SETTLE = """
+local cur = redis.call('HGET', KEYS[3], ARGV[1])
+if cur ~= ARGV[2] then return {0, cur or ''} end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+return {1, ''}
+"""
+
+# Drop holder records whose entry is gone without them (kombu's stock transport restores — Flower's sweep — remove
+# the entry only): one HSCAN step, atomic, so an entry appended meanwhile (entry and holder in one MULTI) is never
+# mistaken for gone. KEYS: unacked, unacked_holder. ARGV: the HSCAN cursor, its COUNT. Returns the next cursor.
+_PRUNE = """
+local step = redis.call('HSCAN', KEYS[2], ARGV[1], 'COUNT', ARGV[2])
+local fields = step[2]
+for i = 1, #fields, 2 do
+  if redis.call('HEXISTS', KEYS[1], fields[i]) == 0 then redis.call('HDEL', KEYS[2], fields[i]) end
+end
+return step[1]
+"""
+
+#: Between kombu's delivery tag and this delivery's holder in a channel's delivery tags (a uuid holds no ``#``).
+HOLDER_SEP = "#"
+
+
+def split_delivery_tag(tag: Any) -> tuple[str, str | None]:
+    """(kombu's delivery tag, this delivery's holder) of a delivery tag of :class:`Message`; holder None for a
+    plain kombu tag (a delivery of kombu's stock transport, or a tag read from ``unacked_index``)."""
+    text = bytes_to_str(tag)
+    base, sep, holder = text.partition(HOLDER_SEP)
+    return base, (holder if sep else None)
+
+
+class _LeftToHolder:
+    """How many outcomes of our deliveries found the entry another delivery's and left it alone, by outcome
+    (``ack``, ``reject``, ``hand-back``, ``restore``): a worker's metrics export them (workers/metrics.py)."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def note(self, outcome: str) -> None:
+        with self._lock:
+            self._counts[outcome] += 1
+
+    def __getitem__(self, outcome: str) -> int:
+        with self._lock:
+            return self._counts[outcome]
+
+
+#: This process's count of outcomes left to another delivery's entry (see :class:`_LeftToHolder`).
+LEFT_TO_HOLDER = _LeftToHolder()
+
+
+class Message(virtual.Message):
+    """kombu's message, its ``delivery_tag`` made this delivery's own: ``{kombu tag}#{worker}/{nonce}``. kombu acks,
+    rejects and restores by ``delivery_tag`` only, so this is what tells two deliveries of one message apart."""
+
+    def __init__(self, payload: Any, channel: Any = None, **kwargs: Any) -> None:
+        super().__init__(payload, channel=channel, **kwargs)
+        name = getattr(channel, "delivery_holder", None) or f"{socket.gethostname()}:{os.getpid()}"
+        self.delivery_tag = f"{self.delivery_tag}{HOLDER_SEP}{name}/{os.urandom(8).hex()}"
+
+
 class QoS(kombu_redis.QoS):
     """kombu's Redis ack emulation with every visibility score on Redis's clock (kombu 5.7's ``append`` and
-    ``restore_visible``, ``time()`` replaced by :meth:`Channel.redis_now`)."""
+    ``restore_visible``, ``time()`` replaced by :meth:`Channel.redis_now`), each delivery settling only its own
+    entry (see the module's docstring)."""
 
     def append(self, message: Any, delivery_tag: Any) -> None:
         delivery = message.delivery_info
         exchange, routing_key = delivery["exchange"], delivery["routing_key"]
+        tag, holder = split_delivery_tag(delivery_tag)
         now = self.channel.redis_now()
-        with self.pipe_or_acquire() as pipe:
-            pipe.zadd(self.unacked_index_key, {delivery_tag: now}).hset(
-                self.unacked_key, delivery_tag, dumps([message._raw, exchange, routing_key])
-            ).execute()
+        with self.pipe_or_acquire() as pipe:  # a transaction: the entry and its holder are written together
+            pipe.zadd(self.unacked_index_key, {tag: now}).hset(
+                self.unacked_key, tag, dumps([message._raw, exchange, routing_key])
+            )
+            if holder is not None:
+                pipe.hset(self.unacked_holder_key, tag, holder)
+            pipe.execute()
         self.channel._transit_recorded = True  # the transit copy may go now (Channel._brpop_read)
         virtual.QoS.append(self, message, delivery_tag)
 
     def ack(self, delivery_tag: Any) -> None:
         if self._closed("ack", delivery_tag):
             return
-        super().ack(delivery_tag)
+        self._settle("ack", delivery_tag)
+        virtual.QoS.ack(self, delivery_tag)
 
     def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
         if self._closed("hand-back" if requeue else "reject", delivery_tag):
             return
-        super().reject(delivery_tag, requeue)
+        if requeue:
+            self.restore_by_tag(delivery_tag, leftmost=True)
+        else:
+            self._settle("reject", delivery_tag)
+        virtual.QoS.ack(self, delivery_tag)  # kombu's reject: off this channel's delivered messages
+
+    @cached_property
+    def unacked_holder_key(self) -> str:
+        return str(self.channel.unacked_holder_key)
+
+    def _settle(self, what: str, delivery_tag: Any) -> None:
+        """Remove the entry of ``delivery_tag`` while it is this delivery's (:data:`_SETTLE`)."""
+        tag, holder = split_delivery_tag(delivery_tag)
+        if holder is None:  # not a delivery of ours: kombu's own removal
+            self._remove_from_indices(tag).execute()
+            return
+        with self.channel.conn_or_acquire() as client:
+            removed, found = self._script(client, "settle", _SETTLE)(
+                keys=[self.unacked_key, self.unacked_index_key, self.unacked_holder_key],
+                args=[tag, holder],
+                client=client,
+            )
+        if not int(removed):
+            self._left(what, tag, holder, found)
+
+    def _script(self, client: Any, name: str, source: str) -> Any:
+        """A script run by EVALSHA (loaded again after a Redis restart), one object per QoS and script."""
+        scripts = self.__dict__.setdefault("_scripts", {})
+        if name not in scripts:
+            scripts[name] = client.register_script(source)
+        return scripts[name]
+
+    def _left(self, what: str, tag: str, holder: str, found: Any) -> None:
+        found = bytes_to_str(found) if found else ""
+        if not found:
+            # Restored by the visibility sweep meanwhile (our lease lapsed; or Redis rolled back before our append):
+            # the message is on the queue or in another delivery, nothing of ours to settle.
+            log.info(
+                "%s of delivery %s (%s): its unacked entry is gone (restored), nothing to settle", what, tag, holder
+            )
+            return
+        LEFT_TO_HOLDER.note(what)
+        log.warning(
+            "%s of delivery %s (%s) left to its holder %s: the message was restored and delivered again (our lease "
+            "lapsed); that delivery settles it, or the visibility sweep restores it if that holder stops renewing it",
+            what, tag, holder, found,
+        )  # fmt: skip
+
+    def _remove_from_indices(self, delivery_tag: Any, pipe: Any = None) -> Any:
+        """kombu's removal of an entry (ack, reject, restore), its holder record with it."""
+        tag, _holder = split_delivery_tag(delivery_tag)
+        return super()._remove_from_indices(tag, pipe).hdel(self.unacked_holder_key, tag)
+
+    def restore_by_tag(self, tag: Any, client: Any = None, leftmost: bool = False) -> None:
+        """Put a delivered message back on its queue: a hand-back or a closing channel's restore of one of our
+        deliveries only while its entry is still that delivery's; kombu's own (a plain tag) whoever holds it."""
+        base, holder = split_delivery_tag(tag)
+        if holder is None:
+            return super().restore_by_tag(base, client, leftmost)
+        found: list[Any] = []
+
+        def restore_transaction(pipe: Any) -> None:
+            found.clear()
+            current = pipe.hget(self.unacked_holder_key, base)
+            if (bytes_to_str(current) if current else None) != holder:
+                found.append(current)
+                pipe.multi()  # nothing to do: an empty transaction (the WATCH is released)
+                return
+            raw = pipe.hget(self.unacked_key, base)
+            pipe.multi()
+            self._remove_from_indices(base, pipe)
+            if raw:
+                message, exchange, routing_key = loads(bytes_to_str(raw))
+                self.channel._do_restore_message(message, exchange, routing_key, pipe, leftmost)
+
+        with self.channel.conn_or_acquire(client) as client:
+            client.transaction(restore_transaction, self.unacked_key, self.unacked_holder_key)
+        if found:
+            self._left("hand-back" if leftmost else "restore", base, holder, found[0])
 
     def _closed(self, what: str, delivery_tag: Any) -> bool:
         """The outcome of a message delivered on a channel Celery has since closed (the broker connection was lost,
@@ -165,6 +335,9 @@ class QoS(kombu_redis.QoS):
             )  # fmt: skip
             return None
 
+    #: Where the next sweep's :data:`_PRUNE` step goes on in the holder hash (0: from the start).
+    _prune_cursor: int = 0
+
     def restore_visible(self, start: int = 0, num: int = 10, interval: int = 10) -> None:
         self._vrestore_count += 1
         if (self._vrestore_count - 1) % (interval or 1):
@@ -184,7 +357,15 @@ class QoS(kombu_redis.QoS):
                         withscores=True,
                     )
                     for tag, _score in visible or []:
-                        self.restore_by_tag(tag, client)
+                        # Expired: restored whoever holds it (kombu's restore, its holder record dropped too).
+                        kombu_redis.QoS.restore_by_tag(self, tag, client)
+                    self._prune_cursor = int(
+                        self._script(client, "prune", _PRUNE)(
+                            keys=[self.unacked_key, self.unacked_holder_key],
+                            args=[self._prune_cursor, 100],
+                            client=client,
+                        )
+                    )
             except kombu_redis.MutexHeld:
                 pass
 
@@ -202,7 +383,18 @@ class Channel(kombu_redis.Channel):
     """
 
     QoS = QoS
-    from_transport_options = (*kombu_redis.Channel.from_transport_options, "transit_key", "transit_queue")
+    Message = Message
+    from_transport_options = (
+        *kombu_redis.Channel.from_transport_options,
+        "transit_key",
+        "transit_queue",
+        "unacked_holder_key",
+        "delivery_holder",
+    )
+    #: HASH kombu delivery tag → the holder of the delivery recorded in ``unacked_key`` (KombuKeys.unacked_holder).
+    _unacked_holder_key: str | None = None
+    #: Who this channel's deliveries are held by (the worker's name; unset: host:pid).
+    delivery_holder: str | None = None
     transit_key: str | None = None
     transit_queue: str | None = None
     _transit_pending: str | None = None
@@ -229,6 +421,14 @@ class Channel(kombu_redis.Channel):
         if cached is None or cached[0] is not pool:
             cached = self._command_client = (pool, self._create_client())
         yield cached[1]
+
+    @property
+    def unacked_holder_key(self) -> str:
+        return self._unacked_holder_key or f"{self.unacked_key}_holder"
+
+    @unacked_holder_key.setter
+    def unacked_holder_key(self, value: str) -> None:
+        self._unacked_holder_key = value
 
     _redis_clock: RedisClock | None = None
 
@@ -339,7 +539,7 @@ def enable_transit(app: Celery, settings: Settings, worker: str) -> None:
     if not uses_transit(settings.broker_url):
         return
     options = dict(app.conf.broker_transport_options or {})
-    options.update(transit_key=settings.keys.transit(worker), transit_queue=settings.queue)
+    options.update(transit_key=settings.keys.transit(worker), transit_queue=settings.queue, delivery_holder=worker)
     app.conf.broker_transport_options = options
     # Only worker processes pop through transit; Flower, the producer and `celery inspect` keep kombu's
     # stock redis transport (Flower's broker page only knows the stock transports).
