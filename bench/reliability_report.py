@@ -277,6 +277,27 @@ _BODY = """\
   The transit transport drops and logs it. Test: `test_hostile_and_malformed_messages_…`.
 - **`rediss://` brokers did not verify the server certificate** (kombu's default). `thinkfleet/broker/celery_app.py`
   now requires verification unless the URL says `?ssl_cert_reqs=none|optional`.
+- **Operators and conversations (issue 32).** A paused worker's late ack deleted the unacked entry of the
+  worker that had taken its message over (kombu acks by delivery tag, and a restore keeps the tag): if that
+  worker then died, nothing restored the message. Each delivery now has its own tag and ack/reject act only on
+  their own entry (`test_a_fenced_runs_late_ack_leaves_the_takers_delivery_and_the_prompt_is_still_stored`).
+  `producer cancel` lost the prompts whose claims a dead worker held (its dead-letter call passed too few
+  arguments: every claim looked fenced, the message was removed anyway); a paused revision-0 run was finalized
+  after `producer retry --truncated` (revisions are now fenced like epochs); a straggler's dead letter brought a
+  purged job's keys back; a re-submit after purge or a lost Redis stranded every conversation at its last stored
+  turn, and a worker kept running across the purge skipped (acked) every next turn as the old generation's; a
+  step regenerated after its tool ran ended `tool_error`; `wait` said finished while `verify` flagged chains
+  that had ended with a recorded reason. Tests: `tests/test_reliability_operators.py`,
+  `tests/test_chain_resume.py`, `tests/test_chain_ends.py`, `tests/test_tool_runs.py`, the operator nemesis
+  (`tests/test_reliability_operator_nemesis.py`).
+- **Host deaths made a one-at-a-time tail.** Bystanders of repeated kills became last-chance suspects that a
+  host ran one at a time (0.03 prompts/s against 1.7); a worker paused past its lease was charged as dead.
+  Suspects now run together and a group is split only when it dies again; a worker that comes back takes its
+  charge back (`tests/test_reliability_fault_cost.py`, `bench/bench_fault_cost.py`: tail at 0.79 of the
+  healthy rate against 0.21).
+- **A lost write hid behind a later one.** A rollback's lost finalize was detected only by comparing the
+  worker's latest mark, which its next finalize rewrote; now each write carries the last mark Redis answered and
+  flags a gap (`test_a_rollback_is_seen_even_after_a_later_finalize_wrote_a_newer_mark`).
 
 ## The broker is the job-state Redis
 
