@@ -92,11 +92,13 @@ def plan_replay(settings: Settings, job: str, candidates: set[str], generation: 
     parts = sorted({loc.path(rows[pid]["part"]) for pid in head_ids})
     ids = scan_parts(loc, parts, ["prompt_id", "input_ids"])
     found = ids.filter(pc.is_in(ids["prompt_id"], value_set=pa.array(sorted(head_ids), pa.string())))
+    queued: set[str] = set()  # heads already made (a part may hold a prompt's row twice)
     for head in found.to_pylist():
         pid = head["prompt_id"]
         row = rows.get(pid)
-        if row is None or head["part"] != row["part"] or any(t.prompt_id == pid for t in replay.heads):
+        if row is None or head["part"] != row["part"] or pid in queued:
             continue  # another row of it (not the winner's part)
+        queued.add(pid)
         prompt = list(head["input_ids"])
         replay.heads.append(
             PromptTask(

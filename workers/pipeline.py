@@ -20,7 +20,7 @@ import json
 import logging
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,42 +220,39 @@ class PromptPipeline:
         while True:
             await asyncio.sleep(max(0.2, self.settings.lease_s / 4))
             try:
-                strays = await self.ledger.abandon_claims(lambda job, pid: pid in self._active, self.committer.replay)
-                if strays:
-                    log.warning("let go of %d claims under our name that no run of ours holds (lost writes?)", strays)
-                for job in self.ledger.marked_jobs():
-                    if await self.ledger.lost_finalizes(job):
-                        again = await self.committer.recheck(job)
-                        dead = await self.ledger.redo_dead_letters(job)
-                        await self.ledger.remark(job)
-                        log.warning(
-                            "Redis lost writes of ours for job %s (a rollback?): %d finalized again, %d dead-lettered "
-                            "again", job, again, dead,
-                        )  # fmt: skip
-            except RedisError:
-                pass
+                await self._release_round()
             except Exception:  # our own bug: log it and keep the loop, or stray claims would never be released
                 log.exception("releasing stray claims failed unexpectedly; trying again next round")
-            for run in list(self._group_unleft):
-                if run[1] not in self._active:  # running again: its own end takes it out
-                    try:
-                        await self.ledger.leave_group(*run)
-                    except RedisError:
-                        break
-                    except Exception:
-                        log.exception("leaving the suspect group failed unexpectedly for %s/%s; trying again", *run)
-                        break
-                self._group_unleft.discard(run)
-            for job, prompt_id in list(self._unreleased):
-                if prompt_id not in self._active:
-                    try:
-                        await self.ledger.release(job, prompt_id)
-                    except RedisError:
-                        break
-                    except Exception:
-                        log.exception("releasing the claim of %s/%s failed unexpectedly; trying again", job, prompt_id)
-                        break
-                self._unreleased.discard((job, prompt_id))
+
+    async def _release_round(self) -> None:
+        try:
+            strays = await self.ledger.abandon_claims(lambda job, pid: pid in self._active, self.committer.replay)
+            if strays:
+                log.warning("let go of %d claims under our name that no run of ours holds (lost writes?)", strays)
+            for job in self.ledger.marked_jobs():
+                if await self.ledger.lost_finalizes(job):
+                    again = await self.committer.recheck(job)
+                    dead = await self.ledger.redo_dead_letters(job)
+                    await self.ledger.remark(job)
+                    log.warning(
+                        "Redis lost writes of ours for job %s (a rollback?): %d finalized again, %d dead-lettered "
+                        "again", job, again, dead,
+                    )  # fmt: skip
+        except RedisError:
+            pass
+        await self._retry_pending(self._group_unleft, self.ledger.leave_group)  # runs left in our group's set
+        await self._retry_pending(self._unreleased, self.ledger.release)  # claims we could not drop
+
+    async def _retry_pending(self, pending: set[tuple[str, str]], op: Callable[[str, str], Awaitable[Any]]) -> None:
+        """``op(job, prompt_id)`` for each run in ``pending`` that is not running again (its own end does it then),
+        each then out of ``pending``; a Redis error stops the pass (Redis is away: the next round tries again)."""
+        for job, prompt_id in list(pending):
+            if prompt_id not in self._active:
+                try:
+                    await op(job, prompt_id)
+                except RedisError:
+                    break
+            pending.discard((job, prompt_id))
 
     # -- job lifecycle (producer pause/resume/cancel, thinkfleet/state/lifecycle.py) ------------------
     async def _job_lifecycle(self, task: PromptTask) -> str | None:

@@ -246,14 +246,12 @@ class TurnChainer:
     async def priority(self, job: str) -> int:
         """The priority of the job's record in force, as a kombu step (0 without a record): later turns queue
         at it."""
-        from thinkfleet.broker.keys import priority_step
-
         try:
             spec = await self._current(job)
         except MessageRefused:
             spec = None
         record = spec.record if spec is not None else None
-        return priority_step(record.priority if record is not None else 0)
+        return _priority_step(record.priority if record is not None else 0)
 
     async def queue_for(self, job: str) -> str:
         """The list ``finalize`` pushes the job's next turns onto: its priority list (as its submit queued)."""
