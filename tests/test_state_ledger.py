@@ -240,6 +240,25 @@ def test_a_rollback_is_seen_even_after_a_later_finalize_wrote_a_newer_mark(redis
     run(scenario())
 
 
+def test_a_replayed_finalize_leaves_the_fence_of_a_live_run_of_the_same_prompt(redis_url: str, keys: Keys) -> None:
+    async def scenario() -> None:
+        # Given a prompt this process finalized once (its fence remembered) and now runs again under a new claim.
+        a = await _ledger(redis_url, keys, "a")
+        assert (await a.claim(JOB, "p1")).state == "new"
+        old = a.fence(JOB, "p1")
+        await a.r.hdel(keys.claims(JOB), "p1")  # (as a rollback leaves it: the old claim gone)
+        assert (await a.claim(JOB, "p1")).state == "new"
+        live = a.fence(JOB, "p1")
+        assert old is not None and live is not None and live != old
+        # When a finalize of the old row is replayed under the old fence (GroupCommitter.replay).
+        with a.rearmed(JOB, "p1", old):
+            assert a.fence(JOB, "p1") == old
+        # Then the live run still holds its own fence (it would be fenced by its own claim without it).
+        assert a.fence(JOB, "p1") == live
+
+    run(scenario())
+
+
 async def _record(ledger: Ledger, pid: str) -> dict:
     raw = await ledger.r.hget(ledger.keys.deliveries(JOB), pid)
     return json.loads(raw) if raw else {}

@@ -272,12 +272,19 @@ class Ledger:
 
     @contextlib.contextmanager
     def rearmed(self, job: str, prompt_id: str, fence: Fence) -> Iterator[None]:
-        """Hold ``fence`` again for one call (a finalize replayed from a row this process stored under it)."""
-        self.held[(job, prompt_id)] = fence
+        """Hold ``fence`` again for one call (a finalize replayed from a row this process stored under it). A fence
+        held for the prompt meanwhile (this process runs it again: it was redelivered after the rollback) is put
+        back afterwards — dropping it fenced that live run by its own claim, and its message was acked unstored."""
+        key = (job, prompt_id)
+        live = self.held.get(key)
+        self.held[key] = fence
         try:
             yield
         finally:
-            self.held.pop((job, prompt_id), None)
+            if live is not None:
+                self.held[key] = live
+            else:
+                self.held.pop(key, None)
 
     def _drop(self, job: str, prompt_id: str) -> None:
         """The run of the prompt ended here (finalized, fenced, released, dead-lettered): its fence goes."""
