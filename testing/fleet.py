@@ -32,6 +32,7 @@ __all__ = [
     "job_progress",
     "job_settled",
     "register_id_job",
+    "stuck_report",
     "wait_for_port",
     "wait_until",
     "worker_env",
@@ -39,14 +40,58 @@ __all__ = [
 
 
 def wait_until(
-    predicate: Callable[[], object], timeout_s: float, interval_s: float = 0.2, what: str = "condition"
+    predicate: Callable[[], object],
+    timeout_s: float,
+    interval_s: float = 0.2,
+    what: str = "condition",
+    explain: Callable[[], str] | None = None,
 ) -> None:
+    """Until ``predicate()`` is true; a TimeoutError after ``timeout_s`` carries ``explain()`` (what a test that
+    failed once in CI needs to be understood from its log alone: a stuck job's state, the workers' last lines)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
             return
         time.sleep(interval_s)
-    raise TimeoutError(f"{what} not reached within {timeout_s}s")
+    detail = ""
+    if explain is not None:
+        try:
+            detail = "\n" + explain()
+        except Exception as exc:  # the report must never hide the timeout it explains
+            detail = f"\n(no report: {exc!r})"
+    raise TimeoutError(f"{what} not reached within {timeout_s}s{detail}")
+
+
+def stuck_report(
+    client: redis.Redis, settings: Any, job: str, workers: Sequence[WorkerProcess] = (), lines: int = 40
+) -> str:
+    """What a job that stopped moving looks like: its counts, each prompt neither done nor dead with its claim,
+    the queue and kombu's unacked hash, and each worker's last log lines."""
+    from thinkfleet.broker.keys import kombu_transport_options
+
+    keys = settings.keys
+    out: list[str] = []
+    try:
+        out.append(f"progress: {job_progress(client, keys, job)}")
+        prompts = {k.decode() for k in client.hkeys(keys.prompts(job))}
+        settled = {m.decode() for m in client.smembers(keys.done(job))} | {
+            k.decode() for k in client.hkeys(keys.dead(job))
+        }
+        claims = {k.decode(): v.decode() for k, v in client.hgetall(keys.claims(job)).items()}
+        for pid in sorted(prompts - settled)[:20]:
+            out.append(f"  open {pid}: claim={claims.get(pid)}")
+        unacked = str(kombu_transport_options(settings.key_prefix, settings.visibility_timeout_s)["unacked_key"])
+        out.append(f"queue={client.llen(settings.queue)} unacked={client.hlen(unacked)} claims={len(claims)}")
+    except redis.RedisError as exc:
+        out.append(f"Redis: {exc!r}")
+    for w in workers:
+        try:
+            tail = w.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError as exc:
+            tail = [repr(exc)]
+        out.append(f"--- worker {w.name} (alive={w.alive()}) last {len(tail)} lines:")
+        out.extend(tail)
+    return "\n".join(out)
 
 
 def job_settled(client: redis.Redis, settings: Any, job: str, prompts: int) -> bool:

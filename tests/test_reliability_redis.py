@@ -19,7 +19,7 @@ from producer import render
 from producer.job import JobRecord
 from storage.reader import stored_prompt_ids
 from testing.datasets import chat_rows, write_jsonl
-from testing.fleet import RecoveryWatch, WorkerProcess, in_flight, job_progress, wait_until
+from testing.fleet import RecoveryWatch, WorkerProcess, in_flight, job_progress, stuck_report, wait_until
 from testing.harness import (
     check_job,
     cli_env,
@@ -128,8 +128,11 @@ def test_redis_rolled_back_to_an_older_snapshot_mid_job_loses_and_duplicates_not
                 server.stop(kill=True)
                 server.start()
                 rolled_back = _progress(client, keys, "rollback")["done"]
-                wait_until(lambda: _progress(client, keys, "rollback")["done"] == 60, 180, what="60 rows")
-                wait_until(lambda: not client.hlen(keys.claims("rollback")), 60, what="no claim left")
+                report = lambda: stuck_report(client, settings, "rollback", workers)  # noqa: E731
+                wait_until(
+                    lambda: _progress(client, keys, "rollback")["done"] == 60, 180, what="60 rows", explain=report
+                )
+                wait_until(lambda: not client.hlen(keys.claims("rollback")), 60, what="no claim left", explain=report)
             finally:
                 for w in workers:
                     w.terminate()

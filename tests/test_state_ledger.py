@@ -250,10 +250,17 @@ def test_a_replayed_finalize_leaves_the_fence_of_a_live_run_of_the_same_prompt(r
         assert (await a.claim(JOB, "p1")).state == "new"
         live = a.fence(JOB, "p1")
         assert old is not None and live is not None and live != old
-        # When a finalize of the old row is replayed under the old fence (GroupCommitter.replay).
-        with a.rearmed(JOB, "p1", old):
-            assert a.fence(JOB, "p1") == old
-        # Then the live run still holds its own fence (it would be fenced by its own claim without it).
+        # When a finalize of the old row is replayed under the old fence (GroupCommitter.replay), and the live run
+        # marks its part while that finalize waits on Redis (the two run concurrently in one process).
+        replay = asyncio.ensure_future(
+            a.finalize(JOB, "ds", [FinalRow("p1", 5, True, False)], 100, 0.95, fences={"p1": old})
+        )
+        marked = await a.mark_part(JOB, ["p1"], "part-live")
+        finalized = await replay
+        # Then the live run marked under its own fence (not fenced by its own claim), the replay is fenced by the
+        # live claim, and the live run still holds its fence for its own finalize.
+        assert marked == {}
+        assert "p1" in finalized.fenced
         assert a.fence(JOB, "p1") == live
 
     run(scenario())

@@ -323,18 +323,27 @@ class GroupCommitter:
         return [items[n] for n in keep]
 
     async def _finalize(
-        self, job: str, dataset: str, finals: list[FinalRow], writes: FinalizeWrites | None
+        self,
+        job: str,
+        dataset: str,
+        finals: list[FinalRow],
+        writes: FinalizeWrites | None,
+        fences: dict[str, Fence] | None = None,
     ) -> Finalized:
         """Mark the rows done, and in the same Lua call write what the hooks asked for theirs (keyed by prompt id:
-        a row split off or fenced since takes its write with it)."""
+        a row split off or fenced since takes its write with it). ``fences``: see ``Ledger.finalize``."""
         if writes is None:
-            return await self.ledger.finalize(job, dataset, finals, self.alarm_min_rows, self.alarm_share)
+            return await self.ledger.finalize(
+                job, dataset, finals, self.alarm_min_rows, self.alarm_share, fences=fences
+            )  # fmt: skip
         per_row = [writes.rows.get(f.prompt_id) for f in finals]
         return await self.ledger.finalize(
-            job, dataset, finals, self.alarm_min_rows, self.alarm_share, per_row, writes.queue, writes.records
+            job, dataset, finals, self.alarm_min_rows, self.alarm_share, per_row, writes.queue, writes.records, fences
         )
 
-    async def finalize_orphan(self, job: str, dataset: str, part: str, final: FinalRow) -> Finalized:
+    async def finalize_orphan(
+        self, job: str, dataset: str, part: str, final: FinalRow, fence: Fence | None = None
+    ) -> Finalized:
         """The recovery of a row committed in ``part`` but never finalized: finalize it with what the hooks
         compute from the stored row (a turn's next turn: as the dead run would have written it). ``part`` must be a part
         of the job's dataset (storage/layout.py ``confine_part``: a claim's part comes from Redis)."""
@@ -342,7 +351,8 @@ class GroupCommitter:
         if loc is not None:
             confine_part(loc, job, part, dataset)  # PartPathRefused: nothing outside the job is read
         writes = await self.hooks.before_orphan_finalize(StoredRow(job, dataset, part, final.prompt_id))
-        return await self._finalize(job, dataset, [final], writes)
+        fences = {final.prompt_id: fence} if fence is not None else None
+        return await self._finalize(job, dataset, [final], writes, fences)
 
     def _remember(self, job: str, dataset: str, part: str, final: FinalRow, fence: Fence | None) -> None:
         if fence is None:
@@ -360,8 +370,8 @@ class GroupCommitter:
         dataset, part, final, fence = entry
         if not await asyncio.to_thread(self.writer.exists, part):
             return False
-        with self.ledger.rearmed(job, prompt_id, fence):  # the run's own fence again, for this one finalize
-            finalized = await self.finalize_orphan(job, dataset, part, final)
+        # under the run's own fence, passed to this one finalize: a live run of the prompt here keeps its own
+        finalized = await self.finalize_orphan(job, dataset, part, final, fence)
         if prompt_id in finalized.fenced:
             return False
         log.warning("finalized %s/%s again from %s: Redis had lost its finalize (a rollback?)", job, prompt_id, part)

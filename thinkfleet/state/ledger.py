@@ -50,12 +50,11 @@ regenerated.
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -270,22 +269,6 @@ class Ledger:
         """The fence this process holds for the prompt's claim (None when it holds none)."""
         return self.held.get((job, prompt_id))
 
-    @contextlib.contextmanager
-    def rearmed(self, job: str, prompt_id: str, fence: Fence) -> Iterator[None]:
-        """Hold ``fence`` again for one call (a finalize replayed from a row this process stored under it). A fence
-        held for the prompt meanwhile (this process runs it again: it was redelivered after the rollback) is put
-        back afterwards — dropping it fenced that live run by its own claim, and its message was acked unstored."""
-        key = (job, prompt_id)
-        live = self.held.get(key)
-        self.held[key] = fence
-        try:
-            yield
-        finally:
-            if live is not None:
-                self.held[key] = live
-            else:
-                self.held.pop(key, None)
-
     def _drop(self, job: str, prompt_id: str) -> None:
         """The run of the prompt ended here (finalized, fenced, released, dead-lettered): its fence goes."""
         self.held.pop((job, prompt_id), None)
@@ -335,6 +318,7 @@ class Ledger:
         turns: list[Any] | None = None,
         queue: str = "",
         answers: str = "",
+        fences: Mapping[str, Fence] | None = None,
     ) -> Finalized:
         """Mark rows done — those whose claim is still ours at our epoch; the others are fenced (returned, and
         they change nothing). Returns (new rows, alarm condition, alarm window rows, of them missing, fenced).
@@ -344,8 +328,15 @@ class Ledger:
         conversation's next turn into ``queue``; the next turn joins the job's submitted prompts
         (``prompts``, ``prompt_dataset``) then too. A next turn already done or dead (a re-derivation after a
         re-run of its turn) leaves ``done``/``dead`` as it is enqueued, and so do the later turns a chain that
-        ends here no longer derives (``NextTurn.drop``), the counters following (as ``producer retry``)."""
+        ends here no longer derives (``NextTurn.drop``), the counters following (as ``producer retry``).
+
+        ``fences`` (prompt id → fence): rows finalized under a fence this process no longer holds for them (a
+        finalize replayed from a row it stored under an earlier claim: ``GroupCommitter.replay``). Passed, never
+        swapped into the fences held: a live run of the same prompt may mark its part while this call awaits Redis,
+        and must do so under its own fence (with the old one it was fenced by its own claim: acked, never stored).
+        Its held fence stays too: it is that live run's, not this finalize's."""
         k = self.keys
+        given = fences or {}
         args: list[Any] = [self.worker, alarm_min_rows, alarm_share, dataset]
         for row, turn in zip(rows, turns or [None] * len(rows), strict=True):
             args += [row.prompt_id, row.completion_tokens, row.think_flag, int(row.truncated)]
@@ -354,7 +345,7 @@ class Ledger:
             else:
                 drop = json.dumps(list(turn.drop)) if turn.drop else ""
                 args += [turn.answer, turn.next_prompt_id, turn.next_hash, turn.next_message, drop]
-            epoch, generation, _ = self._fence(job, row.prompt_id)
+            epoch, generation, _ = given.get(row.prompt_id) or self._fence(job, row.prompt_id)
             next_revision = message_revision(turn.next_message) if turn is not None and turn.next_prompt_id else 0
             args += [epoch, str(row.epoch) if row.epoch else epoch, generation, int(row.revision), next_revision]
         keys = [
@@ -378,7 +369,8 @@ class Ledger:
         self._marked[job] = max(self._marked.get(job, 0), seq)
         fenced = _pairs(flat)
         for row in rows:
-            self._drop(job, row.prompt_id)
+            if row.prompt_id not in given:
+                self._drop(job, row.prompt_id)
         await self._durable()
         return Finalized(int(new), bool(fire), int(seen), int(miss), fenced)
 
