@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
+from producer.state import StateError, SubmitLock
 from thinkfleet.settings import Settings
 from thinkfleet.state import lifecycle as lc
 from thinkfleet.state.invariant import NotObservable, account
@@ -123,28 +124,39 @@ def make_commands(common_options: Callable[..., Any]) -> list:
         client = _client(settings)
         if not lc.job_keys(client, settings, job) and not client.sismember(settings.keys.jobs, job):
             _fail(f"no job {job!r} in Redis ({settings.redis_url})")
-        busy = _busy(client, settings, job)
-        if busy and not force:
-            _fail(
-                f"job {job} has {busy['queued']} queued and {busy['running']} running prompt(s): "
-                f"cancel it first (`producer cancel {job}`) or use --force"
-            )
-        if busy:
-            lc.cancel(client, settings, job, who="producer purge --force")
-            deadline = time.monotonic() + PURGE_FORCE_WAIT_S
-            while (busy := _busy(client, settings, job)) and time.monotonic() < deadline:
-                time.sleep(1.0)
-                # again: copies kept for live runs that have ended since, claims of runs that died since
-                lc.cancel_parked(client, settings, job, who="producer purge --force")
-            if busy:
-                Console(stderr=True).print(
-                    f"[yellow]warning:[/] {busy['running']} prompt(s) still running after {PURGE_FORCE_WAIT_S:.0f} s;"
-                    " purging anyway"
-                )
-        n = lc.purge(client, settings, job)
+        # The job's submit lock, held to the end: a submit or retry running now would commit into the keys
+        # deleted under it (and purge used to delete its lock and staging with them).
+        try:
+            with SubmitLock(client, settings, job):
+                n = _purge(client, settings, job, force)
+        except StateError as e:
+            _fail(f"cannot purge job {job} now: {e}")
         click.echo(f"job {job} purged: {n} Redis key(s) deleted (storage untouched)")
 
     return [jobs_cmd, pause_cmd, resume_cmd, cancel_cmd, purge_cmd]
+
+
+def _purge(client: redis.Redis, settings: Settings, job: str, force: bool) -> int:
+    """purge (or purge --force) under the job's submit lock; returns the keys deleted."""
+    busy = _busy(client, settings, job)
+    if busy and not force:
+        _fail(
+            f"job {job} has {busy['queued']} queued and {busy['running']} running prompt(s): "
+            f"cancel it first (`producer cancel {job}`) or use --force"
+        )
+    if busy:
+        lc.cancel(client, settings, job, who="producer purge --force")
+        deadline = time.monotonic() + PURGE_FORCE_WAIT_S
+        while (busy := _busy(client, settings, job)) and time.monotonic() < deadline:
+            time.sleep(1.0)
+            # again: copies kept for live runs that have ended since, claims of runs that died since
+            lc.cancel_parked(client, settings, job, who="producer purge --force")
+        if busy:
+            Console(stderr=True).print(
+                f"[yellow]warning:[/] {busy['running']} prompt(s) still running after {PURGE_FORCE_WAIT_S:.0f} s;"
+                " purging anyway"
+            )
+    return lc.purge(client, settings, job)
 
 
 def _busy(client: redis.Redis, settings: Settings, job: str) -> dict[str, int]:

@@ -13,7 +13,7 @@ import redis
 import redis.asyncio as aioredis
 
 from testing.fleet import dead_letters
-from testing.harness import isolated_settings, make_prompts, submit_ids
+from testing.harness import isolated_settings, make_prompts, producer_cli, submit_ids
 from thinkfleet.broker.queues import decode_message
 from thinkfleet.keys import Keys
 from thinkfleet.message import PromptTask, pack_ids
@@ -201,6 +201,62 @@ def test_a_purged_jobs_straggler_commit_or_crash_recreates_none_of_its_keys(redi
         assert not list(client.scan_iter(match=f"{keys.job('pg')}*"))
 
     asyncio.run(scenario())
+
+
+def test_purge_refuses_while_a_submit_or_retry_holds_the_jobs_lock_and_deletes_nothing(
+    redis_url: str, tmp_path: Path
+) -> None:
+    from producer.state import SubmitLock
+
+    # Given a job and a submit (or retry) of it running: it holds the job's lock and stages its messages.
+    settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    client = redis.Redis.from_url(redis_url)
+    keys = settings.keys
+    submit_ids(settings, "pl", make_prompts(2, seed=15, length=8))
+    client.delete(settings.queue)  # (nothing queued or running: purge would go ahead without --force)
+    with SubmitLock(client, settings, "pl") as held:
+        before = sorted(client.scan_iter(match=f"{keys.job('pl')}*"))
+        # When the operator purges the job meanwhile.
+        out = producer_cli(settings, "purge", "pl")
+        # Then purge refuses, naming the lock, and deletes nothing: not the record, not the submit's lock.
+        assert out.returncode != 0 and "another submit of job 'pl' holds its lock" in out.stderr, out
+        assert sorted(client.scan_iter(match=f"{keys.job('pl')}*")) == before
+        assert client.get(keys.submit_lock("pl")).decode() == held.token
+    # And once the submit is over, purge goes ahead and leaves no key of the job, its lock included.
+    out = producer_cli(settings, "purge", "pl")
+    assert out.returncode == 0, out
+    assert not list(client.scan_iter(match=f"{keys.job('pl')}*"))
+    assert not client.sismember(keys.jobs, "pl")
+
+
+def test_pause_never_overwrites_a_cancel_and_no_move_makes_state_for_an_unknown_job(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # Given a cancelled job (a pause that read "active" just before the cancel, then set "paused", undid it).
+    settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    client = redis.Redis.from_url(redis_url)
+    keys = settings.keys
+    submit_ids(settings, "ps", make_prompts(2, seed=16, length=8))
+    lc.cancel(client, settings, "ps")
+    # When it is paused, then resumed and paused.
+    try:
+        lc.pause(client, settings, "ps")
+        raise AssertionError("pause of a cancelled job went ahead")
+    except lc.LifecycleError as exc:
+        assert "cancelled" in str(exc) and "resume it first" in str(exc)
+    # Then the cancel stands; after a resume the pause goes ahead.
+    assert lc.get_state(client, settings, "ps") == lc.CANCELLED
+    assert lc.move(client, settings, "ps", lc.ACTIVE, (lc.PAUSED, lc.CANCELLED)) == lc.CANCELLED
+    lc.pause(client, settings, "ps")
+    assert lc.get_state(client, settings, "ps") == lc.PAUSED
+    # And a move of a job Redis does not know makes no state key for it.
+    for op in (lc.pause, lc.resume, lc.cancel):
+        try:
+            op(client, settings, "nosuch")
+            raise AssertionError(f"{op.__name__} of an unknown job went ahead")
+        except lc.LifecycleError as exc:
+            assert "no job 'nosuch'" in str(exc)
+    assert not client.exists(keys.job_state("nosuch"))
 
 
 def test_a_re_derived_next_turn_supersedes_the_leftover_copy_of_its_older_message(redis_url: str) -> None:

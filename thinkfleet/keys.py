@@ -151,6 +151,23 @@ class Keys:
         of the run that made them: the idempotency record of workers/tool_exec.py (state/lua/tool_calls.lua)."""
         return f"{self.prefix}:job:{job}:tool_calls"
 
+    def job_fixed(self, job: str) -> list[str]:
+        """The job's record and every per-job key whose name depends on the job alone (``producer purge``'s one Lua
+        step, state/lua/purge.lua; the rest — per-dataset counters, check tokens, staging — go by ``job_glob``). Not
+        the submit lock: purge holds it while it runs."""
+        return [
+            self.job(job),
+            *(
+                f(job)
+                for f in (
+                    self.prompts, self.prompt_dataset, self.done, self.dead, self.claims, self.epoch_clock,
+                    self.committed_epochs, self.revisions, self.deliveries, self.counters, self.checked,
+                    self.finalize_marks, self.worker_counters, self.timeline, self.alarm, self.job_state,
+                    self.parked, self.conversations, self.turn_answers, self.tool_calls,
+                )
+            ),
+        ]  # fmt: skip
+
     def job_glob(self, job: str) -> str:
         """Glob of every per-job key but the record itself (``producer purge``)."""
         return f"{self.prefix}:job:{job}:*"

@@ -68,6 +68,23 @@ def _require_job(client: redis.Redis, settings: Settings, job: str) -> None:
         raise LifecycleError(f"no job {job!r} in Redis ({settings.redis_url})")
 
 
+def move(client: redis.Redis, settings: Settings, job: str, to: str, leaves: tuple[str, ...]) -> str:
+    """Set ``job``'s state to ``to`` (``active``: the state key deleted) if it is in one of ``leaves`` now, checked
+    and set in one Lua call (``lua/set_state.lua``); returns the state it left. Raises :class:`LifecycleError` for
+    an unknown job or a state the move may not leave."""
+    keys = settings.keys
+    script = client.register_script(lua("set_state"))
+    outcome, previous = script(keys=[keys.job_state(job), keys.job(job), keys.jobs], args=[job, to, *leaves])
+    outcome = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
+    previous = previous.decode() if isinstance(previous, bytes) else str(previous)
+    if outcome == "unknown":
+        raise LifecycleError(f"no job {job!r} in Redis ({settings.redis_url})")
+    if outcome == "refused":
+        fix = "resume it first" if previous == CANCELLED else f"it is {previous}"
+        raise LifecycleError(f"job {job!r} is {previous}: {fix}")
+    return previous
+
+
 def park_queued(client: redis.Redis, settings: Settings, job: str) -> int:
     """Move every queued message of ``job`` into its parked list; returns how many moved."""
     script = client.register_script(lua("park"))
@@ -102,18 +119,13 @@ def unpark(client: redis.Redis, settings: Settings, job: str, queue: str | None 
 
 def pause(client: redis.Redis, settings: Settings, job: str) -> int:
     """Pause ``job``: workers take none of its prompts until :func:`resume`. Returns messages parked."""
-    _require_job(client, settings, job)
-    state = get_state(client, settings, job)
-    if state == CANCELLED:
-        raise LifecycleError(f"job {job!r} is cancelled: resume it first")
-    client.set(settings.keys.job_state(job), PAUSED)
+    move(client, settings, job, PAUSED, (ACTIVE, PAUSED))  # never over a cancel: resume first
     return park_queued(client, settings, job)
 
 
 def resume(client: redis.Redis, settings: Settings, job: str) -> int:
     """Make ``job`` active again; returns the messages moved back onto the queue."""
-    _require_job(client, settings, job)
-    client.delete(settings.keys.job_state(job))
+    move(client, settings, job, ACTIVE, (ACTIVE, PAUSED, CANCELLED))
     return unpark(client, settings, job)
 
 
@@ -150,8 +162,7 @@ def cancel(client: redis.Redis, settings: Settings, job: str, who: str = "produc
 
 def cancel_detail(client: redis.Redis, settings: Settings, job: str, who: str = "producer cancel") -> CancelResult:
     """:func:`cancel`, saying also what stayed parked (a live worker's run) and what was a copy of a finished prompt."""
-    _require_job(client, settings, job)
-    client.set(settings.keys.job_state(job), CANCELLED)
+    move(client, settings, job, CANCELLED, (ACTIVE, PAUSED, CANCELLED))
     park_queued(client, settings, job)
     return cancel_parked(client, settings, job, who)
 
@@ -206,16 +217,22 @@ def job_keys(client: redis.Redis, settings: Settings, job: str) -> list[str]:
 
 
 def purge(client: redis.Redis, settings: Settings, job: str) -> int:
-    """Delete every key of ``job`` and its name from the job set; returns how many keys went. Stray
-    messages of the job still on the queue (copies of finished prompts) are parked first and go too."""
-    park_queued(client, settings, job)
-    names = job_keys(client, settings, job)
-    with client.pipeline(transaction=True) as pipe:
-        for start in range(0, len(names), 500):
-            pipe.delete(*names[start : start + 500])
-        pipe.srem(settings.keys.jobs, job)
-        pipe.execute()
-    return len(names)
+    """Delete every key of ``job`` and its name from the job set (but its submit lock: the caller holds it, so no
+    submit or retry runs meanwhile); returns how many keys went. Storage is untouched.
+
+    The record, the name and every fixed-name key go first, in one Lua call (``lua/purge.lua``): from then on
+    every worker script refuses the job's stragglers, so the rest — queued copies (parked, then deleted) and the
+    keys found by SCAN — cannot be made again behind the sweep (a SCAN then a delete, alone, left a window for
+    keys written between the two)."""
+    keys = settings.keys
+    fixed = keys.job_fixed(job)
+    gone = int(client.register_script(lua("purge"))(keys=[keys.jobs, *fixed], args=[job]))
+    park_queued(client, settings, job)  # stray copies of finished prompts on the queue: parked, then swept
+    lock = keys.submit_lock(job)
+    names = [n for n in job_keys(client, settings, job) if n != lock]
+    for start in range(0, len(names), 500):
+        gone += int(client.delete(*names[start : start + 500]))
+    return gone
 
 
 @dataclass
