@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import click
@@ -99,8 +99,17 @@ def _take_out(
         )
 
 
-def _requeue(client: redis.Redis, settings: Settings, job: str, field: str, tasks: list[PromptTask]) -> None:
-    """Take ``tasks``' prompts out of ``field`` ('dead' or 'done') and put their messages on the queue, at once.
+def _requeue(
+    client: redis.Redis,
+    settings: Settings,
+    job: str,
+    field: str,
+    tasks: list[PromptTask],
+    revisions: Mapping[str, int] | None = None,
+) -> None:
+    """Take ``tasks``' prompts out of ``field`` ('dead' or 'done') and put their messages on the queue, at once —
+    with ``revisions`` (prompt id → the revision now requested) raised in that same MULTI: one transition, so no
+    worker sees the new revision asked for with the prompt still done, or the prompt out of done without it.
 
     Call with the job's submit lock held.
     """
@@ -115,6 +124,8 @@ def _requeue(client: redis.Redis, settings: Settings, job: str, field: str, task
         for chunk in _chunks(tasks):
             stager.push(envelope.encode_many(chunk))
         with client.pipeline(transaction=True) as pipe:
+            if revisions:
+                pipe.hset(settings.keys.revisions(job), mapping=dict(revisions))
             _take_out(pipe, settings, job, field, tasks)
             stager.commit(pipe)
             pipe.execute()
@@ -257,13 +268,11 @@ def retry_truncated(settings: Settings, job: str, max_new_tokens: int) -> list[s
                 )
                 for row in rows
             ]
-            # The new revision first: a worker's claim refuses a message of a lower one from now on, so a leftover
+            # Not "done" until the new revision is stored (workers skip prompts in the done set); the counters
+            # follow so that status and verify agree while the re-runs are in flight. The new revision is asked for
+            # in the same transition: a worker's claim refuses a message of a lower one from then on, so a leftover
             # copy of the old message cannot run with the old budget and be acked for the new one (claim.lua).
-            if tasks:
-                client.hset(settings.keys.revisions(job), mapping={t.prompt_id: t.revision for t in tasks})
-            # Not "done" until the new revision is stored (workers skip prompts in the done set); the
-            # counters follow so that status and verify agree while the re-runs are in flight.
-            _requeue(client, settings, job, "done", tasks)
+            _requeue(client, settings, job, "done", tasks, {t.prompt_id: t.revision for t in tasks})
             for pid, why in skipped.items():
                 click.echo(f"skipped {pid}: {why}", err=True)
             return RetryResult([t.prompt_id for t in tasks], skipped)

@@ -1,8 +1,10 @@
 """The nemesis grows to the operator: a seeded schedule of the operator's commands — pause/resume, cancel then resume
-and ``retry --error-class cancelled``, ``purge --force`` and the same ``producer submit`` again, ``compact`` —
-and worker kills, all while two workers run one job submitted with the real producer: single prompts, and
-``--turns all`` conversations (each turn i+1 must be rendered from the committed turn i: testing/chains.py).
-Every command goes through the ``producer`` CLI, as an operator types it.
+and ``retry --error-class cancelled``, ``purge --force`` and the same ``producer submit`` again, ``compact``,
+``retry --truncated`` — worker kills and Redis rolled back to a snapshot taken moments before (its last writes lost),
+all while two workers run one job submitted with the real producer: single prompts, and ``--turns all``
+conversations (each turn i+1 must be rendered from the committed turn i: testing/chains.py) whose every request
+draws its own answer (``--sample-per-request``: a re-run of turn i answers otherwise, so turn i+1 rendered from any
+run but the committed one shows). Every command goes through the ``producer`` CLI, as an operator types it.
 
 Then ``producer wait`` says finished (exit 0), and so does everything after it: every prompt is stored exactly once,
 byte-exact against the simulator, ``producer verify`` passes and ``producer status`` agrees with storage.
@@ -33,8 +35,14 @@ from testing.services import RedisServer
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import JobRecord
+from thinkfleet.turns import beyond_chain_ends
 
-OPERATIONS = ("pause_resume", "cancel_retry", "purge_resubmit", "compact", "kill")
+OPERATIONS = ("pause_resume", "cancel_retry", "purge_resubmit", "compact", "kill", "retry_truncated", "rollback")
+#: Simulated seconds per wall second: slow enough that the job still runs when the operator acts (each command is a
+#: CLI process of a second or more; at 40 the whole job was stored before the first one, and acted on nothing).
+TIME_SCALE = "8"
+#: ``retry --truncated`` raises the budget of length-stopped rows to this (the job's is 1024: ~30% stop on length).
+RETRY_BUDGET = 2048
 CI_SEED = 3
 JOB = "ops"
 DATASET = "alpha"
@@ -96,9 +104,11 @@ def run_operators(tmp_path: Path, tok_dir: Path, seed: int, units: int, operatio
         submit += ("--turns", "all", "--context-length", "131072")
     started = time.monotonic()
     done: list[str] = []
+    # --turns all: every request its own answer (turn i+1 must follow the committed run of turn i, not any run).
+    varied = ("--sample-per-request",) if turns else ()
     try:
-        with simulator(tmp_path, "--time-scale", "40") as sim:
-            env = fast_env(settings, sim, max_inflight=4)
+        with simulator(tmp_path, "--time-scale", TIME_SCALE, *varied) as sim:
+            env = fast_env(settings, sim, max_inflight=4, request_timeout_floor_s=60)  # a slow simulator
             workers = [WorkerProcess(f"op{i}", env, tmp_path).start() for i in range(2)]
             try:
                 for w in workers:
@@ -106,7 +116,7 @@ def run_operators(tmp_path: Path, tok_dir: Path, seed: int, units: int, operatio
                 assert json.loads(_cli(settings, *submit))["enqueued"] == units
                 for op in plan:
                     wait_until(lambda o=op: _stored(client, settings) >= o.at * total, 300, 0.2, what=str(op))
-                    _operate(op, settings, client, workers, submit)
+                    _operate(op, settings, client, workers, submit, server)
                     done.append(f"{op.kind}@{op.at:.2f}")
                 # Then `producer wait` says finished: every prompt stored or dead-lettered…
                 waited = producer_cli(settings, "wait", JOB, "--timeout", "400", "--json", timeout_s=450)
@@ -127,7 +137,10 @@ def run_operators(tmp_path: Path, tok_dir: Path, seed: int, units: int, operatio
                 f"{DATASET}/r{i}": render.render_ids(tok, row["messages"][:2], None, {"thinking": True})
                 for i, row in enumerate(rows)
             }
-            outcome = check_job(settings, JOB, expected, record.sampling_params)
+            # A row retried for length is committed at its new revision, with the budget the retry gave it.
+            committed = read_committed(settings.output_uri, JOB, columns=["prompt_id", "revision"]).to_pylist()
+            retried = {r["prompt_id"]: {"max_new_tokens": RETRY_BUDGET} for r in committed if r["revision"]}
+            outcome = check_job(settings, JOB, expected, record.sampling_params, overrides=retried)
         record_result(
             f"operator nemesis{' --turns all' if turns else ''}: {operations} commands (seed {seed})",
             outcome,
@@ -136,7 +149,8 @@ def run_operators(tmp_path: Path, tok_dir: Path, seed: int, units: int, operatio
             time.monotonic() - started,
             workers=2,
             notes="pause/resume, kill + cancel + resume + retry --error-class cancelled, purge --force + the same "
-            "submit, compact and worker kills, each through the producer CLI while the job runs",
+            "submit, compact, retry --truncated, worker kills and Redis rolled back to a snapshot, each through the "
+            "producer CLI while the job runs" + ("; every request its own answer" if turns else ""),
         )
         outcome.assert_clean()
     finally:
@@ -148,9 +162,13 @@ def _check_turns(settings: Settings, data: Path, tok_dir: Path, record: JobRecor
     verify = producer_cli(settings, "verify", JOB, "--json")
     problems = [] if verify.returncode == 0 else [f"producer verify failed: {verify.stdout[-3000:]}"]
     rows = {r["prompt_id"]: r for r in read_committed(settings.output_uri, JOB).to_pylist()}
+    # A turn past its conversation's chain end is superseded (a retry of an earlier turn ended the chain there):
+    # kept in storage, left out of the exports and of the job's counts, listed by verify.
+    for pid in beyond_chain_ends(rows, [p for p, r in rows.items() if r.get("chain_end")]):
+        del rows[pid]
     dups = raw_duplicates(settings.output_uri, JOB)
     duplicated = sorted(set(dups["prompt_id"].to_pylist())) if dups.num_rows else []
-    problems += chain_problems(data, DATASET, tok_dir, record, rows)
+    problems += chain_problems(data, DATASET, tok_dir, record, rows, exact_outputs=False)
     st = json.loads(_cli(settings, "status", JOB, "--json"))
     got = {k: st.get(k) for k in ("total", "done", "dead", "queued", "running", "finished")}
     # A chain that ended early with a recorded reason (the model called a tool) owes no later turn.
@@ -162,7 +180,12 @@ def _check_turns(settings: Settings, data: Path, tok_dir: Path, record: JobRecor
 
 
 def _operate(
-    op: Operation, settings: Settings, client: redis.Redis, workers: list[WorkerProcess], submit: tuple[str, ...]
+    op: Operation,
+    settings: Settings,
+    client: redis.Redis,
+    workers: list[WorkerProcess],
+    submit: tuple[str, ...],
+    server: RedisServer,
 ) -> None:
     if op.kind == "pause_resume":
         _cli(settings, "pause", JOB)
@@ -184,6 +207,19 @@ def _operate(
         _cli(settings, *submit)
     elif op.kind == "compact":
         _cli(settings, "compact", JOB, "--dataset", DATASET)
+    elif op.kind == "retry_truncated":
+        _cli(settings, "retry", JOB, "--truncated", "--max-new-tokens", str(RETRY_BUDGET))
+    elif op.kind == "rollback":
+        # A snapshot, the job going on past it (rows stored, finalized, acked), then Redis killed and back from
+        # that snapshot: the writes since are lost (a head without AOF, or a promoted replica that lagged).
+        before, stored = client.lastsave(), _stored(client, settings)
+        client.bgsave()
+        wait_until(lambda: client.lastsave() != before, 60, 0.1, what="the snapshot written")
+        total = json.loads(_cli(settings, "status", JOB, "--json"))["total"]
+        past = min(total, stored + 2)
+        wait_until(lambda: _stored(client, settings) >= past, 120, 0.1, what="rows past the snapshot")
+        server.stop(kill=True)
+        server.start()
     elif op.kind == "kill":
         worker = workers[op.target]
         worker.kill()
