@@ -64,3 +64,37 @@ def kimi_id_prompt(body: list[int]) -> list[int]:
         kimi.IM_USER, 3, kimi.IM_MIDDLE, *body, kimi.IM_END,
         kimi.IM_ASSISTANT, 4, kimi.IM_MIDDLE, kimi.THINK_START,
     ]  # fmt: skip
+
+
+def tool_call(i: int, name: str, args: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI-style tool call in Kimi's id form (``functions.{name}:{i}``)."""
+    return {
+        "id": f"functions.{name}:{i}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(args)},
+    }
+
+
+def agentic_rows(conversations: int, turns: int) -> list[dict[str, Any]]:
+    """Agentic conversations (``--tool-results``): each user turn calls the calculator → its result → a lookup and a
+    calculator call → two results → the dataset's answer."""
+    rows = []
+    for c in range(conversations):
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful assistant with tools."}]
+        for t in range(turns):
+            msgs += [
+                {"role": "user", "content": f"Question {t} of chat {c}: how long is the trip, and the bridge?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    tool_call(0, "calculator", {"expression": "240/80"}),
+                ]},
+                {"role": "tool", "tool_call_id": "functions.calculator:0", "content": f"recorded 3 ({c}.{t})"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    tool_call(1, "lookup", {"key": "bridge"}),
+                    tool_call(2, "calculator", {"expression": "100 * 101 / 2"}),
+                ]},
+                {"role": "tool", "tool_call_id": "functions.lookup:1", "content": f"recorded 1887 ({c}.{t})"},
+                {"role": "tool", "tool_call_id": "functions.calculator:2", "content": f"recorded 5050 ({c}.{t})"},
+                {"role": "assistant", "content": f"the dataset's answer {t}"},
+            ]  # fmt: skip
+        rows.append({"id": f"c{c}", "messages": msgs})
+    return rows

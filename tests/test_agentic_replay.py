@@ -33,7 +33,7 @@ from sglang_sim.content import ContentConfig, expected_generation
 from sglang_sim.tools import write_catalogue
 from storage.reader import raw_duplicates, read_committed
 from storage.verify_steps import chains, stale_steps
-from testing.datasets import write_jsonl
+from testing.datasets import agentic_rows, tool_call, write_jsonl
 from testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
 from testing.harness import fast_env, isolated_settings, producer_cli, simulator
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
@@ -52,31 +52,11 @@ TURNS = 2
 
 
 def _call(i: int, name: str, args: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "id": f"functions.{name}:{i}",
-        "type": "function",
-        "function": {"name": name, "arguments": json.dumps(args)},
-    }
+    return tool_call(i, name, args)
 
 
 def _agentic_rows() -> list[dict[str, Any]]:
-    """Each user turn: a calculator call → its result → a lookup and a calculator call → two results → answer."""
-    rows = []
-    for c in range(CONVERSATIONS):
-        msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful assistant with tools."}]
-        for t in range(TURNS):
-            msgs += [
-                {"role": "user", "content": f"Question {t} of chat {c}: how long is the trip, and the bridge?"},
-                {"role": "assistant", "content": "", "tool_calls": [_call(0, "calculator", {"expression": "240/80"})]},
-                {"role": "tool", "tool_call_id": "functions.calculator:0", "content": f"recorded 3 ({c}.{t})"},
-                {"role": "assistant", "content": "", "tool_calls": [
-                    _call(1, "lookup", {"key": "bridge"}), _call(2, "calculator", {"expression": "100 * 101 / 2"})]},
-                {"role": "tool", "tool_call_id": "functions.lookup:1", "content": f"recorded 1887 ({c}.{t})"},
-                {"role": "tool", "tool_call_id": "functions.calculator:2", "content": f"recorded 5050 ({c}.{t})"},
-                {"role": "assistant", "content": f"the dataset's answer {t}"},
-            ]  # fmt: skip
-        rows.append({"id": f"c{c}", "messages": msgs})
-    return rows
+    return agentic_rows(CONVERSATIONS, TURNS)
 
 
 # -- the rules -------------------------------------------------------------------------------------------

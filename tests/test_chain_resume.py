@@ -25,7 +25,7 @@ from sglang_sim.content import expected_generation
 from storage.conversations import ToolMarkers, output_message
 from storage.reader import raw_duplicates, read_committed, stored_prompt_ids
 from storage.verify import verify_job
-from testing.datasets import conversation_rows, write_jsonl
+from testing.datasets import agentic_rows, conversation_rows, write_jsonl
 from testing.fleet import WorkerProcess, job_progress, wait_until
 from testing.harness import fast_env, isolated_settings, producer_cli, sim_stats, simulator
 from testing.services import RedisServer
@@ -248,29 +248,6 @@ def test_redis_lost_entirely_and_the_same_submit_resume_every_conversation(tmp_p
         server.stop()
 
 
-def _agentic_rows(conversations: int) -> list[dict]:
-    """As tests/test_agentic_replay.py's: each of 2 user turns calls tools twice (one call, then two) before its
-    answer."""
-    from tests.test_agentic_replay import _call
-
-    rows = []
-    for c in range(conversations):
-        msgs: list[dict] = [{"role": "system", "content": "You are a careful assistant with tools."}]
-        for t in range(2):
-            msgs += [
-                {"role": "user", "content": f"Question {t} of chat {c}: how long is the trip, and the bridge?"},
-                {"role": "assistant", "content": "", "tool_calls": [_call(0, "calculator", {"expression": "240/80"})]},
-                {"role": "tool", "tool_call_id": "functions.calculator:0", "content": f"recorded 3 ({c}.{t})"},
-                {"role": "assistant", "content": "", "tool_calls": [
-                    _call(1, "lookup", {"key": "bridge"}), _call(2, "calculator", {"expression": "100 * 101 / 2"})]},
-                {"role": "tool", "tool_call_id": "functions.lookup:1", "content": f"recorded 1887 ({c}.{t})"},
-                {"role": "tool", "tool_call_id": "functions.calculator:2", "content": f"recorded 5050 ({c}.{t})"},
-                {"role": "assistant", "content": f"the dataset's answer {t}"},
-            ]  # fmt: skip
-        rows.append({"id": f"c{c}", "messages": msgs})
-    return rows
-
-
 def test_purge_force_and_resubmit_resume_agentic_step_chains(redis_url: str, tmp_path: Path, tok_dir: Path) -> None:
     """The same for an agentic job (``--tool-results replay``): a chain of steps resumes at its last stored step,
     each step's prompt the rendering of the conversation up to it with the results fed back."""
@@ -281,7 +258,7 @@ def test_purge_force_and_resubmit_resume_agentic_step_chains(redis_url: str, tmp
     settings = isolated_settings(redis_url, str(tmp_path / "out"))
     client = redis.Redis.from_url(redis_url)
     job = "agentic-resume"
-    data = write_jsonl(tmp_path / "chat.jsonl", _agentic_rows(16))
+    data = write_jsonl(tmp_path / "chat.jsonl", agentic_rows(16, 2))
     catalogue = write_catalogue(tmp_path / "tools.json", load_tokenizer(str(tok_dir)), "kimi")
     content = ContentConfig(tool_catalogue=str(catalogue), **SIM_CONTENT)  # type: ignore[arg-type]
     args = (

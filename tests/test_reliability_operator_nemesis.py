@@ -26,9 +26,11 @@ import pytest
 import redis
 
 from producer import render
+from sglang_sim.tools import write_catalogue
 from storage.reader import raw_duplicates, read_committed
+from storage.verify_steps import unreachable_steps
 from testing.chains import chain_problems
-from testing.datasets import chat_rows, conversation_rows, write_jsonl
+from testing.datasets import agentic_rows, chat_rows, conversation_rows, write_jsonl
 from testing.fleet import WorkerProcess, draw_schedule, job_progress, wait_until
 from testing.harness import Outcome, check_job, fast_env, isolated_settings, producer_cli, record_result, simulator
 from testing.services import RedisServer
@@ -36,11 +38,16 @@ from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import JobRecord
 from thinkfleet.turns import beyond_chain_ends
+from workers.tool_exec import TRUSTED_ENV
 
 OPERATIONS = ("pause_resume", "cancel_retry", "purge_resubmit", "compact", "kill", "retry_truncated", "rollback")
 #: Simulated seconds per wall second: slow enough that the job still runs when the operator acts (each command is a
 #: CLI process of a second or more; at 40 the whole job was stored before the first one, and acted on nothing).
 TIME_SCALE = "8"
+#: The agentic run: the example executor answers every call (docs/examples/agentic/tools.py), and the simulator's
+#: answers call its tools often, briefly (as tests/test_agentic_replay.py's).
+EXECUTOR = f"{Path(__file__).parents[1] / 'docs/examples/agentic/tools.py'}:execute"
+AGENTIC_CONTENT = {"tool_call_share": 0.6, "length_median_tokens": 60.0, "max_tool_calls": 2}
 #: ``retry --truncated`` raises the budget of length-stopped rows to this (the job's is 1024: ~30% stop on length).
 RETRY_BUDGET = 2048
 CI_SEED = 3
@@ -86,13 +93,18 @@ def _nothing_runs(settings: Settings) -> bool:
     return st.get("queued") == 0 and st.get("running") == 0
 
 
-def run_operators(tmp_path: Path, tok_dir: Path, seed: int, units: int, operations: int, turns: int = 0) -> None:
-    """``units`` prompts (``turns`` = 0) or conversations of ``turns`` user turns each (``--turns all``)."""
+def run_operators(
+    tmp_path: Path, tok_dir: Path, seed: int, units: int, operations: int, turns: int = 0, agentic: bool = False
+) -> None:
+    """``units`` prompts (``turns`` = 0) or conversations of ``turns`` user turns each (``--turns all``); ``agentic``:
+    conversations that call tools, run step by step with the example executor (``--tool-results executor``)."""
     plan = schedule(seed, operations)
     server = RedisServer(tmp_path / "redis").start()
     settings = isolated_settings(server.url(), str(tmp_path / "out"))
     client = redis.Redis.from_url(server.url())
-    if turns:
+    if agentic:
+        rows = agentic_rows(units, turns)
+    elif turns:
         rows = conversation_rows(units, turns, 10, "You are a careful assistant.", reasoning="x", seed_step=seed + 100)
     else:
         rows = chat_rows(units, words=20, seed=seed)
@@ -102,13 +114,22 @@ def run_operators(tmp_path: Path, tok_dir: Path, seed: int, units: int, operatio
     submit += ("--max-new-tokens", "1024", "--seed", "7", "--json", "--no-progress")
     if turns:
         submit += ("--turns", "all", "--context-length", "131072")
+    # --turns all: every request its own answer (turn i+1 must follow the committed run of turn i, not any run).
+    sim_args = ["--time-scale", TIME_SCALE, *(["--sample-per-request"] if turns else [])]
+    extra_env: dict[str, str] = {}
+    if agentic:
+        catalogue = write_catalogue(tmp_path / "tools.json", render.load_tokenizer(str(tok_dir)), "kimi")
+        sim_args += ["--tool-catalogue", str(catalogue)]
+        for key, value in AGENTIC_CONTENT.items():
+            sim_args += [f"--{key.replace('_', '-')}", str(value)]
+        submit += ("--tool-results", "executor", "--tool-executor", EXECUTOR, "--max-tool-steps", "3")
+        extra_env[TRUSTED_ENV] = EXECUTOR
     started = time.monotonic()
     done: list[str] = []
-    # --turns all: every request its own answer (turn i+1 must follow the committed run of turn i, not any run).
-    varied = ("--sample-per-request",) if turns else ()
     try:
-        with simulator(tmp_path, "--time-scale", TIME_SCALE, *varied) as sim:
+        with simulator(tmp_path, *sim_args) as sim:
             env = fast_env(settings, sim, max_inflight=4, request_timeout_floor_s=60)  # a slow simulator
+            env.update(extra_env)
             workers = [WorkerProcess(f"op{i}", env, tmp_path).start() for i in range(2)]
             try:
                 for w in workers:
@@ -129,7 +150,9 @@ def run_operators(tmp_path: Path, tok_dir: Path, seed: int, units: int, operatio
         # …and storage, verify and status agree with it: every prompt (every turn) stored once, byte-exact, none dead.
         record = JobRecord.load(client, settings.keys, JOB)
         assert record is not None
-        if turns:
+        if agentic:
+            outcome = _check_steps(settings)
+        elif turns:
             outcome = _check_turns(settings, data, tok_dir, record, total)
         else:
             tok = render.load_tokenizer(str(tok_dir))
@@ -142,7 +165,8 @@ def run_operators(tmp_path: Path, tok_dir: Path, seed: int, units: int, operatio
             retried = {r["prompt_id"]: {"max_new_tokens": RETRY_BUDGET} for r in committed if r["revision"]}
             outcome = check_job(settings, JOB, expected, record.sampling_params, overrides=retried)
         record_result(
-            f"operator nemesis{' --turns all' if turns else ''}: {operations} commands (seed {seed})",
+            f"operator nemesis{' agentic' if agentic else ' --turns all' if turns else ''}: {operations} commands "
+            f"(seed {seed})",
             outcome,
             ", ".join(done),
             [],
@@ -177,6 +201,26 @@ def _check_turns(settings: Settings, data: Path, tok_dir: Path, record: JobRecor
         problems.append(f"producer status {got} disagrees with storage {want}")
     lost = [p.split(":")[0] for p in problems if "not stored" in p]
     return Outcome(len(rows), len(rows), 0, lost, duplicated, [], verify.returncode == 0, got == want, problems)
+
+
+def _check_steps(settings: Settings) -> Outcome:
+    """check_job for an agentic job: verify passes (every chain whole: at its end or a recorded reason), no step is
+    stored twice, and status counts what storage holds on the current chains — a step no current chain reaches (a
+    re-run took another path) and a turn past a chain end are superseded, as the exports and verify say."""
+    verify = producer_cli(settings, "verify", JOB, "--json")
+    problems = [] if verify.returncode == 0 else [f"producer verify failed: {verify.stdout[-3000:]}"]
+    rows = {r["prompt_id"]: r for r in read_committed(settings.output_uri, JOB).to_pylist()}
+    dups = raw_duplicates(settings.output_uri, JOB)
+    duplicated = sorted(set(dups["prompt_id"].to_pylist())) if dups.num_rows else []
+    superseded = beyond_chain_ends(rows, [p for p, r in rows.items() if r.get("chain_end")])
+    superseded |= unreachable_steps(settings, JOB, rows)
+    current = len(rows) - len(superseded)
+    st = json.loads(_cli(settings, "status", JOB, "--json"))
+    got = {k: st.get(k) for k in ("total", "done", "dead", "queued", "running", "finished")}
+    want = {"total": current, "done": current, "dead": 0, "queued": 0, "running": 0, "finished": True}
+    if got != want:
+        problems.append(f"producer status {got} disagrees with storage {want} ({len(superseded)} superseded)")
+    return Outcome(current, current, 0, [], duplicated, [], verify.returncode == 0, got == want, problems)
 
 
 def _operate(
@@ -240,9 +284,14 @@ def test_operator_nemesis_turns_all_short_fixed_seed(tmp_path: Path, tok_dir: Pa
     run_operators(tmp_path, tok_dir, CI_SEED, units=12, operations=len(OPERATIONS), turns=3)
 
 
+def test_operator_nemesis_agentic_executor_short_fixed_seed(tmp_path: Path, tok_dir: Path) -> None:
+    run_operators(tmp_path, tok_dir, CI_SEED, units=8, operations=len(OPERATIONS), turns=2, agentic=True)
+
+
 @pytest.mark.slow
 def test_operator_nemesis_soak(tmp_path: Path, tok_dir: Path) -> None:
     seed = int(os.environ.get("THINKFLEET_OPERATOR_SEED") or random.SystemRandom().randrange(1 << 30))
     print(f"operator nemesis seed {seed} (THINKFLEET_OPERATOR_SEED={seed} re-runs this schedule)")
     run_operators(tmp_path, tok_dir, seed, units=200, operations=12)
     run_operators(tmp_path / "turns", tok_dir, seed, units=40, operations=12, turns=3)
+    run_operators(tmp_path / "agentic", tok_dir, seed, units=24, operations=12, turns=2, agentic=True)
