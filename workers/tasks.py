@@ -40,6 +40,21 @@ from workers.runtime import HandBack, RuntimeStartError, current_runtime, get_ru
 
 log = logging.getLogger("thinkfleet.worker")
 
+class OneLineHandBack(logging.Filter):
+    """Celery logs a task's ``Reject`` with the Reject's own traceback (its log policy says so): 11 lines for each
+    hand-back, hundreds while a server restarts. A hand-back is normal operation (counted as
+    ``thinkfleet_handed_back``): one line. An unexpected error behind one is logged by ``generate`` with its own
+    traceback, before the Reject."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], Reject):
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+logging.getLogger("celery.app.trace").addFilter(OneLineHandBack())
+
 #: Exit status of a worker whose runtime could not be built (sysexits' EX_CONFIG).
 START_FAILED_EXIT = 78
 #: Seconds Celery task events (received, succeeded) wait in the buffer, so that one PUBLISH carries many.
