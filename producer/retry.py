@@ -288,7 +288,7 @@ _SALVAGE = ["prompt_id", "dataset", "row_index", "sample_index", "revision", "co
 def retry_missing(settings: Settings, job: str) -> RetryResult:
     """Re-send every prompt of ``job`` that has no committed row, is not dead-lettered and has no message in flight
     (see the module doc); returns the re-sent ids, with ``skipped``: prompt id → why it was not re-sent."""
-    from storage.quarantine import job_has_storage
+    from storage.listing import job_has_storage
     from storage.reader import check_parts, stored_prompt_ids
     from thinkfleet.state.invariant import queued_prompt_ids, transit_prompt_ids, unacked_prompt_ids
     from thinkfleet.turns import beyond_chain_ends

@@ -322,9 +322,12 @@ class _Feed:
 
     def _first_turn(self, dataset: str, prompt: Prompt) -> Prompt:
         """--turns all: the conversation's turn 0 (history up to its first user message), ``{id}/t0``."""
+        from thinkfleet.tool_steps import plan_agentic
         from thinkfleet.turns import plan_conversation, turn_id
 
-        plan = plan_conversation(prompt.messages, keep_tools=self.opts.tool_results is not None)
+        # An agentic job (tool_results set) keeps the recorded calls and results: nothing is cut at a tool call.
+        agentic = self.opts.tool_results is not None
+        plan = plan_agentic(prompt.messages) if agentic else plan_conversation(prompt.messages)
         if plan is None:  # no user turn: rendered as it is (one turn), as --turns last would
             plan = {"messages": prompt.messages, "users": [len(prompt.messages) - 1], "turn_count": 1,
                     "cut_at_tool": False}  # fmt: skip

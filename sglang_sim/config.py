@@ -109,7 +109,7 @@ class ServerConfig:
     #: Wall milliseconds between engine ticks.
     tick_ms: float = 5.0
     #: A tick woken later than this (the simulator's process was overloaded) does not count the excess
-    #: as simulated time; None charges every wall second (see server.SimClock).
+    #: as simulated time; None charges every wall second (see simulator.SimClock).
     max_tick_lag_ms: float | None = 20.0
     log_level: str = "INFO"
 

@@ -7,9 +7,7 @@ context boundary, meta_info keys, the streamed error chunk.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import time
 from array import array
 from typing import TYPE_CHECKING, Any
 
@@ -19,17 +17,16 @@ from sglang_sim import protocol
 from sglang_sim.content import (
     Generation,
     expected_generation,
-    expected_logprobs,
     nan_generation,
     nan_overwrite_id,
     reasoning_token_count,
 )
-from sglang_sim.engine import QueueFullError, SimRequest
+from sglang_sim.engine import QueueFullError
 from sglang_sim.faults import Abort, Fault, GenerationFault
+from sglang_sim.simulator import DROPPED, Call, CallItem, Simulator
 
 if TYPE_CHECKING:
     from sglang_sim.protocol import GenerateCall, GenerateItem
-    from sglang_sim.server import Simulator
 
 #: Where an app keeps its Simulator.
 SIM_KEY: web.AppKey[Simulator] = web.AppKey("sglang_sim")
@@ -37,164 +34,8 @@ SIM_KEY: web.AppKey[Simulator] = web.AppKey("sglang_sim")
 OUTAGE_MESSAGE = "Service Unavailable: the server is down (sglang-sim outage)."
 #: Message of the 503 /generate answers during warm-up with ``--warmup-rejects-generate``.
 WARMUP_MESSAGE = "Service Unavailable: the server is warming up (sglang-sim --warmup-rejects-generate)."
-_DROP = object()
 #: The id an ``overlong`` bad output pads with (an ordinary filler id of every family).
 FILLER_ID = 100
-
-
-class CallItem:
-    """One prompt of an HTTP call while it runs: its expected output and its engine request."""
-
-    def __init__(
-        self,
-        call: Call,
-        item: GenerateItem,
-        generation: Generation,
-        nan: bool = False,
-        abort: Abort | None = None,
-        bad_id: tuple[int, int] | None = None,
-        bad_output: bool = False,
-    ) -> None:
-        self.call = call
-        self.item = item
-        #: What this item reports once finished (a NaN or injected-abort variant of the expected one).
-        self.generation = generation
-        #: The generation took SGLang's NaN path (``--nan-rate``).
-        self.nan = nan
-        #: The scheduler aborts it after ``len(generation.output_ids)`` tokens (``--abort-rate``).
-        self.injected_abort = abort
-        #: ``--bad-output-rate``: the answer is bad (``bad_id``: (position, id) written into the final
-        #: output_ids in place of the sampled one; the text stays the sampled ids').
-        self.bad_output = bad_output or bad_id is not None
-        self.bad_id = bad_id
-        self.req = SimRequest(
-            item.rid,
-            item.input_ids,
-            len(generation.output_ids),
-            on_finish=self._on_finish,
-            on_progress=self._on_progress if call.parsed.stream else None,
-        )
-        self.finished = False
-        self.sent_tokens = -1  # tokens in the last streamed chunk
-        self._logprobs: tuple[list[float], list[list[tuple[float, int]]] | None] | None = None
-
-    def _on_finish(self, req: SimRequest) -> None:
-        self.finished = True
-        self.call.sim.on_item_finished(self)
-        self.call.item_finished(self)
-
-    def _on_progress(self, req: SimRequest, tokens: int) -> None:
-        self.call.events.put_nowait(("progress", self))
-
-    def output(self, final: bool) -> dict[str, Any]:
-        """The response dict for this item now (cumulative ids; ``finish_reason`` once final)."""
-        sim, req, params = self.call.sim, self.req, self.item.params
-        assert params is not None
-        finish: dict[str, Any] | None = None
-        if final and req.abort_message is None:
-            ids, finish = self.generation.output_ids, self.generation.finish_reason
-        else:
-            count = req.generated_tokens if final else req.reported_tokens
-            ids = self.generation.output_ids[:count]
-            if final:
-                finish = protocol.abort_reason(req.abort_message or "", waiting=req.aborted_while_waiting)
-        text = sim.codec.decode(ids, finish, params.skip_special_tokens, params.no_stop_trim)
-        if final and req.abort_message is None and self.bad_id is not None and ids:
-            position, bad = self.bad_id
-            ids = [*ids[:position], bad, *ids[position + 1 :]]
-        out: dict[str, Any] = {
-            "text": text,
-            "output_ids": ids,
-            "meta_info": sim.meta_info(
-                rid=self.item.rid,
-                finish_reason=finish,
-                prompt_tokens=req.prompt_tokens,
-                weight_version=sim.config.server.weight_version,
-                reasoning_tokens=reasoning_token_count(ids, sim.config.content.think_end_id)
-                if self.call.parsed.require_reasoning
-                else 0,
-                completion_tokens=len(ids),
-                cached_tokens=req.cached_tokens,
-                e2e_latency_s=req.e2e_latency_s if final else None,
-                sent_ts=time.time() if final else None,
-                in_batch=not self.call.parsed.is_single,
-            ),
-        }
-        if self.item.return_logprob:
-            out["meta_info"] = self._with_logprobs(out["meta_info"], ids)
-        if self.call.parsed.return_prompt_token_ids:
-            out["prompt_token_ids"] = self.item.input_ids
-        if not self.call.parsed.is_single and self.call.parsed.stream:
-            out["index"] = self.item.index
-        return out
-
-    def _with_logprobs(self, meta: dict[str, Any], ids: list[int]) -> dict[str, Any]:
-        """``meta`` with the logprob keys where ``_handle_batch_output`` puts them (before
-        ``completion_tokens``), as ``convert_logprob_style`` shapes them: triples ``[logprob, id, text|null]``.
-        ``logprob_start_len`` -1 → one input position (the last prompt id, logprob null); 0.5.23: none (its
-        scheduler starts at ``len(input_ids)``), plus ``output_token_logprobs_length``, before ``reasoning_tokens``."""
-        item, sim = self.item, self.call.sim
-        k = item.top_logprobs_num
-        if self._logprobs is None:
-            assert item.params is not None
-            self._logprobs = expected_logprobs(
-                item.input_ids, item.params.sampling_seed, self.generation.output_ids, k, sim.config.server.vocab_size
-            )
-        chosen, top = self._logprobs
-        text = self.call.parsed.return_text_in_logprobs and sim.codec.has_tokenizer
-
-        def triple(value: float | None, token: int) -> list[Any]:
-            return [value, token, sim.codec.decode([token], None, False, True) if text else None]
-
-        v0523 = sim.profile.meta_info_layout == "0.5.23"
-        with_input = bool(item.input_ids) and not v0523
-        keys: dict[str, Any] = {
-            "input_token_logprobs": [triple(None, item.input_ids[-1])] if with_input else [],
-            "output_token_logprobs": [triple(v, t) for v, t in zip(chosen, ids, strict=False)],
-        }
-        if v0523:
-            keys["output_token_logprobs_length"] = len(keys["output_token_logprobs"])
-        if k > 0:
-            assert top is not None
-            keys["input_top_logprobs"] = [None] if with_input else []
-            keys["output_top_logprobs"] = [[triple(v, t) for v, t in alts] for alts in top[: len(ids)]]
-        out: dict[str, Any] = {}
-        for key, value in meta.items():
-            if key == ("reasoning_tokens" if v0523 else "completion_tokens"):
-                out.update(keys)
-            out[key] = value
-        return out
-
-
-class Call:
-    """One HTTP /generate call in flight (registered so an outage can drop its connection)."""
-
-    def __init__(self, sim: Simulator, parsed: GenerateCall) -> None:
-        self.sim = sim
-        self.parsed = parsed
-        self.items: list[CallItem] = []
-        self.pending = 0
-        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.events: asyncio.Queue[Any] = asyncio.Queue()
-        self.dropped = False
-        #: Another call took over one of its rids (no duplicate check): it is never answered.
-        self.orphaned = False
-        self.released = asyncio.Event()  # set when the connection is dropped (outage, shutdown)
-
-    def item_finished(self, item: CallItem) -> None:
-        self.pending -= 1
-        if self.parsed.stream:
-            self.events.put_nowait(("finish", item))
-        if self.pending <= 0 and not self.done.done():
-            self.done.set_result(None)
-
-    def drop(self) -> None:
-        """Close the connection without an answer (the server died)."""
-        self.dropped = True
-        self.events.put_nowait(_DROP)
-        self.released.set()
-        if not self.done.done():
-            self.done.set_result(None)
 
 
 async def handle_generate(request: web.Request) -> web.StreamResponse:
@@ -397,7 +238,7 @@ async def _stream(sim: Simulator, request: web.Request, call: Call, drop: bool) 
     finished = 0
     while finished < len(call.items):
         event = await call.events.get()
-        if event is _DROP:
+        if event is DROPPED:
             return _close(sim, request, "outage_dropped", resp)
         kind, item = event
         final = kind == "finish"

@@ -2,7 +2,7 @@
 
 - ``with run_simulator(time_scale=1000) as url:`` — in this process, on its own event loop in a daemon
   thread, on a free loopback port. Options are :meth:`SimConfig.from_flat` names.
-- :class:`SimulatorThread` — the same, with the :class:`~sglang_sim.server.Simulator` object at hand.
+- :class:`SimulatorThread` — the same, with the :class:`~sglang_sim.simulator.Simulator` object at hand.
 - ``with run_simulator_process("--time-scale", "1000") as proc:`` — the ``sglang-sim`` CLI as a
   subprocess, for tests that kill it (``proc.kill()``) or restart it (``proc.start()`` again).
 
@@ -32,7 +32,8 @@ from aiohttp import web
 
 from sglang_sim.config import SimConfig
 from sglang_sim.generate import SIM_KEY
-from sglang_sim.server import Simulator, create_app
+from sglang_sim.server import create_app
+from sglang_sim.simulator import Simulator
 
 T = TypeVar("T")
 

@@ -42,7 +42,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
-from storage import layout, quarantine, reader, stream
+from storage import layout, listing, quarantine, reader, stream
 from storage.schema import PROMPT_ID, ROW_INDEX, SAMPLE_INDEX, SCHEMA, TURN_INDEX
 from storage.writer import PartWriter
 from thinkfleet.settings import Settings
@@ -88,7 +88,7 @@ def compact_job(
     writer = PartWriter(settings.output_uri, layout.COMPACT_TAG, settings.s3_endpoint_url)
     result = CompactResult(job=job)
     memory = stream.memory_bytes_of(settings)
-    for name in datasets or layout.dataset_names(loc, job):
+    for name in datasets or listing.dataset_names(loc, job):
         result.datasets.append(_compact_dataset(loc, writer, job, name, max_rows_per_file, max_bytes_per_file, memory))
     return result
 
@@ -108,11 +108,11 @@ def _compact_dataset(
 def _compact_snapshot(
     loc: layout.Location, writer: PartWriter, job: str, dataset: str, max_rows: int, max_bytes: int, memory: int
 ) -> DatasetCompaction:
-    parts = layout.list_parts(loc, job, [dataset], include_superseded=True)
+    parts = listing.list_parts(loc, job, [dataset], include_superseded=True)
     refused = [p.path for p in parts if not _inside(loc, job, dataset, p.path)]
     parts = [p for p in parts if p.path not in refused]
     # Finish an earlier run that committed its files but died before deleting what they replace.
-    leftovers = {p for p in layout.superseded(loc, parts) if _inside(loc, job, dataset, p)}
+    leftovers = {p for p in listing.superseded(loc, parts) if _inside(loc, job, dataset, p)}
     for path in sorted(leftovers):
         _delete(loc, path)
     parts = [p for p in parts if p.path not in leftovers]

@@ -5,7 +5,7 @@ bad footer, a page whose CRC does not match (``schema.WRITE_OPTIONS`` writes pag
 verifies them), a column name in the footer that is no column of the schema (a flipped bit there would make the
 column read as null), or nulls in a required column. Every reader of parts — :func:`storage.reader.scan_parts`
 (so ``read_committed``, ``read_keys``, ``stored_prompt_ids``, compact, export, report, submit, retry, verify),
-``PartWriter.exists``/``final_counts`` and :func:`storage.layout.superseded` — that meets one *quarantines* it
+``PartWriter.exists``/``final_counts`` and :func:`storage.listing.superseded` — that meets one *quarantines* it
 and goes on over the rest::
 
     {OUTPUT_URI}/{job}/_quarantine/dataset={name}/part-….parquet        the damaged file, as found
@@ -339,10 +339,3 @@ def quarantined_prompt_ids(output_uri: str, job: str, s3_endpoint_url: str | Non
     """Prompt ids the quarantined parts of ``job`` held, where their records know them."""
     loc = layout.locate(output_uri, s3_endpoint_url)
     return {pid for record in list_quarantined(loc, job) for pid in record.get("prompt_ids") or ()}
-
-
-def job_has_storage(output_uri: str, job: str, s3_endpoint_url: str | None = None) -> bool:
-    """Whether ``job`` has anything under ``output_uri`` — a part or a quarantined part (a wrong OUTPUT_URI has
-    neither: nothing there is evidence that a row was lost)."""
-    loc = layout.locate(output_uri, s3_endpoint_url)
-    return bool(layout.list_parts(loc, job, include_superseded=True) or list_quarantined(loc, job))

@@ -41,7 +41,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from storage import layout, quarantine
+from storage import layout, listing, quarantine
 from storage.schema import CREATED_AT, EPOCH, PROMPT_ID, REVISION, SCHEMA, WORKER
 
 #: Extra column :func:`read_keys` adds: the URI of the part a row came from.
@@ -193,7 +193,7 @@ _CAREFUL_THREADS = 4
 
 def _scan(loc: layout.Location, job: str, columns: list[str], datasets: Sequence[str] | None) -> pa.Table:
     for attempt in range(_RELISTS):
-        parts = layout.list_parts(loc, job, list(datasets) if datasets is not None else None)
+        parts = listing.list_parts(loc, job, list(datasets) if datasets is not None else None)
         try:
             return scan_parts(loc, [p.path for p in parts], columns)
         except quarantine.PartVanished:
@@ -234,7 +234,7 @@ def check_parts(
     loc = layout.locate(output_uri, s3_endpoint_url)
     for attempt in range(_RELISTS):
         damaged: list[str] = []
-        parts = layout.list_parts(loc, job, list(datasets) if datasets is not None else None)
+        parts = listing.list_parts(loc, job, list(datasets) if datasets is not None else None)
         try:
             _read_parts(loc, [p.path for p in parts], SCHEMA.names, damaged, keep=False)
         except quarantine.PartVanished:

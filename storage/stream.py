@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
-from storage import layout, quarantine, reader
+from storage import layout, listing, quarantine, reader
 from storage.schema import (
     COMPLETION_TOKENS,
     CREATED_AT,
@@ -135,7 +135,7 @@ def plan(
     as fast as a whole read — and the winners carry them (:attr:`Plan.holds`)."""
     damaged: list[str] = []  # across relists: a part quarantined by an earlier try is not listed again
     for attempt in range(reader._RELISTS):
-        parts = layout.list_parts(loc, job, list(datasets) if datasets is not None else None)
+        parts = listing.list_parts(loc, job, list(datasets) if datasets is not None else None)
         try:
             found = plan_parts(loc, parts, key_columns, columns=columns, memory_bytes=memory_bytes, check_all=check_all,
                                damaged=damaged)  # fmt: skip

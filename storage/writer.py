@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from storage import layout, quarantine
+from storage import layout, listing, quarantine
 from storage.schema import DATASET, JOB, SCHEMA, WORKER, WORKER_HOST, WRITE_OPTIONS, rows_to_table
 from storage.spans import KIMI_TOKENS, SpanTokens
 
@@ -230,7 +230,7 @@ class PartWriter:
             except quarantine.PartVanished:
                 pass  # compacted since the look: asked of the compacted file below
         siblings = fs.get_file_info(pafs.FileSelector(posixpath.dirname(path), allow_not_found=True))
-        return path in layout.superseded(self.loc, siblings)
+        return path in listing.superseded(self.loc, siblings)
 
 
 def encode_parquet(table: pa.Table) -> memoryview:

@@ -11,6 +11,9 @@
   workers/tasks.py and the worker's pool workers/pool.py, and by benchmarks), and only there is kombu's key
   separator (``"\\x06\\x16"``) spelled.
 
+- No two files import each other, directly or around a circle, at any depth (``if TYPE_CHECKING:`` too): a circle is
+  two files that are one idea, or one idea split in the wrong place.
+
 Each failure names the file and line of the offending import or literal.
 """
 
@@ -189,3 +192,73 @@ def test_importing_the_demo_loads_no_upper_floor() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", f"importing thinkfleet.demo loaded: {out.stdout.strip()}"
+
+
+def _file_of(module: str) -> str | None:
+    """The project file a module name is (``a.b`` → ``a/b.py`` or ``a/b/__init__.py``), None when it is none."""
+    path = module.replace(".", "/")
+    for candidate in (f"{path}.py", f"{path}/__init__.py"):
+        if (ROOT / candidate).is_file():
+            return candidate
+    return None
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one file (Tarjan, iterative: no recursion limit to meet)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, successors = work[-1]
+            advanced = False
+            for nxt in successors:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(edges.get(nxt, ())))))
+                    advanced = True
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    found.append(sorted(group))
+    return found
+
+
+def test_no_two_files_import_each_other() -> None:
+    edges: dict[str, set[str]] = {}
+    for imp in IMPORTS:
+        # ``from pkg import name``: the submodule when there is one, else the package's module itself.
+        target = _file_of(imp.module) or _file_of(imp.module.rsplit(".", 1)[0])
+        if target and target != imp.path and not target.endswith("__init__.py"):
+            edges.setdefault(imp.path, set()).add(target)
+    circles = _circles(edges)
+    detail = [
+        f"{' ↔ '.join(group)}: " + "; ".join(str(i) for i in IMPORTS if i.path in group and (
+            (_file_of(i.module) or _file_of(i.module.rsplit(".", 1)[0])) in group))
+        for group in circles
+    ]  # fmt: skip
+    assert not circles, "files that import each other:\n  " + "\n  ".join(detail)

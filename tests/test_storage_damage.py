@@ -20,7 +20,7 @@ import redis
 from click.testing import CliRunner
 
 from producer.retry import NO_PROMPT_LEFT, retry, retry_missing
-from storage import layout, quarantine, reader
+from storage import layout, listing, quarantine, reader
 from storage.cli import compact, verify
 from storage.compact import compact_job
 from storage.manifest import write_submitted
@@ -111,7 +111,7 @@ def test_zero_byte_truncated_and_bad_footer_parts_are_quarantined_and_every_read
     assert _quarantined_files(tmp_path) == sorted(
         [f"dataset=ds/{n}" for n in names] + [f"dataset=ds/{n}.json" for n in names]
     )
-    assert [p.path for p in layout.list_parts(layout.locate(str(tmp_path)), JOB)] == [parts[3]]
+    assert [p.path for p in listing.list_parts(layout.locate(str(tmp_path)), JOB)] == [parts[3]]
     # The other readers, and the raw tools, read the rest too.
     assert reader.stored_prompt_ids(str(tmp_path), JOB) == good
     assert set(reader.read_keys(str(tmp_path), JOB)["prompt_id"].to_pylist()) == good
@@ -265,9 +265,9 @@ def test_a_damaged_compacted_file_replaces_nothing_and_the_parts_it_listed_are_l
     PartWriter(str(tmp_path), layout.COMPACT_TAG).write(
         JOB, "ds", table.select(SCHEMA.names), path, metadata={layout.COMPACTED_FROM_KEY: replaced}
     )
-    assert [p.path for p in layout.list_parts(loc, JOB)] == [path]  # an interrupted compaction: old parts left
+    assert [p.path for p in listing.list_parts(loc, JOB)] == [path]  # an interrupted compaction: old parts left
     Path(path).write_bytes(Path(path).read_bytes()[:100])
-    assert [p.path for p in layout.list_parts(loc, JOB)] == parts
+    assert [p.path for p in listing.list_parts(loc, JOB)] == parts
     assert reader.stored_prompt_ids(str(tmp_path), JOB) == {r["prompt_id"] for g in groups for r in g}
     assert quarantine.list_quarantined(loc, JOB)[0]["part"] == path
 

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from thinkfleet.turns import answer_message
+
 #: ``tool_results`` values: replay the dataset's results (or, later, call the job's executor).
 TOOL_RESULT_MODES = ("replay", "executor")
 #: ``tool_mismatch`` values.
@@ -145,8 +147,6 @@ def step_messages(conversation: dict[str, Any], history: Sequence[dict[str, Any]
     """The prompt messages of the step that follows ``history`` (the answer records of every earlier step of the
     conversation, in chain order): the dataset's user and system messages, the model's answers in place of the
     dataset's assistant messages, each tool-calling answer followed by the results fed back after it."""
-    from thinkfleet.turns import answer_message
-
     msgs, users = conversation["messages"], conversation["users"]
     out = list(msgs[: users[0] + 1])
     turn = 0

@@ -69,16 +69,10 @@ def split_step_id(prompt_id: str) -> tuple[str, int, int] | None:
     return (m.group("conv"), int(m.group("turn")), int(m.group("step") or 0)) if m else None
 
 
-def plan_conversation(messages: list[dict[str, Any]], keep_tools: bool = False) -> dict[str, Any] | None:
+def plan_conversation(messages: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The turns of one source conversation (cut after its last user turn): the messages up to the first
     tool call, the index of each user message, and whether a tool call cut it. None: no user message.
-
-    ``keep_tools`` (an agentic job, ``tool_results`` set): nothing is cut at a tool call; the messages run to the
-    last turn's last recorded tool result and the plan adds ``steps`` (:func:`recorded_steps`)."""
-    if keep_tools:
-        from thinkfleet.tool_steps import plan_agentic
-
-        return plan_agentic(messages)
+    (An agentic job's plan keeps the tool calls: ``thinkfleet.tool_steps.plan_agentic``.)"""
     cut_at_tool = False
     kept: list[dict[str, Any]] = []
     for m in messages:

@@ -52,7 +52,8 @@ from workers.loop import EventLoopThread
 from workers.metrics import WorkerMetrics
 from workers.pipeline import PromptPipeline
 from workers.scheduler import slurm_info
-from workers.turns import TurnChainer, TurnChaining
+from workers.tool_steps import StepChainer
+from workers.turns import TurnChaining
 
 log = logging.getLogger("thinkfleet.worker")
 
@@ -149,7 +150,7 @@ class WorkerRuntime:
             raise RuntimeStartError(str(exc)) from exc
         # What hangs off a stored row, in order (workers/hooks.py): the committer and the pipeline call them.
         self.hooks = PostCommitHooks(
-            [TurnChaining(chainer := TurnChainer(self.redis, s.keys, s, self.writer, self.jobs))],  # --turns all
+            [TurnChaining(chainer := StepChainer(self.redis, s.keys, s, self.writer, self.jobs))],  # --turns all
             on_error=lambda hook, exc: self.metrics.errors.labels("post_commit_hook").inc(),
         )
         self.committer = GroupCommitter(

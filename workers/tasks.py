@@ -40,6 +40,7 @@ from workers.runtime import HandBack, RuntimeStartError, current_runtime, get_ru
 
 log = logging.getLogger("thinkfleet.worker")
 
+
 class OneLineHandBack(logging.Filter):
     """Celery logs a task's ``Reject`` with the Reject's own traceback (its log policy says so): 11 lines for each
     hand-back, hundreds while a server restarts. A hand-back is normal operation (counted as

@@ -1,6 +1,7 @@
 """The worker's side of an agentic job (``tool_results`` set): what a stored step's finalize records and enqueues.
 
-Entered from :meth:`workers.turns.TurnChainer._next` for a job whose ``turns`` record says ``tool_results``
+Entered from :meth:`workers.turns.TurnChainer._next` through :class:`StepChainer` (the chainer a worker runs: this
+module builds on workers/turns.py, never the other way) for a job whose ``turns`` record says ``tool_results``
 (:mod:`thinkfleet.tool_steps` holds the rules). It returns the same :class:`workers.turns.NextTurn` a plain turn
 does, so the next step rides in the step's own finalize (thinkfleet/state/lua/finalize.lua, unchanged): exactly
 once, and an orphan recovery computes the same next step from the stored row and the answer records before it.
@@ -20,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from thinkfleet.tool_steps import (
     DEFAULT_MAX_TOOL_STEPS,
@@ -34,9 +35,7 @@ from thinkfleet.tool_steps import (
 )
 from thinkfleet.turns import answers_key, split_step_id, step_id, turn_id
 from workers.tool_exec import ToolExecError, ToolFenced
-
-if TYPE_CHECKING:
-    from workers.turns import NextTurn, TurnChainer, _JobTurns
+from workers.turns import TOOL_ARGS_DIFFER, NextTurn, TurnChainer, TurnError, _answer, _JobTurns
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +47,6 @@ async def next_step(
     chainer: TurnChainer, jt: _JobTurns, job: str, dataset: str, row: dict[str, Any], conv: dict[str, Any]
 ) -> NextTurn:
     """What the finalize of agentic step ``row`` records and enqueues (see the module docstring)."""
-    from workers.turns import TOOL_ARGS_DIFFER, NextTurn, _answer
-
     pid = row["prompt_id"]
     parts = split_step_id(pid)
     assert parts is not None
@@ -119,8 +116,6 @@ async def _enqueue(
     later: tuple[str, ...],
 ) -> NextTurn:
     """The finalize's writes for a step that goes on to ``next_id`` ("" = the conversation is complete)."""
-    from workers.turns import NextTurn, TurnError
-
     pid = row["prompt_id"]
     conv_id = (split_step_id(pid) or ("",))[0]
     if not next_id:  # the last turn's answer: the conversation is complete
@@ -210,3 +205,12 @@ async def _later(chainer: TurnChainer, job: str, old: bytes | None) -> tuple[str
         raw = await chainer.r.hget(key, at)
         at = str(json.loads(raw).get("next") or "") if raw is not None else ""
     return tuple(out)
+
+
+class StepChainer(TurnChainer):
+    """The worker's turn chainer: plain turns as :class:`TurnChainer` derives them, an agentic job's steps here."""
+
+    async def _agentic_next(
+        self, jt: _JobTurns, job: str, dataset: str, row: dict[str, Any], conv: dict[str, Any]
+    ) -> NextTurn:
+        return await next_step(self, jt, job, dataset, row, conv)

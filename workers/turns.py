@@ -327,9 +327,7 @@ class TurnChainer:
         conv = await self.conversation(job, conv_id, checked=True)
         jt = await self._job(job)
         if agentic(jt.meta):
-            from workers.tool_steps import next_step
-
-            return await next_step(self, jt, job, dataset, row, conv)
+            return await self._agentic_next(jt, job, dataset, row, conv)
         answer = _answer(jt, row)
         revision = int(row.get("revision") or 0)
         recorded = {**answer, "revision": revision} if revision else answer
@@ -389,6 +387,13 @@ class TurnChainer:
         )
         # the priority of the record this turn is derived with (its generation's), as that record's submit queued
         return digest, self._encode(task, _priority_step(jt.record.priority))
+
+    async def _agentic_next(
+        self, jt: _JobTurns, job: str, dataset: str, row: dict[str, Any], conv: dict[str, Any]
+    ) -> NextTurn:
+        """An agentic job's step (``tool_results`` set): chained by :class:`workers.tool_steps.StepChainer`, the
+        chainer a worker runs; this one renders plain turns only."""
+        raise TurnError(f"{row['prompt_id']}: an agentic job's steps need workers.tool_steps.StepChainer")
 
     def _render(self, jt: _JobTurns, messages: list[dict[str, Any]], tools: Any) -> list[int]:
         return render_ids(jt.tok, messages, tools, dict(jt.record.chat_template_kwargs))

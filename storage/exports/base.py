@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from storage import layout, stream
+from storage import layout, listing, stream
 from storage.exports.tool_steps import stale_steps
 from storage.schema import (
     CHAIN_END,
@@ -221,7 +221,7 @@ class Rows:
     def names(self) -> list[str]:
         if self.datasets:
             return self.datasets
-        return layout.dataset_names(self.loc, self.job)
+        return listing.dataset_names(self.loc, self.job)
 
     @property
     def loc(self) -> layout.Location:
