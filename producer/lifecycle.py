@@ -17,7 +17,6 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from producer.state import StateError, SubmitLock
 from thinkfleet.settings import Settings
 from thinkfleet.state import lifecycle as lc
 from thinkfleet.state.invariant import NotObservable, account
@@ -125,7 +124,10 @@ def make_commands(common_options: Callable[..., Any]) -> list:
         if not lc.job_keys(client, settings, job) and not client.sismember(settings.keys.jobs, job):
             _fail(f"no job {job!r} in Redis ({settings.redis_url})")
         # The job's submit lock, held to the end: a submit or retry running now would commit into the keys
-        # deleted under it (and purge used to delete its lock and staging with them).
+        # deleted under it (and purge used to delete its lock and staging with them). Imported here: producer.state
+        # loads the submit's modules, which `producer status`/`jobs`/`--help` must not (tests/test_scale_cli_imports).
+        from producer.state import StateError, SubmitLock
+
         try:
             with SubmitLock(client, settings, job):
                 n = _purge(client, settings, job, force)

@@ -332,13 +332,12 @@ class GroupCommitter:
     ) -> Finalized:
         """Mark the rows done, and in the same Lua call write what the hooks asked for theirs (keyed by prompt id:
         a row split off or fenced since takes its write with it). ``fences``: see ``Ledger.finalize``."""
+        given = {"fences": fences} if fences else {}  # (only a replay passes them)
         if writes is None:
-            return await self.ledger.finalize(
-                job, dataset, finals, self.alarm_min_rows, self.alarm_share, fences=fences
-            )  # fmt: skip
+            return await self.ledger.finalize(job, dataset, finals, self.alarm_min_rows, self.alarm_share, **given)
         per_row = [writes.rows.get(f.prompt_id) for f in finals]
         return await self.ledger.finalize(
-            job, dataset, finals, self.alarm_min_rows, self.alarm_share, per_row, writes.queue, writes.records, fences
+            job, dataset, finals, self.alarm_min_rows, self.alarm_share, per_row, writes.queue, writes.records, **given
         )
 
     async def finalize_orphan(
