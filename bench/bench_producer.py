@@ -7,7 +7,7 @@
 Writes bench/results/producer.json and rewrites its section of BENCHMARKS.md from that JSON.
 
 Everything runs against a private ``redis-server --save ''`` on a free port (never the shared
-127.0.0.1:6379). The Kimi-shaped test tokenizer (thinkfleet/demo_tokenizer.py) stands in for Kimi's;
+127.0.0.1:6379). The Kimi-shaped test tokenizer (demo/tokenizer.py) stands in for Kimi's;
 its ids are scattered over the full 163,584-id range, so compression is not flattered by small ids.
 
 Figures, all from one run:
@@ -259,7 +259,7 @@ Command (`--prompts 88088`, the default, takes ~25 min on the 2-vCPU VM and give
 Run {f.get("date", "?")}. {code_stamp(f.get("code"))}
 
 Data: {f["prompts"]:,} synthetic rows (system + user turn of 440 corpus words + an assistant answer the submit
-drops), rendered by the Kimi-shaped test tokenizer (`thinkfleet/demo_tokenizer.py`) standing in for
+drops), rendered by the Kimi-shaped test tokenizer (`demo/tokenizer.py`) standing in for
 Kimi's: {f["prompt_tokens"]:,} prompt tokens, mean {f["mean_prompt_tokens"]:.0f} per prompt, every prompt ending in
 `<think>`. Its learned tokens are scattered over the whole 163,584-id base range, so packed-id sizes are not
 flattered by small ids. Machine: the shared 2-vCPU dev VM, {f["processes"]} render processes, 1-minute load

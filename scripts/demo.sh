@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_env.sh
 ensure_venv demo
-exec .venv/bin/python -m thinkfleet.demo "$@"
+exec .venv/bin/python -m demo "$@"

@@ -1,7 +1,7 @@
 """``python -m sglang_sim.tool_catalogue --tokenizer DIR --family FAMILY --out FILE``: write a tool catalogue.
 
 The command-line form of :func:`sglang_sim.tools.write_catalogue` (what ``sglang-sim --tool-catalogue`` reads), for
-a process that imports nothing of the simulator: the demo's agentic sample (``python -m thinkfleet.demo
+a process that imports nothing of the simulator: the demo's agentic sample (``python -m demo
 --agentic``) runs it before it starts the simulator.
 """
 

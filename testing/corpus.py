@@ -1,7 +1,7 @@
 """A deterministic text generator over the built-in text the test tokenizer is trained on.
 
 The corpus itself (:data:`CORPUS`, written for this project) lives with the tokenizer builder in the foundation
-(``thinkfleet/demo_tokenizer.py``: the demo builds a tokenizer from it at run time); it is re-exported here.
+(``demo/tokenizer.py``: the demo builds a tokenizer from it at run time); it is re-exported here.
 The generator reuses the corpus' words so synthetic prompts tokenize at a realistic ~1 token per word.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from thinkfleet.demo_tokenizer import CORPUS
+from demo.tokenizer import CORPUS
 
 __all__ = ["CORPUS", "synthetic_text"]
 

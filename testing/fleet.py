@@ -1,8 +1,8 @@
 """Real processes for tests and benchmarks: worker subprocesses, waits, Redis counts and recovery timing.
 
 The worker process itself (:class:`WorkerProcess`, :func:`worker_env`, :func:`free_port`,
-:func:`wait_for_port`) lives in the foundation, ``thinkfleet/demo_fleet.py``, because the demo runs it too and
-the foundation imports nothing above it; it is re-exported here so tests import every fleet helper from one place.
+:func:`wait_for_port`) lives in the demo package, ``demo/fleet.py``, because the demo runs it too; it is
+re-exported here so tests import every fleet helper from one place.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 
-from thinkfleet.demo_fleet import WorkerProcess, free_port, wait_for_port, worker_env
+from demo.fleet import WorkerProcess, free_port, wait_for_port, worker_env
 from thinkfleet.keys import Keys
 
 __all__ = [

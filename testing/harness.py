@@ -73,7 +73,7 @@ def make_prompts(n: int, seed: int = 0, length: int = 64) -> dict[str, list[int]
 def tokenizer_roots_for_tests() -> str:
     """Where the test tokenizers are built (``default_test_tokenizer_dir``'s parent): the directory a test worker
     loads a --turns all job's tokenizer from (``THINKFLEET_TOKENIZER_ROOTS``; the simulator serves no directory)."""
-    from thinkfleet.demo_tokenizer import default_test_tokenizer_dir
+    from demo.tokenizer import default_test_tokenizer_dir
 
     return str(default_test_tokenizer_dir().parent)
 

@@ -1,6 +1,6 @@
 """The offline model-shaped test tokenizers, for tests and benchmarks (re-exported from the foundation).
 
-The builder lives whole in ``thinkfleet/demo_tokenizer.py``: ``python -m thinkfleet.demo`` builds the ``kimi``
+The builder lives whole in ``demo/tokenizer.py``: ``python -m demo`` builds the ``kimi``
 tokenizer at run time, and the foundation imports nothing above it, so the builder cannot live in this package
 (which stands above every package it drives). It imports nothing but the foundation, so keeping it there costs
 nothing; tests import it from here, beside the rest of the test support. See that module for the families.
@@ -8,7 +8,7 @@ nothing; tests import it from here, beside the rest of the test support. See tha
 
 from __future__ import annotations
 
-from thinkfleet.demo_tokenizer import (
+from demo.tokenizer import (
     CORPUS,
     FAMILIES,
     MARKER,

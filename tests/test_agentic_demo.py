@@ -1,4 +1,4 @@
-"""The demo's agentic sample (``python -m thinkfleet.demo --agentic``, README "Agentic conversations").
+"""The demo's agentic sample (``python -m demo --agentic``, README "Agentic conversations").
 
 Given a Redis that answers (this session's private redis-server, the demo's own key prefix and queue made unique),
 when the demo runs its agentic sample exactly as the README's command does — its own simulator with the tool
@@ -65,7 +65,7 @@ def test_the_demos_agentic_sample_runs_the_example_executor_end_to_end(
         env.pop(name, None)  # the demo sets what its workers need itself
     # When: the README's command runs (scripts/demo.sh --agentic execs exactly this in the checkout's venv)
     demo = subprocess.run(
-        [sys.executable, "-m", "thinkfleet.demo", "--agentic"],
+        [sys.executable, "-m", "demo", "--agentic"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

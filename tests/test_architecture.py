@@ -3,8 +3,8 @@
 - producer/ and workers/ are peers: neither imports the other, not even inside a function; they meet in the
   foundation package thinkfleet/.
 - thinkfleet/, every module of it, imports none of the packages built on it (producer, workers, storage,
-  sglang_sim, bench, testing), not even inside a function; the demo's worker processes and test tokenizer live
-  in the foundation (thinkfleet/demo_fleet.py, thinkfleet/demo_tokenizer.py) for that reason.
+  sglang_sim, demo, bench, testing), not even inside a function, and holds no demo code: the demo (demo/: the
+  README's first command, its worker processes, the test tokenizer) stands on the foundation alone.
 - testing/ (test support: services, fleet processes, the worker harness, tokenizers, rows, datasets) stands above
   every package it uses: no product code imports it, and nothing it imports imports it back.
 - kombu is imported only by thinkfleet/broker/ (Celery itself also by the worker's workers/app.py and
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("producer", "workers", "storage", "sglang_sim", "thinkfleet", "bench", "testing")
+PACKAGES = ("producer", "workers", "storage", "sglang_sim", "thinkfleet", "demo", "bench", "testing")
 FOUNDATION = "thinkfleet/"
 #: Every package built on the foundation.
 ABOVE_FOUNDATION = frozenset(PACKAGES) - {"thinkfleet"}
@@ -125,9 +125,15 @@ def test_foundation_imports_nothing_built_on_it() -> None:
 
 
 def test_product_code_never_imports_test_support() -> None:
-    product = ("producer/", "workers/", "storage/", "sglang_sim/", FOUNDATION)
+    product = ("producer/", "workers/", "storage/", "sglang_sim/", "demo/", FOUNDATION)
     bad = [i for i in IMPORTS if i.path.startswith(product) and i.top == "testing"]
     assert not bad, _offending(f"product code imports the test-support package {TESTING}", bad)
+
+
+def test_the_demo_is_an_application_nothing_in_the_product_imports() -> None:
+    product = ("producer/", "workers/", "storage/", "sglang_sim/", FOUNDATION)
+    bad = [i for i in IMPORTS if i.path.startswith(product) and i.top == "demo"]
+    assert not bad, _offending("product code imports the demo (demo/ stands on the foundation, testing/ on it)", bad)
 
 
 def test_test_support_stands_above_everything_it_uses() -> None:
@@ -186,12 +192,12 @@ def test_importing_the_demo_loads_no_upper_floor() -> None:
     # the foundation, whatever a module imports at run time (importlib included).
     code = (
         "import sys\n"
-        "import thinkfleet.demo, thinkfleet.demo_fleet, thinkfleet.demo_tokenizer\n"
-        f"roots = {sorted(ABOVE_FOUNDATION)!r}\n"
+        "import demo.app, demo.fleet, demo.tokenizer\n"
+        f"roots = {sorted(ABOVE_FOUNDATION - {'demo'})!r}\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in roots))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", f"importing thinkfleet.demo loaded: {out.stdout.strip()}"
+    assert out.stdout.strip() == "[]", f"importing the demo loaded: {out.stdout.strip()}"
 
 
 def _file_of(module: str) -> str | None:

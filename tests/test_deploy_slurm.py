@@ -31,7 +31,7 @@ import redis
 
 from testing.harness import FAST_WORKER, check_job, make_prompts, producer_cli, republish, submit_ids
 from testing.services import service_missing
-from thinkfleet.demo_fleet import free_port
+from demo.fleet import free_port
 from thinkfleet.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent

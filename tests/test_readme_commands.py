@@ -377,7 +377,7 @@ def test_producer_jobs_never_cuts_a_job_name(redis_url: str, tmp_path: Path) -> 
 
 
 def test_the_demo_keeps_to_its_own_prefix_and_queue(monkeypatch: pytest.MonkeyPatch) -> None:
-    from thinkfleet.demo import DEMO_KEY_PREFIX, DEMO_QUEUE, demo_settings
+    from demo.app import DEMO_KEY_PREFIX, DEMO_QUEUE, demo_settings
     from thinkfleet.settings import Settings
 
     monkeypatch.delenv("THINKFLEET_KEY_PREFIX", raising=False)

@@ -5,6 +5,8 @@ all while two workers run one job submitted with the real producer: single promp
 conversations (each turn i+1 must be rendered from the committed turn i: testing/chains.py) whose every request
 draws its own answer (``--sample-per-request``: a re-run of turn i answers otherwise, so turn i+1 rendered from any
 run but the committed one shows). Every command goes through the ``producer`` CLI, as an operator types it.
+The CI seed's ``--turns all`` and agentic runs are in files of their own (…_turns.py, …_agentic.py): the suite's
+processes share the three.
 
 Then ``producer wait`` says finished (exit 0), and so does everything after it: every prompt is stored exactly once,
 byte-exact against the simulator, ``producer verify`` passes and ``producer status`` agrees with storage.
@@ -278,14 +280,6 @@ def test_schedule_is_reproducible_and_covers_every_operation() -> None:
 
 def test_operator_nemesis_short_fixed_seed(tmp_path: Path, tok_dir: Path) -> None:
     run_operators(tmp_path, tok_dir, CI_SEED, units=48, operations=len(OPERATIONS))
-
-
-def test_operator_nemesis_turns_all_short_fixed_seed(tmp_path: Path, tok_dir: Path) -> None:
-    run_operators(tmp_path, tok_dir, CI_SEED, units=12, operations=len(OPERATIONS), turns=3)
-
-
-def test_operator_nemesis_agentic_executor_short_fixed_seed(tmp_path: Path, tok_dir: Path) -> None:
-    run_operators(tmp_path, tok_dir, CI_SEED, units=8, operations=len(OPERATIONS), turns=2, agentic=True)
 
 
 @pytest.mark.slow

@@ -86,13 +86,44 @@ def test_cancel_racing_a_resume_leaves_each_message_parked_queued_or_dead(redis_
     args: list[object] = [keys.heartbeat("")]
     for raw in raws:
         task = decode_message(raw)
-        args += [raw, task.prompt_id, lc.dead_record(task, "cancelled", "x", "t"), 1]
+        args += [raw, task.prompt_id, lc.dead_record(task, "cancelled", "x", "t"), 1, task.revision]
     base = [keys.parked("r"), keys.dead("r"), keys.claims("r"), keys.counters("r"), keys.deliveries("r")]
-    states = script(keys=[*base, keys.done("r"), keys.dataset_counters("r", "synthetic")], args=args)
+    base += [keys.done("r"), keys.revisions("r")]
+    states = script(keys=[*base, keys.dataset_counters("r", "synthetic")], args=args)
     # Then nothing is dead-lettered for messages the cancel no longer holds: they are queued again.
     assert states == [b"gone"] * 4
     assert not dead_letters(client, keys, "r")
     assert client.llen(settings.queue) == 4
+
+
+def test_a_leftover_copy_of_an_older_revision_never_becomes_the_prompts_dead_letter(
+    redis_url: str, tmp_path: Path
+) -> None:
+    async def scenario() -> None:
+        # Given a prompt `producer retry --truncated` asked revision 1 of, a leftover copy of its revision-0 message
+        # parked, and the job then cancelled (seen in the operator nemesis: the copy's dead letter was resent by
+        # `retry --error-class cancelled` as revision 0, refused by every claim — the prompt never ended).
+        settings = isolated_settings(redis_url, str(tmp_path / "out"))
+        client = redis.Redis.from_url(redis_url)
+        keys = settings.keys
+        submit_ids(settings, "rv", make_prompts(2, seed=17, length=8))
+        generation = json.loads(client.hget(keys.job("rv"), "generation"))
+        client.hset(keys.revisions("rv"), mapping={"p00000": 1, "p00001": 1})
+        lc.cancel(client, settings, "rv")  # the queued revision-0 messages: parked, then ended by the cancel
+        # Then the cancel removed them without making either the prompt's dead letter.
+        assert dead_letters(client, keys, "rv") == {}
+        assert not client.llen(keys.parked("rv"))
+        # And a worker popping such a copy (its cancel watch, a permanent failure) records no dead letter either.
+        worker = await _ledger(redis_url, keys, "w")
+        task = PromptTask("rv", "synthetic", "p00000", 0, "h", pack_ids([1, 2, 3]), generation=generation)
+        assert not await worker.dead_letter(task, "cancelled", "job cancelled", 0)
+        assert dead_letters(client, keys, "rv") == {}
+        # While a copy of the revision asked for is dead-lettered as always.
+        again = PromptTask("rv", "synthetic", "p00000", 0, "h", pack_ids([1, 2, 3]), revision=1, generation=generation)
+        assert await worker.dead_letter(again, "cancelled", "job cancelled", 0)
+        assert set(dead_letters(client, keys, "rv")) == {"p00000"}
+
+    asyncio.run(scenario())
 
 
 async def _ledger(redis_url: str, keys: Keys, worker: str) -> Ledger:

@@ -171,7 +171,7 @@ class LeaseKeeper:
         """One heartbeat write (:data:`_BEAT`): (written, the value found instead)."""
         record: dict[str, Any] = {**self.holder, "lease_s": self.lease_s, "clock_offset_s": self.clock_offset_s}
         if starting:
-            record["starting"] = True  # held, not yet serving (thinkfleet/demo_fleet.py waits past it)
+            record["starting"] = True  # held, not yet serving (demo/fleet.py waits past it)
         info = "" if starting else json.dumps({**self.info, "clock_offset_s": self.clock_offset_s})
         before = time.time()
         written, now, found = await self._beat(

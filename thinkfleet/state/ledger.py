@@ -130,6 +130,8 @@ class Finalized(NamedTuple):
 
 #: dead_letter.lua's answer for a job whose record is gone or of another generation (purged).
 PURGED = -2
+#: dead_letter.lua: the message is of a lower revision than the one asked for since (nothing written).
+SUPERSEDED = -3
 #: How many of its latest dead letters a worker remembers, to record again those a Redis rollback lost.
 RECENT_DEAD_LETTERS = 5_000
 #: A dead letter's ``answer``: at most this many output ids, and this many characters of JSON in all.
@@ -180,7 +182,7 @@ class Ledger:
         self._marked: dict[str, int] = {}
         #: Our latest dead letters (job, prompt id) → (dataset, record, epoch, generation), for
         #: :meth:`redo_dead_letters`.
-        self._recent_dead: Recent[tuple[str, str], tuple[str, str, str, str]] = Recent(RECENT_DEAD_LETTERS)
+        self._recent_dead: Recent[tuple[str, str], tuple[str, str, str, str, int]] = Recent(RECENT_DEAD_LETTERS)
         self._claim = client.register_script(lua("claim"))
         self._mark_part = client.register_script(lua("mark_part"))
         self._release = client.register_script(lua("release"))
@@ -477,11 +479,17 @@ class Ledger:
         record = json.dumps(fields, default=repr)
         epoch = self._fence(job, task.prompt_id).epoch
         self._drop(job, task.prompt_id)
-        result = await self._write_dead_letter(job, dataset, task.prompt_id, record, epoch, task.generation)
+        written = (dataset, record, epoch, task.generation, int(task.revision))
+        result = await self._write_dead_letter(job, task.prompt_id, *written)
         if result > 0:
-            self._recent_dead.remember((job, task.prompt_id), (dataset, record, epoch, task.generation))
+            self._recent_dead.remember((job, task.prompt_id), written)
         if result == PURGED:
             await self._purged(task, error_class, record)
+        elif result == SUPERSEDED:
+            log.info(
+                "%s/%s: dead letter %s of revision %s not recorded: a later revision is asked for (producer retry), "
+                "whose run ends the prompt", job, task.prompt_id, error_class, task.revision,
+            )  # fmt: skip
         elif result < 0:
             log.warning(
                 "fenced: dead letter %s of %s/%s refused: its claim (epoch %s) was taken over by another run",
@@ -493,13 +501,13 @@ class Ledger:
         return result > 0
 
     async def _write_dead_letter(
-        self, job: str, dataset: str, prompt_id: str, record: str, epoch: str, generation: str
+        self, job: str, prompt_id: str, dataset: str, record: str, epoch: str, generation: str, revision: int
     ) -> int:
         k = self.keys
         seq, mark = self._next_mark(job)
         keys = [k.dead(job), k.claims(job), k.counters(job), k.dataset_counters(job, dataset), k.deliveries(job)]
-        keys += [k.done(job), k.finalize_marks(job), k.job(job)]
-        args = [prompt_id, record, self.worker, epoch, mark, generation]
+        keys += [k.done(job), k.finalize_marks(job), k.job(job), k.revisions(job)]
+        args = [prompt_id, record, self.worker, epoch, mark, generation, revision]
         result = int(await self._dead_letter(keys=keys, args=args))
         if result != PURGED:
             self._marked[job] = max(self._marked.get(job, 0), seq)
@@ -530,8 +538,7 @@ class Ledger:
         pids = [pid for (j, pid) in list(self._recent_dead) if j == job]
         again = 0
         for pid in await self.unresolved(job, pids):
-            dataset, record, epoch, generation = self._recent_dead[(job, pid)]
-            if await self._write_dead_letter(job, dataset, pid, record, epoch, generation) > 0:
+            if await self._write_dead_letter(job, pid, *self._recent_dead[(job, pid)]) > 0:
                 log.warning("dead-lettered %s/%s again: Redis had lost its dead letter (a rollback?)", job, pid)
                 again += 1
         return again

@@ -151,6 +151,7 @@ class CancelResult:
     dead: int = 0  # dead-lettered ``cancelled`` now
     finished: int = 0  # copies of prompts already done or dead: removed
     live: int = 0  # a live worker runs the prompt: kept parked (that run ends it)
+    superseded: int = 0  # a leftover copy of a lower revision than `producer retry` asked for: removed
     malformed: int = 0  # not a prompt task: moved to the fleet-wide malformed list
 
 
@@ -174,7 +175,7 @@ def cancel_parked(client: redis.Redis, settings: Settings, job: str, who: str = 
     keys = settings.keys
     script = client.register_script(lua("cancel"))
     parked = keys.parked(job)
-    totals = {"dead": 0, "finished": 0, "live": 0, "malformed": 0}
+    totals = {"dead": 0, "finished": 0, "live": 0, "malformed": 0, "superseded": 0}
     start = 0  # messages kept parked (live runs) stay at the head: the next slice starts after them
     while True:
         raws = client.lrange(parked, start, start + CHUNK - 1)
@@ -196,9 +197,10 @@ def cancel_parked(client: redis.Redis, settings: Settings, job: str, who: str = 
                 continue
             index = datasets.setdefault(task.dataset, len(datasets) + 1)
             record = dead_record(task, CANCELLED_CLASS, f"job cancelled by {who}", who)
-            args += [raw, task.prompt_id, record, index]
+            args += [raw, task.prompt_id, record, index, int(task.revision)]
         if len(args) > 1:
             base = [parked, keys.dead(job), keys.claims(job), keys.counters(job), keys.deliveries(job), keys.done(job)]
+            base.append(keys.revisions(job))
             states = script(keys=base + [keys.dataset_counters(job, d) for d in datasets], args=args)
             for state in states:
                 name = state.decode() if isinstance(state, bytes) else str(state)

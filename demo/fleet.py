@@ -1,12 +1,11 @@
-"""Worker subprocesses on this machine and their environment: what ``thinkfleet.demo`` runs, and the tests too.
+"""Worker subprocesses on this machine and their environment: what the demo (``python -m demo``) runs, the tests too.
 
 Everything here starts real things — ``worker`` (a real ``celery worker``) as a subprocess — so a test can
 SIGKILL or SIGTERM it exactly as an operator or a spot preemption would.
 
-Why this sits in the foundation: ``python -m thinkfleet.demo`` is a product command, and the foundation imports
-nothing above it (tests/test_architecture.py). It imports only the foundation (``thinkfleet.keys``) and redis,
-so the demo's process handling lives here and the test-support package (``testing/fleet.py``, above every
-package) re-exports it beside the helpers only tests and benchmarks use (waits, Redis counts, recovery timing).
+The demo package stands on the foundation only (``thinkfleet.keys`` and redis here; tests/test_architecture.py), and
+the test-support package (``testing/fleet.py``, above every package) re-exports this beside the helpers only tests and
+benchmarks use (waits, Redis counts, recovery timing).
 """
 
 from __future__ import annotations

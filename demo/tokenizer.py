@@ -56,7 +56,7 @@ Real reasoning-model tokenizers need a download (Kimi's also ``trust_remote_code
 
 Building takes a few seconds; each directory is cached by content, so a second call is instant.
 
-Why this sits in the foundation: ``python -m thinkfleet.demo`` (a product command) renders its prompts with
+Why this sits in the foundation: ``python -m demo`` (a product command) renders its prompts with
 the ``kimi`` tokenizer, and the foundation imports nothing above it (tests/test_architecture.py). The builder
 needs only :mod:`thinkfleet.kimi` and the corpus it trains on (:data:`CORPUS`, kept here for that reason), so
 it lives whole in this module; the test-support package re-exports it as ``testing.tokenizer`` for the tests

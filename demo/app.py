@@ -26,8 +26,8 @@ from pathlib import Path
 
 import redis
 
-from thinkfleet.demo_fleet import WorkerProcess, free_port, wait_for_port, worker_env
-from thinkfleet.demo_tokenizer import build_test_tokenizer
+from demo.fleet import WorkerProcess, free_port, wait_for_port, worker_env
+from demo.tokenizer import build_test_tokenizer
 from thinkfleet.settings import Settings, load_settings
 
 #: Kimi-K2.5's context length, served by the demo's simulator and checked by its submit.
@@ -136,7 +136,7 @@ def demo_settings() -> Settings:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m thinkfleet.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m demo", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--agentic",
         action="store_true",
