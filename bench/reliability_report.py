@@ -290,6 +290,13 @@ _BODY = """\
   that had ended with a recorded reason. Tests: `tests/test_reliability_operators.py`,
   `tests/test_chain_resume.py`, `tests/test_chain_ends.py`, `tests/test_tool_runs.py`, the operator nemesis
   (`tests/test_reliability_operator_nemesis.py`).
+- **The nemesis grown to the operator found two more.** A leftover revision-0 copy of a prompt retried
+  `--truncated` became the prompt's dead letter when the job was cancelled; `retry --error-class cancelled` resent
+  revision 0, which every claim refuses, and `wait` never finished (dead_letter.lua and cancel.lua now end such a
+  copy unrecorded). A finalize replayed after a rollback swapped its old fence into the worker's held fences across
+  an await: a live redelivered run of the same prompt marked its part under it, was fenced by its own claim, and was
+  acked unstored (CI, 2 in 41 runs under load; the fence is now passed, never swapped). The operators' own moves are
+  one Lua call each (a pause could overwrite a cancel; purge deleted a running submit's lock and staging).
 - **Host deaths made a one-at-a-time tail.** Bystanders of repeated kills became last-chance suspects that a
   host ran one at a time (0.03 prompts/s against 1.7); a worker paused past its lease was charged as dead.
   Suspects now run together and a group is split only when it dies again; a worker that comes back takes its

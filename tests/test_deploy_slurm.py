@@ -29,9 +29,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from demo.fleet import free_port
 from testing.harness import FAST_WORKER, check_job, make_prompts, producer_cli, republish, submit_ids
 from testing.services import service_missing
-from demo.fleet import free_port
 from thinkfleet.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
