@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 
 from thinkfleet.message import PromptTask, content_hash, pack_ids
 from thinkfleet.settings import Settings
-from thinkfleet.turns import split_step_id
+from thinkfleet.turns import of_conversations, split_step_id
 
 #: The columns of a stored turn the replay reads (its input ids only for the heads, from their parts).
 _LIGHT = ("dataset", "row_index", "revision")
@@ -57,12 +57,7 @@ class ChainReplay:
 def replay_candidates(stored: Iterable[str], finished: set[str], conversations: set[str]) -> set[str]:
     """Stored turn prompt ids of ``conversations`` that are not done, dead, queued or running (``finished``):
     their finalize must be replayed."""
-    out = set()
-    for pid in stored:
-        parts = split_step_id(pid)
-        if parts is not None and parts[0] in conversations and pid not in finished:
-            out.add(pid)
-    return out
+    return of_conversations(stored, conversations, finished)
 
 
 def plan_replay(settings: Settings, job: str, candidates: set[str], generation: str) -> ChainReplay:

@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 
 from thinkfleet.settings import Settings
 from thinkfleet.tool_steps import agentic, for_render, step_messages
-from thinkfleet.turns import TURNS_FIELD, split_step_id, turn_id, turns_meta
+from thinkfleet.turns import TURNS_FIELD, of_conversations, turn_id, turns_meta
 
 #: Steps a history walk follows at most (a record cycle would otherwise never end).
 MAX_WALK = 10_000
@@ -116,12 +116,7 @@ def chains(convs: dict[str, Any], answers: dict[str, dict[str, Any]]) -> dict[st
 def stale_steps(convs: dict[str, Any], answers: dict[str, dict[str, Any]], prompt_ids: Iterable[str]) -> set[str]:
     """The ``prompt_ids`` of these conversations that no current chain reaches (see the module docstring)."""
     reached = {pid for chain in chains(convs, answers).values() for pid in chain}
-    out = set()
-    for pid in prompt_ids:
-        parts = split_step_id(pid)
-        if parts is not None and parts[0] in convs and pid not in reached:
-            out.add(pid)
-    return out
+    return of_conversations(prompt_ids, convs, reached)
 
 
 def unreachable_steps(settings: Settings, job: str, prompt_ids: Iterable[str]) -> set[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from typing import Any
 
 from thinkfleet.keys import Keys
@@ -67,6 +67,17 @@ def split_step_id(prompt_id: str) -> tuple[str, int, int] | None:
     """(conversation, turn, step) of a turn or step prompt id (step 0 for a plain turn id)."""
     m = TURN_ID.match(prompt_id)
     return (m.group("conv"), int(m.group("turn")), int(m.group("step") or 0)) if m else None
+
+
+def of_conversations(prompt_ids: Iterable[str], conversations: Container[str], but: Container[str]) -> set[str]:
+    """The turn and step prompt ids among ``prompt_ids`` whose conversation is one of ``conversations``, except those
+    in ``but`` (a re-submit's stored turns not finished; an agentic job's steps no current chain reaches)."""
+    out = set()
+    for pid in prompt_ids:
+        parts = split_step_id(pid)
+        if parts is not None and parts[0] in conversations and pid not in but:
+            out.add(pid)
+    return out
 
 
 def plan_conversation(messages: list[dict[str, Any]]) -> dict[str, Any] | None:

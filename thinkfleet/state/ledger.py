@@ -180,7 +180,7 @@ class Ledger:
         self.group = f"{worker}:{self._mark_nonce}"
         self._mark_seq = 0
         self._marked: dict[str, int] = {}
-        #: Our latest dead letters (job, prompt id) → (dataset, record, epoch, generation), for
+        #: Our latest dead letters (job, prompt id) → (dataset, record, epoch, generation, revision), for
         #: :meth:`redo_dead_letters`.
         self._recent_dead: Recent[tuple[str, str], tuple[str, str, str, str, int]] = Recent(RECENT_DEAD_LETTERS)
         self._claim = client.register_script(lua("claim"))

@@ -63,11 +63,6 @@ def queue_lists(client: redis.Redis, settings: Settings) -> list[str]:
     return queue_keys(client, settings.queue)
 
 
-def _require_job(client: redis.Redis, settings: Settings, job: str) -> None:
-    if not client.sismember(settings.keys.jobs, job) and not client.exists(settings.keys.job(job)):
-        raise LifecycleError(f"no job {job!r} in Redis ({settings.redis_url})")
-
-
 def move(client: redis.Redis, settings: Settings, job: str, to: str, leaves: tuple[str, ...]) -> str:
     """Set ``job``'s state to ``to`` (``active``: the state key deleted) if it is in one of ``leaves`` now, checked
     and set in one Lua call (``lua/set_state.lua``); returns the state it left. Raises :class:`LifecycleError` for
