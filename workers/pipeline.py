@@ -8,7 +8,11 @@ acked). The claim in Redis (thinkfleet/state/ledger.py) makes a second delivery 
 the request attempts are workers/attempts.py's, the commit workers/committer.py's. The worker's lifecycle
 (start, the consuming switch, drain) is workers/runtime.py's.
 
-The trip ends at the commit: what follows a stored row (multi-turn chaining, …) is a post-commit hook
+The trip reads as that: :meth:`PromptPipeline.process` admits the message (workers/admission.py: signature, job,
+lifecycle, the message's own checks), takes the prompt's claim (workers/claims.py: one run per prompt per process,
+suspect groups, waits on another worker's run), and :meth:`PromptPipeline._trip` generates (within
+workers/limits.py's limits), builds the row, commits it and returns the outcome; every other ending is
+workers/outcomes.py's. What follows a stored row (multi-turn chaining, tool steps, …) is a post-commit hook
 (workers/hooks.py), registered by the runtime and entered by the committer and by :meth:`PromptPipeline._stored`
 without this module knowing what it does.
 """
@@ -16,12 +20,8 @@ without this module knowing what it does.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import time
-import traceback
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -31,52 +31,29 @@ from storage.layout import PartPathRefused, confine_part
 from storage.spans import prompt_opens_reasoning
 from storage.writer import PartWriter
 from thinkfleet.failpoints import failpoint
-from thinkfleet.message import MessageLimits, MessageRefused, PromptTask
+from thinkfleet.message import PromptTask
 from thinkfleet.settings import Settings
-from thinkfleet.signing import signer_for
-from thinkfleet.state.counters import STALE_GENERATION
-from thinkfleet.state.job import DEFAULT_MAX_NEW_TOKENS
-from thinkfleet.state.ledger import OURS, Ledger
-from thinkfleet.state.lifecycle import CANCELLED, CANCELLED_CLASS, PAUSED
-from thinkfleet.state.scripts import lua
+from thinkfleet.state.ledger import Ledger
+from workers.admission import Admission
 from workers.attempts import HandBack, RequestAttempts
+from workers.claims import Claims, Poisoned, Run
 from workers.committer import BadRow, Fenced, GroupCommitter, StorageUnavailable
 from workers.health import HealthGate
 from workers.hooks import Committed, PostCommitHooks
-from workers.jobs import JobCache, JobSpec, UnknownJob, tokenizer_refusal, tokenizer_roots
+from workers.jobs import JobCache, JobSpec
+from workers.limits import JobLimits, output_vocab
 from workers.metrics import WorkerMetrics
+from workers.outcomes import Outcomes, crash_summary
 from workers.rows import build_row, final_row
-from workers.sglang import PermanentError, RequestLimits, ServerInfo, check_request
-from workers.suspects import NO_CAP, SuspectGroup, cap_of
+from workers.sglang import PermanentError
 
 log = logging.getLogger("thinkfleet.worker")
 
 
-@dataclass(frozen=True)
-class JobCheck:
-    """What a job's preflight read once from its record: the fallback limits when the server reports none."""
-
-    vocab_size: int | None
-    context_length: int | None
-    vocab_source: str = ""
-    context_source: str = ""
-
-
-def crash_summary(exc: BaseException) -> str:
-    """``Class: last line of the traceback`` — what a poison dead letter and the crash log keep."""
-    name = type(exc).__name__
-    lines = traceback.format_exception_only(type(exc), exc)
-    last = (lines[-1] if lines else "").strip().splitlines()
-    text = last[-1] if last else name
-    qualified = f"{type(exc).__module__}.{type(exc).__qualname__}"
-    if text.startswith(qualified):  # exceptions outside builtins print their module path
-        text = name + text[len(qualified) :]
-    return text if text.startswith(name) else f"{name}: {text}"
-
-
 class PromptPipeline:
-    """:meth:`handle` (a message's args) or :meth:`process` (a decoded task) → an outcome; the claims this
-    process holds (``_active``) and those a Redis outage kept it from releasing (:meth:`release_later`)."""
+    """:meth:`handle` (a message's args) or :meth:`process` (a decoded task) → an outcome. The trip itself is
+    :meth:`_trip`; who may run (admission), the claim (claims), the limits and the endings each live in their own
+    module, and what follows a stored row in the post-commit hooks."""
 
     def __init__(
         self,
@@ -95,27 +72,19 @@ class PromptPipeline:
     ) -> None:
         self.settings = settings
         self.identity = identity
-        self.redis = redis
         self.ledger = ledger
-        self.jobs = jobs
         self.writer = writer
         self.committer = committer
         self.gate = gate
         self.attempts = attempts
         self.metrics = metrics
-        self._draining = draining
         self.hooks = hooks or PostCommitHooks()
-        self._active: set[str] = set()  # prompt ids being generated by this process
-        self._unreleased: set[tuple[str, str]] = set()  # claims a Redis failure kept us from dropping
-        #: The last-chance (suspect) prompts run at once, split when a group dies (workers/suspects.py).
-        self.suspects = SuspectGroup()
-        self._group_unleft: set[tuple[str, str]] = set()  # runs a Redis failure kept in our group's set
-        self._job_checks: dict[str, JobCheck] = {}
-        self._job_check_lock = asyncio.Lock()  # one preflight (and one warning) per job
-        self._envelope: Any = None  # thinkfleet.broker.envelope.Envelope, built when a paused job's message is parked
-        self._park_one: Any = None
-        #: With a signing key (thinkfleet/signing.py), only work the producer signed runs here.
-        self.signer = signer_for(settings)
+        self.outcomes = Outcomes(settings, redis, ledger, metrics)
+        self.limits = JobLimits(settings, redis, jobs, gate, metrics)
+        self.admission = Admission(
+            settings, redis, jobs, gate, self.limits, self.outcomes, metrics, attempts.cancelled_jobs
+        )
+        self.claims = Claims(settings, identity, redis, ledger, committer, metrics, draining)
 
     async def handle(self, args: Any, message_id: str | None = None) -> str:
         """A message's args → its outcome (the message is acked), or :class:`HandBack` (requeued). Nothing
@@ -150,29 +119,24 @@ class PromptPipeline:
         fleet-wide malformed list (reason and body kept), is counted, and is acked."""
         log.error("malformed message %s dead-lettered to %s: %s", message_id, self.settings.keys.malformed, exc)
         self.metrics.errors.labels("malformed_message").inc()
-        record = {"message_id": message_id, "error": f"{type(exc).__name__}: {exc}", "at": time.time()}
-        try:
-            record["args"] = repr(args)[:4000]
-        except Exception:
-            record["args"] = "<unrepresentable>"
-        try:
-            await asyncio.wait_for(self.push_malformed(json.dumps(record)), 60)
-        except Exception as err:
-            log.error("could not record malformed message %s, handing it back: %s", message_id, err)
-            raise HandBack() from err
+        await self.outcomes.malformed(message_id, f"{type(exc).__name__}: {exc}", args)
         return "malformed"
 
     async def push_malformed(self, record: str) -> None:
-        key = self.settings.keys.malformed
-        async with self.redis.pipeline(transaction=True) as p:
-            p.lpush(key, record)
-            p.ltrim(key, 0, 9999)
-            await p.execute()
+        await self.outcomes.push_malformed(record)
 
     async def process(self, task: PromptTask) -> str:
         """One decoded task: an outcome, or raises HandBack."""
         try:
-            return await self._claim_and_run(task)
+            admitted = await self.admission.admit(task)
+            if isinstance(admitted, str):
+                return admitted
+            taken = await self.claims.take(task, admitted.job)
+            if isinstance(taken, str):
+                return taken
+            if isinstance(taken, Poisoned):
+                return await self.outcomes.poison(task, taken.error, taken.record)
+            return await self._trip(task, admitted.job, admitted.input_ids, taken)
         except HandBack:
             raise
         except RedisError as exc:
@@ -180,8 +144,78 @@ class PromptPipeline:
             log.warning("Redis unreachable while handling %s/%s, handing it back: %s", task.job, task.prompt_id, exc)
             self.metrics.errors.labels("redis").inc()
             self.metrics.handed_back.inc()
-            self._unreleased.add((task.job, task.prompt_id))
+            self.claims.release_when_back(task)
             raise HandBack() from exc
+
+    async def _trip(self, task: PromptTask, job: JobSpec, input_ids: list[int], run: Run) -> str:
+        """The core trip of a claimed prompt: generate → row → commit → outcome (or finalize the row an earlier run
+        committed), whatever is raised on the way."""
+        try:
+            failpoint("after_claim", task.prompt_id)
+            # A previous run committed the part but never marked it done (a death, a hand-back after an
+            # ambiguous commit, or a finalize Redis lost): finalize from that part, never generate a second row.
+            part = self._confined_part(task, run.part)  # from Redis: a part of this job, or not used
+            if part is not None and await asyncio.to_thread(self.writer.exists, part):
+                orphan = await self._finish_orphan(task, job, input_ids, part)
+                if orphan is not None:
+                    return orphan
+            return await self._generate_and_store(task, job, input_ids, run.epoch)
+        except Fenced as exc:
+            # Paused past our lease: another run holds the prompt now. Nothing of ours was counted; ack. We lived,
+            # so the death its takeover charged to the prompt is taken back.
+            self.metrics.errors.labels("fenced").inc()
+            log.warning(
+                "fenced: %s/%s ran under epoch %s, its claim is %s now: acked without storing",
+                task.job, task.prompt_id, run.epoch, exc.holder,
+            )  # fmt: skip
+            await self.claims.came_back(task, run.epoch)
+            return "fenced"
+        except BadRow as exc:
+            return await self.outcomes.dead(task, "bad_output", f"the row cannot be stored: {exc}", 1)
+        except (HandBack, StorageUnavailable) as exc:
+            await self.claims.release(task)
+            self.metrics.handed_back.inc()
+            raise HandBack() from exc
+        except RedisError:
+            raise
+        except Exception as exc:
+            return await self._crashed(task, exc, claimed=True)
+        finally:
+            await self.claims.end(task, run)
+
+    async def _generate_and_store(self, task: PromptTask, job: JobSpec, input_ids: list[int], epoch: int) -> str:
+        sampling = {**job.sampling_for(task.dataset), **task.overrides}
+        fitted = await self.limits.fit(task, sampling, input_ids, job.expected_model)
+        if fitted.refused is not None:
+            # Never sent: an id >= the vocabulary or an overflowing context must not reach the GPU.
+            refused = fitted.refused
+            return await self.outcomes.dead(task, refused.error_class, refused.message, level=logging.WARNING)
+        try:
+            # Every answer is validated against the vocabulary here (BadOutput, retried): a bad row never
+            # reaches a commit group, where it would fail its neighbours' encode.
+            gen, attempts, latency = await self.attempts.run(task, input_ids, sampling, output_vocab(fitted.limits))
+        except PermanentError as exc:
+            # bad_output keeps what the server answered (exc.answer) in the dead letter.
+            n = getattr(exc, "attempts", 1)
+            return await self.outcomes.dead(task, exc.error_class, exc.message, n, exc.answer, logging.WARNING)
+        info = self.gate.info or fitted.info
+        model = info.model_path if info else ""
+        deterministic = info.deterministic if info else None
+        row, final = build_row(
+            task, job, input_ids, gen, sampling, self.identity, model, attempts, latency, deterministic, epoch
+        )
+        # Waits through storage failures (the commit is retried); raises StorageUnavailable only if a
+        # drain gives up on it, which hands the prompt back.
+        part = await self.committer.commit(task.job, task.dataset, row, final)
+        self.metrics.completed.labels(task.dataset).inc()
+        self.metrics.output_tokens.inc(gen.completion_tokens)
+        return await self._stored(Committed(task, job, final, part, row), "stored")
+
+    async def _stored(self, committed: Committed, outcome: str) -> str:
+        """The row is durable and finalized: the post-commit hooks' after phase, then the outcome (a hook's
+        error is logged and counted by the hooks, never the prompt's: its row is stored)."""
+        await self.hooks.after_commit(committed)
+        return outcome
 
     async def _crashed(self, task: PromptTask, exc: BaseException, claimed: bool) -> str:
         """An unexpected exception: log it with context, count the delivery as crashed, hand it back —
@@ -201,116 +235,9 @@ class PromptPipeline:
         if crashes == 0:  # stored or dead-lettered already (a crash after the commit): ack it
             return "already-finished"
         if crashes >= self.settings.max_deliveries:
-            return await self._dead_poison(task, summary, {"x": crashes, "k": 0, "ik": 0})
+            return await self.outcomes.poison(task, summary, {"x": crashes, "k": 0, "ik": 0})
         self.metrics.handed_back.inc()
         raise HandBack() from exc
-
-    async def _dead_poison(self, task: PromptTask, error: str, record: dict[str, Any]) -> str:
-        error_class = f"poison:{error.split(':', 1)[0].strip() or 'WorkerLost'}"
-        x, k = int(record.get("x", 0)), int(record.get("k", 0))
-        message = f"{x} deliveries raised, {k} died with their worker; last: {error}"
-        await self.ledger.dead_letter(task, error_class, message, x + k)
-        self.metrics.dead.labels(error_class).inc()
-        log.error("dead-lettered %s/%s as %s: %s", task.job, task.prompt_id, error_class, message)
-        return "dead"
-
-    async def release_later(self) -> None:
-        """Drop claims a Redis outage kept us from releasing, or other workers' copies would wait on them; and
-        our claims that no run of ours holds (Redis lost the finalize that ended them: ``abandon_claims``)."""
-        while True:
-            await asyncio.sleep(max(0.2, self.settings.lease_s / 4))
-            try:
-                await self._release_round()
-            except Exception:  # our own bug: log it and keep the loop, or stray claims would never be released
-                log.exception("releasing stray claims failed unexpectedly; trying again next round")
-
-    async def _release_round(self) -> None:
-        try:
-            strays = await self.ledger.abandon_claims(lambda job, pid: pid in self._active, self.committer.replay)
-            if strays:
-                log.warning("let go of %d claims under our name that no run of ours holds (lost writes?)", strays)
-            for job in self.ledger.marked_jobs():
-                if await self.ledger.lost_finalizes(job):
-                    again = await self.committer.recheck(job)
-                    dead = await self.ledger.redo_dead_letters(job)
-                    await self.ledger.remark(job)
-                    log.warning(
-                        "Redis lost writes of ours for job %s (a rollback?): %d finalized again, %d dead-lettered "
-                        "again", job, again, dead,
-                    )  # fmt: skip
-        except RedisError:
-            pass
-        await self._retry_pending(self._group_unleft, self.ledger.leave_group)  # runs left in our group's set
-        await self._retry_pending(self._unreleased, self.ledger.release)  # claims we could not drop
-
-    async def _retry_pending(self, pending: set[tuple[str, str]], op: Callable[[str, str], Awaitable[Any]]) -> None:
-        """``op(job, prompt_id)`` for each run in ``pending`` that is not running again (its own end does it then),
-        each then out of ``pending``; a Redis error stops the pass (Redis is away: the next round tries again)."""
-        for job, prompt_id in list(pending):
-            if prompt_id not in self._active:
-                try:
-                    await op(job, prompt_id)
-                except RedisError:
-                    break
-            pending.discard((job, prompt_id))
-
-    # -- job lifecycle (producer pause/resume/cancel, thinkfleet/state/lifecycle.py) ------------------
-    async def _job_lifecycle(self, task: PromptTask) -> str | None:
-        """An outcome for a message of a paused job (parked, acked) or a cancelled one (dead-lettered
-        ``cancelled``); None when the job is active."""
-        keys = self.settings.keys
-        state = await self.redis.get(keys.job_state(task.job))
-        if state is None:
-            self.attempts.cancelled_jobs.discard(task.job)
-            return None
-        if state == PAUSED.encode():
-            if self._envelope is None:
-                from thinkfleet.broker.envelope import Envelope
-
-                self._envelope = await asyncio.to_thread(Envelope, self.settings)
-            if self._park_one is None:
-                self._park_one = self.redis.register_script(lua("park_one"))
-            raw = self._envelope.encode(task)
-            if await self._park_one(keys=[keys.job_state(task.job), keys.parked(task.job)], args=[raw]):
-                log.info("job %s is paused: parked %s", task.job, task.prompt_id)
-                return "parked"
-            return None  # resumed meanwhile
-        if state == CANCELLED.encode():
-            self.attempts.cancelled_jobs.add(task.job)
-            await self.ledger.dead_letter(task, CANCELLED_CLASS, "job cancelled (producer cancel)", 0)
-            self.metrics.dead.labels(CANCELLED_CLASS).inc()
-            return "dead"
-        return None
-
-    async def _refused_unsigned(self, task: PromptTask, exc: MessageRefused) -> str:
-        """A message the producer did not sign (or that changed since): recorded in the fleet-wide malformed list
-        with its reason and args, counted, acked — and nothing of the job it names is touched, so a forged copy of
-        a real prompt can never take that prompt out of the queue's reach (a dead letter would)."""
-        log.error("refused message %s: %s", task.task_id, exc)
-        self.metrics.errors.labels(exc.error_class).inc()
-        record: dict[str, Any] = {
-            "message_id": task.task_id,
-            "error": f"{exc.error_class}: {exc.detail}",
-            "at": time.time(),
-        }
-        try:
-            record["args"] = repr(task.to_args())[:4000]
-        except Exception:
-            record["args"] = "<unrepresentable>"
-        try:
-            await asyncio.wait_for(self.push_malformed(json.dumps(record)), 60)
-        except Exception as err:
-            log.error("could not record refused message %s, handing it back: %s", task.task_id, err)
-            raise HandBack() from err
-        return "refused"
-
-    def _tokenizer_roots(self) -> list[str] | None:
-        """Where this worker loads a --turns all job's tokenizer from; None while the default (the served model
-        directory) is unknown (no server info yet)."""
-        info = self.gate.info
-        if not self.settings.tokenizer_roots and (info is None or not info.model_path):
-            return None
-        return tokenizer_roots(self.settings.tokenizer_roots, info.model_path if info else None)
 
     def _confined_part(self, task: PromptTask, part: str | None) -> str | None:
         """A claim's recorded part when it is a part of the prompt's job and dataset (storage/layout.py
@@ -323,239 +250,6 @@ class PromptPipeline:
             self.metrics.errors.labels("part_path_refused").inc()
             log.error("%s/%s: its claim's part is refused: %s; generating it", task.job, task.prompt_id, exc)
             return None
-
-    async def _claim_and_run(self, task: PromptTask) -> str:
-        if self.signer is not None:
-            try:
-                self.signer.check_task(task)
-            except MessageRefused as exc:
-                return await self._refused_unsigned(task, exc)
-        try:
-            job = await self.jobs.get(task.job, task.dataset, task.generation)
-        except UnknownJob as exc:
-            await self.ledger.dead_letter(task, "unknown_job", str(exc), 0)
-            self.metrics.dead.labels("unknown_job").inc()
-            log.error("%s", exc)
-            return "dead"
-        except MessageRefused as exc:
-            # The job record is not the one the producer signed (unsigned_job / bad_job_signature): nothing of it
-            # is used; the message is kept whole in the dead letter (producer retry, once the record is re-signed).
-            await self.ledger.dead_letter(task, exc.error_class, exc.detail, 0)
-            self.metrics.dead.labels(exc.error_class).inc()
-            log.error("dead-lettered %s/%s: %s", task.job, task.prompt_id, exc)
-            return "dead"
-        if task.generation and job.generation and task.generation != job.generation:
-            # A message of the job as it was before `producer purge` and a new submit: never run with the new
-            # record (its sampling, tokenizer, output may differ); the new submit enqueued its own.
-            log.warning(
-                "%s/%s: message of job generation %s, the job is generation %s now (purged and re-submitted): "
-                "skipped", task.job, task.prompt_id, task.generation, job.generation,
-            )  # fmt: skip
-            self.metrics.skipped.inc()
-            # Counted where `producer status` reads it: a skip is never silent (the new submit re-enqueued it).
-            await self.redis.hincrby(self.settings.keys.counters(task.job), STALE_GENERATION, 1)
-            return "already-superseded"
-        lifecycle = await self._job_lifecycle(task)
-        if lifecycle is not None:
-            return lifecycle
-        roots = self._tokenizer_roots() if job.multi_turn else []
-        if roots is None:
-            log.warning(
-                "%s/%s: no server info yet (the model directory it serves): handed back", task.job, task.prompt_id
-            )
-            self.metrics.handed_back.inc()
-            raise HandBack()
-        try:
-            # What the worker runs is its own choice (workers/jobs.py): a --turns all job's tokenizer code and path.
-            refusal = tokenizer_refusal(job, self.settings.trust_remote_code, roots)
-            if refusal is not None:
-                raise refusal
-            # The message's own checks (thinkfleet/message.py): overrides whitelist, ids decoded within
-            # max_prompt_tokens, corrupt blob, content hash recomputed, ids below the vocabulary.
-            vocab = (await self._limits(task, job.sampling_params, self.gate.info)).vocab_size
-            input_ids = task.verified_ids(MessageLimits(self.settings.max_prompt_tokens, vocab))
-        except MessageRefused as exc:
-            # Resending it cannot help: dead-lettered with the check it failed (the whole message kept).
-            await self.ledger.dead_letter(task, exc.error_class, exc.detail, 0)
-            self.metrics.dead.labels(exc.error_class).inc()
-            log.error("dead-lettered %s/%s: %s", task.job, task.prompt_id, exc)
-            return "dead"
-        run = (task.job, task.prompt_id)
-        slot = object()  # this delivery's place in our suspect group (a redelivered copy has its own)
-        group_size = 0  # > 0: a last-chance run in our suspect group, which held this many with it when it joined
-        record: dict[str, Any] = {}  # the delivery record its last `suspect` answer showed
-        claimed = False
-        waited_since: float | None = None
-        try:
-            while True:
-                if task.prompt_id in self._active:
-                    # A redelivered copy while our own run of it continues (it may even hold no claim: Redis
-                    # restarted empty while it generated): wait for that run, never claim over it.
-                    if group_size:
-                        await self.suspects.leave(slot)  # nor hold a place in our suspect group meanwhile
-                        group_size = 0
-                    waited_since = await self._wait_or_hand_back(task, job, waited_since)
-                    if waited_since is None:
-                        return "already-done"
-                    continue
-                self._active.add(task.prompt_id)  # reserved before the await: one claim per prompt per process
-                try:
-                    claim = await self.ledger.claim(
-                        task.job, task.prompt_id, group_size > 0, task.revision, task.generation, max(1, group_size)
-                    )
-                finally:
-                    self._active.discard(task.prompt_id)
-                self._unreleased.discard((task.job, task.prompt_id))
-                if claim.state == "suspect":
-                    # Its last chance before poison: run it in our suspect group once the group fits the cap its
-                    # record sets — with the other suspects and our other work, not one at a time (ledger.py).
-                    if group_size:
-                        await self.suspects.leave(slot)  # a death split its group meanwhile: wait for room again
-                    record = claim.previous or {}
-                    cap = min(cap_of(record), self.settings.suspect_group_max or NO_CAP)
-                    group_size = await self.suspects.join(slot, cap)
-                    continue
-                if group_size and claim.state not in OURS:
-                    await self.suspects.leave(slot)  # not ours to run now (done, busy, …): its place goes
-                    group_size = 0
-                if claim.state in ("done", "dead", "superseded"):
-                    self.metrics.skipped.inc()
-                    return f"already-{claim.state}"
-                if claim.state == "poison":
-                    record = claim.previous or {}
-                    return await self._dead_poison(task, str(record.get("error") or "WorkerLost"), record)
-                if claim.state == "busy":
-                    # Another live worker runs it: wait for that run (bounded), don't duplicate.
-                    waited_since = await self._wait_or_hand_back(task, job, waited_since)
-                    if waited_since is None:
-                        return "already-done"
-                    continue
-                claimed = True  # new, stale or mine: this run is ours, under claim.epoch
-                break
-        finally:
-            if group_size and not claimed:
-                await self.suspects.leave(slot)
-        if group_size:
-            log.info(
-                "last-chance run of %s/%s in a suspect group of %d (cap %s; crashes charged: %s)",
-                task.job, task.prompt_id, group_size, record.get("g") or "none",
-                {key: v for key, v in record.items() if key in ("x", "k", "ik")},
-            )  # fmt: skip
-        self._active.add(task.prompt_id)
-        try:
-            failpoint("after_claim", task.prompt_id)
-            # A previous run committed the part but never marked it done (a death, a hand-back after an
-            # ambiguous commit, or a finalize Redis lost): finalize from that part, never generate a second row.
-            part = self._confined_part(task, claim.part)  # from Redis: a part of this job, or not used
-            committed = part is not None and await asyncio.to_thread(self.writer.exists, part)
-            if committed:
-                orphan = await self._finish_orphan(task, job, input_ids, str(part))
-                if orphan is not None:
-                    return orphan
-            return await self._generate_and_store(task, job, input_ids, claim.epoch)
-        except Fenced as exc:
-            # Paused past our lease: another run holds the prompt now. Nothing of ours was counted; ack. We lived,
-            # so the death its takeover charged to the prompt is taken back.
-            self.metrics.errors.labels("fenced").inc()
-            log.warning(
-                "fenced: %s/%s ran under epoch %s, its claim is %s now: acked without storing",
-                task.job, task.prompt_id, claim.epoch, exc.holder,
-            )  # fmt: skip
-            await self._came_back(task, claim.epoch)
-            return "fenced"
-        except BadRow as exc:
-            await self.ledger.dead_letter(task, "bad_output", f"the row cannot be stored: {exc}", 1)
-            self.metrics.dead.labels("bad_output").inc()
-            log.error("dead-lettered %s/%s: bad_output: %s", task.job, task.prompt_id, exc)
-            return "dead"
-        except (HandBack, StorageUnavailable) as exc:
-            await self.ledger.release(task.job, task.prompt_id)
-            self.metrics.handed_back.inc()
-            raise HandBack() from exc
-        except RedisError:
-            raise
-        except Exception as exc:
-            return await self._crashed(task, exc, claimed=True)
-        finally:
-            self._active.discard(task.prompt_id)
-            if group_size:
-                await self._leave_group(run, slot)
-
-    async def _leave_group(self, run: tuple[str, str], slot: object) -> None:
-        """A last-chance run ended: out of our suspect group, here and in Redis (retried by release_later: a run
-        left in the set would only make a later death's group look larger — a slower split, never a proof)."""
-        try:
-            await self.ledger.leave_group(*run)  # before our own place goes: the set never holds more than the group
-            self._group_unleft.discard(run)
-        except RedisError:
-            self._group_unleft.add(run)
-        finally:
-            await self.suspects.leave(slot)
-
-    async def came_back_all(self) -> int:
-        """Our lease lapsed while we lived: take back the deaths charged for the claims we still hold that other
-        workers took over meanwhile (each such run is fenced later). Returns how many were taken back."""
-        back = 0
-        for (job, prompt_id), fence in list(self.ledger.held.items()):
-            if fence.epoch:
-                try:
-                    back += await self.ledger.came_back(job, prompt_id, fence.epoch)
-                except RedisError as exc:
-                    log.warning("%s/%s: could not take back the death charged to it: %s", job, prompt_id, exc)
-        if back:
-            log.info("took back %d death(s) charged while our lease had lapsed", back)
-        return back
-
-    async def _came_back(self, task: PromptTask, epoch: int) -> None:
-        """Our run was fenced: another worker took the claim over while we lived. Take back the death that
-        takeover charged to the prompt (a paused worker did not die); best effort — the outcome stays ``fenced``."""
-        try:
-            if await self.ledger.came_back(task.job, task.prompt_id, epoch):
-                log.info("%s/%s: took back the death charged when our claim was taken over", task.job, task.prompt_id)
-        except RedisError as exc:
-            log.warning("%s/%s: could not take back the death charged to it: %s", task.job, task.prompt_id, exc)
-
-    async def _wait_or_hand_back(self, task: PromptTask, job: JobSpec, since: float | None) -> float | None:
-        """Wait for the other run of the prompt: None once it stored or dead-lettered it, else the time this copy
-        started waiting (its claim went away: claim again). Past ``claim_wait_s`` (default: the request deadline
-        + one lease — longer than any live run takes) the copy is handed back: a claim whose owner lives but no
-        longer runs it (Redis lost that run's finalize) is let go by the owner's own reconciliation meanwhile."""
-        now = time.monotonic()
-        since = now if since is None else since
-        limit = self.settings.claim_wait_s
-        if not limit:
-            max_new = job.sampling_for(task.dataset).get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
-            limit = self.settings.request_deadline_s(int(max_new)) + self.settings.lease_s
-        if await self._wait_for_other_run(task, since + limit - now):
-            self.metrics.skipped.inc()
-            return None
-        if time.monotonic() - since >= limit:
-            log.warning(
-                "%s/%s: waited %.0fs on another run's claim: handing this copy back", task.job, task.prompt_id, limit
-            )
-            self.metrics.handed_back.inc()
-            raise HandBack()
-        return since
-
-    async def _wait_for_other_run(self, task: PromptTask, timeout_s: float) -> bool:
-        """True once the other run stored or dead-lettered it; False when its claim went away (or ``timeout_s``
-        passed)."""
-        deadline = time.monotonic() + max(0.0, timeout_s)
-        while time.monotonic() < deadline:
-            if self._draining():
-                raise HandBack()
-            if await self.ledger.resolved(task.job, task.prompt_id):
-                return True
-            if task.prompt_id in self._active:
-                await asyncio.sleep(0.5)
-                continue
-            owner = await self.ledger.claim_owner(task.job, task.prompt_id)
-            if not owner or owner == self.identity:
-                return False
-            if not await self.redis.exists(self.settings.keys.heartbeat(owner)):
-                return False
-            await asyncio.sleep(0.5)
-        return False
 
     async def _finish_orphan(self, task: PromptTask, job: JobSpec, input_ids: list[int], part: str) -> str | None:
         """Finalize a prompt from a committed part with the row's real counts (the row keeps the epoch it was
@@ -593,139 +287,6 @@ class PromptPipeline:
         if task.prompt_id in finalized.fenced:
             raise Fenced(finalized.fenced[task.prompt_id])
         return await self._stored(Committed(task, job, final, part, None), "already-stored")
-
-    async def _generate_and_store(self, task: PromptTask, job: JobSpec, input_ids: list[int], epoch: int) -> str:
-        sampling = {**job.sampling_for(task.dataset), **task.overrides}
-        if job.expected_model and self.gate.info and self.gate.info.model_path != job.expected_model:
-            log.error(
-                "job %s expects model %s but %s serves %s: refusing",
-                task.job,
-                job.expected_model,
-                self.settings.sglang_url,
-                self.gate.info.model_path,
-            )
-            self.metrics.errors.labels("model_mismatch").inc()
-            await asyncio.sleep(self.settings.health_interval_s)
-            raise HandBack()
-        info = self.gate.info
-        limits = await self._limits(task, sampling, info)
-        max_new = sampling.get("max_new_tokens")
-        refused = check_request(input_ids, int(max_new) if max_new is not None else None, limits)
-        if refused is not None and refused.error_class == "context_overflow":
-            # The server may have restarted with a longer context since the gate read it (it reads it only when
-            # it reopens): read it once more, and dead-letter only what the server's present context refuses.
-            fresh = await self.gate.refresh_info(info)
-            if fresh is not info:
-                info = fresh
-                limits = await self._limits(task, sampling, info)
-                refused = check_request(input_ids, int(max_new) if max_new is not None else None, limits)
-        if refused is not None:
-            # Never sent: an id >= the vocabulary or an overflowing context must not reach the GPU.
-            await self.ledger.dead_letter(task, refused.error_class, refused.message, 0)
-            self.metrics.dead.labels(refused.error_class).inc()
-            log.warning("dead-lettered %s/%s: %s: %s", task.job, task.prompt_id, refused.error_class, refused.message)
-            return "dead"
-        try:
-            # Every answer is validated against the vocabulary here (BadOutput, retried): a bad row never
-            # reaches a commit group, where it would fail its neighbours' encode.
-            gen, attempts, latency = await self.attempts.run(task, input_ids, sampling, _output_vocab(limits))
-        except PermanentError as exc:
-            # bad_output keeps what the server answered (exc.answer) in the dead letter.
-            await self.ledger.dead_letter(
-                task, exc.error_class, exc.message, getattr(exc, "attempts", 1), answer=exc.answer
-            )
-            self.metrics.dead.labels(exc.error_class).inc()
-            log.warning("dead-lettered %s/%s: %s: %s", task.job, task.prompt_id, exc.error_class, exc.message)
-            return "dead"
-        info = self.gate.info or info
-        model = info.model_path if info else ""
-        deterministic = info.deterministic if info else None
-        row, final = build_row(
-            task, job, input_ids, gen, sampling, self.identity, model, attempts, latency, deterministic, epoch
-        )
-        # Waits through storage failures (the commit is retried); raises StorageUnavailable only if a
-        # drain gives up on it, which hands the prompt back.
-        part = await self.committer.commit(task.job, task.dataset, row, final)
-        self.metrics.completed.labels(task.dataset).inc()
-        self.metrics.output_tokens.inc(gen.completion_tokens)
-        return await self._stored(Committed(task, job, final, part, row), "stored")
-
-    async def _stored(self, committed: Committed, outcome: str) -> str:
-        """The row is durable and finalized: the post-commit hooks' after phase, then the outcome (a hook's
-        error is logged and counted by the hooks, never the prompt's: its row is stored)."""
-        await self.hooks.after_commit(committed)
-        return outcome
-
-    async def _limits(self, task: PromptTask, sampling: dict[str, Any], info: ServerInfo | None) -> RequestLimits:
-        """The limits a prompt of ``task``'s job must fit: the server's, else the job record's. The first prompt
-        of a job runs its preflight (record read, seed warning) once per worker — once per record generation: a
-        purged and re-submitted job may name another tokenizer's vocabulary and context."""
-        key = f"{task.job}\0{task.generation}"
-        check = self._job_checks.get(key)
-        if check is None:
-            async with self._job_check_lock:
-                check = self._job_checks.get(key) or await self._job_preflight(task, key, sampling, info)
-        vocab = info.vocab_size if info and info.vocab_size else None
-        context = info.context_length if info and info.context_length else None
-        return RequestLimits(
-            vocab_size=vocab or check.vocab_size,
-            vocab_source="reported by the server" if vocab else f"from the job record{check.vocab_source}",
-            context_length=context or check.context_length,
-            context_source="reported by the server" if context else f"from the job record{check.context_source}",
-            max_req_input_len=info.max_req_input_len if info else None,
-            context_check_inclusive=info.context_check_inclusive if info else True,
-            version=info.version if info else None,
-        )
-
-    async def _job_preflight(
-        self, task: PromptTask, key: str, sampling: dict[str, Any], info: ServerInfo | None
-    ) -> JobCheck:
-        job = task.job
-        # the record as read (and checked) for the job's spec, of the message's generation
-        record = (await self.jobs.get(job, task.dataset, task.generation)).record
-        vocab = getattr(record, "vocab_size", None)
-        context = getattr(record, "context_length", None)
-        vocab_from = getattr(record, "vocab_source", "")
-        context_from = getattr(record, "context_source", "")
-        check = JobCheck(
-            vocab_size=vocab if isinstance(vocab, int) and vocab > 0 else None,
-            context_length=context if isinstance(context, int) and context > 0 else None,
-            vocab_source=f": {vocab_from}" if vocab_from else "",
-            context_source=f": {context_from}" if context_from else "",
-        )
-        self._job_checks[key] = check
-        seeded = sampling.get("sampling_seed") is not None
-        deterministic = info.deterministic if info else None
-        if seeded and deterministic is False:
-            log.error(
-                "\n%s\nNONDETERMINISTIC SEEDS for job %s: its sampling_params carry sampling_seed=%s, but %s does not "
-                "run --enable-deterministic-inference,\nso SGLang ignores the seed: rows are NOT reproducible from "
-                "their seed (each row records deterministic=false).\nRestart SGLang with "
-                "--enable-deterministic-inference (a throughput cost) if reproducibility matters.\n%s",
-                "!" * 78,
-                job,
-                sampling.get("sampling_seed"),
-                self.settings.sglang_url,
-                "!" * 78,
-            )
-            await self.redis.hset(self.settings.keys.counters(job), "nondeterministic_seeds", 1)
-        elif seeded and deterministic is None:
-            log.warning(
-                "job %s sends sampling_seed but %s does not report whether deterministic inference is on: "
-                "rows record deterministic=null",
-                job,
-                self.settings.sglang_url,
-            )
-        return check
-
-
-def _output_vocab(limits: RequestLimits) -> int | None:
-    """The bound output ids are checked against: the model's vocabulary (the server's, or config.json's from the
-    job record). ``len(tokenizer)`` is no bound for what the model emits (its embedding may be larger: Qwen3's
-    151,936 rows for 151,669 tokens), so then only int32 is checked."""
-    if limits.vocab_size and "len(tokenizer)" not in (limits.vocab_source or ""):
-        return limits.vocab_size
-    return None
 
 
 def _prompt_of(args: Any) -> str | None:

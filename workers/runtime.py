@@ -227,7 +227,9 @@ class WorkerRuntime:
         self.lease.start()
         if self.adaptive is not None:
             self.adaptive.start()
-        self._release_task = asyncio.get_running_loop().create_task(self.pipeline.release_later(), name="release-later")
+        self._release_task = asyncio.get_running_loop().create_task(
+            self.pipeline.claims.release_later(), name="release-later"
+        )
         self._cancel_watch = asyncio.get_running_loop().create_task(self._watch_cancels(), name="watch-cancels")
         log.info(
             "worker %s: max_inflight=%d sglang=%s metrics=:%s",
@@ -271,7 +273,7 @@ class WorkerRuntime:
         log.warning("our lease lapsed (%.1f s without a heartbeat): taking back deaths charged to our claims", gap_s)
         pipeline = getattr(self, "pipeline", None)
         if pipeline is not None:
-            task = asyncio.get_running_loop().create_task(pipeline.came_back_all(), name="came-back")
+            task = asyncio.get_running_loop().create_task(pipeline.claims.came_back_all(), name="came-back")
             self._came_back_tasks.add(task)
             task.add_done_callback(self._came_back_tasks.discard)
 
