@@ -33,7 +33,8 @@ from bench.harness import RESULTS, bench_settings, code_version, start_workers, 
 from bench.report import code_stamp, table, update_section
 from sglang_sim.testing import SimulatorProcess
 from testing.fleet import WorkerProcess, dead_letters, in_flight, job_progress
-from testing.harness import check_job, make_prompts, submit_ids
+from testing.harness import make_prompts, submit_ids
+from testing.record import check_job
 from testing.redis_process import RedisProcess
 
 JSON = RESULTS / "fault_cost.json"

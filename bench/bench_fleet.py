@@ -16,6 +16,9 @@
     .venv/bin/python -m bench.bench_fleet          # ≈ 12 min on 2 cores; bench/results/fleet.json (+ .png)
     .venv/bin/python -m bench.bench_fleet --from-json bench/results/fleet.json  # plot + section only
     .venv/bin/python -m bench.bench_fleet --remodel bench/results/fleet.json    # model figures again, no live runs
+
+One file because a benchmark is one experiment: its runs, the baseline beside them and the section it writes to
+BENCHMARKS.md are read, re-run and regenerated together.
 """
 
 from __future__ import annotations

@@ -48,7 +48,8 @@ from bench.harness import RESULTS, code_version, write_json
 from bench.report import code_stamp, table, update_section
 from producer import render
 from producer.enqueue import Stager
-from producer.submit import SubmitOptions, submit
+from producer.submit import submit
+from producer.submit_options import SubmitOptions
 from testing.datasets import chat_rows, write_jsonl
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet.broker.envelope import Envelope

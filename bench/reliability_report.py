@@ -39,7 +39,7 @@ _PREVIOUS = "_previous"
 
 def code_version(root: Path = ROOT) -> str:
     """``git rev-parse HEAD``, plus "-dirty" when ``git status --porcelain`` lists anything."""
-    from testing.harness import git_version
+    from testing.record import git_version
 
     return git_version(root)
 

@@ -4,7 +4,7 @@ Starts what is missing (a Redis if none answers at THINKFLEET_REDIS_URL; the SGL
 of a GPU server), runs two real workers, submits the bundled sample datasets with the Kimi-shaped test
 tokenizer, waits, verifies, reports, and prints where the Parquet landed. Every step is the real CLI.
 
-``--agentic`` runs the agentic sample instead (README "Agentic conversations"): the two tool-calling
+``--agentic`` runs the agentic sample instead (docs/conversations.md): the two tool-calling
 conversations of docs/examples/agentic/ regenerated through their tool calls (``--turns all --tool-results
 executor``), the simulator calling the example executor's calculator and lookup (its tool catalogue), the workers
 running that executor (docs/examples/agentic/tools.py) for every call; then wait, status, verify, the ``messages``

@@ -33,7 +33,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from producer.inputs import S3_SCHEMES, Columns, dataset_name
-from producer.submit import DatasetOptions
+from producer.submit_options import DatasetOptions
 from thinkfleet.message import is_plain_name
 
 #: File suffixes ``producer submit`` reads as a job file.
@@ -274,7 +274,7 @@ def apply_flags(jf: JobFile, given: dict[str, Any], path: str | Path) -> JobFile
 
 
 def submit_flags(jf: JobFile, available: set[str], path: str | Path) -> tuple[dict[str, Any], list[str]]:
-    """The file's top-level values as the ``submit`` command's flags (what ``producer.cli`` builds its
+    """The file's top-level values as the ``submit`` command's flags (what ``producer.submit_cmd`` builds its
     options from), and warnings. A key this producer has no flag for is kept in the job record only
     (with a warning)."""
     flags: dict[str, Any] = {}

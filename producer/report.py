@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import statistics
+from array import array
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from producer.inputs import Problem
 
@@ -88,6 +91,21 @@ def length_stats(lengths: list[int]) -> dict[str, float]:
         "mean": round(statistics.fmean(ordered), 1),
         "p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
         "max": ordered[-1],
+    }
+
+
+def packed_length_stats(lengths: array) -> dict[str, float]:
+    """:func:`length_stats` of a packed array, without a Python int per prompt."""
+    if not lengths:
+        return length_stats([])
+    a = np.sort(np.frombuffer(lengths, dtype=np.uint32))
+    return {
+        "count": int(a.size),
+        "min": int(a[0]),
+        "median": float(np.median(a)) if a.size % 2 == 0 else int(a[a.size // 2]),
+        "mean": round(float(a.mean()), 1),
+        "p99": int(a[min(a.size - 1, int(0.99 * a.size))]),
+        "max": int(a[-1]),
     }
 
 

@@ -12,7 +12,7 @@
 # own requirements pull CUDA builds) under ${THINKFLEET_CACHE:-~/.cache/thinkfleet}/real-sglang-<hash of the
 # lock and the stubs>, so a second run reuses it, and an edited lock builds a new one. Two CUDA-only packages
 # SGLang imports unconditionally are stand-ins (scripts/real_sglang/stubs). Facts and flags:
-# ../shared/reference/real-sglang-cpu.md; what the tier proves: README "Real SGLang".
+# ../shared/reference/real-sglang-cpu.md; what the tier proves: docs/real-sglang.md.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 PYTHON=${PYTHON:-python3}

@@ -12,7 +12,10 @@ Modules, one concern each:
   ContentConfig)``, deterministic from (input ids, sampling_seed); tests check stored data against it.
 - :mod:`~sglang_sim.engine` — the continuous-batching timing model (admission, prefill, decode).
 - :mod:`~sglang_sim.cache` — a cheap radix-cache stand-in for ``cached_tokens``.
-- :mod:`~sglang_sim.protocol` — request parsing/validation, response and error bodies, SSE framing.
+- :mod:`~sglang_sim.request` — a ``/generate`` body parsed, normalized into one item per prompt, validated.
+- :mod:`~sglang_sim.sampling` — ``sampling_params``: SGLang's rules and the 0.5.22+ api/v1 contract check.
+- :mod:`~sglang_sim.responses` — ``meta_info``, SSE framing, the info/load/abort bodies.
+- :mod:`~sglang_sim.errors` — SGLang's error paths: the exceptions and the error bodies they answer with.
 - :mod:`~sglang_sim.text` — the ``text`` field (a real tokenizer, or a built-in rendering).
 - :mod:`~sglang_sim.generate` — the ``/generate`` handler.
 - :mod:`~sglang_sim.versions` — what differs between the SGLang releases imitated (``--sglang-version``;

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
-from sglang_sim import protocol
+from sglang_sim import errors, responses, sampling
 from sglang_sim.content import (
     Generation,
     expected_generation,
@@ -23,10 +23,8 @@ from sglang_sim.content import (
 )
 from sglang_sim.engine import QueueFullError
 from sglang_sim.faults import Abort, Fault, GenerationFault
+from sglang_sim.request import GenerateCall, GenerateItem, normalize_call, parse_body, validate_item
 from sglang_sim.simulator import DROPPED, Call, CallItem, Simulator
-
-if TYPE_CHECKING:
-    from sglang_sim.protocol import GenerateCall, GenerateItem
 
 #: Where an app keeps its Simulator.
 SIM_KEY: web.AppKey[Simulator] = web.AppKey("sglang_sim")
@@ -44,33 +42,33 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     sim.stats.generate_calls += 1
     if sim.faults.in_outage():
         sim.faults.injected["outage_503"] += 1
-        return _json(sim, protocol.error_response_body(OUTAGE_MESSAGE, 503), 503)
+        return _json(sim, errors.error_response_body(OUTAGE_MESSAGE, 503), 503)
     if sim.config.server.warmup_rejects_generate and sim.warming():
-        return _json(sim, protocol.error_response_body(WARMUP_MESSAGE, 503), 503)
+        return _json(sim, errors.error_response_body(WARMUP_MESSAGE, 503), 503)
 
     try:
-        body = protocol.parse_body(await request.read())
-    except protocol.InvalidBody as exc:
+        body = parse_body(await request.read())
+    except errors.InvalidBody as exc:
         return _json(sim, exc.body, 400)
     if profile.sampling_contract:
-        contract_error = protocol.contract_error(body.sampling_params)
+        contract_error = sampling.contract_error(body.sampling_params)
         if contract_error is not None:  # before the stream starts: a plain 400 even for stream=true
             return _json(sim, {"error": contract_error}, 400)
     try:
-        parsed = protocol.normalize_call(body, sim.codec.encode, profile.rejects_duplicate_rids)
+        parsed = normalize_call(body, sim.codec.encode, profile.rejects_duplicate_rids)
     except ValueError as exc:
         return await _bad_request(sim, request, body.stream, str(exc))
     sim.record_rids(parsed)
     try:
         for item in parsed.items:
-            protocol.validate_item(item, sim.limits, sim.codec.has_tokenizer)
+            validate_item(item, sim.limits, sim.codec.has_tokenizer)
         if profile.rejects_duplicate_rids:
             for item in parsed.items:
                 if item.rid in sim.inflight:
-                    raise protocol.BadRequest(f"Duplicate request ID detected: {item.rid}")
-    except protocol.BadRequest as exc:
+                    raise errors.BadRequest(f"Duplicate request ID detected: {item.rid}")
+    except errors.BadRequest as exc:
         return await _bad_request(sim, request, parsed.stream, str(exc))
-    except protocol.InternalError:
+    except errors.InternalError:
         return await _internal_error(sim, request, parsed.stream)
 
     fault = sim.faults.choose(_fault_key(parsed))
@@ -98,7 +96,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         if aborted is not None:
             return _abort_response(sim, aborted)
         outputs = [item.output(final=True) for item in call.items]
-        payload = protocol.dumps(outputs[0] if parsed.is_single else outputs)
+        payload = responses.dumps(outputs[0] if parsed.is_single else outputs)
         if fault is Fault.DROP:
             return await _send_partial(sim, request, payload)
         sim.stats.by_status["200"] += 1
@@ -194,8 +192,8 @@ def _abort_response(sim: Simulator, abort: Abort) -> web.Response:
     """A non-streamed call whose request the scheduler aborted: 400 → ValueError → ``{"error":{"message"}}``;
     500/503 → ``HTTPException`` → SGLang's ErrorResponse with that status (0.5.9 and 0.5.23 alike)."""
     if abort.status_code == 400:
-        return _json(sim, protocol.error_body(abort.message), 400)
-    return _json(sim, protocol.error_response_body(abort.message, abort.status_code), abort.status_code)
+        return _json(sim, errors.error_body(abort.message), 400)
+    return _json(sim, errors.error_response_body(abort.message, abort.status_code), abort.status_code)
 
 
 def _submit_all(sim: Simulator, call: Call) -> bool:
@@ -248,24 +246,24 @@ async def _stream(sim: Simulator, request: web.Request, call: Call, drop: bool) 
         if call.orphaned:  # its rid was taken over: no more chunks, ever
             return await _orphaned(sim, request, call, resp)
         item.sent_tokens = item.req.reported_tokens
-        await resp.write(protocol.sse(item.output(final=final)))
+        await resp.write(responses.sse(item.output(final=final)))
         if drop and (final or 2 * item.req.reported_tokens >= item.req.output_len):
             return _close(sim, request, "drop", resp)
         finished += final
-    await resp.write(protocol.SSE_DONE)
+    await resp.write(responses.SSE_DONE)
     sim.stats.by_status["200"] += 1
     return resp
 
 
 async def _bad_request(sim: Simulator, request: web.Request, stream: bool, message: str) -> web.StreamResponse:
     if not stream:
-        return _json(sim, protocol.error_body(message), 400)
+        return _json(sim, errors.error_body(message), 400)
     # SGLang validates inside the streaming generator: the 200 SSE response carries the error.
     sim.stats.by_status["200"] += 1
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
-    chunk = protocol.stream_error_chunk(message, sim.profile.detailed_stream_errors)
-    await resp.write(protocol.sse(chunk) + protocol.SSE_DONE)
+    chunk = errors.stream_error_chunk(message, sim.profile.detailed_stream_errors)
+    await resp.write(responses.sse(chunk) + responses.SSE_DONE)
     return resp
 
 
@@ -273,7 +271,7 @@ async def _internal_error(sim: Simulator, request: web.Request, stream: bool) ->
     """An uncaught TypeError: FastAPI's plain-text 500, or (stream) 200 headers then a closed connection."""
     if not stream:
         sim.stats.by_status["500"] += 1
-        return web.Response(status=500, text=protocol.INTERNAL_ERROR_TEXT, content_type="text/plain")
+        return web.Response(status=500, text=errors.INTERNAL_ERROR_TEXT, content_type="text/plain")
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     return _close(sim, request, "500_stream", resp)
@@ -291,7 +289,7 @@ async def _orphaned(
 async def _queue_full(sim: Simulator, request: web.Request, parsed: GenerateCall) -> web.StreamResponse:
     """SGLang's queue-full abort: 503 ErrorResponse, or (streaming) an abort chunk then [DONE]."""
     if not parsed.stream:
-        return _json(sim, protocol.error_response_body(protocol.QUEUE_FULL_MESSAGE, 503), 503)
+        return _json(sim, errors.error_response_body(errors.QUEUE_FULL_MESSAGE, 503), 503)
     sim.stats.by_status["200"] += 1
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
@@ -301,7 +299,7 @@ async def _queue_full(sim: Simulator, request: web.Request, parsed: GenerateCall
             "output_ids": [],
             "meta_info": sim.meta_info(
                 rid=item.rid,
-                finish_reason=protocol.abort_reason(protocol.QUEUE_FULL_MESSAGE, status_code=503),
+                finish_reason=responses.abort_reason(errors.QUEUE_FULL_MESSAGE, status_code=503),
                 prompt_tokens=len(item.input_ids),
                 weight_version=sim.config.server.weight_version,
                 reasoning_tokens=0,
@@ -311,8 +309,8 @@ async def _queue_full(sim: Simulator, request: web.Request, parsed: GenerateCall
         }
         if not parsed.is_single:
             chunk["index"] = item.index
-        await resp.write(protocol.sse(chunk))
-    await resp.write(protocol.SSE_DONE)
+        await resp.write(responses.sse(chunk))
+    await resp.write(responses.SSE_DONE)
     return resp
 
 
@@ -355,4 +353,4 @@ def _close(
 
 def _json(sim: Simulator, body: Any, status: int) -> web.Response:
     sim.stats.by_status[str(status)] += 1
-    return web.Response(body=protocol.dumps(body), status=status, content_type="application/json")
+    return web.Response(body=responses.dumps(body), status=status, content_type="application/json")

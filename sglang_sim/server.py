@@ -43,7 +43,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from sglang_sim import protocol
+from sglang_sim import errors, responses
 from sglang_sim.config import SimConfig
 from sglang_sim.generate import SIM_KEY, handle_generate
 from sglang_sim.simulator import Simulator
@@ -113,7 +113,7 @@ async def model_info(request: web.Request) -> web.Response:
         "model_type": "kimi_k25",
         "architectures": ["KimiK25ForConditionalGeneration"],
     }
-    info |= {"embedding": protocol.embedding_plan_0_5_23()} if sim.profile.model_info_extended else {}
+    info |= {"embedding": responses.embedding_plan_0_5_23()} if sim.profile.model_info_extended else {}
     return web.json_response(info)
 
 
@@ -177,7 +177,7 @@ async def server_info(request: web.Request) -> web.Response:
     if extended:
         internal |= {
             "world_size": server.tp_size,
-            "startup_time": protocol.startup_time_0_5_23(server.load_s, tokenizer=False),
+            "startup_time": responses.startup_time_0_5_23(server.load_s, tokenizer=False),
             "effective_max_running_requests_per_dp": engine.max_running_requests,
             "last_gen_throughput": sim.engine.gen_throughput_tok_s(),
             "memory_usage": {
@@ -202,7 +202,7 @@ async def server_info(request: web.Request) -> web.Response:
         }
     info: dict[str, Any] = dict(args)
     if extended:
-        info["launch_command"] = protocol.launch_command()
+        info["launch_command"] = responses.launch_command()
     info |= {
         "status": "ready",
         "max_total_num_tokens": server.max_total_num_tokens,
@@ -210,7 +210,7 @@ async def server_info(request: web.Request) -> web.Response:
     }
     if extended:
         info |= {
-            "startup_time": protocol.startup_time_0_5_23(server.load_s, tokenizer=True),
+            "startup_time": responses.startup_time_0_5_23(server.load_s, tokenizer=True),
             "hicache_object_layout": {
                 "enabled": False,
                 "backend": None,
@@ -282,7 +282,7 @@ async def abort_request(request: web.Request) -> web.Response:
         rid = body.get("rid") or ""
         abort_all = bool(body.get("abort_all", False))
     except (json.JSONDecodeError, AttributeError) as exc:
-        return web.json_response(protocol.error_body(str(exc)), status=400)
+        return web.json_response(errors.error_body(str(exc)), status=400)
     if abort_all:
         sim.engine.abort(abort_all=True)
     elif rid and rid in sim.inflight:
@@ -303,7 +303,7 @@ async def get_load(request: web.Request) -> web.Response:
     sim.engine.advance()
     engine = sim.engine
     tokens = int(engine.used_tokens) + engine.waiting_tokens()
-    return web.json_response(protocol.get_load_body(engine.num_running, engine.num_waiting, tokens))
+    return web.json_response(responses.get_load_body(engine.num_running, engine.num_waiting, tokens))
 
 
 async def v1_loads(request: web.Request) -> web.Response:
@@ -312,7 +312,7 @@ async def v1_loads(request: web.Request) -> web.Response:
     sim.engine.advance()
     engine, stats, server = sim.engine, sim.engine.stats, sim.config.server
     hit = stats.cached_tokens_total / stats.prompt_tokens_total if stats.prompt_tokens_total else 0.0
-    body = protocol.v1_loads_body(
+    body = responses.v1_loads_body(
         version=sim.profile.version,
         running=engine.num_running,
         waiting=engine.num_waiting,
@@ -334,7 +334,7 @@ async def control_faults(request: web.Request) -> web.Response:
             changes = json.loads(await request.read() or b"{}")
             return web.json_response(sim.faults.update(changes))
         except (ValueError, TypeError) as exc:
-            return web.json_response(protocol.error_body(str(exc)), status=400)
+            return web.json_response(errors.error_body(str(exc)), status=400)
     return web.json_response(sim.faults.describe())
 
 
@@ -347,7 +347,7 @@ async def control_outage(request: web.Request) -> web.Response:
         if mode not in ("drop", "abort"):
             raise ValueError(f"mode must be 'drop' or 'abort', got {mode!r}")
     except (ValueError, TypeError, AttributeError) as exc:
-        return web.json_response(protocol.error_body(str(exc)), status=400)
+        return web.json_response(errors.error_body(str(exc)), status=400)
     sim.begin_outage(duration_s, mode)
     return web.json_response(sim.faults.describe())
 
@@ -365,7 +365,7 @@ async def control_health_delay(request: web.Request) -> web.Response:
     try:
         sim.health_delay_s = await _seconds(request)
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        return web.json_response(protocol.error_body(f'expected {{"seconds": S >= 0}}: {exc}'), status=400)
+        return web.json_response(errors.error_body(f'expected {{"seconds": S >= 0}}: {exc}'), status=400)
     return web.json_response({"health_delay_s": sim.health_delay_s})
 
 
@@ -374,7 +374,7 @@ async def control_stall(request: web.Request) -> web.Response:
     try:
         seconds = await _seconds(request)
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        return web.json_response(protocol.error_body(f'expected {{"seconds": S >= 0}}: {exc}'), status=400)
+        return web.json_response(errors.error_body(f'expected {{"seconds": S >= 0}}: {exc}'), status=400)
     sim.begin_stall(seconds)
     return web.json_response({"stalled": sim.stalled, "seconds": seconds})
 

@@ -13,13 +13,13 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from sglang_sim import protocol
+from sglang_sim import responses
 from sglang_sim.config import SimConfig
 from sglang_sim.content import Generation, expected_logprobs, reasoning_token_count
 from sglang_sim.engine import Engine, SimRequest
 from sglang_sim.faults import Abort, FaultInjector
 from sglang_sim.metrics import CallStats, SimMetrics
-from sglang_sim.protocol import GenerateCall, GenerateItem, Limits
+from sglang_sim.request import GenerateCall, GenerateItem, Limits
 from sglang_sim.text import TextCodec
 from sglang_sim.versions import VersionProfile
 
@@ -228,8 +228,8 @@ class Simulator:
         self.metrics.observe_retraction(req.prompt_tokens, req.resumed_tokens)
 
     def meta_info(self, **fields: Any) -> dict[str, Any]:
-        """``protocol.meta_info`` with this release's keys (and the rid's retraction count)."""
-        meta = protocol.meta_info(
+        """``responses.meta_info`` with this release's keys (and the rid's retraction count)."""
+        meta = responses.meta_info(
             **fields,
             retractions_key=self.profile.retractions_key,
             with_reasoning_tokens=self.profile.reasoning_tokens,
@@ -301,7 +301,7 @@ class CallItem:
             count = req.generated_tokens if final else req.reported_tokens
             ids = self.generation.output_ids[:count]
             if final:
-                finish = protocol.abort_reason(req.abort_message or "", waiting=req.aborted_while_waiting)
+                finish = responses.abort_reason(req.abort_message or "", waiting=req.aborted_while_waiting)
         text = sim.codec.decode(ids, finish, params.skip_special_tokens, params.no_stop_trim)
         if final and req.abort_message is None and self.bad_id is not None and ids:
             position, bad = self.bad_id

@@ -45,7 +45,7 @@ class VersionProfile:
     #: ``_add_metric_if_present`` / ``_calculate_timing_metrics``; 0.5.23's ``convert_to_output_meta_info`` of
     #: ``observability/req_time_stats.py``, flat keys of other names).
     timing_meta_info: bool = False
-    #: Which release's ``meta_info`` keys ``protocol.meta_info`` writes: "0.5.9", or "0.5.23" (also
+    #: Which release's ``meta_info`` keys ``responses.meta_info`` writes: "0.5.9", or "0.5.23" (also
     #: ``weight_versions``, ``dp_rank``, ``cached_tokens_details`` a dict once a prefix was cached).
     meta_info_layout: str = "0.5.9"
 

@@ -3,6 +3,12 @@
 A row is malformed when its spans or counts contradict its own ``output_ids``: the spans are a pure
 function of the ids (storage/spans.py), so they are recomputed and compared, and the structural
 rules are checked on their own too so the message says what is wrong.
+
+A row's ids are also checked against what was computed from them before they were stored, each recomputed here
+and never taken from the row or the message: :func:`hash_mismatches` (``input_ids`` against ``content_hash``:
+injected or corrupted prompts) and :func:`checksum_mismatches` (the ids against ``ids_crc32``: altered in
+storage). Like :func:`row_problems`, each needs only the table in hand, so ``producer verify`` (storage/verify.py)
+runs them all over the committed rows a batch at a time.
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ from storage.schema import (
     ANSWER_END,
     ANSWER_START,
     COMPLETION_TOKENS,
+    CONTENT_HASH,
     FINISH_REASON,
     HAS_THINK_END,
+    IDS_CRC32,
     INPUT_IDS,
     OUTPUT_IDS,
     PROMPT_ID,
@@ -29,8 +37,10 @@ from storage.schema import (
     STOP_TOKEN,
     TOKEN_COLUMNS,
     TOOL_CALL_SPANS,
+    table_ids_checksums,
 )
 from storage.spans import SpanTokens, compute_spans_batch, ids_at, prompts_open_reasoning
+from thinkfleet.message import hash_id_bytes, is_content_hash
 
 #: Columns :func:`row_problems` needs.
 CHECK_COLUMNS = [PROMPT_ID, *TOKEN_COLUMNS, *SPAN_COLUMNS, STOP_TOKEN, COMPLETION_TOKENS, FINISH_REASON]
@@ -140,3 +150,35 @@ def row_problems(
     stats = ThinkingStats(int(expected.sum()), int((expected & again.has_think_end).sum()))
     pids = table[PROMPT_ID].to_pylist()
     return {pids[i]: problems for i, problems in found.items()}, stats
+
+
+def hash_mismatches(table: pa.Table, submitted: dict[str, str] | None = None) -> list[str]:
+    """Prompt ids of rows whose ``input_ids`` do not hash to their ``content_hash`` — or, for a row whose
+    hash is no :func:`thinkfleet.message.content_hash` (empty, a placeholder), to the hash submitted for
+    the prompt (``submitted``: prompt_id → hash). Placeholders on both sides (the test fleet's
+    ``h-<prompt>``) cannot be recomputed; the stale check compares them as text.
+    """
+    submitted = submitted or {}
+    hashes = table[CONTENT_HASH].to_pylist()
+    values, offsets = flat_ids(table[INPUT_IDS])
+    ids = values.astype("<u4", copy=False)
+    out = []
+    for i, (pid, stored) in enumerate(zip(table[PROMPT_ID].to_pylist(), hashes, strict=True)):
+        wanted = stored if is_content_hash(stored) else submitted.get(pid)
+        if is_content_hash(wanted) and hash_id_bytes(ids[offsets[i] : offsets[i + 1]].tobytes()) != wanted:
+            out.append(pid)
+    return out
+
+
+def checksum_mismatches(table: pa.Table) -> list[str]:
+    """Prompt ids of rows whose ``ids_crc32`` is not the CRC-32 of their ids (rows without one — written before
+    schema 6 — are not checked)."""
+    if IDS_CRC32 not in table.column_names or table.num_rows == 0:
+        return []
+    stored = table[IDS_CRC32]
+    valid = stored.is_valid().to_numpy(zero_copy_only=False)
+    if not valid.any():
+        return []
+    differ = valid & (stored.fill_null(0).to_numpy() != table_ids_checksums(table))
+    pids = table[PROMPT_ID].to_pylist()
+    return [pids[i] for i in differ.nonzero()[0].tolist()]

@@ -47,7 +47,7 @@ def verify(settings: Settings, job: str, as_json: bool, live: bool) -> None:
     unreachable, a RabbitMQ broker).
     """
     if live:
-        from storage.verify import format_live_report, verify_live
+        from storage.verify_live import format_live_report, verify_live
 
         live_report = verify_live(settings, job)
         if as_json:
@@ -60,7 +60,8 @@ def verify(settings: Settings, job: str, as_json: bool, live: bool) -> None:
             raise SystemExit(1)
         return
 
-    from storage.verify import format_report, verify_job
+    from storage.verify import verify_job
+    from storage.verify_report import format_report
 
     report = verify_job(settings, job)
     if as_json:

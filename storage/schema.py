@@ -322,7 +322,7 @@ def ids_checksums(
     in_values: np.ndarray, in_offsets: np.ndarray, out_values: np.ndarray, out_offsets: np.ndarray
 ) -> list[int]:
     """Per row, CRC-32 of its input ids then its output ids as little-endian int32 bytes: a bit flipped in a
-    stored id (storage, a copy, a bad disk) is found by recomputing it (storage/verify.py)."""
+    stored id (storage, a copy, a bad disk) is found by recomputing it (storage/checks.py)."""
     ins = np.ascontiguousarray(in_values, dtype="<i4").tobytes()
     outs = np.ascontiguousarray(out_values, dtype="<i4").tobytes()
     crc = zlib.crc32

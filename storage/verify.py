@@ -4,8 +4,8 @@ Failing (non-zero exit): a submitted prompt with no row and no dead letter (miss
 more than one row at its winning revision (duplicated — run ``producer compact``, which keeps the
 committed winner); a row whose spans or counts contradict its ids (malformed); a row generated from
 other prompt content than the latest submit (stale); a row whose stored ``input_ids`` do not hash to
-its ``content_hash`` (hash mismatch: injected or corrupted — the hash is recomputed here, never taken
-from the message); the seed's bug — thinking prompts whose
+its ``content_hash`` (hash mismatch: injected or corrupted — the hash is recomputed, storage/checks.py, never
+taken from the message); the seed's bug — thinking prompts whose
 outputs almost never close reasoning (reasoning alarm); or no submitted set to check against.
 
 Multi-turn jobs (``--turns all``): a later turn joins the submitted set only when a worker enqueues it, so a
@@ -30,13 +30,17 @@ not know (Redis lost writes) with no row is missing, and so is a prompt Redis ca
 Reported without failing: dead-lettered prompts with no row ("permanent failures", retried with
 ``producer retry``), rows whose prompt_id was never submitted, and fenced rows (a stale claim's writes, of a
 lower epoch than the committed row's: left out of the committed view; ``producer compact`` removes them).
+
+This module gathers the job's sets and walks its rows; the findings and their text are storage/verify_report.py's,
+the row-level checks storage/checks.py's, the agentic steps' storage/verify_steps.py's, and ``--live`` (Redis only,
+while the job runs) storage/verify_live.py's.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,88 +49,23 @@ import pyarrow.compute as pc
 
 from storage import jobstate, layout, quarantine, reader, stream
 from storage.chains import CHAIN_COLUMNS, RecordReader, redis_records, stored_links
-from storage.checks import CHECK_COLUMNS, ThinkingStats, flat_ids, row_problems
+from storage.checks import CHECK_COLUMNS, ThinkingStats, checksum_mismatches, hash_mismatches, row_problems
 from storage.manifest import read_submitted
 from storage.schema import (
     CONTENT_HASH,
     DATASET,
     IDS_CRC32,
-    INPUT_IDS,
     MANIFEST_SCHEMA,
     PROMPT_ID,
     TOOL_CALL_SPANS,
-    table_ids_checksums,
 )
+from storage.verify_report import VerifyReport
 from thinkfleet import profiles
 from thinkfleet.chain_end import owed_successors
-from thinkfleet.message import hash_id_bytes, is_content_hash
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import JobRecord
 from thinkfleet.tokens import SpanTokens
 from thinkfleet.turns import beyond_chain_ends
-
-
-@dataclass
-class VerifyReport:
-    job: str
-    submitted_source: str  # "redis", "manifest" or "none"
-    submitted: int = 0
-    stored_rows: int = 0  # every row in storage, duplicates included
-    committed: int = 0  # distinct prompt ids in storage
-    missing: list[str] = field(default_factory=list)
-    #: --turns all: later turns never enqueued (turn i stored, no chain end, turn i+1 nowhere): prompt ids
-    missing_turns: list[str] = field(default_factory=list)
-    #: --turns all: turns past their conversation's chain end (a re-run ended it earlier): not current, no error
-    superseded: list[str] = field(default_factory=list)
-    #: agentic jobs: steps whose prompt is not the template's rendering of their history (storage/verify_steps.py)
-    step_prompt_mismatch: list[str] = field(default_factory=list)
-    duplicated: list[str] = field(default_factory=list)
-    duplicate_rows: int = 0  # rows beyond the first of each duplicated prompt
-    malformed: dict[str, list[str]] = field(default_factory=dict)  # prompt_id → problems
-    stale: list[str] = field(default_factory=list)  # row content_hash ≠ latest submitted hash
-    hash_mismatch: list[str] = field(default_factory=list)  # stored input_ids do not hash to content_hash
-    #: committed rows whose ids_crc32 is not the CRC-32 of their input_ids + output_ids (a bit flipped in storage)
-    checksum_mismatch: list[str] = field(default_factory=list)
-    #: damaged parts moved aside (storage/quarantine.py): their record, plus ``lost`` (prompts it held that are not
-    #: stored again; None when unknown) and ``recovered``
-    quarantined: list[dict[str, Any]] = field(default_factory=list)
-    #: rows of a stale claim (lower epoch than the committed row's): not in the committed view, not an error
-    fenced_rows: int = 0
-    fenced: list[str] = field(default_factory=list)  # their prompt ids
-    #: in the storage manifest but not in Redis's submitted set (Redis lost writes): checked all the same
-    unknown_to_redis: list[str] = field(default_factory=list)
-    #: done in Redis, no row in storage (a quarantined or deleted part): counted missing
-    lost_rows: list[str] = field(default_factory=list)
-    permanent_failures: list[str] = field(default_factory=list)  # dead-lettered, no row
-    not_submitted: list[str] = field(default_factory=list)
-    #: rows expected to reason: the prompt opens reasoning (storage.spans.prompt_opens_reasoning), or the job's
-    #: model opens it itself with thinking on (thinkfleet.profiles.expects_reasoning)
-    thinking_rows: int = 0
-    think_end_rows: int = 0
-    reasoning_alarm: bool = False
-    #: False: the job runs with --no-reasoning-spans — spans null (not recorded), no reasoning alarm.
-    reasoning_spans: bool = True
-    per_dataset: dict[str, dict[str, int]] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not (
-            self.missing
-            or self.missing_turns
-            or self.step_prompt_mismatch
-            or self.duplicated
-            or self.malformed
-            or self.stale
-            or self.hash_mismatch
-            or self.checksum_mismatch
-            or any(not q.get("recovered") for q in self.quarantined)
-            or self.reasoning_alarm
-            or self.submitted_source == "none"
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ok": self.ok}
 
 
 def verify_job(settings: Settings, job: str) -> VerifyReport:
@@ -403,20 +342,6 @@ def _quarantined(
     return out
 
 
-def checksum_mismatches(table: pa.Table) -> list[str]:
-    """Prompt ids of rows whose ``ids_crc32`` is not the CRC-32 of their ids (rows without one — written before
-    schema 6 — are not checked)."""
-    if IDS_CRC32 not in table.column_names or table.num_rows == 0:
-        return []
-    stored = table[IDS_CRC32]
-    valid = stored.is_valid().to_numpy(zero_copy_only=False)
-    if not valid.any():
-        return []
-    differ = valid & (stored.fill_null(0).to_numpy() != table_ids_checksums(table))
-    pids = table[PROMPT_ID].to_pylist()
-    return [pids[i] for i in differ.nonzero()[0].tolist()]
-
-
 def _known(submitted: pa.Array, dead: Any) -> Any:
     """:func:`thinkfleet.chain_end.owed_successors`'s ``present``: the candidates submitted or dead-lettered."""
 
@@ -441,48 +366,6 @@ def _answer_records(settings: Settings, job: str) -> RecordReader:
             return {}
 
     return read
-
-
-def _chain_ends(settings: Settings, job: str) -> set[str] | None:
-    """Turn prompt ids whose answer record (``Keys.turn_answers``) says ``chain_end``; None: Redis
-    could not be read."""
-    import json
-
-    import redis
-
-    key = settings.keys.turn_answers(job)
-    try:
-        client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
-        with client:
-            ends = set()
-            for pid, raw in client.hscan_iter(key, count=1000):
-                if b"chain_end" in raw:
-                    try:
-                        if "chain_end" in json.loads(raw):
-                            ends.add(pid.decode())
-                    except ValueError:
-                        continue
-            return ends
-    except (redis.RedisError, OSError):
-        return None
-
-
-def hash_mismatches(table: pa.Table, submitted: dict[str, str] | None = None) -> list[str]:
-    """Prompt ids of rows whose ``input_ids`` do not hash to their ``content_hash`` — or, for a row whose
-    hash is no :func:`thinkfleet.message.content_hash` (empty, a placeholder), to the hash submitted for
-    the prompt (``submitted``: prompt_id → hash). Placeholders on both sides (the test fleet's
-    ``h-<prompt>``) cannot be recomputed; the stale check compares them as text.
-    """
-    submitted = submitted or {}
-    hashes = table[CONTENT_HASH].to_pylist()
-    values, offsets = flat_ids(table[INPUT_IDS])
-    ids = values.astype("<u4", copy=False)
-    out = []
-    for i, (pid, stored) in enumerate(zip(table[PROMPT_ID].to_pylist(), hashes, strict=True)):
-        wanted = stored if is_content_hash(stored) else submitted.get(pid)
-        if is_content_hash(wanted) and hash_id_bytes(ids[offsets[i] : offsets[i + 1]].tobytes()) != wanted:
-            out.append(pid)
-    return out
 
 
 def _reasoning_expected(record: dict[str, Any] | JobRecord, tokens: SpanTokens) -> bool:
@@ -520,191 +403,3 @@ def _per_dataset(report: VerifyReport, sub_dataset: pa.Table, winners: pa.Table)
     count(_lookup(_ids(report.missing), sub_dataset, DATASET), "missing")
     count(_lookup(_ids(report.permanent_failures), sub_dataset, DATASET), "dead")
     return dict(sorted(out.items()))
-
-
-def format_report(report: VerifyReport, limit: int = 20) -> str:
-    """Plain text for people: counts, then the first ``limit`` ids of every problem."""
-    lines = [
-        f"job {report.job}: {'OK' if report.ok else 'FAILED'}",
-        f"  submitted {report.submitted} (from {report.submitted_source}), committed {report.committed}, "
-        f"stored rows {report.stored_rows}",
-        f"  thinking-mode rows {report.thinking_rows}, with </think> {report.think_end_rows}"
-        if report.reasoning_spans
-        else "  reasoning spans not recorded (--no-reasoning-spans): no reasoning alarm",
-    ]
-    for name, ds_counts in report.per_dataset.items():
-        lines.append(f"  dataset {name}: " + ", ".join(f"{k} {v}" for k, v in ds_counts.items()))
-
-    def section(title: str, ids: list[str], hint: str = "") -> None:
-        if not ids:
-            return
-        lines.append(f"{title}: {len(ids)}{hint}")
-        lines.extend(f"  {pid}" for pid in ids[:limit])
-        if len(ids) > limit:
-            lines.append(f"  … and {len(ids) - limit} more (--json lists all)")
-
-    bad_parts = [q for q in report.quarantined if not q.get("recovered")]
-    if bad_parts:
-        lines.append(
-            f"QUARANTINED PARTS: {len(bad_parts)} (damaged, moved aside under {report.job}/_quarantine/; "
-            f"`producer retry {report.job} --missing` or a re-submit of the same inputs regenerates their prompts)"
-        )
-        for q in bad_parts[:limit]:
-            lines.extend(_quarantine_lines(q, limit))
-    section(
-        "MISSING", report.missing, " (submitted, no row, not dead-lettered: producer retry --missing, or re-submit)"
-    )
-    section("  of which done in Redis with no row in storage (lost rows)", report.lost_rows)
-    missing = set(report.missing)
-    section(
-        "  of which unknown to Redis (only in the storage manifest)",
-        [p for p in report.unknown_to_redis if p in missing],
-    )
-    if report.missing_turns:
-        lines.append(
-            f"MISSING TURNS: {len(report.missing_turns)} (--turns all: the previous turn is stored and ended no "
-            "chain, this turn was never enqueued)"
-        )
-        for pid in report.missing_turns[:limit]:
-            conv, _, turn = pid.rpartition("/t")
-            lines.append(f"  conversation {conv}: turn {turn} ({pid})")
-        if len(report.missing_turns) > limit:
-            lines.append(f"  … and {len(report.missing_turns) - limit} more (--json lists all)")
-    section(
-        "STEP PROMPT MISMATCH",
-        report.step_prompt_mismatch,
-        " (agentic job: the stored prompt is not the template's rendering of the conversation up to the step)",
-    )
-    section("DUPLICATED", report.duplicated, f" ({report.duplicate_rows} extra rows: producer compact)")
-    if report.malformed:
-        lines.append(f"MALFORMED: {len(report.malformed)}")
-        for pid, problems in list(report.malformed.items())[:limit]:
-            lines.append(f"  {pid}: {'; '.join(problems)}")
-    section("STALE (row from older prompt content)", report.stale)
-    section("HASH MISMATCH (stored input_ids do not hash to the row's content_hash: injected?)", report.hash_mismatch)
-    section(
-        "CHECKSUM MISMATCH (the row's ids_crc32 is not the CRC-32 of its ids: altered in storage)",
-        report.checksum_mismatch,
-    )
-    if report.reasoning_alarm:
-        lines.append(
-            f"REASONING ALARM: {report.thinking_rows - report.think_end_rows} of {report.thinking_rows} "
-            "thinking-mode outputs have no </think>"
-        )
-    section("superseded turns (past their conversation's chain end: not current, not exported)", report.superseded)
-    if report.fenced_rows:
-        lines.append(
-            f"fenced: {report.fenced_rows} rows of {len(report.fenced)} prompts (a stale claim's writes, lower epoch "
-            "than the committed row: left out of the committed view and of export; producer compact removes them)"
-        )
-        lines.extend(f"  {pid}" for pid in report.fenced[:limit])
-        if len(report.fenced) > limit:
-            lines.append(f"  … and {len(report.fenced) - limit} more (--json lists all)")
-    recovered = [q for q in report.quarantined if q.get("recovered")]
-    if recovered:
-        lines.append(f"quarantined parts whose prompts are stored again: {len(recovered)} (inspect, then delete)")
-        for q in recovered[:limit]:
-            lines.extend(_quarantine_lines(q, limit))
-    section("permanent failures (dead-lettered)", report.permanent_failures)
-    section("rows not submitted", report.not_submitted)
-    lines.extend(f"note: {n}" for n in report.notes)
-    return "\n".join(lines)
-
-
-def _quarantine_lines(q: dict[str, Any], limit: int) -> list[str]:
-    held, lost = q.get("prompt_ids"), q.get("lost")
-    where = q.get("moved_to") or "(not movable: left in place)"
-    lines = [f"  {q.get('part')}: {q.get('reason')}", f"    now at {where}"]
-    if held is None:
-        lines.append("    the prompts it held are unknown (its footer does not decode): see MISSING")
-    else:
-        shown = ", ".join(held[:limit]) + (f" … and {len(held) - limit} more" if len(held) > limit else "")
-        lines.append(f"    held {len(held)} prompts: {shown}")
-        if lost:
-            lines.append(f"    {len(lost)} of them not stored again")
-    return lines
-
-
-# -- producer verify JOB --live: the invariant while the job runs ----------------------------------------------
-@dataclass
-class LiveReport:
-    """``total = done + dead + queued + running`` checked against Redis now (``thinkfleet.state.invariant``)."""
-
-    job: str
-    counts: dict[str, int] = field(default_factory=dict)
-    unaccounted: list[str] = field(default_factory=list)
-    duplicated: int = 0  # finished prompts with a message still queued or delivered: a redelivery, fine
-    error: str = ""  # why the invariant could not be checked (no job, Redis unreachable, RabbitMQ broker)
-
-    @property
-    def ok(self) -> bool:
-        return not (self.unaccounted or self.error)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ok": self.ok}
-
-
-def verify_live(settings: Settings, job: str) -> LiveReport:
-    """Every submitted prompt of ``job`` is done, dead-lettered, queued or running — right now."""
-    import redis
-
-    from thinkfleet.state.invariant import NotObservable, account
-
-    report = LiveReport(job=job)
-    client = redis.Redis.from_url(settings.redis_url)
-    try:
-        if not client.exists(settings.keys.prompts(job)):
-            report.error = f"job {job!r} has no submitted prompts in Redis at {_redacted(settings.redis_url)}"
-            return report
-        acc = account(client, settings, job)
-    except NotObservable as exc:
-        report.error = f"{exc}; --live needs a Redis broker"
-        return report
-    except redis.RedisError as exc:
-        report.error = f"cannot reach Redis at {_redacted(settings.redis_url)}: {exc}"
-        return report
-    finally:
-        client.close()
-    report.counts = acc.counts()
-    # Turns a re-run no longer derives (past their chain end) left done for good: superseded, not unaccounted.
-    from storage.verify_steps import unreachable_steps
-
-    gone = beyond_chain_ends(acc.unaccounted, _chain_ends(settings, job) or set())
-    gone |= unreachable_steps(settings, job, acc.unaccounted)  # agentic: steps no current chain reaches
-    report.unaccounted = sorted(set(acc.unaccounted) - gone)
-    if gone:
-        report.counts["unaccounted"] -= len(gone)
-        report.counts["superseded"] = len(gone)
-    report.duplicated = len(acc.duplicated)
-    return report
-
-
-def format_live_report(report: LiveReport, limit: int = 20) -> str:
-    if report.error:
-        return f"job {report.job} (live): CANNOT CHECK — {report.error}"
-    c = report.counts
-    lines = [
-        f"job {report.job} (live): {'OK' if report.ok else 'FAILED'}",
-        f"  total {c['total']} = done {c['done']} + dead {c['dead']} + queued {c['queued']} + running "
-        f"{c['running']}"
-        + (f" + superseded {c['superseded']}" if c.get("superseded") else "")
-        + (f" + UNACCOUNTED {c['unaccounted']}" if c["unaccounted"] else ""),
-    ]
-    if report.duplicated:
-        lines.append(f"  {report.duplicated} finished prompt(s) still have a message queued or delivered (redelivery)")
-    if report.unaccounted:
-        lines.append(
-            f"UNACCOUNTED: {len(report.unaccounted)} (not stored, not dead-lettered, not queued, not running: "
-            "nothing will run them; producer submit re-enqueues them)"
-        )
-        lines.extend(f"  {pid}" for pid in report.unaccounted[:limit])
-        if len(report.unaccounted) > limit:
-            lines.append(f"  … and {len(report.unaccounted) - limit} more (--json lists all)")
-    return "\n".join(lines)
-
-
-def _redacted(url: str) -> str:
-    """``redis://:secret@host`` → ``redis://:**@host``: passwords never reach output."""
-    import re
-
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1**@", url)

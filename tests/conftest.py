@@ -52,18 +52,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
         return
     if not (report.failed or (report.skipped and not hasattr(report, "wasxfail"))):
         return
-    from testing import harness as worker_harness
+    from testing import record
 
     ci = item.get_closest_marker("slow") is None
     if report.failed:
         error = call.excinfo.exconly() if call.excinfo is not None else str(report.longrepr)
         error = error.strip().splitlines()[0] if error.strip() else "failed"
         tb = call.excinfo.tb if call.excinfo is not None else None
-        worker_harness.record_failure(item.nodeid, f"{report.when}: {error}", ci=ci, tb=tb)
+        record.record_failure(item.nodeid, f"{report.when}: {error}", ci=ci, tb=tb)
     else:
         longrepr = report.longrepr
         reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
-        worker_harness.record_skip(item.nodeid, str(reason), ci=ci)
+        record.record_skip(item.nodeid, str(reason), ci=ci)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The demo's agentic sample (``python -m demo --agentic``, README "Agentic conversations").
+"""The demo's agentic sample (``python -m demo --agentic``, docs/conversations.md).
 
 Given a Redis that answers (this session's private redis-server, the demo's own key prefix and queue made unique),
 when the demo runs its agentic sample exactly as the README's command does — its own simulator with the tool

@@ -13,6 +13,8 @@
 
 - No two files import each other, directly or around a circle, at any depth (``if TYPE_CHECKING:`` too): a circle is
   two files that are one idea, or one idea split in the wrong place.
+- No module is longer than a reader can follow (:data:`LONG_FILE` lines) unless its docstring says why it is one
+  file, in a paragraph that starts ``One file because``.
 
 Each failure names the file and line of the offending import or literal.
 """
@@ -33,6 +35,10 @@ FOUNDATION = "thinkfleet/"
 ABOVE_FOUNDATION = frozenset(PACKAGES) - {"thinkfleet"}
 TESTING = "testing/"
 BROKER = "thinkfleet/broker/"
+#: Past this many lines a reader loses the thread of a module: split it where its concepts split, or say why not.
+LONG_FILE = 600
+#: How a long module's docstring says why it is one file.
+LONG_REASON = "One file because"
 #: kombu's separator between a queue and its priority step (thinkfleet/broker/keys.py: PRIORITY_SEP).
 KOMBU_SEP = "\x06\x16"
 
@@ -268,3 +274,15 @@ def test_no_two_files_import_each_other() -> None:
         for group in circles
     ]  # fmt: skip
     assert not circles, "files that import each other:\n  " + "\n  ".join(detail)
+
+
+def test_no_module_is_long_without_a_reason_at_its_top() -> None:
+    long = []
+    for path, tree in _sources():
+        lines = (ROOT / path).read_text(encoding="utf-8").count("\n")
+        if lines > LONG_FILE and LONG_REASON not in (ast.get_docstring(tree) or ""):
+            long.append(f"{path}: {lines} lines")
+    assert not long, (
+        f"modules over {LONG_FILE} lines whose docstring does not say why they are one file ('{LONG_REASON} …'): "
+        "split them where their concepts split, or write the reason:\n  " + "\n  ".join(long)
+    )

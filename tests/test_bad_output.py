@@ -25,17 +25,8 @@ from sglang_sim.faults import FaultConfig, FaultInjector
 from sglang_sim.generate import _prompt_key
 from sglang_sim.testing import SimulatorThread
 from testing.fleet import WorkerProcess, dead_letters, job_progress
-from testing.harness import (
-    check_job,
-    fast_env,
-    isolated_settings,
-    make_prompts,
-    producer_cli,
-    record_result,
-    register_ids,
-    sim_stats,
-    simulator,
-)
+from testing.harness import fast_env, isolated_settings, make_prompts, producer_cli, register_ids, sim_stats, simulator
+from testing.record import check_job, record_result
 from thinkfleet import kimi
 from thinkfleet.broker.celery_app import send_tasks as publish
 from thinkfleet.keys import Keys

@@ -274,7 +274,8 @@ def test_wait_exits_3_and_verify_fails_on_a_stranded_conversation_and_both_pass_
 ) -> None:
     """A hand-built job state: c0 complete, c1 ended with a reason at turn 0, c2's turn 0 stored saying the chain
     goes on — and its turn 1 never enqueued (the enqueue lost, as issue 32's purge + re-submit lost them)."""
-    from producer.submit import SubmitOptions, submit
+    from producer.submit import submit
+    from producer.submit_options import SubmitOptions
     from storage.writer import PartWriter
     from testing.rows import make_row
 

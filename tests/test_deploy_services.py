@@ -441,14 +441,22 @@ def test_flower_refuses_everything_but_health_and_metrics_without_the_login(flee
 
 def test_flower_health_and_metrics_stay_open_for_the_healthcheck_and_prometheus(fleet: Fleet) -> None:
     assert http(fleet.flower_url + "/healthcheck")[0] == 200
-    status, body = http(fleet.flower_url + "/metrics")
-    assert status == 200
-    succeeded = re.findall(
-        r'^flower_events_total\{[^}]*task="thinkfleet.generate"[^}]*type="task-succeeded"[^}]*\} (\S+)$',
-        body.decode(),
-        flags=re.MULTILINE,
-    )
-    assert sum(map(float, succeeded)) >= 12
+    # Task events reach Flower asynchronously: the worker buffers them and flushes on its event loop's next turn
+    # (up to a poll interval after the task ended), so the count is awaited, never read once.
+    body = b""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        status, body = http(fleet.flower_url + "/metrics")
+        assert status == 200
+        succeeded = re.findall(
+            r'^flower_events_total\{[^}]*task="thinkfleet.generate"[^}]*type="task-succeeded"[^}]*\} (\S+)$',
+            body.decode(),
+            flags=re.MULTILINE,
+        )
+        if sum(map(float, succeeded)) >= 12:
+            break
+        time.sleep(1)
+    assert sum(map(float, succeeded)) >= 12, body.decode()[:3000]
 
 
 def test_flower_shows_the_worker_under_its_node_name(fleet: Fleet) -> None:

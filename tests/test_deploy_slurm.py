@@ -30,7 +30,8 @@ import pytest
 import redis
 
 from demo.fleet import free_port
-from testing.harness import FAST_WORKER, check_job, make_prompts, producer_cli, republish, submit_ids
+from testing.harness import FAST_WORKER, make_prompts, producer_cli, republish, submit_ids
+from testing.record import check_job
 from testing.services import service_missing
 from thinkfleet.settings import Settings
 

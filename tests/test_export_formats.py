@@ -7,7 +7,7 @@ read back the way its consumer reads it.
 
 The consumers themselves (SpecForge 0.2.0, speculators 0.9.0) pull torch and pin versions of their own,
 so they live in a separate virtual environment (``THINKFLEET_CONSUMERS_VENV``, default
-``/tmp/consumers-venv``; README "Exports" has the recipe). Without it the test that runs them is
+``/tmp/consumers-venv``; docs/exports.md has the recipe). Without it the test that runs them is
 skipped, saying why; the schema tests always run.
 """
 
@@ -30,7 +30,8 @@ from click.testing import CliRunner
 from test_storage_s3 import BUCKET, s3_endpoint  # noqa: F401 - the local S3 (moto) fixture
 
 from producer import render
-from producer.submit import SubmitOptions, submit
+from producer.submit import submit
+from producer.submit_options import SubmitOptions
 from storage.cli import export, report
 from storage.exports import SPECFORGE_MAX_LENGTH, ExportError, export_job
 from storage.exports import hf as export_module
@@ -479,8 +480,8 @@ def _consumers_python() -> Path:
     )
     if not ok:
         reason = (
-            f"no SpecForge/speculators venv at {CONSUMERS_VENV} (set THINKFLEET_CONSUMERS_VENV; README "
-            "'Exports' has the recipe): the consumers' own loaders are not run"
+            f"no SpecForge/speculators venv at {CONSUMERS_VENV} (set THINKFLEET_CONSUMERS_VENV; docs/exports.md "
+            "has the recipe): the consumers' own loaders are not run"
         )
         print(f"SKIP: {reason}", file=sys.stderr)
         pytest.skip(reason)

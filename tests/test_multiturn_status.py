@@ -9,7 +9,8 @@ import redis
 from click.testing import CliRunner
 
 from producer.cli import cli
-from producer.submit import SubmitOptions, submit
+from producer.submit import submit
+from producer.submit_options import SubmitOptions
 from testing.datasets import write_jsonl
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet.settings import Settings
@@ -106,7 +107,8 @@ def _store(tmp_path: Path, client: redis.Redis, settings: Settings, rows: list[d
 def test_verify_passes_every_turn_once_and_names_a_conversation_missing_a_later_turn(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
-    from storage.verify import format_report, verify_job
+    from storage.verify import verify_job
+    from storage.verify_report import format_report
 
     settings = Settings(redis_url=redis_url, output_uri=str(tmp_path / "out"))
     rows = _turn_rows(3, 3)
@@ -143,7 +145,7 @@ def test_verify_passes_every_turn_once_and_names_a_conversation_missing_a_later_
 def test_a_resubmit_with_another_turns_is_refused(redis_url: str, redis_client: redis.Redis, tmp_path: Path) -> None:
     import pytest
 
-    from producer.submit import SubmitError
+    from producer.submit_options import SubmitError
 
     settings = Settings(redis_url=redis_url, output_uri=str(tmp_path / "out"))
     tok = str(build_test_tokenizer(default_test_tokenizer_dir()))

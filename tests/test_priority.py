@@ -16,11 +16,13 @@ import redis
 import redis.asyncio as aioredis
 
 from producer.enqueue import Stager, job_priority
+from producer.jobrecord import submit_priority
 from producer.retry import _requeue
-from producer.submit import SubmitOptions, _priority
+from producer.submit_options import SubmitOptions
 from sglang_sim.testing import SimulatorProcess
 from testing.fleet import WorkerProcess, job_progress, wait_until
-from testing.harness import IdJob, check_job, fast_env, isolated_settings, make_prompts, register_ids
+from testing.harness import IdJob, fast_env, isolated_settings, make_prompts, register_ids
+from testing.record import check_job
 from thinkfleet.broker.envelope import Envelope
 from thinkfleet.broker.keys import priority_list, priority_lists
 from thinkfleet.broker.queues import queue_keys
@@ -74,11 +76,11 @@ def test_jobs_land_on_the_list_of_their_priority(redis_url: str, tmp_path: Path)
 def test_submit_priority_is_the_flag_else_the_jobs() -> None:
     opts = SubmitOptions.__new__(SubmitOptions)
     opts.priority = None
-    assert _priority(opts, None) == 0
+    assert submit_priority(opts, None) == 0
     record = JobRecord.from_dict({"priority": 7})
-    assert _priority(opts, record) == 7
+    assert submit_priority(opts, record) == 7
     opts.priority = 2
-    assert _priority(opts, record) == 2
+    assert submit_priority(opts, record) == 2
 
 
 def test_pause_resume_keeps_a_jobs_priority(redis_url: str, tmp_path: Path) -> None:

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from producer import render
-from producer.submit import SubmitOptions, submit
+from producer.submit import submit
+from producer.submit_options import SubmitOptions
 from testing.datasets import chat_rows, write_jsonl
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet.broker.keys import kombu_transport_options

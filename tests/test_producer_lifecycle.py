@@ -14,17 +14,16 @@ from sglang_sim.testing import SimulatorProcess
 from testing.fleet import WorkerProcess, dead_letters, in_flight, job_progress, wait_until
 from testing.harness import (
     STEADY_LEASE,
-    check_job,
     fast_env,
     isolated_settings,
     make_prompts,
     post_json,
     producer_cli,
-    record_result,
     sim_stats,
     submit_ids,
 )
 from testing.invariant_watch import InvariantWatch
+from testing.record import check_job, record_result
 from thinkfleet.settings import Settings
 from thinkfleet.state import lifecycle as lc
 

@@ -10,8 +10,10 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from producer.cli import EXIT_INCONSISTENT, EXIT_TIMEOUT, cli
-from producer.submit import SubmitOptions, submit
+from producer.cli import cli
+from producer.status_cmd import EXIT_INCONSISTENT, EXIT_TIMEOUT
+from producer.submit import submit
+from producer.submit_options import SubmitOptions
 from testing.datasets import chat_rows, write_jsonl
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet.broker.keys import kombu_transport_options

@@ -12,7 +12,8 @@ import redis
 
 from producer import render
 from producer.job import JobRecord
-from producer.submit import SubmitError, SubmitOptions, submit
+from producer.submit import submit
+from producer.submit_options import SubmitError, SubmitOptions
 from testing.datasets import chat_rows, write_jsonl
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet import kimi

@@ -17,7 +17,8 @@ from click.testing import CliRunner
 
 from producer import render
 from producer.cli import cli
-from producer.submit import SubmitError, SubmitOptions, submit
+from producer.submit import submit
+from producer.submit_options import SubmitError, SubmitOptions
 from testing.datasets import chat_rows, write_jsonl
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet import kimi

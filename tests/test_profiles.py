@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import redis
 
-from producer.submit import SubmitError, SubmitOptions, submit
+from producer.submit import submit
+from producer.submit_options import SubmitError, SubmitOptions
 from sglang_sim.config import SimConfig
 from sglang_sim.content import ContentConfig, expected_generation
 from storage.spans import compute_spans, compute_spans_batch

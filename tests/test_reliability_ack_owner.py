@@ -20,7 +20,8 @@ import redis
 
 from sglang_sim.testing import SimulatorProcess
 from testing.fleet import WorkerProcess, in_flight, job_progress, wait_until
-from testing.harness import check_job, fast_env, isolated_settings, make_prompts, record_result, submit_ids
+from testing.harness import fast_env, isolated_settings, make_prompts, submit_ids
+from testing.record import check_job, record_result
 
 PROMPTS = 8
 #: Short, so that A's lease lapses soon after it is paused (its messages are restored and B takes them over).

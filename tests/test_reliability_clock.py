@@ -24,16 +24,8 @@ import redis
 
 from sglang_sim.testing import SimulatorProcess
 from testing.fleet import WorkerProcess, in_flight, job_progress, wait_until
-from testing.harness import (
-    check_job,
-    fast_env,
-    isolated_settings,
-    make_prompts,
-    post_json,
-    producer_cli,
-    record_result,
-    submit_ids,
-)
+from testing.harness import fast_env, isolated_settings, make_prompts, post_json, producer_cli, submit_ids
+from testing.record import check_job, record_result
 from thinkfleet.broker.keys import KombuKeys
 
 #: libfaketime as the Debian ``faketime`` package installs it (preloaded into the worker itself: the

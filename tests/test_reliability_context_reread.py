@@ -22,15 +22,8 @@ import redis
 
 from sglang_sim.testing import SimulatorProcess
 from testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
-from testing.harness import (
-    check_job,
-    fast_env,
-    isolated_settings,
-    make_prompts,
-    producer_cli,
-    record_result,
-    submit_ids,
-)
+from testing.harness import fast_env, isolated_settings, make_prompts, producer_cli, submit_ids
+from testing.record import check_job, record_result
 from thinkfleet.settings import Settings
 from workers.attempts import RequestAttempts
 from workers.health import REREAD_MIN_AGE_S, HealthGate

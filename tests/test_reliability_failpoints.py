@@ -24,8 +24,9 @@ import redis
 
 from sglang_sim.testing import SimulatorProcess
 from testing.fleet import WorkerProcess, dead_letters, job_progress, job_settled, wait_until
-from testing.harness import check_job, fast_env, isolated_settings, make_prompts, record_result, submit_ids
+from testing.harness import fast_env, isolated_settings, make_prompts, submit_ids
 from testing.invariant_watch import InvariantWatch
+from testing.record import check_job, record_result
 from thinkfleet import failpoints
 from thinkfleet.broker.keys import kombu_transport_options
 from thinkfleet.failpoints import ACTIONS, WORKER_POINTS
@@ -164,7 +165,8 @@ def test_submit_failing_after_staging_changes_nothing_and_the_rerun_enqueues_eac
 ) -> None:
     from producer import enqueue
     from producer import submit as submit_module
-    from producer.submit import SubmitOptions, submit
+    from producer.submit import submit
+    from producer.submit_options import SubmitOptions
     from testing.datasets import chat_rows, write_jsonl
     from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
     from thinkfleet.message import PromptTask

@@ -16,7 +16,8 @@ import redis
 
 from sglang_sim.testing import SimulatorProcess
 from testing.fleet import WorkerProcess, dead_letters, in_flight, job_progress, wait_until
-from testing.harness import check_job, fast_env, isolated_settings, make_prompts, record_result, submit_ids
+from testing.harness import fast_env, isolated_settings, make_prompts, submit_ids
+from testing.record import check_job, record_result
 from thinkfleet.keys import Keys
 
 #: A worker's log line for each last-chance run (workers/pipeline.py): the group it joined and its cap.

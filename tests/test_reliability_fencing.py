@@ -24,17 +24,9 @@ from sglang_sim.testing import SimulatorProcess
 from storage import reader
 from storage.schema import EPOCH, PROMPT_ID
 from testing.fleet import WorkerProcess, in_flight, job_progress, job_settled, wait_until
-from testing.harness import (
-    Outcome,
-    check_job,
-    fast_env,
-    isolated_settings,
-    make_prompts,
-    producer_cli,
-    record_result,
-    submit_ids,
-)
+from testing.harness import fast_env, isolated_settings, make_prompts, producer_cli, submit_ids
 from testing.invariant_watch import InvariantWatch
+from testing.record import Outcome, check_job, record_result
 from thinkfleet import failpoints
 from thinkfleet.settings import Settings
 

@@ -22,16 +22,8 @@ import redis
 
 from sglang_sim.testing import SimulatorProcess
 from testing.fleet import WorkerProcess, job_progress, wait_until
-from testing.harness import (
-    _publish,
-    check_job,
-    fast_env,
-    isolated_settings,
-    make_prompts,
-    producer_cli,
-    record_result,
-    register_ids,
-)
+from testing.harness import _publish, fast_env, isolated_settings, make_prompts, producer_cli, register_ids
+from testing.record import check_job, record_result
 from thinkfleet import failpoints
 
 PROMPTS = 24

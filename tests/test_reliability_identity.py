@@ -28,15 +28,8 @@ import redis
 from sglang_sim.testing import SimulatorProcess
 from storage.reader import read_committed
 from testing.fleet import WorkerProcess, in_flight, job_progress, wait_until
-from testing.harness import (
-    check_job,
-    fast_env,
-    isolated_settings,
-    make_prompts,
-    post_json,
-    record_result,
-    submit_ids,
-)
+from testing.harness import fast_env, isolated_settings, make_prompts, post_json, submit_ids
+from testing.record import check_job, record_result
 from thinkfleet.broker.keys import KombuKeys
 
 #: A lease long enough that a loaded box never misses a live worker's heartbeat (it beats every lease/4).

@@ -21,8 +21,9 @@ import redis
 
 from sglang_sim.testing import SimulatorProcess
 from testing.fleet import WorkerProcess, draw_schedule, exchange_paths, job_progress, job_settled, wait_until
-from testing.harness import check_job, fast_env, isolated_settings, make_prompts, record_result, submit_ids
+from testing.harness import fast_env, isolated_settings, make_prompts, submit_ids
 from testing.invariant_watch import InvariantWatch
+from testing.record import check_job, record_result
 from testing.services import RedisServer
 from thinkfleet.settings import Settings
 

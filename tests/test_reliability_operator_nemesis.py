@@ -35,7 +35,8 @@ from storage.verify_steps import unreachable_steps
 from testing.chains import chain_problems
 from testing.datasets import agentic_rows, chat_rows, conversation_rows, write_jsonl
 from testing.fleet import WorkerProcess, draw_schedule, job_progress, wait_until
-from testing.harness import Outcome, check_job, fast_env, isolated_settings, producer_cli, record_result, simulator
+from testing.harness import fast_env, isolated_settings, producer_cli, simulator
+from testing.record import Outcome, check_job, record_result
 from testing.services import RedisServer
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet.settings import Settings

@@ -24,15 +24,8 @@ from sglang_sim.testing import SimulatorProcess
 from storage import reader
 from storage.schema import PROMPT_ID, REVISION
 from testing.fleet import WorkerProcess, dead_letters, in_flight, job_progress, wait_until
-from testing.harness import (
-    check_job,
-    fast_env,
-    isolated_settings,
-    make_prompts,
-    producer_cli,
-    record_result,
-    submit_ids,
-)
+from testing.harness import fast_env, isolated_settings, make_prompts, producer_cli, submit_ids
+from testing.record import check_job, record_result
 from thinkfleet import failpoints
 from thinkfleet.broker.keys import kombu_transport_options
 from thinkfleet.settings import Settings

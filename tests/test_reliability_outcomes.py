@@ -14,18 +14,9 @@ import redis
 
 from sglang_sim.testing import SimulatorProcess
 from testing.fleet import WorkerProcess, dead_letters, exchange_paths, free_port, job_progress, wait_until
-from testing.harness import (
-    STEADY_LEASE,
-    check_job,
-    fast_env,
-    isolated_settings,
-    make_prompts,
-    record_result,
-    register_ids,
-    sim_stats,
-    submit_ids,
-)
+from testing.harness import STEADY_LEASE, fast_env, isolated_settings, make_prompts, register_ids, sim_stats, submit_ids
 from testing.invariant_watch import InvariantWatch
+from testing.record import check_job, record_result
 from thinkfleet.broker.celery_app import send_tasks as _publish
 from thinkfleet.message import PromptTask
 from workers.tasks import START_FAILED_EXIT

@@ -21,17 +21,16 @@ from storage.reader import stored_prompt_ids
 from testing.datasets import chat_rows, write_jsonl
 from testing.fleet import RecoveryWatch, WorkerProcess, in_flight, job_progress, stuck_report, wait_until
 from testing.harness import (
-    check_job,
     cli_env,
     fast_env,
     isolated_settings,
     make_prompts,
     producer_cli,
-    record_result,
     sim_stats,
     simulator,
     submit_ids,
 )
+from testing.record import check_job, record_result
 from testing.services import RedisServer
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 

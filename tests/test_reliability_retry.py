@@ -23,16 +23,15 @@ from sglang_sim.testing import SimulatorProcess
 from testing.fleet import WorkerProcess, dead_letters, in_flight, job_progress, wait_until
 from testing.harness import (
     STEADY_LEASE,
-    check_job,
     fast_env,
     isolated_settings,
     make_prompts,
     producer_cli,
-    record_result,
     register_ids,
     submit_ids,
     transit_prompt_ids,
 )
+from testing.record import check_job, record_result
 from thinkfleet.keys import Keys
 from thinkfleet.settings import Settings
 from thinkfleet.state.invariant import queued_prompt_ids

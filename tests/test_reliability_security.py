@@ -16,16 +16,8 @@ import pytest
 import redis
 
 from testing.fleet import WorkerProcess, job_progress, wait_until
-from testing.harness import (
-    check_job,
-    fast_env,
-    isolated_settings,
-    make_prompts,
-    producer_cli,
-    record_result,
-    simulator,
-    submit_ids,
-)
+from testing.harness import fast_env, isolated_settings, make_prompts, producer_cli, simulator, submit_ids
+from testing.record import check_job, record_result
 from testing.services import REDIS_SERVER, free_port, service_missing, wait_for_port
 from thinkfleet.message import TASK_NAME
 from thinkfleet.settings import Settings

@@ -15,18 +15,9 @@ import redis
 
 from sglang_sim.testing import SimulatorProcess
 from testing.fleet import RecoveryWatch, WorkerProcess, dead_letters, in_flight, job_progress, wait_until
-from testing.harness import (
-    check_job,
-    fast_env,
-    isolated_settings,
-    make_prompts,
-    post_json,
-    record_result,
-    sim_stats,
-    simulator,
-    submit_ids,
-)
+from testing.harness import fast_env, isolated_settings, make_prompts, post_json, sim_stats, simulator, submit_ids
 from testing.invariant_watch import InvariantWatch
+from testing.record import check_job, record_result
 
 #: The issue's fault mix: 5 % 503, 1 % dropped connections, 0.5 % hangs.
 FAULT_MIX = ("--fault-503-rate", "0.05", "--fault-drop-rate", "0.01", "--fault-hang-rate", "0.005")

@@ -23,16 +23,8 @@ from testing.fleet import (
     job_progress,
     wait_until,
 )
-from testing.harness import (
-    check_job,
-    fast_env,
-    isolated_settings,
-    make_prompts,
-    post_json,
-    record_result,
-    republish,
-    submit_ids,
-)
+from testing.harness import fast_env, isolated_settings, make_prompts, post_json, republish, submit_ids
+from testing.record import check_job, record_result
 from testing.services import RedisServer
 from tests.test_reliability_servers import FAULT_MIX, run_fault_mix
 from workers.runtime import REDIS_RETRIES

@@ -16,16 +16,8 @@ from pathlib import Path
 import redis
 
 from testing.fleet import WorkerProcess, job_progress, wait_until
-from testing.harness import (
-    check_job,
-    fast_env,
-    isolated_settings,
-    make_prompts,
-    record_result,
-    sim_stats,
-    simulator,
-    submit_ids,
-)
+from testing.harness import fast_env, isolated_settings, make_prompts, sim_stats, simulator, submit_ids
+from testing.record import check_job, record_result
 
 
 def _generations_per_prompt(sim: str, job: str) -> dict[str, int]:

@@ -20,17 +20,16 @@ import redis.asyncio as aioredis
 
 from testing.fleet import RecoveryWatch, WorkerProcess, in_flight, job_progress, wait_until
 from testing.harness import (
-    check_job,
     fast_env,
     isolated_settings,
     make_prompts,
-    record_result,
     register_ids,
     simulator,
     submit_ids,
     transit_prompt_ids,
 )
 from testing.invariant_watch import InvariantWatch
+from testing.record import check_job, record_result
 from thinkfleet.broker.envelope import Envelope
 from thinkfleet.broker.keys import kombu_transport_options
 from thinkfleet.settings import Settings

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer.submit import SubmitError, SubmitOptions, _ManifestSpool, submit
+from producer.collector import ManifestSpool
+from producer.submit import submit
+from producer.submit_options import SubmitError, SubmitOptions
 from testing.datasets import chat_rows, write_jsonl
 from testing.harness import isolated_settings
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
@@ -46,8 +48,8 @@ def test_a_second_submit_merges_its_staged_hashes_into_the_jobs(
     tok = _tok()
     a = write_jsonl(tmp_path / "a.jsonl", chat_rows(40, words=6))
     b = write_jsonl(tmp_path / "b.jsonl", chat_rows(25, words=6, seed=2))
-    monkeypatch.setattr(_ManifestSpool, "CHUNK", 7)  # spool and manifest files of a few rows each
-    monkeypatch.setattr(_ManifestSpool, "FILE_ROWS", 16)
+    monkeypatch.setattr(ManifestSpool, "CHUNK", 7)  # spool and manifest files of a few rows each
+    monkeypatch.setattr(ManifestSpool, "FILE_ROWS", 16)
     submit(settings, SubmitOptions(paths=[a], job="m", tokenizer=tok, processes=2))
     # When a second dataset joins the job (the commit merges into existing hashes, not a RENAME).
     report = submit(settings, SubmitOptions(paths=[a, b], job="m", tokenizer=tok, processes=2))

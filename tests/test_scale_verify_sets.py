@@ -7,7 +7,7 @@ import random
 
 import pyarrow as pa
 
-from storage import verify
+from storage import verify, verify_report
 from storage.schema import CONTENT_HASH, DATASET, PROMPT_ID
 
 # Ids whose order differs between naive orderings: non-ASCII, a prefix of another, digits after letters.
@@ -47,7 +47,7 @@ def test_stale_and_per_dataset_match_the_dict_answers() -> None:
     expected = sorted(p for p, h in stored.items() if h and submitted.get(p) and submitted[p] != h)
     assert verify._stale(winners, sub) == expected
     # And the per-dataset counts are the bump-by-bump counts
-    report = verify.VerifyReport(job="j", submitted_source="redis")
+    report = verify_report.VerifyReport(job="j", submitted_source="redis")
     report.missing = sorted(set(submitted) - set(stored))
     report.permanent_failures = report.missing[::3]
     want: dict[str, dict[str, int]] = {}

@@ -30,16 +30,15 @@ from storage.verify import verify_job
 from storage.writer import PartWriter
 from testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
 from testing.harness import (
-    check_job,
     fast_env,
     isolated_settings,
     make_prompts,
     metric_counter,
-    record_result,
     register_ids,
     simulator,
     worker_metrics,
 )
+from testing.record import check_job, record_result
 from testing.rows import make_row
 from thinkfleet.broker.celery_app import send_tasks as _publish
 from thinkfleet.broker.guard import CompressionRefused, refuse_compression
@@ -185,7 +184,8 @@ def test_a_task_with_a_name_that_is_not_plain_cannot_exist(job: str, dataset: st
 
 
 def test_submit_refuses_a_job_name_that_is_not_plain() -> None:
-    from producer.submit import SubmitError, SubmitOptions, submit
+    from producer.submit import submit
+    from producer.submit_options import SubmitError, SubmitOptions
 
     with pytest.raises(SubmitError, match="job name 'x:claims' is not plain"):
         submit(Settings(), SubmitOptions(paths=[], job="x:claims", tokenizer="/nonexistent"))
@@ -230,7 +230,7 @@ def test_abandon_claims_skips_job_names_that_are_not_plain_and_foreign_keys(redi
     assert json.loads(redis_client.hget(keys.claims("x:claims"), "p9"))["worker"] == "w1", "never touched"
 
 
-# -- producer verify: hashes recomputed from the stored ids (storage/verify.py) ---------------------------
+# -- producer verify: hashes recomputed from the stored ids (storage/checks.py) ---------------------------
 def test_verify_catches_a_row_injected_with_a_forged_hash(
     tmp_path: Path, redis_url: str, redis_client: redis.Redis
 ) -> None:

@@ -39,15 +39,8 @@ import pytest
 import redis
 
 from testing.fleet import WorkerProcess, in_flight, job_progress, wait_until
-from testing.harness import (
-    IdJob,
-    check_job,
-    fast_env,
-    make_prompts,
-    record_result,
-    simulator,
-    submit_ids,
-)
+from testing.harness import IdJob, fast_env, make_prompts, simulator, submit_ids
+from testing.record import check_job, record_result
 from testing.services import REDIS_SERVER, free_port, needs_service, wait_for_port
 from thinkfleet.settings import Settings
 

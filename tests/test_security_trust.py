@@ -34,7 +34,6 @@ from storage.writer import PartWriter
 from testing.datasets import conversation_rows, write_jsonl
 from testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
 from testing.harness import (
-    check_job,
     fast_env,
     isolated_settings,
     make_prompts,
@@ -44,6 +43,7 @@ from testing.harness import (
     simulator,
     worker_metrics,
 )
+from testing.record import check_job
 from testing.rows import make_row
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet.broker.celery_app import send_tasks

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import requests
 
-from sglang_sim.protocol import QUEUE_FULL_MESSAGE
+from sglang_sim.errors import QUEUE_FULL_MESSAGE
 from sglang_sim.testing import SimulatorThread, run_simulator_process
 
 QUEUE_FULL_BODY = {"object": "error", "message": QUEUE_FULL_MESSAGE, "type": "503", "param": None, "code": 503}

@@ -17,7 +17,7 @@ import requests
 
 from sglang_sim.config import SimConfig
 from sglang_sim.content import NAN_MATCHED, expected_generation, nan_overwrite_id
-from sglang_sim.protocol import CONTRACT_SAMPLING_FIELDS
+from sglang_sim.sampling import CONTRACT_SAMPLING_FIELDS
 from sglang_sim.testing import SimulatorProcess, SimulatorThread, wait_for_port
 from sglang_sim.versions import PROFILES
 from thinkfleet import kimi

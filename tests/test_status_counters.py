@@ -22,7 +22,8 @@ from click.testing import CliRunner
 from producer.cli import cli
 from producer.state import _refill_done
 from producer.status import CheckClock, StatusReader
-from producer.submit import SubmitOptions, submit
+from producer.submit import submit
+from producer.submit_options import SubmitOptions
 from testing.datasets import chat_rows, write_jsonl
 from testing.harness import isolated_settings
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir

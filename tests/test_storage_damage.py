@@ -320,7 +320,7 @@ def test_verify_fails_on_a_row_whose_ids_crc32_does_not_match(
     report = verify_job(_settings(tmp_path, redis_url), JOB)
     assert not report.ok and report.quarantined and "k-2" in report.quarantined[0]["reason"]
     # checksum_mismatches itself names the row (verify's own recomputation over the committed view).
-    from storage.verify import checksum_mismatches
+    from storage.checks import checksum_mismatches
 
     assert checksum_mismatches(bad) == ["k-2"]
     old = bad.set_column(bad.schema.get_field_index(IDS_CRC32), IDS_CRC32, pa.nulls(4, pa.int64()))
@@ -501,7 +501,8 @@ def test_a_damaged_part_on_s3_is_quarantined_through_the_filesystem(s3_endpoint:
 def test_a_resubmit_re_enqueues_a_done_prompt_whose_row_was_in_a_quarantined_part(
     tmp_path: Path, redis_url: str, redis_client: redis.Redis
 ) -> None:
-    from producer.submit import SubmitOptions, submit
+    from producer.submit import submit
+    from producer.submit_options import SubmitOptions
     from testing.datasets import chat_rows, write_jsonl
     from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 

@@ -29,18 +29,17 @@ from storage.schema import DETERMINISTIC, REASONING_TOKENS
 from storage.writer import PartWriter
 from testing.fleet import WorkerProcess, dead_letters, free_port, job_progress, wait_until
 from testing.harness import (
-    check_job,
     fast_env,
     isolated_settings,
     make_prompts,
     post_json,
     producer_cli,
-    record_result,
     register_ids,
     sim_stats,
     simulator,
     submit_ids,
 )
+from testing.record import check_job, record_result
 from testing.rows import make_row
 from thinkfleet import kimi
 from thinkfleet.broker.celery_app import send_tasks as publish

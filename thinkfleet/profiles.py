@@ -54,6 +54,9 @@ Profiles are chosen with ``producer submit --model-family`` (job file ``model_fa
 the tokenizer (:func:`detect`: the first profile whose ``detect_tokens`` are all in the vocabulary). A
 tokenizer that lacks the profile's *required* (reasoning) markers is refused at submit, naming the
 missing strings, unless the job runs with ``--no-reasoning-spans`` (null reasoning spans: not recorded; no alarm).
+
+One file because a profile is a row of one table: a new family is written by reading its neighbours' markers,
+template kwargs and scheme side by side, and :func:`resolve` checks every row against the tokenizer the same way.
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ class Settings(BaseSettings):
         "other run, if it is still going, is fenced). 0 = the prompt's request deadline + one lease.",
     )
 
-    # -- reasoning alarm ----------------------------------------------------------------------------
+    # -- worker: poison prompts ---------------------------------------------------------------------
     max_deliveries: int = Field(
         3,
         ge=1,
@@ -146,6 +146,8 @@ class Settings(BaseSettings):
         "dies is split in halves until a culprit runs alone. 0 = no bound (bystanders of host deaths run at full "
         "concurrency); 1 = one at a time (cheapest way to find a poison prompt, slowest tail).",
     )
+
+    # -- storage ------------------------------------------------------------------------------------
     storage_retry_max_s: float = Field(
         30.0, gt=0, description="Longest backoff between retries of a failed Parquet commit (rows kept in memory)."
     )
@@ -162,6 +164,8 @@ class Settings(BaseSettings):
         "and sort runs take what the interpreter and the job's per-prompt keys (~100 B a stored row) leave of it, at "
         "least a quarter; a larger job spills sorted runs to local temp files.",
     )
+
+    # -- reasoning alarm ----------------------------------------------------------------------------
     alarm_min_rows: int = Field(100, ge=1, description="Rows observed before the alarm may fire.")
     alarm_missing_share: float = Field(
         0.95, gt=0, le=1, description="Fire when this share of rows lacks a think-end token."
@@ -218,6 +222,7 @@ class Settings(BaseSettings):
     tool_retries: int = Field(2, ge=0, description="Worker: executor retries after an error or timeout, per step.")
     tool_concurrency: int = Field(4, ge=1, description="Worker: executor calls in flight at once, per job.")
 
+    # -- logging ------------------------------------------------------------------------------------
     log_level: str = Field("INFO", description="Python logging level.")
 
     @field_validator("output_uri")

@@ -4,7 +4,7 @@ deployed release), or ``sglang==0.5.23`` (the current one) with ``THINKFLEET_REA
 One server for the tier (``conftest.py``): a tiny random-weight model with the Kimi test tokenizer's real ids
 and vocabulary (163,840), on this CPU. What it proves: the wire protocol, health, abort, refusals and the
 exactly-once trip against the real thing, and where the simulator's profile of that release differs from it.
-What it cannot: GPU kernels, a real model's reasoning, real throughput (README "Real SGLang").
+What it cannot: GPU kernels, a real model's reasoning, real throughput (docs/real-sglang.md).
 """
 
 from __future__ import annotations

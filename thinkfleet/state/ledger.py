@@ -45,6 +45,10 @@ A worker that dies between 2 and 3 leaves claims naming a part; so does a hand-b
 *ambiguous commit*: the write may have landed). Whoever claims the prompt next finds the part: if it
 exists the prompt is finalized from it (``finalize`` with the part's real token counts), never
 regenerated.
+
+One file because it is the state machine: each transition above is one method over one Lua script, and their
+fences, revisions and finalize marks are only right when read together (a change to one is checked against the
+others here, not across files).
 """
 
 from __future__ import annotations
