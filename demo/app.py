@@ -28,6 +28,7 @@ import redis
 
 from demo.fleet import WorkerProcess, free_port, wait_for_port, worker_env
 from demo.tokenizer import build_test_tokenizer
+from thinkfleet.redis_client import sync_client
 from thinkfleet.settings import Settings, load_settings
 
 #: Kimi-K2.5's context length, served by the demo's simulator and checked by its submit.
@@ -47,7 +48,7 @@ DEMO_QUEUE = "thinkfleet-demo"
 
 def _redis_answers(url: str) -> bool:
     try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+        return bool(sync_client(url, connect_timeout_s=1).ping())
     except redis.RedisError:
         return False
 
@@ -192,7 +193,7 @@ def _workers(
         redis_url, sim_url, output_uri, max_inflight=48, key_prefix=settings.key_prefix, queue=settings.queue, **extra
     )
     env.pop("THINKFLEET_BROKER_URL", None)  # the demo's broker is the Redis it found or started
-    client = redis.Redis.from_url(redis_url)
+    client = sync_client(redis_url)
     workers = [WorkerProcess(f"demo-w{i}", env, workdir / "logs").start() for i in (1, 2)]
     try:
         for w in workers:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 
 import click
+import redis
 
 from producer.lifecycle import make_commands as make_lifecycle_commands
 from producer.status_cmd import status_cmd, wait_cmd
@@ -38,6 +39,17 @@ class ProducerGroup(click.Group):
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         listed = click.Group(self.name, {n: self.commands.get(n) or _help_stub(n) for n in self.list_commands(ctx)})
         listed.format_commands(ctx, formatter)
+
+    def invoke(self, ctx: click.Context) -> object:
+        """A one-shot command whose Redis does not answer (down, restarting, failing over) ends with one line
+        naming it and exit 1, never a traceback; ``wait`` and ``status --watch`` ride through outages themselves."""
+        try:
+            return super().invoke(ctx)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise click.ClickException(
+                f"cannot reach Redis ({type(exc).__name__}: {exc}): the command stopped there. "
+                "Is the head up (THINKFLEET_REDIS_URL)? Run the command again once it answers."
+            ) from None
 
 
 #: Commands whose module is heavy → (module, attribute, the first paragraph of their help).

@@ -24,6 +24,7 @@ from producer.inputs import Problem
 from producer.state import Existing
 from producer.submit_options import SubmitError, SubmitOptions
 from thinkfleet import profiles
+from thinkfleet.redis_client import sync_client
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import (
     MAX_SKIPPED_RECORDS,
@@ -146,7 +147,7 @@ def previous_turns(settings: Settings, job: str, existing: Existing) -> str | No
     if existing.record is None:
         return None
     try:
-        client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        client = sync_client(settings.redis_url, timeout_s=5)
         with client:
             raw = client.hget(settings.keys.job(job), TURNS_FIELD)
     except (redis.RedisError, OSError):

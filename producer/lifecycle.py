@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
+from thinkfleet.redis_client import BULK_TIMEOUT_S, sync_client
 from thinkfleet.settings import Settings
 from thinkfleet.state import lifecycle as lc
 from thinkfleet.state.invariant import NotObservable, account
@@ -35,7 +36,7 @@ def _age(seconds: float | None) -> str:
 
 
 def _client(settings: Settings) -> redis.Redis:
-    return redis.Redis.from_url(settings.redis_url)
+    return sync_client(settings.redis_url, timeout_s=BULK_TIMEOUT_S)
 
 
 def _fail(message: str) -> None:

@@ -46,6 +46,7 @@ from producer.state import StateError, SubmitLock
 from thinkfleet.broker.envelope import Envelope
 from thinkfleet.cli import STATE, settings_options
 from thinkfleet.message import OVERRIDE_KEYS, PromptTask, pack_ids
+from thinkfleet.redis_client import BULK_TIMEOUT_S, sync_client
 from thinkfleet.settings import Settings
 from thinkfleet.state.scripts import lua
 from thinkfleet.turns import TURNS_FIELD, regenerates_all_turns, turns_meta
@@ -149,7 +150,7 @@ def retry_dead(settings: Settings, job: str, error_classes: tuple[str, ...] = ()
     from thinkfleet.signing import signer_for
 
     signer = signer_for(settings)
-    client = redis.Redis.from_url(settings.redis_url)
+    client = sync_client(settings.redis_url, timeout_s=BULK_TIMEOUT_S)
     try:
         with _lock(client, settings, job):
             tasks: list[PromptTask] = []
@@ -231,7 +232,7 @@ def retry_truncated(settings: Settings, job: str, max_new_tokens: int) -> list[s
     job: the earliest truncated turn of each settled conversation, see the module doc; a :class:`RetryResult`)."""
     from storage.reader import read_committed
 
-    client = redis.Redis.from_url(settings.redis_url)
+    client = sync_client(settings.redis_url, timeout_s=BULK_TIMEOUT_S)
     try:
         with _lock(client, settings, job):
             table = read_committed(
@@ -294,7 +295,7 @@ def retry_missing(settings: Settings, job: str) -> RetryResult:
     from thinkfleet.turns import beyond_chain_ends
 
     keys = settings.keys
-    client = redis.Redis.from_url(settings.redis_url)
+    client = sync_client(settings.redis_url, timeout_s=BULK_TIMEOUT_S)
     try:
         with _lock(client, settings, job):
             if not job_has_storage(settings.output_uri, job, settings.s3_endpoint_url):
@@ -363,7 +364,7 @@ def _salvaged_tasks(settings: Settings, job: str, missing: set[str], submitted: 
         sound = content_hash(row["input_ids"]) == wanted if is_content_hash(wanted) else row["content_hash"] == wanted
         if sound and row["input_ids"]:
             rows[pid] = row
-    with redis.Redis.from_url(settings.redis_url) as client:
+    with sync_client(settings.redis_url, timeout_s=BULK_TIMEOUT_S) as client:
         generation = _generation(client, settings, job)
     tasks = []
     for pid, row in sorted(rows.items()):

@@ -30,6 +30,7 @@ from producer.status import (
 )
 from producer.view import status_line, status_view
 from thinkfleet.cli import STATE, settings_options
+from thinkfleet.redis_client import sync_client
 from thinkfleet.settings import Settings, redacted_url
 
 #: ``producer wait`` exit codes.
@@ -109,9 +110,7 @@ def status_cmd(
 
 def _redis(settings: Settings) -> redis.Redis:
     """The producer's client: one connection at a time is all status and wait use (a bounded pool)."""
-    return redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(
-        settings.redis_url, max_connections=settings.producer_redis_connections, timeout=60
-    ))  # fmt: skip
+    return sync_client(settings.redis_url, max_connections=settings.producer_redis_connections, pool_wait_s=60)
 
 
 def _checked_read(reader: StatusReader, clock: CheckClock) -> dict[str, Any]:

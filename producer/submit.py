@@ -31,8 +31,6 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-import redis
-
 from producer import render
 from producer.collector import Collector
 from producer.conversations import stage_replay, write_conversations
@@ -62,6 +60,7 @@ from thinkfleet import profiles
 from thinkfleet.broker.envelope import Envelope
 from thinkfleet.failpoints import failpoint
 from thinkfleet.message import is_plain_name
+from thinkfleet.redis_client import BULK_TIMEOUT_S, sync_client
 from thinkfleet.settings import Settings
 
 #: Called after each rendered batch with (prompts, prompt tokens) — the CLI's progress bar.
@@ -109,7 +108,7 @@ def submit(settings: Settings, opts: SubmitOptions, on_progress: ProgressFn | No
         opts, chat_template_kwargs={**info.profile.profile.thinking_kwargs, **opts.chat_template_kwargs}
     )
     limits = render.model_limits(tok, opts.tokenizer, opts.context_length)
-    client = redis.Redis.from_url(settings.redis_url)
+    client = sync_client(settings.redis_url, timeout_s=BULK_TIMEOUT_S)
     pool = render.RenderPool(
         tok, opts.tokenizer, opts.chat_template_kwargs, info.opening, opts.processes, opts.trust_remote_code
     )

@@ -23,6 +23,7 @@ from rich.markup import escape
 
 from thinkfleet.cli import STATE, settings_options
 from thinkfleet.profiles import FAMILIES
+from thinkfleet.redis_client import sync_client
 from thinkfleet.settings import Settings
 
 if TYPE_CHECKING:
@@ -179,7 +180,7 @@ def _break_lock(settings: Settings, job: str, err: Console) -> None:
     from producer.state import StateError, break_lock
 
     try:
-        broken = break_lock(redis.Redis.from_url(settings.redis_url), settings, job)
+        broken = break_lock(sync_client(settings.redis_url), settings, job)
     except (StateError, redis.RedisError) as e:
         err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(1)

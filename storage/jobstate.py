@@ -16,6 +16,7 @@ from typing import Any
 
 import redis
 
+from thinkfleet.redis_client import sync_client
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import JobRecord
 from thinkfleet.tokens import SpanTokens
@@ -34,7 +35,7 @@ class JobState:
 def load_job_state(settings: Settings, job: str, timeout_s: float = 5.0) -> JobState:
     keys = settings.keys
     try:
-        client = redis.Redis.from_url(settings.redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        client = sync_client(settings.redis_url, timeout_s=timeout_s, connect_timeout_s=timeout_s)
         with client:
             pipe = client.pipeline(transaction=False)
             pipe.hgetall(keys.job(job))

@@ -62,6 +62,7 @@ from storage.schema import (
 from storage.verify_report import VerifyReport
 from thinkfleet import profiles
 from thinkfleet.chain_end import owed_successors
+from thinkfleet.redis_client import sync_client
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import JobRecord
 from thinkfleet.tokens import SpanTokens
@@ -274,7 +275,7 @@ def _done_ids(settings: Settings, job: str) -> pa.Array | None:
     chunks: list[pa.Array] = []
     batch: list[bytes] = []
     try:
-        client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        client = sync_client(settings.redis_url, timeout_s=5)
         with client:
             for member in client.sscan_iter(settings.keys.done(job), count=5000):
                 batch.append(member)
@@ -359,7 +360,7 @@ def _answer_records(settings: Settings, job: str) -> RecordReader:
 
     def read(prompt_ids: list[str]) -> dict[str, dict[str, Any]]:
         try:
-            client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+            client = sync_client(settings.redis_url, timeout_s=5)
             with client:
                 return redis_records(client, settings.keys.turn_answers(job))(prompt_ids)
         except (redis.RedisError, OSError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from thinkfleet.redis_client import sync_client
 from thinkfleet.settings import Settings
 from thinkfleet.turns import beyond_chain_ends
 
@@ -41,7 +42,7 @@ def verify_live(settings: Settings, job: str) -> LiveReport:
 
     report = LiveReport(job=job)
     # Bounded like every other read of verify: a Redis that does not answer is reported, never waited on forever.
-    client = redis.Redis.from_url(settings.redis_url, socket_timeout=10, socket_connect_timeout=5)
+    client = sync_client(settings.redis_url, timeout_s=10)
     try:
         if not client.exists(settings.keys.prompts(job)):
             report.error = f"job {job!r} has no submitted prompts in Redis at {_redacted(settings.redis_url)}"
@@ -109,7 +110,7 @@ def _chain_ends(settings: Settings, job: str) -> set[str] | None:
 
     key = settings.keys.turn_answers(job)
     try:
-        client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        client = sync_client(settings.redis_url, timeout_s=5)
         with client:
             ends = set()
             for pid, raw in client.hscan_iter(key, count=1000):

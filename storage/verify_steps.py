@@ -25,6 +25,7 @@ from typing import Any
 
 import pyarrow.compute as pc
 
+from thinkfleet.redis_client import sync_client
 from thinkfleet.settings import Settings
 from thinkfleet.tool_steps import agentic, for_render, step_messages
 from thinkfleet.turns import TURNS_FIELD, of_conversations, turn_id, turns_meta
@@ -53,7 +54,7 @@ def check_steps(settings: Settings, job: str, prompt_ids: Iterable[str] = ()) ->
     from thinkfleet.state.job import JobRecord
 
     try:
-        client = redis.Redis.from_url(settings.redis_url, socket_timeout=10, socket_connect_timeout=10)
+        client = sync_client(settings.redis_url, timeout_s=10)
         with client:
             if not agentic(turns_meta(client.hget(settings.keys.job(job), TURNS_FIELD))):
                 return StepCheck()
@@ -125,7 +126,7 @@ def unreachable_steps(settings: Settings, job: str, prompt_ids: Iterable[str]) -
     import redis
 
     try:
-        client = redis.Redis.from_url(settings.redis_url, socket_timeout=10, socket_connect_timeout=10)
+        client = sync_client(settings.redis_url, timeout_s=10)
         with client:
             if not agentic(turns_meta(client.hget(settings.keys.job(job), TURNS_FIELD))):
                 return set()

@@ -22,6 +22,7 @@ import redis
 
 from demo.fleet import WorkerProcess, free_port, wait_for_port, worker_env
 from thinkfleet.keys import Keys
+from thinkfleet.redis_client import sync_client
 
 __all__ = [
     "RecoveryWatch",
@@ -156,7 +157,7 @@ class RecoveryWatch:
 
     def start(self, pending: set[str] | None = None) -> RecoveryWatch:
         """Call right before injecting the fault; ``pending`` defaults to the prompts in flight now."""
-        client = redis.Redis.from_url(self.redis_url)
+        client = sync_client(self.redis_url)
         self.pending = set(pending) if pending is not None else in_flight(client, self.keys, self.job)
         self._done_at_start = int(client.scard(self.keys.done(self.job)))
         self._started = time.monotonic()

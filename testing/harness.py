@@ -23,6 +23,7 @@ from thinkfleet import kimi
 from thinkfleet.broker.celery_app import send_tasks as _publish
 from thinkfleet.keys import Keys
 from thinkfleet.message import PromptTask, content_hash, pack_ids
+from thinkfleet.redis_client import sync_client
 from thinkfleet.settings import Settings
 
 
@@ -105,7 +106,7 @@ def register_ids(
     }
     params.update(sampling)
     keys = settings.keys
-    client = redis.Redis.from_url(settings.redis_url)
+    client = sync_client(settings.redis_url)
     from thinkfleet.signing import signer_for
 
     generation = register_id_job(

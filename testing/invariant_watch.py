@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import redis
 
+from thinkfleet.redis_client import sync_client
 from thinkfleet.settings import Settings
 from thinkfleet.state.counters import check_counters
 from thinkfleet.state.invariant import account, broker_client
@@ -103,7 +104,7 @@ class InvariantWatch:
             raise
 
     def _sample_until_stopped(self) -> None:
-        client = redis.Redis.from_url(self.settings.redis_url, socket_timeout=10)
+        client = sync_client(self.settings.redis_url, timeout_s=10)
         broker = broker_client(client, self.settings)
         previous: tuple[float, set[str]] | None = None
         grace = self.restart_grace_s if self.restart_grace_s is not None else 3 * self.settings.lease_s

@@ -21,6 +21,7 @@ import numpy as np
 import redis
 
 from testing.harness import IdJob, producer_cli
+from thinkfleet.redis_client import sync_client
 from thinkfleet.settings import Settings
 
 #: Where scenarios record their result rows (bench/reliability_report.py renders RELIABILITY.md).
@@ -376,7 +377,7 @@ def snapshot_outcome(settings: Settings, job: str, prompts: set[str] | None = No
     from thinkfleet.state.invariant import NotObservable, account
 
     problems: list[str] = []
-    client = redis.Redis.from_url(settings.redis_url, socket_timeout=10)
+    client = sync_client(settings.redis_url, timeout_s=10)
     submitted, done, dead, queued, running = set(prompts or ()), set(), set(), None, None
     lost: list[str] = []
     try:

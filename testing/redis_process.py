@@ -19,11 +19,19 @@ class RedisProcess:
     """``redis-server`` on a free port (or ``port``), no RDB snapshots (``--save ""``: a test takes its own with
     BGSAVE), AOF with ``appendfsync always`` when ``appendonly``."""
 
-    def __init__(self, workdir: Path, port: int | None = None, appendonly: bool = False, databases: int = 64) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        port: int | None = None,
+        appendonly: bool = False,
+        databases: int = 64,
+        extra: tuple[str, ...] = (),
+    ) -> None:
         self.workdir = workdir
         self.port = port or free_port()
         self.appendonly = appendonly
         self.databases = databases
+        self.extra = extra  # more redis-server options (``--replicaof``, ``--min-replicas-to-write``, …)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def missing(self) -> None:
@@ -38,6 +46,7 @@ class RedisProcess:
         args += ["--dir", str(self.workdir), "--databases", str(self.databases)]
         args += ["--logfile", str(self.workdir / "redis.log")]
         args += ["--appendonly", "yes", "--appendfsync", "always"] if self.appendonly else ["--appendonly", "no"]
+        args += list(self.extra)
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for_port(self.port)
         return self

@@ -81,3 +81,19 @@ def test_bad_input_exits_non_zero_naming_file_and_fix(redis_url, redis_client, t
     assert code == 1 and "cannot load tokenizer" in err
     code, _, err = run("submit", str(good), "--job", "b", "--tokenizer", tok_dir, "--chat-template-kwargs", "{")
     assert code == 2 and "--chat-template-kwargs" in err
+
+
+@pytest.mark.parametrize("args", [["status", "j"], ["jobs"], ["pause", "j"], ["resume", "j"], ["retry", "j"]])
+def test_a_one_shot_command_against_a_redis_that_does_not_answer_says_so_in_one_line(args: list[str]) -> None:
+    # Given no Redis at the URL (the head down, restarting or failing over), When a one-shot command runs,
+    # Then it exits non-zero with one line naming Redis and the fix, never a traceback.
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code, out, err = run(*args, "--redis-url", f"redis://127.0.0.1:{port}/0")
+    assert code != 0, out + err
+    said = (out + err).strip()
+    assert "Traceback" not in said and "Redis" in said, said
+    assert len(said.splitlines()) <= 2, said

@@ -12,12 +12,13 @@ import os
 import socket
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, unquote, urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from thinkfleet.keys import DEFAULT_PREFIX, Keys
+from thinkfleet.redis_client import redacted, with_password
 
 #: Connections of a worker's Redis pool beyond one per request and commit thread: its own loops (lease renewal,
 #: transit and visibility sweeps, the committer, health probes, metrics) and a reconnect's overlap.
@@ -124,6 +125,15 @@ class Settings(BaseSettings):
         ge=0,
         description="After each finalize and before the ack, wait up to this long for Redis to fsync it to its AOF "
         "(WAITAOF; Redis 7.2+ with appendonly yes, else off by itself). 0 = off.",
+    )
+    wait_replicas: int = Field(
+        0,
+        ge=0,
+        description="After each finalize and before the ack, wait up to waitaof_ms (1 s when 0) for this many "
+        "replicas to have received it (WAIT, on the finalize's own connection). A short count is logged and the "
+        "row stands: it is durable in storage, and a failover that loses its finalize is found by the finalize "
+        "marks and finalized again from the stored part. 0 = off (a head without replicas); with a Sentinel head, "
+        "1 keeps a promoted replica from missing what was acked.",
     )
     claim_wait_s: float = Field(
         0.0,
@@ -349,13 +359,16 @@ def read_password_file(path: str) -> str:
 
 
 def with_redis_password(url: str, password: str) -> str:
-    """``url`` (redis:// or rediss://) with ``password``, keeping its user: redis://worker@h/0 → redis://worker:PW@h/0."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("redis", "rediss"):
-        return url
-    userinfo, _, hostport = parts.netloc.rpartition("@")
-    user = userinfo.partition(":")[0]
-    return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{hostport}"))
+    """``url`` (redis://, rediss:// or sentinel://) with ``password``, keeping its user: redis://worker@h/0 →
+    redis://worker:PW@h/0."""
+    return with_password(url, password)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def redis_password_problem(url: str | None, setting: str = "THINKFLEET_REDIS_URL") -> str | None:
@@ -363,15 +376,14 @@ def redis_password_problem(url: str | None, setting: str = "THINKFLEET_REDIS_URL
     :data:`MIN_REDIS_PASSWORD_LEN` characters, for a Redis that is not on loopback (a local test or demo
     Redis may have none)."""
     parts = urlsplit(url or "")
-    if parts.scheme not in ("redis", "rediss"):
+    if parts.scheme not in ("redis", "rediss", "sentinel"):
         return None
-    host = parts.hostname or ""
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if loopback or not host:
+    # A sentinel:// URL names the Sentinels (h1:p,h2:p,…): the primary they name is remote when any of them is.
+    hosts = [h.rpartition(":")[0].strip("[]") or h for h in parts.netloc.rpartition("@")[2].split(",")]
+    remote = [h for h in hosts if h and not _loopback(h)]
+    if not remote:
         return None
+    host = remote[0]
     password = unquote(parts.password or "")
     if "change-me" in password.lower():
         return f"{setting}: the password for Redis at {host} is the .env.example placeholder; {_PASSWORD_FIX}"
@@ -390,9 +402,5 @@ def load_settings(**overrides: Any) -> Settings:
 
 
 def redacted_url(url: str) -> str:
-    """The URL without its password (it goes into logs and messages)."""
-    parts = urlsplit(url)
-    if parts.password:
-        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-        return urlunsplit(parts._replace(netloc=netloc))
-    return url
+    """The URL without its passwords (it goes into logs and messages)."""
+    return redacted(url)

@@ -36,6 +36,7 @@ from storage.writer import PartWriter, StorageNotWritable
 from thinkfleet.broker.transit import TransitSweeper
 from thinkfleet.broker.visibility import unacked_index_key
 from thinkfleet.message import PromptTask
+from thinkfleet.redis_client import async_client
 from thinkfleet.settings import Settings, redacted_url
 from thinkfleet.signing import SigningKeyError, signer_for
 from thinkfleet.state.lifecycle import CANCELLED
@@ -77,18 +78,14 @@ def worker_redis(settings: Settings) -> aioredis.Redis:
     """The worker's Redis client. Its pool is sized to the work (``Settings.worker_redis_connections``) and waits
     for a free connection rather than refusing one: redis-py's default pool (100, then "Too many connections",
     each a prompt handed back) is smaller than the default in-flight bound of 150."""
-    pool = aioredis.BlockingConnectionPool.from_url(
+    return async_client(
         settings.redis_url,
         max_connections=settings.worker_redis_connections,
-        timeout=REDIS_POOL_WAIT_S,
+        pool_wait_s=REDIS_POOL_WAIT_S,
         health_check_interval=30,
         retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), REDIS_RETRIES),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
-        # No CLIENT SETINFO on connect: Redis < 7.2 answers it with an error that, on a reconnect cut short
-        # (a worker resumed from a pause, its timeouts all due at once), was read as the next command's reply.
-        driver_info=None,
     )
-    return aioredis.Redis.from_pool(pool)
 
 
 class WorkerRuntime:
@@ -133,7 +130,7 @@ class WorkerRuntime:
             probe_timeout_s=s.preflight_timeout_s,
             health_probe_timeout_s=s.health_probe_timeout_s,
         )
-        self.ledger = GuardedLedger(self.redis, s.keys, self.identity, s.max_deliveries, s.waitaof_ms)
+        self.ledger = GuardedLedger(self.redis, s.keys, self.identity, s.max_deliveries, s.waitaof_ms, s.wait_replicas)
         await self._hold_name()  # before anything under the name is touched: exit 78 if a live twin holds it
         abandoned = await self.ledger.abandon_claims()  # before this life claims anything
         if abandoned:
@@ -308,7 +305,7 @@ class WorkerRuntime:
         s = self.settings
         s.require_safe_redis_password(RuntimeStartError)  # placeholder or short password for a remote Redis
         s.require_supported_broker(RuntimeStartError)  # the queue must be the job-state Redis
-        probe = aioredis.from_url(s.redis_url, socket_connect_timeout=10, socket_timeout=10)
+        probe = async_client(s.redis_url, timeout_s=10, connect_timeout_s=10)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + s.redis_start_wait_s
         try:

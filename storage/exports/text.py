@@ -45,6 +45,7 @@ from storage.schema import (
     TOOL_CALL_SPANS,
     TURN_INDEX,
 )
+from thinkfleet.redis_client import sync_client
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import JobRecord
 
@@ -155,7 +156,7 @@ class _ConversationRecords:
 
         key = self.settings.keys.conversations(self.job)
         try:
-            client = redis.Redis.from_url(self.settings.redis_url, socket_timeout=10, socket_connect_timeout=10)
+            client = sync_client(self.settings.redis_url, timeout_s=10)
             with client:
                 return {k.decode(): json.loads(v) for k, v in client.hscan_iter(key, count=1000)}
         except (redis.RedisError, OSError) as exc:

@@ -17,6 +17,7 @@ import json
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+from thinkfleet.redis_client import sync_client
 from thinkfleet.tool_steps import step_messages
 from thinkfleet.turns import split_step_id, turn_id
 
@@ -84,7 +85,7 @@ class _Answers:
         key = convs.settings.keys.turn_answers(convs.job)
         self.records: dict[str, dict[str, Any]] = {}
         try:
-            client = redis.Redis.from_url(convs.settings.redis_url, socket_timeout=10, socket_connect_timeout=10)
+            client = sync_client(convs.settings.redis_url, timeout_s=10)
             with client:
                 self.records = {k.decode(): json.loads(v) for k, v in client.hscan_iter(key, count=1000)}
         except (redis.RedisError, OSError):

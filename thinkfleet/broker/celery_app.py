@@ -25,6 +25,7 @@ from kombu import Exchange, Queue
 
 from thinkfleet.broker.keys import PRIORITY_SEP, PRIORITY_STEPS, kombu_transport_options
 from thinkfleet.message import TASK_NAME, PromptTask
+from thinkfleet.redis_client import kombu_broker
 from thinkfleet.settings import Settings, load_settings
 
 
@@ -72,9 +73,12 @@ def task_queue(settings: Settings) -> Queue:
 
 def configure(app: Celery, settings: Settings) -> Celery:
     transport = broker_transport_options(settings)
+    # A sentinel:// URL (thinkfleet/redis_client.py) in kombu's own form, with the primary's name.
+    broker_url, sentinel_options = kombu_broker(settings.broker_url or settings.redis_url)
+    transport.update(sentinel_options)
     is_amqp = bool(settings.broker_url and settings.broker_url.startswith(("amqp", "pyamqp")))
     app.conf.update(
-        broker_url=settings.broker_url,
+        broker_url=broker_url,
         broker_transport_options=transport,
         broker_use_ssl=broker_ssl(settings.broker_url),
         result_backend=None,

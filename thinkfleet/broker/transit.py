@@ -16,10 +16,10 @@ reply lost with its connection, or a popped message waiting for a free slot — 
 it now). Both may hand a message out twice; the claims in thinkfleet/state/ledger.py make a second delivery
 cost nothing.
 
-Only a worker consuming its one task queue from ``redis://`` or ``rediss://`` (TLS: the channel is
-kombu's own, so it connects through kombu's SSL connection class with the ``broker_use_ssl`` options)
-uses this; everything else (the producer, other queues, ``sentinel://``, RabbitMQ) is kombu's stock
-transport.
+Only a worker consuming its one task queue from ``redis://``, ``rediss://`` (TLS: the channel is
+kombu's own, so it connects through kombu's SSL connection class with the ``broker_use_ssl`` options) or a
+``sentinel://`` head (:class:`SentinelTransport`: kombu's Sentinel pool under this channel) uses this; everything
+else (the producer, other queues) is kombu's stock transport.
 
 The channel's ack emulation (:class:`QoS`) is kombu's on Redis's clock: a delivery is scored in
 ``unacked_index`` with Redis ``TIME`` and the restore sweep compares against Redis ``TIME``
@@ -72,6 +72,8 @@ log = logging.getLogger(__name__)
 
 #: The transport a worker process selects for ``redis://`` and ``rediss://`` brokers (:func:`enable_transit`).
 TRANSPORT = "thinkfleet.broker.transit:Transport"
+#: … and for a ``sentinel://`` head (thinkfleet/redis_client.py).
+SENTINEL_TRANSPORT = "thinkfleet.broker.transit:SentinelTransport"
 
 # Lua: the priority step a kombu message names (``"priority": N`` in its properties, at the end of the JSON;
 # a JSON string can hold no unescaped quote, so only a key matches), capped at the last list in KEYS.
@@ -525,9 +527,39 @@ class Transport(kombu_redis.Transport):
     Channel = Channel
 
 
+class SentinelChannel(Channel, kombu_redis.SentinelChannel):
+    """The transit channel over a Sentinel-managed primary: kombu's Sentinel pool (connections go to whichever
+    Redis the Sentinels name the primary), this module's pop, ack emulation and delivery holders. kombu's stock
+    ``sentinel://`` transport would drop both for a worker.
+
+    The worker's broker URL names one Sentinel and ``sentinel_urls`` all of them: given kombu's ``a;b;c`` form, a
+    reconnect *switches* to the next URL and takes its scheme for the transport (kombu ``Connection.switch``), so
+    the first failover would have put the worker on the stock transport. The pool still asks every Sentinel."""
+
+    from_transport_options = tuple(
+        dict.fromkeys(
+            (*Channel.from_transport_options, *kombu_redis.SentinelChannel.from_transport_options, "sentinel_urls")
+        )
+    )
+    sentinel_urls: list[str] | None = None
+
+    def _sentinel_managed_pool(self, asynchronous: bool = False) -> Any:
+        client = self.connection.client
+        kept = client.alt  # read by kombu's pool for the Sentinels' addresses, and by nothing else after start
+        client.alt = list(self.sentinel_urls or kept)
+        try:
+            return super()._sentinel_managed_pool(asynchronous)
+        finally:
+            client.alt = kept
+
+
+class SentinelTransport(kombu_redis.SentinelTransport):
+    Channel = SentinelChannel
+
+
 #: Broker URL schemes the transit transport serves (kombu picks the SSL connection class from
 #: ``broker_use_ssl``, which ``celery_app.broker_ssl`` sets for rediss://).
-TRANSIT_SCHEMES = ("redis://", "rediss://")
+TRANSIT_SCHEMES = ("redis://", "rediss://", "sentinel://")
 
 
 def uses_transit(broker_url: str | None) -> bool:
@@ -540,10 +572,16 @@ def enable_transit(app: Celery, settings: Settings, worker: str) -> None:
         return
     options = dict(app.conf.broker_transport_options or {})
     options.update(transit_key=settings.keys.transit(worker), transit_queue=settings.queue, delivery_holder=worker)
-    app.conf.broker_transport_options = options
     # Only worker processes pop through transit; Flower, the producer and `celery inspect` keep kombu's
     # stock redis transport (Flower's broker page only knows the stock transports).
-    app.conf.broker_transport = TRANSPORT
+    if str(settings.broker_url).startswith("sentinel://"):
+        urls = str(app.conf.broker_url).split(";")  # kombu_broker's form: one sentinel:// URL per Sentinel
+        options["sentinel_urls"] = urls
+        app.conf.broker_url = urls[0]
+        app.conf.broker_transport = SENTINEL_TRANSPORT
+    else:
+        app.conf.broker_transport = TRANSPORT
+    app.conf.broker_transport_options = options
 
 
 class TransitSweeper:

@@ -39,6 +39,7 @@ from typing import Any
 import redis
 
 from thinkfleet.broker.queues import list_task_ids, queue_keys, task_ids_of, unacked_task_ids
+from thinkfleet.redis_client import sync_client
 from thinkfleet.settings import Settings
 
 #: Pause before the re-check pass of prompts found unaccounted by the first one.
@@ -123,7 +124,7 @@ def broker_client(client: redis.Redis, settings: Settings) -> redis.Redis:
         raise NotObservable(f"broker {_scheme(settings.broker_url)}: its queue is not in Redis")
     if not settings.broker_url or settings.broker_url == settings.redis_url:
         return client
-    return redis.Redis.from_url(settings.broker_url)
+    return sync_client(settings.broker_url)
 
 
 def account(

@@ -58,6 +58,7 @@ import json
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -165,7 +166,13 @@ class Ledger:
     """One worker's view of the job state; every method is one atomic transition or one read."""
 
     def __init__(
-        self, client: aioredis.Redis, keys: Keys, worker: str, max_deliveries: int = 3, waitaof_ms: int = 0
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        worker: str,
+        max_deliveries: int = 3,
+        waitaof_ms: int = 0,
+        wait_replicas: int = 0,
     ) -> None:
         self.r = client
         self.keys = keys
@@ -176,6 +183,11 @@ class Ledger:
         #: WAITAOF after finalize (None: not tried yet; False: the server cannot, e.g. before Redis 7.2 or AOF off).
         self.waitaof_ms = waitaof_ms
         self._waitaof_ok: bool | None = None if waitaof_ms > 0 else False
+        #: WAIT for this many replicas after finalize (0: off), up to ``waitaof_ms`` (or 1 s when that is 0).
+        self.wait_replicas = wait_replicas
+        #: Finalizes acknowledged by fewer replicas / AOF fsyncs than asked (:meth:`_finalize_durably`).
+        self.short_waits: Counter[str] = Counter()
+        self._short_logged = 0.0
         #: This process's finalize marks (finalize.lua writes ``nonce:seq`` under our name in finalize_marks): the
         #: nonce tells our marks from an earlier life's, ``_marked[job]`` is the seq of our latest finalize of the
         #: job that Redis answered — a mark found below it means Redis lost finalizes (:meth:`lost_finalizes`).
@@ -371,13 +383,12 @@ class Ledger:
         seq, mark = self._next_mark(job)
         keys += [k.revisions(job), k.finalize_marks(job)]
         args.append(mark)
-        new, fire, seen, miss, flat = await self._finalize(keys=keys, args=args)
+        new, fire, seen, miss, flat = await self._finalize_durably(keys, args)
         self._marked[job] = max(self._marked.get(job, 0), seq)
         fenced = _pairs(flat)
         for row in rows:
             if row.prompt_id not in given:
                 self._drop(job, row.prompt_id)
-        await self._durable()
         return Finalized(int(new), bool(fire), int(seen), int(miss), fenced)
 
     def _mark(self, seq: int) -> str:
@@ -447,18 +458,55 @@ class Ledger:
             ]
         return out
 
-    async def _durable(self) -> None:
-        """WAITAOF: wait until Redis fsynced the finalize to its AOF (``appendfsync everysec`` loses up to a second
-        of writes on a crash: a finalize lost after the ack would be a prompt done in storage and queued nowhere).
-        Off where the server cannot (before Redis 7.2, AOF off): noted once."""
-        if self._waitaof_ok is False:
-            return
-        try:
-            await self.r.waitaof(1, 0, self.waitaof_ms)
-            self._waitaof_ok = True
-        except ResponseError as exc:
-            self._waitaof_ok = False
-            log.info("WAITAOF after finalize is off: %s (Redis 7.2+ with appendonly yes can)", exc)
+    async def _finalize_durably(self, keys: list[str], args: list[Any]) -> Any:
+        """finalize.lua, then ``WAIT`` (replicas) and ``WAITAOF`` (the AOF's fsync) on the **same connection** (one
+        non-transactional pipeline): both count only the writes made on the connection they run on, so sent on
+        another pooled connection they covered nothing.
+
+        A short count (a replica behind, or none; an fsync not done in time) is logged and counted
+        (``short_waits``), and the finalize stands: the row is already durable in storage and its finalize cannot be
+        taken back, so handing the message back would only run it again. If a failover or a crash then loses the
+        finalize, this process's finalize marks find the loss (:meth:`lost_finalizes`) and the rows are finalized
+        again from their stored parts — the recovery a rollback already has. Off where the server cannot (WAITAOF
+        before Redis 7.2 or with AOF off: noted once)."""
+        timeout_ms = self.waitaof_ms or 1000
+        async with self.r.pipeline(transaction=False) as p:
+            await self._finalize(keys=keys, args=args, client=p)
+            if self.wait_replicas:
+                p.execute_command("WAIT", self.wait_replicas, timeout_ms)
+            if self._waitaof_ok is not False:
+                p.execute_command("WAITAOF", 1, 0, timeout_ms)
+            results = await p.execute(raise_on_error=False)
+        finalized = results[0]
+        if isinstance(finalized, Exception):
+            raise finalized
+        rest = list(results[1:])
+        if self.wait_replicas:
+            acked = rest.pop(0)
+            if isinstance(acked, Exception) or int(acked) < self.wait_replicas:
+                self._short("replicas", f"WAIT {self.wait_replicas}: {acked} replica(s) acknowledged")
+        if self._waitaof_ok is not False:
+            fsynced = rest.pop(0)
+            if isinstance(fsynced, ResponseError):
+                self._waitaof_ok = False
+                log.info("WAITAOF after finalize is off: %s (Redis 7.2+ with appendonly yes can)", fsynced)
+            elif isinstance(fsynced, Exception) or not fsynced or int(fsynced[0]) < 1:
+                self._short("aof", f"WAITAOF: not fsynced within {timeout_ms} ms ({fsynced})")
+            else:
+                self._waitaof_ok = True
+        return finalized
+
+    def _short(self, what: str, detail: str) -> None:
+        self.short_waits[what] += 1
+        now = time.monotonic()
+        if now - self._short_logged >= 60:  # one line a minute: a lagging replica would otherwise flood the log
+            self._short_logged = now
+            log.warning(
+                "a finalize was not confirmed durable (%s; %d such finalizes so far): the rows stand, and a failover "
+                "that loses them is recovered from storage by the finalize marks",
+                detail,
+                sum(self.short_waits.values()),
+            )
 
     async def dead_letter(
         self, task: PromptTask, error_class: str, message: str, attempts: int, answer: dict[str, Any] | None = None

@@ -1,0 +1,202 @@
+"""A head that fails over, on one machine: one primary ``redis-server``, two replicas and three Sentinels on
+loopback (quorum 2, ``down-after-milliseconds`` 1000), for the failover tests and ``bench/``.
+
+The Sentinels decide which Redis is the primary; a test kills, stops or isolates processes and waits for the
+promotion (:meth:`SentinelHead.wait_for_new_primary`). Each process keeps its own directory (AOF, logs, the
+Sentinel's rewritten config), so a failed run can be read afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+from testing.fleet import free_port, wait_for_port
+from testing.redis_process import REDIS_SERVER, RedisProcess
+
+MASTER = "thinkfleet"
+DOWN_AFTER_MS = 1000
+FAILOVER_TIMEOUT_MS = 4000
+
+
+class SentinelProcess:
+    """``redis-server --sentinel`` watching :data:`MASTER`."""
+
+    def __init__(self, workdir: Path, primary_port: int, quorum: int = 2) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.primary_port = primary_port
+        self.quorum = quorum
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> SentinelProcess:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        conf = self.workdir / "sentinel.conf"
+        conf.write_text(
+            f"port {self.port}\nbind 127.0.0.1\ndir {self.workdir}\nlogfile {self.workdir / 'sentinel.log'}\n"
+            f"sentinel monitor {MASTER} 127.0.0.1 {self.primary_port} {self.quorum}\n"
+            f"sentinel down-after-milliseconds {MASTER} {DOWN_AFTER_MS}\n"
+            f"sentinel failover-timeout {MASTER} {FAILOVER_TIMEOUT_MS}\n"
+            f"sentinel parallel-syncs {MASTER} 2\n"
+        )
+        self.proc = subprocess.Popen(
+            [str(REDIS_SERVER), str(conf), "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        wait_for_port(self.port)
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def primary(self) -> tuple[str, int] | None:
+        try:
+            found = redis.Redis(port=self.port, socket_timeout=2).sentinel_get_master_addr_by_name(MASTER)
+        except redis.RedisError:
+            return None
+        if not found:
+            return None
+        host = found[0].decode() if isinstance(found[0], bytes) else str(found[0])
+        return host, int(found[1])
+
+
+class SentinelHead:
+    """One primary, ``replicas`` replicas, ``sentinels`` Sentinels; :meth:`url` is the ``sentinel://`` URL."""
+
+    def __init__(self, workdir: Path, replicas: int = 2, sentinels: int = 3, appendonly: bool = True) -> None:
+        self.workdir = workdir
+        primary_port = free_port()
+        # A replica's first sync starts at once (the default waits 5 s for more replicas to share one transfer).
+        sync_now = ("--repl-diskless-sync-delay", "0")
+        self.redis = [RedisProcess(workdir / "r0", port=primary_port, appendonly=appendonly, extra=sync_now)]
+        for i in range(1, replicas + 1):
+            replica_of = ("--replicaof", "127.0.0.1", str(primary_port), *sync_now)
+            self.redis.append(RedisProcess(workdir / f"r{i}", appendonly=appendonly, extra=replica_of))
+        self.sentinels = [SentinelProcess(workdir / f"s{i}", primary_port) for i in range(sentinels)]
+
+    def start(self) -> SentinelHead:
+        for r in self.redis:
+            r.start()
+        self.wait_for_replicas(len(self.redis) - 1)
+        for s in self.sentinels:
+            s.start()
+        self.wait_until(lambda: all(s.primary() == ("127.0.0.1", self.redis[0].port) for s in self.sentinels))
+        # Each Sentinel has found the replicas and the other Sentinels before any failover is asked of them.
+        self.wait_until(lambda: all(self._sentinel_sees_all(s) for s in self.sentinels))
+        return self
+
+    def _sentinel_sees_all(self, s: SentinelProcess) -> bool:
+        try:
+            client = redis.Redis(port=s.port, socket_timeout=2)
+            replicas = client.sentinel_slaves(MASTER)
+            others = client.sentinel_sentinels(MASTER)
+        except redis.RedisError:
+            return False
+        return len(replicas) >= len(self.redis) - 1 and len(others) >= len(self.sentinels) - 1
+
+    def stop(self) -> None:
+        for s in self.sentinels:
+            s.stop()
+        for r in self.redis:
+            if r.proc and r.proc.poll() is None:
+                os.kill(r.proc.pid, signal.SIGCONT)  # a stopped process cannot die
+            r.stop(kill=True)
+
+    def url(self, db: int = 0) -> str:
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        return f"sentinel://{hosts}/{db}?master={MASTER}"
+
+    def primary_port(self) -> int | None:
+        """The primary as the Sentinels' majority names it now."""
+        votes: dict[int, int] = {}
+        for s in self.sentinels:
+            found = s.primary()
+            if found:
+                votes[found[1]] = votes.get(found[1], 0) + 1
+        if not votes:
+            return None
+        port, n = max(votes.items(), key=lambda kv: kv[1])
+        return port if n * 2 > len(self.sentinels) else None
+
+    def cut_replication(self, primary_port: int) -> list[RedisProcess]:
+        """Make the replicas of ``primary_port`` stop receiving its writes (and unable to resync): from here on what
+        the primary takes, a promoted replica will not have. (A SIGSTOPped replica would not do: the stream already
+        sent sits in its socket buffer and is read when it resumes.) Returns the replicas."""
+        replicas = [r for r in self.redis if r.port != primary_port and r.proc and r.proc.poll() is None]
+        for r in replicas:
+            r.client().config_set("masterauth", "not-the-password")  # its next sync is refused
+        self.process_on(primary_port).client().client_kill_filter(_type="replica")
+        return replicas
+
+    def restore_replication(self, replicas: list[RedisProcess]) -> None:
+        for r in replicas:
+            r.client().config_set("masterauth", "")
+
+    def stable_primary(self, for_s: float = 3.0, timeout_s: float = 120) -> int:
+        """Wait until every Sentinel names the same primary, and has for ``for_s`` (a loaded machine may fail over
+        twice: a just-promoted replica that stalls past ``down-after`` is failed over in turn)."""
+        since: list[float | None] = [None]
+        seen: list[int | None] = [None]
+
+        def stable() -> bool:
+            named = {s.primary() for s in self.sentinels}
+            port = next(iter(named))[1] if len(named) == 1 and None not in named else None  # type: ignore[index]
+            if port is None or port != seen[0]:
+                seen[0], since[0] = port, time.monotonic()
+                return False
+            return time.monotonic() - (since[0] or 0) >= for_s
+
+        self.wait_until(stable, timeout_s)
+        assert seen[0] is not None
+        return seen[0]
+
+    def freeze(self) -> None:
+        """No more failovers (the checks after a scenario must read the Redis the scenario ended on)."""
+        for s in self.sentinels:
+            redis.Redis(port=s.port, socket_timeout=5).sentinel_set(MASTER, "down-after-milliseconds", 600_000)
+
+    def process_on(self, port: int) -> RedisProcess:
+        return next(r for r in self.redis if r.port == port)
+
+    def wait_for_replicas(self, n: int, timeout_s: float = 30) -> None:
+        """Until ``n`` replicas are *online* (synced and streaming; ``connected_slaves`` counts one still waiting for
+        its first transfer, which holds nothing)."""
+        primary = self.redis[0].client()
+
+        def online() -> bool:
+            info = primary.info("replication")
+            return sum(1 for k, v in info.items() if k.startswith("slave") and v.get("state") == "online") >= n
+
+        self.wait_until(online, timeout_s)
+
+    def wait_for_new_primary(self, old_port: int, timeout_s: float = 60) -> int:
+        """Wait until the Sentinels name a primary other than ``old_port`` and it answers as a primary."""
+
+        def promoted() -> bool:
+            port = self.primary_port()
+            if port is None or port == old_port:
+                return False
+            try:
+                return self.process_on(port).client().info("replication")["role"] == "master"
+            except redis.RedisError:
+                return False
+
+        self.wait_until(promoted, timeout_s)
+        port = self.primary_port()
+        assert port is not None
+        return port
+
+    @staticmethod
+    def wait_until(check: object, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if check():  # type: ignore[operator]
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"the Sentinel head did not get there within {timeout_s:.0f} s")

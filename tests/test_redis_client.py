@@ -1,0 +1,70 @@
+"""One URL decides the topology (thinkfleet/redis_client.py): ``sentinel://`` URLs parse with a clear error for each
+mistake, and become kombu's form for the broker; a worker's broker keeps the transit transport over Sentinel."""
+
+from __future__ import annotations
+
+import pytest
+from celery import Celery
+
+from thinkfleet.broker.celery_app import configure
+from thinkfleet.broker.transit import SENTINEL_TRANSPORT, TRANSPORT, enable_transit
+from thinkfleet.redis_client import RedisUrlError, is_sentinel, kombu_broker, parse_sentinel, redacted, with_password
+from thinkfleet.settings import Settings
+
+URL = "sentinel://worker:s3cret@h1:26379,h2:26380,[::1]:26381/2?master=tf&sentinel_password=sp"
+
+
+def test_a_sentinel_url_names_every_sentinel_the_primary_and_both_passwords() -> None:
+    s = parse_sentinel(URL)
+    assert s.sentinels == [("h1", 26379), ("h2", 26380), ("::1", 26381)]
+    assert (s.master, s.db, s.username, s.password) == ("tf", 2, "worker", "s3cret")
+    assert s.sentinel_kwargs()["password"] == "sp"
+    assert s.connection_kwargs() == {"db": 2, "username": "worker", "password": "s3cret"}
+    assert is_sentinel(URL) and not is_sentinel("redis://h:6379/0")
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("sentinel://h1:26379/0", "?master=NAME"),
+        ("sentinel:///0?master=tf", "names no Sentinel"),
+        ("sentinel://h1/0?master=tf", "is not HOST:PORT"),
+        ("sentinel://h1:26379/zero?master=tf", "is not a number"),
+    ],
+)
+def test_a_wrong_sentinel_url_says_what_to_write(url: str, says: str) -> None:
+    with pytest.raises(RedisUrlError, match=says.replace("?", r"\?")):
+        parse_sentinel(url)
+
+
+def test_kombu_gets_one_url_per_sentinel_with_the_primary_s_credentials_and_its_name() -> None:
+    broker, options = kombu_broker(URL)
+    assert (
+        broker
+        == "sentinel://worker:s3cret@h1:26379/2;sentinel://worker:s3cret@h2:26380/2;sentinel://worker:s3cret@[::1]:26381/2"
+    )
+    assert options["master_name"] == "tf" and options["sentinel_kwargs"]["password"] == "sp"
+    assert kombu_broker("redis://h:6379/0") == ("redis://h:6379/0", {})
+
+
+def test_passwords_are_set_and_hidden_in_sentinel_urls_too() -> None:
+    assert (
+        with_password("sentinel://worker@h1:1,h2:2/0?master=tf", "pw") == "sentinel://worker:pw@h1:1,h2:2/0?master=tf"
+    )
+    shown = redacted(URL)
+    assert "s3cret" not in shown and "=sp" not in shown and "h2:26380" in shown
+
+
+def test_a_worker_on_a_sentinel_head_keeps_the_transit_transport_and_asks_every_sentinel() -> None:
+    settings = Settings(redis_url="sentinel://127.0.0.1:26379,127.0.0.1:26380/0?master=tf")
+    app = configure(Celery("t"), settings)
+    assert app.conf.broker_url.count(";") == 1  # the stock transport (producer, Flower) fails over between them
+    assert app.conf.broker_transport_options["master_name"] == "tf"
+    enable_transit(app, settings, "w1")
+    # One URL (kombu's switch to the next would take its scheme, the stock transport), every Sentinel in options.
+    assert app.conf.broker_url == "sentinel://127.0.0.1:26379/0"
+    assert app.conf.broker_transport == SENTINEL_TRANSPORT
+    assert len(app.conf.broker_transport_options["sentinel_urls"]) == 2
+    plain = configure(Celery("t"), Settings(redis_url="redis://127.0.0.1:6379/0"))
+    enable_transit(plain, Settings(redis_url="redis://127.0.0.1:6379/0"), "w1")
+    assert plain.conf.broker_transport == TRANSPORT

@@ -1,0 +1,176 @@
+"""A head that fails over (issue 34): the job state and the queue on a Sentinel-managed Redis (one primary, two
+replicas, three Sentinels on loopback), its primary killed mid-job.
+
+Every process opens Redis through one ``sentinel://`` URL (thinkfleet/redis_client.py): the workers' job-state pool
+and their broker channel (the transit transport over kombu's Sentinel pool), the producer, ``producer wait``. When
+the primary dies the Sentinels promote a replica within seconds; whatever the replica had not received yet is a
+rollback the product already recovers from (finalize marks, re-finalize from stored parts). The job must end with
+every prompt stored exactly once and byte-exact, and ``producer wait`` — started before the failover — must return
+0 on its own.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+from testing.fleet import WorkerProcess, in_flight, job_progress, wait_until
+from testing.harness import cli_env, fast_env, isolated_settings, make_prompts, simulator, submit_ids
+from testing.record import check_job, record_result
+from testing.sentinel import SentinelHead
+from testing.services import RedisServer
+from thinkfleet.redis_client import sync_client
+
+
+def _progress(client: redis.Redis, keys, job: str) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    try:
+        return job_progress(client, keys, job)
+    except redis.RedisError:
+        return {"submitted": 0, "done": -1, "dead": 0}
+
+
+def test_a_job_on_a_sentinel_head_survives_its_primary_killed_mid_job(tmp_path: Path) -> None:
+    RedisServer(tmp_path / "probe")  # fails (CI) or skips the test when redis-server is missing
+    head = SentinelHead(tmp_path / "head").start()
+    started = time.monotonic()
+    try:
+        settings = isolated_settings(head.url(), str(tmp_path / "out"))
+        client = sync_client(head.url())
+        keys = settings.keys
+        with simulator(tmp_path, "--time-scale", "60") as sim:
+            env = fast_env(settings, sim, max_inflight=6)
+            workers = [WorkerProcess(f"w{i}", env, tmp_path).start() for i in (1, 2)]
+            try:
+                for w in workers:
+                    w.wait_ready(client, keys)
+                job = submit_ids(settings, "failover", make_prompts(60))
+                wait_err = tmp_path / "wait.err"
+                waiter = subprocess.Popen(
+                    [sys.executable, "-m", "producer.cli", "wait", "failover", "--interval", "0.2", "--timeout", "600"],
+                    env=cli_env(settings),
+                    stdout=subprocess.DEVNULL,
+                    stderr=wait_err.open("w"),
+                )
+                wait_until(lambda: job_progress(client, keys, "failover")["done"] >= 15, 120, what="15 rows")
+                wait_until(lambda: in_flight(client, keys, "failover"), 30, what="work in flight")
+                # When the primary is SIGKILLed mid-job (no restart: the Sentinels promote a replica).
+                old = head.primary_port()
+                assert old is not None
+                killed_at = time.monotonic()
+                head.process_on(old).stop(kill=True)
+                new = head.wait_for_new_primary(old)
+                promoted_s = time.monotonic() - killed_at
+                wait_until(lambda: _progress(client, keys, "failover")["done"] == 60, 240, what="60 rows")
+                recovered_s = time.monotonic() - killed_at
+                # A loaded machine may fail over twice (a promoted replica that stalls past down-after is failed
+                # over in turn: one more rollback, which the running workers recover too): once the head is
+                # stable, no more failovers, and the job is finished on the Redis it ends on.
+                head.stable_primary()
+                head.freeze()
+                wait_until(lambda: _progress(client, keys, "failover")["done"] == 60, 240, what="60 rows, settled")
+                # Then `producer wait` returns 0 by itself, with no traceback.
+                assert waiter.wait(timeout=120) == 0, wait_err.read_text()
+                assert "Traceback" not in wait_err.read_text(), wait_err.read_text()
+            finally:
+                for w in workers:
+                    w.terminate()
+        # Then every prompt is stored once, byte-exact (verify and status read the new primary through the URL).
+        outcome = check_job(settings, "failover", job.prompts, job.sampling_params)
+        record_result(
+            "Sentinel head: primary SIGKILLed mid-job, a replica promoted",
+            outcome,
+            f"primary killed; promoted port {new} in {promoted_s:.1f} s (down-after 1 s)",
+            [recovered_s],
+            time.monotonic() - started,
+            workers=2,
+        )
+        outcome.assert_clean()
+        # And each worker reconnected on the transit transport (kombu's failover switch would have put it on the
+        # stock one: a message popped there is only in the worker's memory).
+        for name in ("w1", "w2"):
+            connected = re.findall(r"Connected to (\S+)", (tmp_path / f"worker-{name}.log").read_text())
+            assert len(connected) >= 2, connected
+            assert all(c.startswith("thinkfleet.broker.transit:SentinelTransport") for c in connected), connected
+    finally:
+        head.stop()
+
+
+def test_a_failover_that_loses_acknowledged_writes_loses_and_duplicates_nothing(tmp_path: Path) -> None:
+    # The worst failover: the replicas stopped receiving while the workers went on storing and acking for a while,
+    # then the primary died and a replica — lacking every write of that while — was promoted. Redis lost
+    # finalizes, dead letters and acks the workers had already acted on: the rollback the finalize marks and the
+    # stored parts recover.
+    RedisServer(tmp_path / "probe")
+    head = SentinelHead(tmp_path / "head").start()
+    started = time.monotonic()
+    try:
+        settings = isolated_settings(head.url(), str(tmp_path / "out"))
+        client = sync_client(head.url())
+        keys = settings.keys
+        with simulator(tmp_path, "--time-scale", "60") as sim:
+            env = fast_env(settings, sim, max_inflight=6)
+            workers = [WorkerProcess(f"w{i}", env, tmp_path).start() for i in (1, 2)]
+            try:
+                for w in workers:
+                    w.wait_ready(client, keys)
+                job = submit_ids(settings, "lossy", make_prompts(80))
+                wait_err = tmp_path / "wait.err"
+                waiter = subprocess.Popen(
+                    [sys.executable, "-m", "producer.cli", "wait", "lossy", "--interval", "0.2", "--timeout", "600"],
+                    env=cli_env(settings),
+                    stdout=subprocess.DEVNULL,
+                    stderr=wait_err.open("w"),
+                )
+                wait_until(lambda: job_progress(client, keys, "lossy")["done"] >= 15, 120, what="15 rows")
+                # When the replicas stop receiving the primary's writes and the workers store (and ack) at least
+                # ten more rows…
+                old = head.primary_port()
+                assert old is not None
+                replicas = head.cut_replication(old)
+                cut_done = job_progress(client, keys, "lossy")["done"]
+                try:
+                    wait_until(
+                        lambda: job_progress(client, keys, "lossy")["done"] >= min(cut_done + 10, 80),
+                        120,
+                        what="ten rows stored while the replicas receive nothing",
+                    )
+                    lost_done = job_progress(client, keys, "lossy")["done"] - cut_done
+                    # …then the primary dies, and a replica without those writes is promoted.
+                    killed_at = time.monotonic()
+                    head.process_on(old).stop(kill=True)
+                finally:
+                    head.restore_replication(replicas)
+                new = head.wait_for_new_primary(old)
+                promoted_s = time.monotonic() - killed_at
+                wait_until(lambda: _progress(client, keys, "lossy")["done"] == 80, 240, what="80 rows")
+                recovered_s = time.monotonic() - killed_at
+                # A loaded machine may fail over twice (a promoted replica that stalls past down-after is failed
+                # over in turn: one more rollback, which the running workers recover too): once the head is
+                # stable, no more failovers, and the job is finished on the Redis it ends on.
+                head.stable_primary()
+                head.freeze()
+                wait_until(lambda: _progress(client, keys, "lossy")["done"] == 80, 240, what="80 rows, settled")
+                assert waiter.wait(timeout=120) == 0, wait_err.read_text()
+                assert "Traceback" not in wait_err.read_text(), wait_err.read_text()
+            finally:
+                for w in workers:
+                    w.terminate()
+        # Then every prompt is stored once, byte-exact.
+        outcome = check_job(settings, "lossy", job.prompts, job.sampling_params)
+        record_result(
+            "Sentinel head: acknowledged writes lost in a failover",
+            outcome,
+            f"replicas cut off while {lost_done} rows were stored and acked, primary killed, a replica without "
+            f"them promoted (port {new}, {promoted_s:.1f} s)",
+            [recovered_s],
+            time.monotonic() - started,
+            workers=2,
+        )
+        outcome.assert_clean()
+    finally:
+        head.stop()

@@ -1,0 +1,236 @@
+"""One way to open Redis, for every process: the URL decides the topology.
+
+- ``redis://[USER[:PASSWORD]@]HOST:PORT/DB`` (``rediss://`` for TLS, ``unix://``): one Redis, as redis-py reads it.
+- ``sentinel://[USER[:PASSWORD]@]HOST:PORT,HOST:PORT,HOST:PORT/DB?master=NAME`` — a head that fails over: the
+  Sentinels at those addresses name the primary of ``NAME``, and every connection goes to whichever Redis is the
+  primary when it connects (redis-py's ``Sentinel.master_for``; a connection that meets a demoted primary's
+  ``READONLY`` reconnects to the new one). USER/PASSWORD are the primary's (the ACL user of the process); the
+  Sentinels' own password, when they have one, is ``?sentinel_password=…`` (and ``?sentinel_username=…``);
+  ``?ssl=true`` speaks TLS to the Redis servers (with ``ssl_ca_certs``/``ssl_certfile``/``ssl_keyfile`` as for
+  ``rediss://``).
+
+Every client made here has socket timeouts and TCP keepalive, so a frozen primary (a SIGSTOPped process, a host gone
+from the network) is noticed by a timeout instead of a read that waits forever (celery #6348), and a Sentinel URL
+then finds the new primary. The broker (kombu, thinkfleet/broker/) takes the same URL, translated by
+:func:`kombu_broker`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs, quote, unquote, urlsplit
+
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio import sentinel as asentinel
+from redis.sentinel import Sentinel, SentinelConnectionPool
+
+#: A command unanswered this long is a Redis that does not answer (a frozen primary: the connection is dropped, and
+#: a Sentinel URL reconnects to whichever Redis is the primary now). Longer than any stall of a loaded host (a worker
+#: starved 14-17 s on a 2-core CI box): a slow answer must never be taken for a dead Redis, since a command retried
+#: on a timeout may run twice. Every command of ours is short; the broker's blocking pops are kombu's own.
+SOCKET_TIMEOUT_S = 60.0
+CONNECT_TIMEOUT_S = 5.0
+#: For the producer's bulk writes (a submit's commit, a retry's requeue: one MULTI of up to millions of entries): long
+#: enough for any of them on a loaded head, and still a bound, so a frozen primary stops the command with an error.
+BULK_TIMEOUT_S = 300.0
+#: The Sentinels answer only "who is the primary": a short timeout, so one dead Sentinel costs little.
+SENTINEL_TIMEOUT_S = 2.0
+SENTINEL_SCHEME = "sentinel"
+#: Query options of a sentinel:// URL that configure the connections to the Redis servers (the rest are ours).
+SSL_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
+
+
+class RedisUrlError(ValueError):
+    """A Redis URL this module cannot open, with the fix."""
+
+
+@dataclass(frozen=True)
+class SentinelUrl:
+    """A parsed ``sentinel://`` URL."""
+
+    sentinels: list[tuple[str, int]]
+    master: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_username: str | None = None
+    sentinel_password: str | None = None
+    ssl: bool = False
+    ssl_options: dict[str, str] = field(default_factory=dict)
+
+    def connection_kwargs(self) -> dict[str, Any]:
+        """What each connection to the primary is opened with."""
+        kwargs: dict[str, Any] = {"db": self.db, "username": self.username, "password": self.password}
+        if self.ssl:
+            kwargs["ssl"] = True
+            kwargs.update(self.ssl_options)
+        return kwargs
+
+    def sentinel_kwargs(self) -> dict[str, Any]:
+        """What each connection to a Sentinel is opened with."""
+        kwargs: dict[str, Any] = {
+            "socket_timeout": SENTINEL_TIMEOUT_S,
+            "socket_connect_timeout": SENTINEL_TIMEOUT_S,
+        }
+        if self.sentinel_password:
+            kwargs.update(username=self.sentinel_username, password=self.sentinel_password)
+        return kwargs
+
+
+def is_sentinel(url: str | None) -> bool:
+    return bool(url) and urlsplit(str(url)).scheme == SENTINEL_SCHEME
+
+
+def parse_sentinel(url: str) -> SentinelUrl:
+    """``sentinel://[USER[:PASSWORD]@]HOST:PORT,HOST:PORT/DB?master=NAME[&sentinel_password=…]``, checked."""
+    parts = urlsplit(url)
+    if parts.scheme != SENTINEL_SCHEME:
+        raise RedisUrlError(f"not a sentinel:// URL: {redacted(url)}")
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    sentinels = []
+    for item in filter(None, hosts.split(",")):
+        host, _, port = item.rpartition(":")
+        if not host or not port.isdigit():
+            raise RedisUrlError(
+                f"sentinel URL {redacted(url)}: {item!r} is not HOST:PORT (write every Sentinel as HOST:PORT, "
+                "comma-separated: sentinel://h1:26379,h2:26379,h3:26379/0?master=thinkfleet)"
+            )
+        sentinels.append((host.strip("[]"), int(port)))
+    if not sentinels:
+        raise RedisUrlError(f"sentinel URL {redacted(url)} names no Sentinel (sentinel://h1:26379,h2:26379/0?master=…)")
+    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    master = query.pop("master", "") or query.pop("master_name", "")
+    if not master:
+        raise RedisUrlError(
+            f"sentinel URL {redacted(url)} names no primary: add ?master=NAME (the name the Sentinels monitor, "
+            "`sentinel monitor NAME …` in sentinel.conf)"
+        )
+    path = parts.path.strip("/") or "0"
+    if not path.isdigit():
+        raise RedisUrlError(f"sentinel URL {redacted(url)}: the database {path!r} is not a number")
+    ssl = query.pop("ssl", "false").lower() in ("1", "true", "yes")
+    return SentinelUrl(
+        sentinels=sentinels,
+        master=master,
+        db=int(path),
+        username=unquote(user) or None,
+        password=unquote(password) or None,
+        sentinel_username=query.pop("sentinel_username", None),
+        sentinel_password=query.pop("sentinel_password", None),
+        ssl=ssl,
+        ssl_options={k: query[k] for k in SSL_OPTIONS if k in query},
+    )
+
+
+def _common(timeout_s: float | None, connect_timeout_s: float | None) -> dict[str, Any]:
+    return {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": connect_timeout_s,
+        "socket_keepalive": True,
+        # No CLIENT SETINFO on connect: Redis < 7.2 answers it with an error that, on a reconnect cut short (a
+        # worker resumed from a pause, its timeouts all due at once), was read as the next command's reply.
+        "driver_info": None,
+    }
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
+    """A Sentinel-managed pool that waits for a free connection (as :class:`redis.BlockingConnectionPool`)."""
+
+
+class _AsyncBlockingSentinelPool(asentinel.SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """The same, for asyncio clients (the worker's pool is sized to its work and waits rather than refuses)."""
+
+
+def sync_client(
+    url: str,
+    *,
+    timeout_s: float | None = SOCKET_TIMEOUT_S,
+    connect_timeout_s: float | None = CONNECT_TIMEOUT_S,
+    max_connections: int | None = None,
+    pool_wait_s: float | None = None,
+    **kwargs: Any,
+) -> redis.Redis:
+    """A redis-py client for ``url``. ``max_connections`` with ``pool_wait_s``: a pool that waits that long for a
+    free connection instead of refusing one."""
+    opts = {**_common(timeout_s, connect_timeout_s), **kwargs}
+    if not is_sentinel(url):
+        if max_connections is None:
+            return redis.Redis.from_url(url, **opts)
+        pool = redis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=pool_wait_s, **opts)
+        return redis.Redis(connection_pool=pool)
+    s = parse_sentinel(url)
+    manager = Sentinel(s.sentinels, sentinel_kwargs=s.sentinel_kwargs())
+    conn = {**s.connection_kwargs(), **opts}
+    if max_connections is None:
+        return manager.master_for(s.master, **conn)
+    pool_kwargs = {"max_connections": max_connections, "timeout": pool_wait_s}
+    return manager.master_for(s.master, connection_pool_class=_BlockingSentinelPool, **pool_kwargs, **conn)
+
+
+def async_client(
+    url: str,
+    *,
+    timeout_s: float | None = SOCKET_TIMEOUT_S,
+    connect_timeout_s: float | None = CONNECT_TIMEOUT_S,
+    max_connections: int | None = None,
+    pool_wait_s: float | None = None,
+    **kwargs: Any,
+) -> aioredis.Redis:
+    """An asyncio redis-py client for ``url`` (as :func:`sync_client`)."""
+    opts = {**_common(timeout_s, connect_timeout_s), **kwargs}
+    if not is_sentinel(url):
+        if max_connections is None:
+            return aioredis.from_url(url, **opts)
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=pool_wait_s, **opts
+        )
+        return aioredis.Redis.from_pool(pool)
+    s = parse_sentinel(url)
+    manager = asentinel.Sentinel(s.sentinels, sentinel_kwargs=s.sentinel_kwargs())
+    conn = {**s.connection_kwargs(), **opts}
+    if max_connections is None:
+        return manager.master_for(s.master, **conn)
+    pool_kwargs = {"max_connections": max_connections, "timeout": pool_wait_s}
+    return manager.master_for(s.master, connection_pool_class=_AsyncBlockingSentinelPool, **pool_kwargs, **conn)
+
+
+def kombu_broker(url: str) -> tuple[str, dict[str, Any]]:
+    """The broker URL kombu reads and the transport options it needs for ``url``: a Sentinel URL becomes kombu's
+    ``sentinel://…;sentinel://…`` form (the primary's credentials on each) with ``master_name``; others pass."""
+    if not is_sentinel(url):
+        return url, {}
+    s = parse_sentinel(url)
+    auth = ""
+    if s.username or s.password:
+        auth = f"{quote(s.username or '', safe='')}:{quote(s.password or '', safe='')}@"
+    hosts = [(f"[{host}]" if ":" in host else host, port) for host, port in s.sentinels]  # IPv6 in brackets
+    broker = ";".join(f"sentinel://{auth}{host}:{port}/{s.db}" for host, port in hosts)
+    options: dict[str, Any] = {"master_name": s.master, "sentinel_kwargs": s.sentinel_kwargs()}
+    return broker, options
+
+
+def with_password(url: str, password: str) -> str:
+    """``url`` with the primary's ``password``, keeping its user: redis://worker@h/0 → redis://worker:PW@h/0 (the
+    same for rediss:// and sentinel://; other schemes are returned as they are)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", SENTINEL_SCHEME):
+        return url
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    user = userinfo.partition(":")[0]
+    return parts._replace(netloc=f"{user}:{quote(password, safe='')}@{hostport}").geturl()
+
+
+def redacted(url: str) -> str:
+    """The URL without its passwords (it goes into logs and messages)."""
+    parts = urlsplit(url)
+    if parts.password:
+        parts = parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@"))
+    if "sentinel_password=" in parts.query:
+        query = "&".join(
+            "sentinel_password=***" if q.startswith("sentinel_password=") else q for q in parts.query.split("&")
+        )
+        parts = parts._replace(query=query)
+    return parts.geturl()
