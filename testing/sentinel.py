@@ -69,11 +69,19 @@ class SentinelProcess:
 class SentinelHead:
     """One primary, ``replicas`` replicas, ``sentinels`` Sentinels; :meth:`url` is the ``sentinel://`` URL."""
 
-    def __init__(self, workdir: Path, replicas: int = 2, sentinels: int = 3, appendonly: bool = True) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        replicas: int = 2,
+        sentinels: int = 3,
+        appendonly: bool = True,
+        options: tuple[str, ...] = (),
+    ) -> None:
+        """``options``: more redis-server flags for every Redis of the head (``--min-replicas-to-write 1``, …)."""
         self.workdir = workdir
         primary_port = free_port()
         # A replica's first sync starts at once (the default waits 5 s for more replicas to share one transfer).
-        sync_now = ("--repl-diskless-sync-delay", "0")
+        sync_now = ("--repl-diskless-sync-delay", "0", *options)
         self.redis = [RedisProcess(workdir / "r0", port=primary_port, appendonly=appendonly, extra=sync_now)]
         for i in range(1, replicas + 1):
             replica_of = ("--replicaof", "127.0.0.1", str(primary_port), *sync_now)

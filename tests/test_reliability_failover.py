@@ -11,7 +11,9 @@ every prompt stored exactly once and byte-exact, and ``producer wait`` — start
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -167,6 +169,60 @@ def test_a_failover_that_loses_acknowledged_writes_loses_and_duplicates_nothing(
             outcome,
             f"replicas cut off while {lost_done} rows were stored and acked, primary killed, a replica without "
             f"them promoted (port {new}, {promoted_s:.1f} s)",
+            [recovered_s],
+            time.monotonic() - started,
+            workers=2,
+        )
+        outcome.assert_clean()
+    finally:
+        head.stop()
+
+
+def test_a_primary_frozen_past_the_failover_takes_no_write_that_is_then_lost(tmp_path: Path) -> None:
+    # A primary SIGSTOPped (a frozen VM, a long GC of the host) past down-after is failed over; when it wakes it is
+    # still a primary for a moment, with the workers' connections still open on it. With min-replicas-to-write 1
+    # (the head's setting) it refuses those writes — NOREPLICAS, handed back — instead of taking writes the
+    # Sentinels then discard when they make it a replica.
+    RedisServer(tmp_path / "probe")
+    options = ("--min-replicas-to-write", "1", "--min-replicas-max-lag", "2")
+    head = SentinelHead(tmp_path / "head", options=options).start()
+    started = time.monotonic()
+    try:
+        settings = isolated_settings(head.url(), str(tmp_path / "out"))
+        client = sync_client(head.url())
+        keys = settings.keys
+        with simulator(tmp_path, "--time-scale", "60") as sim:
+            env = fast_env(settings, sim, max_inflight=6)
+            workers = [WorkerProcess(f"w{i}", env, tmp_path).start() for i in (1, 2)]
+            try:
+                for w in workers:
+                    w.wait_ready(client, keys)
+                job = submit_ids(settings, "frozen", make_prompts(60))
+                wait_until(lambda: job_progress(client, keys, "frozen")["done"] >= 15, 120, what="15 rows")
+                old = head.primary_port()
+                assert old is not None
+                frozen = head.process_on(old)
+                frozen_at = time.monotonic()
+                os.kill(frozen.pid, signal.SIGSTOP)
+                try:
+                    new = head.wait_for_new_primary(old)
+                finally:
+                    os.kill(frozen.pid, signal.SIGCONT)
+                promoted_s = time.monotonic() - frozen_at
+                wait_until(lambda: _progress(client, keys, "frozen")["done"] == 60, 240, what="60 rows")
+                recovered_s = time.monotonic() - frozen_at
+                head.stable_primary()
+                head.freeze()
+                wait_until(lambda: _progress(client, keys, "frozen")["done"] == 60, 240, what="60 rows, settled")
+            finally:
+                for w in workers:
+                    w.terminate()
+        outcome = check_job(settings, "frozen", job.prompts, job.sampling_params)
+        record_result(
+            "Sentinel head: primary frozen (SIGSTOP) past the failover, then woken",
+            outcome,
+            f"primary stopped until port {new} was promoted ({promoted_s:.1f} s), then SIGCONT "
+            "(min-replicas-to-write 1, max lag 2 s)",
             [recovered_s],
             time.monotonic() - started,
             workers=2,
