@@ -12,6 +12,8 @@
 #   redis_flower_password     head node: Flower
 #   redis_exporter_password   head node: the redis_exporter and Redis's healthcheck
 #   redis_exporter_passwords.json  the same password in the exporter's own format ({"address": "password"})
+#   redis_replica_password    a head that fails over (docker-compose.sentinel.yml): replication between its Redis
+#   redis_sentinel_password   … and its Sentinels' user on each Redis
 #   signing_key               the producer host and every GPU node (THINKFLEET_SIGNING_KEY_FILE; compose secret of
 #                             the worker): HMAC key of job records and messages (thinkfleet/signing.py). No Redis
 #                             credential: whoever writes Redis without it cannot make a worker run anything.
@@ -36,7 +38,7 @@ random_password() {
     fi
 }
 
-for user in admin producer worker flower exporter; do
+for user in admin producer worker flower exporter replica sentinel; do
     file="$dir/redis_${user}_password"
     if [ -s "$file" ]; then
         echo "kept    $file"

@@ -124,6 +124,15 @@ def job_progress(client: redis.Redis, keys: Keys, job: str) -> dict[str, int]:
     }
 
 
+def job_progress_or_down(client: redis.Redis, keys: Keys, job: str) -> dict[str, int]:
+    """:func:`job_progress`, or ``done == -1`` while Redis does not answer (a restart, a failover): for waits that
+    ride through an outage."""
+    try:
+        return job_progress(client, keys, job)
+    except redis.RedisError:
+        return {"submitted": 0, "done": -1, "dead": 0}
+
+
 def dead_letters(client: redis.Redis, keys: Keys, job: str) -> dict[str, dict[str, object]]:
     return {k.decode(): json.loads(v) for k, v in client.hgetall(keys.dead(job)).items()}
 

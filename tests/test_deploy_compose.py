@@ -36,6 +36,7 @@ COMPOSE = {
 OVERRIDES = {
     "head-tls": (REPO / "deploy" / "head" / "docker-compose.tls.yml", "head"),
     "node-tls": (REPO / "deploy" / "docker-compose.tls.yml", "node"),
+    "head-sentinel": (REPO / "deploy" / "head" / "docker-compose.sentinel.yml", "head"),
 }
 ACL_TEMPLATE = REPO / "deploy" / "head" / "redis" / "users.acl.template"
 DOCKER_COMPOSE = shutil.which("docker-compose")
@@ -232,7 +233,7 @@ def test_docker_compose_accepts_the_file_with_the_example_env(compose_project: P
 
 @pytest.mark.skipif(DOCKER_COMPOSE is None, reason="docker-compose not installed (apt-get install docker-compose)")
 @pytest.mark.parametrize("name", sorted(OVERRIDES))
-def test_docker_compose_merges_the_tls_override_onto_its_base_file(compose_project: Path, name: str) -> None:
+def test_docker_compose_merges_each_override_onto_its_base_file(compose_project: Path, name: str) -> None:
     result = docker_compose_config(compose_project, name, env={"REDIS_TLS_CA_FILE": "/srv/secrets/ca.crt"})
     assert result.returncode == 0, result.stderr
     services = yaml.safe_load(result.stdout)["services"]
@@ -244,6 +245,17 @@ def test_docker_compose_merges_the_tls_override_onto_its_base_file(compose_proje
         assert {"redis_tls_server_key", "redis_tls_ca", "redis_worker_password"} <= sources
         assert services["flower"]["environment"]["THINKFLEET_REDIS_URL"].startswith("rediss://flower@redis:6379/")
         assert services["redis-exporter"]["environment"]["REDIS_ADDR"] == "rediss://redis:6379"
+    elif name == "head-sentinel":
+        # The head that fails over: each Redis replicates as `replica` and is watched by a Sentinel logged in as
+        # `sentinel` (passwords from files); Flower follows the primary through the Sentinels.
+        redis = services["redis"]
+        assert redis["environment"]["REDIS_HA"] == "yes"
+        sources = {s["source"] if isinstance(s, dict) else s for s in redis["secrets"]}
+        assert {"redis_replica_password", "redis_sentinel_password", "redis_worker_password"} <= sources
+        sentinel = services["sentinel"]
+        assert sentinel["entrypoint"] == ["/bin/sh", "/usr/local/etc/thinkfleet-sentinel/entrypoint.sh"]
+        assert not str(sentinel["ports"][0]).startswith("0.0.0.0")  # on REDIS_BIND, loopback by default
+        assert services["flower"]["environment"]["THINKFLEET_REDIS_URL"].startswith("sentinel://flower@")
     else:
         sources = {s["source"] if isinstance(s, dict) else s for s in services["worker"]["secrets"]}
         assert sources == {"redis_worker_password", "redis_tls_ca", "signing_key"}  # the producer's signing key

@@ -68,3 +68,64 @@ def test_a_worker_on_a_sentinel_head_keeps_the_transit_transport_and_asks_every_
     plain = configure(Celery("t"), Settings(redis_url="redis://127.0.0.1:6379/0"))
     enable_transit(plain, Settings(redis_url="redis://127.0.0.1:6379/0"), "w1")
     assert plain.conf.broker_transport == TRANSPORT
+
+
+def test_clients_that_only_read_follow_a_failover(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # Given sync and asyncio clients on a Sentinel head, connected to its primary. (A graceful failover also has the
+    # Sentinel kill the old primary's clients; the pools' once-a-second recheck covers a connection opened to a
+    # primary a lagging Sentinel still named — tests/test_reliability_failover.py's double failovers.)
+    import asyncio
+
+    import redis as redis_lib
+
+    from testing.sentinel import MASTER, SentinelHead
+    from testing.services import RedisServer
+    from thinkfleet.redis_client import async_client, sync_client
+
+    RedisServer(tmp_path / "probe")  # fails (CI) or skips without redis-server
+    head = SentinelHead(tmp_path / "head").start()
+    try:
+        sync = sync_client(head.url())
+        assert sync.execute_command("ROLE")[0] == b"master"
+
+        async def role_after_failover() -> bytes:
+            client = async_client(head.url(), max_connections=4, pool_wait_s=5)
+            assert (await client.execute_command("ROLE"))[0] == b"master"
+            # When the Sentinels fail over gracefully: the old primary stays up, a replica now, answering reads.
+            old = head.primary_port()
+            assert old is not None
+            redis_lib.Redis(port=head.sentinels[0].port).sentinel_failover(MASTER)
+            await asyncio.to_thread(head.wait_for_new_primary, old)
+            # Then a client that only reads is on the new primary (it never reads a replica's stale state).
+            for _ in range(100):
+                if (await client.execute_command("ROLE"))[0] == b"master":
+                    break
+                await asyncio.sleep(0.1)
+            role = (await client.execute_command("ROLE"))[0]
+            await client.aclose()
+            return role
+
+        assert asyncio.run(role_after_failover()) == b"master"
+        head.wait_until(lambda: sync.execute_command("ROLE")[0] == b"master", 30)
+    finally:
+        head.stop()
+
+
+def test_a_primary_without_its_replicas_refuses_writes_as_a_connection_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # NOREPLICAS (min-replicas-to-write unmet) is the server's state, not the command's fault: a ConnectionError, so
+    # kombu's consumer reconnects and the workers retry or hand back instead of crashing on a "ResponseError".
+    import redis as redis_lib
+
+    from testing.services import RedisServer
+    from thinkfleet.redis_client import NoReplicasError, sync_client
+
+    server = RedisServer(tmp_path / "r", extra=("--min-replicas-to-write", "1")).start()
+    try:
+        client = sync_client(server.url())
+        with pytest.raises(NoReplicasError):
+            client.set("k", "v")
+        with pytest.raises(redis_lib.ConnectionError):  # a script's write too
+            client.eval("return redis.call('SET', KEYS[1], 'v')", 1, "k")
+        assert client.get("k") is None  # reads are served; nothing was written
+    finally:
+        server.stop()

@@ -19,7 +19,15 @@ from producer import render
 from producer.job import JobRecord
 from storage.reader import stored_prompt_ids
 from testing.datasets import chat_rows, write_jsonl
-from testing.fleet import RecoveryWatch, WorkerProcess, in_flight, job_progress, stuck_report, wait_until
+from testing.fleet import (
+    RecoveryWatch,
+    WorkerProcess,
+    in_flight,
+    job_progress,
+    job_progress_or_down,
+    stuck_report,
+    wait_until,
+)
 from testing.harness import (
     cli_env,
     fast_env,
@@ -33,13 +41,6 @@ from testing.harness import (
 from testing.record import check_job, record_result
 from testing.services import RedisServer
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
-
-
-def _progress(client: redis.Redis, keys, job: str) -> dict[str, int]:
-    try:
-        return job_progress(client, keys, job)
-    except redis.RedisError:
-        return {"submitted": 0, "done": -1, "dead": 0}
 
 
 def test_redis_restarted_with_aof_mid_job_loses_and_duplicates_nothing(tmp_path: Path) -> None:
@@ -73,7 +74,7 @@ def test_redis_restarted_with_aof_mid_job_loses_and_duplicates_nothing(tmp_path:
                 server.stop(kill=True)
                 wait_until(lambda: "does not answer" in wait_err.read_text(), 60, what="wait to see Redis gone")
                 server.start()
-                wait_until(lambda: _progress(client, keys, "aof")["done"] == 60, 180, what="60 rows")
+                wait_until(lambda: job_progress_or_down(client, keys, "aof")["done"] == 60, 180, what="60 rows")
                 # Then wait says finished (exit 0) after saying the outage in one line, with no traceback.
                 assert waiter.wait(timeout=120) == 0, wait_err.read_text()
                 said = wait_err.read_text()
@@ -126,10 +127,13 @@ def test_redis_rolled_back_to_an_older_snapshot_mid_job_loses_and_duplicates_not
                 watch = RecoveryWatch(server.url(), keys, "rollback", "redis-rollback").start()
                 server.stop(kill=True)
                 server.start()
-                rolled_back = _progress(client, keys, "rollback")["done"]
+                rolled_back = job_progress_or_down(client, keys, "rollback")["done"]
                 report = lambda: stuck_report(client, settings, "rollback", workers)  # noqa: E731
                 wait_until(
-                    lambda: _progress(client, keys, "rollback")["done"] == 60, 180, what="60 rows", explain=report
+                    lambda: job_progress_or_down(client, keys, "rollback")["done"] == 60,
+                    180,
+                    what="60 rows",
+                    explain=report,
                 )
                 wait_until(lambda: not client.hlen(keys.claims("rollback")), 60, what="no claim left", explain=report)
             finally:
@@ -206,7 +210,9 @@ def test_a_rollback_that_loses_a_finished_prompts_message_too_is_finalized_again
                     client.hdel(keys.claims("lost-msg"), "p00000")
                 # Then the worker that stored the row finalizes it again from that row (its claim still names it;
                 # or, with no claim left, its finalize mark in Redis is older than its latest finalize).
-                wait_until(lambda: _progress(client, keys, "lost-msg")["done"] == 1, 60, what="finalized again")
+                wait_until(
+                    lambda: job_progress_or_down(client, keys, "lost-msg")["done"] == 1, 60, what="finalized again"
+                )
                 wait_until(lambda: not client.hlen(keys.claims("lost-msg")), 30, what="no claim left")
             finally:
                 worker.terminate()

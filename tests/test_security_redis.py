@@ -763,7 +763,7 @@ def commands_in(paths: list[Path]) -> dict[str, set[str]]:
 
 #: Connection-level commands every role has through +@connection. WAITAOF (the ledger's, after finalize) too: Redis
 #: 7.2+ files it under @connection, and an ACL naming it would not load on the 7.0 the tests run.
-CONNECTION = {"PING", "ECHO", "SELECT", "HELLO", "AUTH", "CLIENT|SETNAME", "WAITAOF"}
+CONNECTION = {"PING", "ECHO", "SELECT", "HELLO", "AUTH", "CLIENT|SETNAME", "WAIT", "WAITAOF"}
 
 
 @pytest.mark.parametrize("sources", sorted(ROLE_SOURCES), ids=lambda s: s.replace("|", "-or-"))

@@ -17,12 +17,14 @@ then finds the new primary. The broker (kombu, thinkfleet/broker/) takes the sam
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import redis
 import redis.asyncio as aioredis
+from redis._parsers.base import BaseParser
 from redis.asyncio import sentinel as asentinel
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
@@ -40,6 +42,19 @@ SENTINEL_TIMEOUT_S = 2.0
 SENTINEL_SCHEME = "sentinel"
 #: Query options of a sentinel:// URL that configure the connections to the Redis servers (the rest are ours).
 SSL_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
+
+
+class NoReplicasError(redis.ConnectionError):
+    """``NOREPLICAS``: a primary with fewer good replicas than ``min-replicas-to-write`` refused a write (it is cut off
+    from its replicas, or about to be demoted). Nothing was written, and the condition is the connection's, not the
+    command's: retried, reconnected, handed back — never a crash. redis-py would raise a plain ResponseError, which
+    kombu's consumer takes for a fatal error (a worker whose broker timer met one stopped)."""
+
+
+# redis-py maps error prefixes to exception classes in one table (its parser's extension point): NOREPLICAS joins
+# LOADING and READONLY among the errors that mean "this server cannot serve the write now".
+_PARSER_ERRORS: dict[str, Any] = BaseParser.EXCEPTION_CLASSES
+_PARSER_ERRORS.setdefault("NOREPLICAS", NoReplicasError)
 
 
 class RedisUrlError(ValueError):
@@ -136,11 +151,62 @@ def _common(timeout_s: float | None, connect_timeout_s: float | None) -> dict[st
     }
 
 
-class _BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
+class _Recheck:
+    """A Sentinel pool that asks the Sentinels who the primary is (at most every ``recheck_s``), not only when it
+    opens a connection: a connection to a primary that was *demoted* (a failover it survived: a second failover
+    after a stalled promotion, a frozen primary that woke up) still answers reads — stale ones, from a replica — and
+    only a write would have told (READONLY). When the primary moved, idle connections are dropped (redis-py) and a
+    connection handed out to the old one is reconnected to the new one."""
+
+    recheck_s = 1.0
+    _checked_at = 0.0
+
+    def _due(self) -> bool:
+        now = time.monotonic()
+        if not self.is_master or now - self._checked_at < self.recheck_s:  # type: ignore[attr-defined]
+            return False
+        self._checked_at = now
+        return True
+
+    def _stale(self, connection: Any) -> bool:
+        where = self.master_address  # type: ignore[attr-defined]
+        host = getattr(connection, "host", None)
+        return bool(where) and host is not None and (host, getattr(connection, "port", None)) != tuple(where)
+
+
+class _SentinelPool(_Recheck, SentinelConnectionPool):
+    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        if self._due():
+            try:
+                self.get_master_address()
+            except redis.RedisError:
+                pass  # no Sentinel answers now: keep the connections we have
+        connection = super().get_connection(*args, **kwargs)
+        if self._stale(connection):
+            connection.disconnect()
+            connection.connect()  # SentinelManagedConnection: to the primary the Sentinels name now
+        return connection
+
+
+class _BlockingSentinelPool(_SentinelPool, redis.BlockingConnectionPool):
     """A Sentinel-managed pool that waits for a free connection (as :class:`redis.BlockingConnectionPool`)."""
 
 
-class _AsyncBlockingSentinelPool(asentinel.SentinelConnectionPool, aioredis.BlockingConnectionPool):
+class _AsyncSentinelPool(_Recheck, asentinel.SentinelConnectionPool):
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        if self._due():
+            try:
+                await self.get_master_address()
+            except redis.RedisError:
+                pass  # no Sentinel answers now: keep the connections we have
+        connection = await super().get_connection(*args, **kwargs)
+        if self._stale(connection):
+            await connection.disconnect()
+            await connection.connect()
+        return connection
+
+
+class _AsyncBlockingSentinelPool(_AsyncSentinelPool, aioredis.BlockingConnectionPool):
     """The same, for asyncio clients (the worker's pool is sized to its work and waits rather than refuses)."""
 
 
@@ -165,7 +231,7 @@ def sync_client(
     manager = Sentinel(s.sentinels, sentinel_kwargs=s.sentinel_kwargs())
     conn = {**s.connection_kwargs(), **opts}
     if max_connections is None:
-        return manager.master_for(s.master, **conn)
+        return manager.master_for(s.master, connection_pool_class=_SentinelPool, **conn)
     pool_kwargs = {"max_connections": max_connections, "timeout": pool_wait_s}
     return manager.master_for(s.master, connection_pool_class=_BlockingSentinelPool, **pool_kwargs, **conn)
 
@@ -192,7 +258,7 @@ def async_client(
     manager = asentinel.Sentinel(s.sentinels, sentinel_kwargs=s.sentinel_kwargs())
     conn = {**s.connection_kwargs(), **opts}
     if max_connections is None:
-        return manager.master_for(s.master, **conn)
+        return manager.master_for(s.master, connection_pool_class=_AsyncSentinelPool, **conn)
     pool_kwargs = {"max_connections": max_connections, "timeout": pool_wait_s}
     return manager.master_for(s.master, connection_pool_class=_AsyncBlockingSentinelPool, **pool_kwargs, **conn)
 

@@ -18,8 +18,8 @@ cost nothing.
 
 Only a worker consuming its one task queue from ``redis://``, ``rediss://`` (TLS: the channel is
 kombu's own, so it connects through kombu's SSL connection class with the ``broker_use_ssl`` options) or a
-``sentinel://`` head (:class:`SentinelTransport`: kombu's Sentinel pool under this channel) uses this; everything
-else (the producer, other queues) is kombu's stock transport.
+``sentinel://`` head (thinkfleet/broker/transit_sentinel.py: kombu's Sentinel pool under this channel) uses
+this; everything else (the producer, other queues) is kombu's stock transport.
 
 The channel's ack emulation (:class:`QoS`) is kombu's on Redis's clock: a delivery is scored in
 ``unacked_index`` with Redis ``TIME`` and the restore sweep compares against Redis ``TIME``
@@ -73,7 +73,7 @@ log = logging.getLogger(__name__)
 #: The transport a worker process selects for ``redis://`` and ``rediss://`` brokers (:func:`enable_transit`).
 TRANSPORT = "thinkfleet.broker.transit:Transport"
 #: … and for a ``sentinel://`` head (thinkfleet/redis_client.py).
-SENTINEL_TRANSPORT = "thinkfleet.broker.transit:SentinelTransport"
+SENTINEL_TRANSPORT = "thinkfleet.broker.transit_sentinel:SentinelTransport"
 
 # Lua: the priority step a kombu message names (``"priority": N`` in its properties, at the end of the JSON;
 # a JSON string can hold no unescaped quote, so only a key matches), capped at the last list in KEYS.
@@ -525,36 +525,6 @@ def envelope(item: bytes) -> dict[str, Any]:
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
-
-
-class SentinelChannel(Channel, kombu_redis.SentinelChannel):
-    """The transit channel over a Sentinel-managed primary: kombu's Sentinel pool (connections go to whichever
-    Redis the Sentinels name the primary), this module's pop, ack emulation and delivery holders. kombu's stock
-    ``sentinel://`` transport would drop both for a worker.
-
-    The worker's broker URL names one Sentinel and ``sentinel_urls`` all of them: given kombu's ``a;b;c`` form, a
-    reconnect *switches* to the next URL and takes its scheme for the transport (kombu ``Connection.switch``), so
-    the first failover would have put the worker on the stock transport. The pool still asks every Sentinel."""
-
-    from_transport_options = tuple(
-        dict.fromkeys(
-            (*Channel.from_transport_options, *kombu_redis.SentinelChannel.from_transport_options, "sentinel_urls")
-        )
-    )
-    sentinel_urls: list[str] | None = None
-
-    def _sentinel_managed_pool(self, asynchronous: bool = False) -> Any:
-        client = self.connection.client
-        kept = client.alt  # read by kombu's pool for the Sentinels' addresses, and by nothing else after start
-        client.alt = list(self.sentinel_urls or kept)
-        try:
-            return super()._sentinel_managed_pool(asynchronous)
-        finally:
-            client.alt = kept
-
-
-class SentinelTransport(kombu_redis.SentinelTransport):
-    Channel = SentinelChannel
 
 
 #: Broker URL schemes the transit transport serves (kombu picks the SSL connection class from

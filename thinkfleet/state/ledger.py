@@ -473,9 +473,9 @@ class Ledger:
         async with self.r.pipeline(transaction=False) as p:
             await self._finalize(keys=keys, args=args, client=p)
             if self.wait_replicas:
-                p.execute_command("WAIT", self.wait_replicas, timeout_ms)
+                p.wait(self.wait_replicas, timeout_ms)
             if self._waitaof_ok is not False:
-                p.execute_command("WAITAOF", 1, 0, timeout_ms)
+                p.waitaof(1, 0, timeout_ms)
             results = await p.execute(raise_on_error=False)
         finalized = results[0]
         if isinstance(finalized, Exception):

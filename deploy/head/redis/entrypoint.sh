@@ -11,6 +11,14 @@
 #   REDIS_TLS_CERT_FILE, REDIS_TLS_KEY_FILE, REDIS_TLS_CA_FILE   set all three to serve TLS only
 #   REDIS_LISTEN_PORT (6379)              the TLS port (plain TCP is then off)
 #   REDIS_TLS_AUTH_CLIENTS (no)           "yes" to require client certificates as well as passwords
+#   REDIS_HA (no)                         "yes": one Redis of a head that fails over (docker-compose.sentinel.yml):
+#                                         the users of users.ha.acl.template too (replica, sentinel), and a config
+#                                         file on the tmpfs with masteruser/masterauth (any Redis of the head may be a
+#                                         replica after a failover), REDIS_REPLICAOF ("HOST PORT": start as a
+#                                         replica of it), REDIS_ANNOUNCE_IP (the address replicas and Sentinels
+#                                         reach it at), min-replicas-to-write REDIS_MIN_REPLICAS_TO_WRITE (1) with
+#                                         min-replicas-max-lag REDIS_MIN_REPLICAS_MAX_LAG (10): a primary cut off
+#                                         from every replica refuses writes a failover would discard
 #
 # It refuses to start (exit 1, naming the file and the fix) on a missing, empty, placeholder
 # ("change-me…"), short (< 16 characters) or whitespace-containing password: the same rule the producer
@@ -96,6 +104,20 @@ while IFS= read -r line || [ -n "$line" ]; do
     esac
 done <"$template"
 emit "$rule"
+if [ "${REDIS_HA:-no}" = yes ]; then
+    rule=""
+    while IFS= read -r line || [ -n "$line" ]; do
+        case "$line" in
+            "" | "#"*) continue ;;
+            " "* | "	"*) rule="$rule $line" ;;
+            *)
+                emit "$rule"
+                rule=$line
+                ;;
+        esac
+    done <"${REDIS_HA_ACL_TEMPLATE:-$here/users.ha.acl.template}"
+    emit "$rule"
+fi
 set +f
 mv -f "$tmp" "$out"
 if [ "$(id -u)" = 0 ] && id redis >/dev/null 2>&1; then
@@ -104,6 +126,26 @@ if [ "$(id -u)" = 0 ] && id redis >/dev/null 2>&1; then
 fi
 
 [ "$#" -gt 0 ] || set -- redis-server
+if [ "${REDIS_HA:-no}" = yes ]; then
+    # masterauth must be the password itself: it goes into a config file on the tmpfs (0600), never argv.
+    password_hash replica
+    replication=$(dirname -- "$out")/replication.conf
+    {
+        echo "masteruser replica"
+        echo "masterauth \"$pw\""
+        [ -z "${REDIS_REPLICAOF:-}" ] || echo "replicaof ${REDIS_REPLICAOF}"
+        [ -z "${REDIS_ANNOUNCE_IP:-}" ] || echo "replica-announce-ip ${REDIS_ANNOUNCE_IP}"
+        echo "min-replicas-to-write ${REDIS_MIN_REPLICAS_TO_WRITE:-1}"
+        echo "min-replicas-max-lag ${REDIS_MIN_REPLICAS_MAX_LAG:-10}"
+    } >"$replication"
+    if [ "$(id -u)" = 0 ] && id redis >/dev/null 2>&1; then
+        chown redis "$replication"  # Sentinel's CONFIG REWRITE writes its role changes into it
+    fi
+    if [ "$1" = redis-server ]; then
+        shift
+        set -- redis-server "$replication" "$@"
+    fi
+fi
 set -- "$@" --aclfile "$out"
 if [ -n "${REDIS_TLS_CERT_FILE:-}" ]; then
     : "${REDIS_TLS_KEY_FILE:?set REDIS_TLS_KEY_FILE with REDIS_TLS_CERT_FILE}"
