@@ -11,13 +11,21 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
 
-from testing.fleet import free_port, wait_for_port
+from testing.fleet import WorkerProcess, free_port, job_progress_or_down, wait_for_port, wait_until
+from testing.harness import cli_env, fast_env, isolated_settings, simulator
 from testing.redis_process import REDIS_SERVER, RedisProcess
+from testing.services import RedisServer
+from thinkfleet.redis_client import sync_client
+from thinkfleet.settings import Settings
 
 MASTER = "thinkfleet"
 DOWN_AFTER_MS = 1000
@@ -208,3 +216,66 @@ class SentinelHead:
                 return
             time.sleep(0.1)
         raise TimeoutError(f"the Sentinel head did not get there within {timeout_s:.0f} s")
+
+
+@dataclass
+class SentinelFleet:
+    """A Sentinel head with workers on it (:func:`sentinel_fleet`): the failover scenarios' common ground."""
+
+    head: SentinelHead
+    settings: Settings
+    client: redis.Redis
+    workers: list[WorkerProcess]
+    tmp_path: Path
+
+    def done(self, job: str) -> int:
+        """Rows done in Redis now (-1 while no primary answers)."""
+        return job_progress_or_down(self.client, self.settings.keys, job)["done"]
+
+    def wait_done(self, job: str, at_least: int, what: str, timeout_s: float = 240) -> None:
+        wait_until(lambda: self.done(job) >= at_least, timeout_s, what=what)
+
+    def settle(self, job: str, total: int) -> None:
+        """The job finished on a head that stays put: a loaded machine may fail over twice (a promoted replica that
+        stalls past down-after is failed over in turn: one more rollback, which the running workers recover too),
+        so once the Sentinels agree for a while, no more failovers, and the job is finished on the Redis it ends
+        on."""
+        self.wait_done(job, total, f"{total} rows")
+        self.head.stable_primary()
+        self.head.freeze()
+        self.wait_done(job, total, f"{total} rows, settled")
+
+    def start_wait(self, job: str) -> tuple[subprocess.Popen[bytes], Path]:
+        """``producer wait JOB`` polling all along (it must ride through the failover): the process and its stderr."""
+        err = self.tmp_path / f"wait-{job}.err"
+        argv = [sys.executable, "-m", "producer.cli", "wait", job, "--interval", "0.2", "--timeout", "600"]
+        proc = subprocess.Popen(argv, env=cli_env(self.settings), stdout=subprocess.DEVNULL, stderr=err.open("w"))
+        return proc, err
+
+    def stop_workers(self) -> None:
+        for w in self.workers:
+            w.terminate()
+
+
+@contextmanager
+def sentinel_fleet(
+    tmp_path: Path, sim_args: tuple[str, ...] = (), head_options: tuple[str, ...] = ()
+) -> Iterator[SentinelFleet]:
+    """A :class:`SentinelHead`, the simulator and two workers on the head's ``sentinel://`` URL, all stopped after."""
+    RedisServer(tmp_path / "probe")  # fails (CI) or skips the test when redis-server is missing
+    head = SentinelHead(tmp_path / "head", options=head_options).start()
+    try:
+        settings = isolated_settings(head.url(), str(tmp_path / "out"))
+        client = sync_client(head.url())
+        with simulator(tmp_path, "--time-scale", "60", *sim_args) as sim:
+            env = fast_env(settings, sim, max_inflight=6)
+            workers = [WorkerProcess(f"w{i}", env, tmp_path).start() for i in (1, 2)]
+            try:
+                for w in workers:
+                    w.wait_ready(client, settings.keys)
+                yield SentinelFleet(head, settings, client, workers, tmp_path)
+            finally:
+                for w in workers:
+                    w.terminate()
+    finally:
+        head.stop()

@@ -92,19 +92,7 @@ umask 077
 mkdir -p "$(dirname -- "$out")"
 tmp="$out.tmp.$$"
 : >"$tmp"
-rule=""
-while IFS= read -r line || [ -n "$line" ]; do
-    case "$line" in
-        "" | "#"*) continue ;;
-        " "* | "	"*) rule="$rule $line" ;;
-        *)
-            emit "$rule"
-            rule=$line
-            ;;
-    esac
-done <"$template"
-emit "$rule"
-if [ "${REDIS_HA:-no}" = yes ]; then
+render() { # a template file → its rules, one per line, into the ACL file
     rule=""
     while IFS= read -r line || [ -n "$line" ]; do
         case "$line" in
@@ -115,8 +103,13 @@ if [ "${REDIS_HA:-no}" = yes ]; then
                 rule=$line
                 ;;
         esac
-    done <"${REDIS_HA_ACL_TEMPLATE:-$here/users.ha.acl.template}"
+    done <"$1"
     emit "$rule"
+}
+
+render "$template"
+if [ "${REDIS_HA:-no}" = yes ]; then
+    render "${REDIS_HA_ACL_TEMPLATE:-$here/users.ha.acl.template}"
 fi
 set +f
 mv -f "$tmp" "$out"
