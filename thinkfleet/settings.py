@@ -35,7 +35,11 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="THINKFLEET_", env_file=".env", extra="ignore")
 
     # -- where things are ---------------------------------------------------------------------------
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for job state (and broker).")
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Redis for job state (and broker): redis://, rediss:// (TLS), or a head that fails over, "
+        "sentinel://[USER[:PASSWORD]@]HOST:PORT,HOST:PORT,HOST:PORT/DB?master=NAME (docs/operating.md).",
+    )
     broker_url: str | None = Field(
         None,
         description="Celery broker: must be redis_url itself (the default); a broker apart from the job-state Redis "
