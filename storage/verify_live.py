@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from thinkfleet.redis_client import sync_client
+from thinkfleet.redis_client import redacted, sync_client
 from thinkfleet.settings import Settings
 from thinkfleet.turns import beyond_chain_ends
 
@@ -45,14 +45,14 @@ def verify_live(settings: Settings, job: str) -> LiveReport:
     client = sync_client(settings.redis_url, timeout_s=10)
     try:
         if not client.exists(settings.keys.prompts(job)):
-            report.error = f"job {job!r} has no submitted prompts in Redis at {_redacted(settings.redis_url)}"
+            report.error = f"job {job!r} has no submitted prompts in Redis at {redacted(settings.redis_url)}"
             return report
         acc = account(client, settings, job)
     except NotObservable as exc:
         report.error = f"{exc}; --live needs a Redis broker"
         return report
     except redis.RedisError as exc:
-        report.error = f"cannot reach Redis at {_redacted(settings.redis_url)}: {exc}"
+        report.error = f"cannot reach Redis at {redacted(settings.redis_url)}: {exc}"
         return report
     finally:
         client.close()
@@ -92,13 +92,6 @@ def format_live_report(report: LiveReport, limit: int = 20) -> str:
         if len(report.unaccounted) > limit:
             lines.append(f"  … and {len(report.unaccounted) - limit} more (--json lists all)")
     return "\n".join(lines)
-
-
-def _redacted(url: str) -> str:
-    """``redis://:secret@host`` → ``redis://:**@host``: passwords never reach output."""
-    import re
-
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1**@", url)
 
 
 def _chain_ends(settings: Settings, job: str) -> set[str] | None:

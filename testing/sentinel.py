@@ -102,9 +102,12 @@ class SentinelHead:
         self.wait_for_replicas(len(self.redis) - 1)
         for s in self.sentinels:
             s.start()
-        self.wait_until(lambda: all(s.primary() == ("127.0.0.1", self.redis[0].port) for s in self.sentinels))
+        first = ("127.0.0.1", self.redis[0].port)
+        wait_until(
+            lambda: all(s.primary() == first for s in self.sentinels), 60, what="every Sentinel naming the primary"
+        )
         # Each Sentinel has found the replicas and the other Sentinels before any failover is asked of them.
-        self.wait_until(lambda: all(self._sentinel_sees_all(s) for s in self.sentinels))
+        wait_until(lambda: all(self._sentinel_sees_all(s) for s in self.sentinels), 60, what="the Sentinels seeing all")
         return self
 
     def _sentinel_sees_all(self, s: SentinelProcess) -> bool:
@@ -168,7 +171,7 @@ class SentinelHead:
                 return False
             return time.monotonic() - (since[0] or 0) >= for_s
 
-        self.wait_until(stable, timeout_s)
+        wait_until(stable, timeout_s, what="one primary named by every Sentinel for a while")
         assert seen[0] is not None
         return seen[0]
 
@@ -189,7 +192,7 @@ class SentinelHead:
             info = primary.info("replication")
             return sum(1 for k, v in info.items() if k.startswith("slave") and v.get("state") == "online") >= n
 
-        self.wait_until(online, timeout_s)
+        wait_until(online, timeout_s, what=f"{n} replicas online")
 
     def wait_for_new_primary(self, old_port: int, timeout_s: float = 60) -> int:
         """Wait until the Sentinels name a primary other than ``old_port`` and it answers as a primary."""
@@ -203,19 +206,10 @@ class SentinelHead:
             except redis.RedisError:
                 return False
 
-        self.wait_until(promoted, timeout_s)
+        wait_until(promoted, timeout_s, what=f"a primary other than port {old_port}")
         port = self.primary_port()
         assert port is not None
         return port
-
-    @staticmethod
-    def wait_until(check: object, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if check():  # type: ignore[operator]
-                return
-            time.sleep(0.1)
-        raise TimeoutError(f"the Sentinel head did not get there within {timeout_s:.0f} s")
 
 
 @dataclass

@@ -78,6 +78,7 @@ def test_clients_that_only_read_follow_a_failover(tmp_path) -> None:  # type: ig
 
     import redis as redis_lib
 
+    from testing.fleet import wait_until
     from testing.sentinel import MASTER, SentinelHead
     from testing.services import RedisServer
     from thinkfleet.redis_client import async_client, sync_client
@@ -106,7 +107,7 @@ def test_clients_that_only_read_follow_a_failover(tmp_path) -> None:  # type: ig
             return role
 
         assert asyncio.run(role_after_failover()) == b"master"
-        head.wait_until(lambda: sync.execute_command("ROLE")[0] == b"master", 30)
+        wait_until(lambda: sync.execute_command("ROLE")[0] == b"master", 30, what="the sync client on the primary")
     finally:
         head.stop()
 
