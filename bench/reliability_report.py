@@ -9,9 +9,14 @@ previous rows of the scenarios it will run aside (a removed or renamed scenario 
 one keeps its name) and stamps every row with the tree's version (``git rev-parse HEAD``, "-dirty"
 when ``git status --porcelain`` lists anything):
 
-    .venv/bin/python -m bench.reliability_report --run            # CI subset (≈ 3 min on 2 cores)
-    .venv/bin/python -m bench.reliability_report --run --slow     # CI subset + soak (≈ 8 min)
+    .venv/bin/python -m bench.reliability_report --run            # CI subset (≈ 12 min on 2 cores, -n 3)
+    .venv/bin/python -m bench.reliability_report --run --slow     # CI subset + soak
+    .venv/bin/python -m bench.reliability_report --run --files 'test_reliability_failover*'   # some files
     .venv/bin/python -m bench.reliability_report                  # re-render from stored results
+
+``--files GLOB`` (repeatable) runs only the scenario files it matches and sets aside only their rows; the other
+rows stay as stored, with their own version stamps. ``-n N`` runs N pytest processes (pytest-xdist, whole files per
+process as scripts/test.sh does; the default 3 shares two cores well because most scenarios wait on subprocesses).
 """
 
 from __future__ import annotations
@@ -44,9 +49,11 @@ def code_version(root: Path = ROOT) -> str:
     return git_version(root)
 
 
-def clear_stale(results: Path, slow: bool) -> list[Path]:
+def clear_stale(results: Path, slow: bool, files: list[Path] | None = None) -> list[Path]:
     """Set aside the rows this run will rewrite: all of them with ``--slow``, else the CI subset's (the
-    soak's rows stay, with their own version stamp). Returns what was set aside."""
+    soak's rows stay, with their own version stamp); with ``files``, only rows of those test files.
+    Returns what was set aside."""
+    only = None if files is None else {f"tests/{p.name}" for p in files}
     previous = results / _PREVIOUS
     shutil.rmtree(previous, ignore_errors=True)
     previous.mkdir(parents=True)
@@ -55,21 +62,29 @@ def clear_stale(results: Path, slow: bool) -> list[Path]:
         if path.name == _RUNS:
             continue
         try:
-            ci = json.loads(path.read_text()).get("ci", True)
+            row = json.loads(path.read_text())
         except ValueError:
-            ci = True
+            row = {}
+        ci = row.get("ci", True)
+        if only is not None and str(row.get("test", "")).split("::")[0] not in only:
+            continue
         if slow or ci:
             moved.append(path.rename(previous / path.name))
     return moved
 
 
-def run_suite(results: Path, slow: bool) -> int:
+def run_suite(results: Path, slow: bool, patterns: list[str] | None = None, processes: int = 3) -> int:
     """Run the reliability tests with results recording on; returns pytest's exit code."""
     version = code_version()  # before the old rows move aside (which makes the tree look dirty)
+    files = _test_files(patterns)
+    if not files:
+        print(f"no scenario file matches {patterns} (scenario files: {', '.join(SCENARIO_GLOBS)})", file=sys.stderr)
+        return 2
     results.mkdir(parents=True, exist_ok=True)
-    clear_stale(results, slow)
+    clear_stale(results, slow, files if patterns else None)
     marker = "slow or not slow" if slow else "not slow"
-    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-m", marker, *sorted(str(p) for p in _test_files())]
+    parallel = ["-n", str(processes), "--dist", "loadfile"] if processes > 0 else []
+    command = [sys.executable, "-m", "pytest", "-q", "-rs", *parallel, "-m", marker, *(str(p) for p in files)]
     started = time.monotonic()
     env = {**os.environ, RESULTS_ENV: str(results), VERSION_ENV: version}
     try:
@@ -78,6 +93,8 @@ def run_suite(results: Path, slow: bool) -> int:
         shutil.rmtree(results / _PREVIOUS, ignore_errors=True)
     runs_path = results / _RUNS
     runs = json.loads(runs_path.read_text()) if runs_path.exists() else {}
+    if patterns:  # a partial run: its rows carry their own version; the whole-suite record stays
+        return code
     runs["all" if slow else "ci"] = {
         "command": f"pytest -m '{marker}' " + " ".join(f"tests/{g}" for g in SCENARIO_GLOBS),
         "wall_s": round(time.monotonic() - started, 1),
@@ -102,8 +119,12 @@ def is_scenario_file(name: str) -> bool:
     return any(fnmatch.fnmatch(name, pattern) for pattern in SCENARIO_GLOBS)
 
 
-def _test_files() -> list[Path]:
-    return sorted({p for pattern in SCENARIO_GLOBS for p in (ROOT / "tests").glob(pattern)})
+def _test_files(patterns: list[str] | None = None) -> list[Path]:
+    """The scenario files; with ``patterns``, those whose name matches one of them."""
+    files = sorted({p for pattern in SCENARIO_GLOBS for p in (ROOT / "tests").glob(pattern)})
+    if patterns:
+        files = [p for p in files if any(fnmatch.fnmatch(p.name, pat) for pat in patterns)]
+    return files
 
 
 def load(results: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -179,6 +200,7 @@ def render(rows: list[dict[str, Any]], runs: dict[str, Any]) -> str:
         "```bash",
         ".venv/bin/python -m bench.reliability_report --run          # CI subset",
         ".venv/bin/python -m bench.reliability_report --run --slow   # + the soak (-m slow)",
+        ".venv/bin/python -m bench.reliability_report --run --files 'test_reliability_failover*'   # some files",
         "```",
         "",
         f"**{len(ran)} scenarios, {prompts:,} prompts: {lost} lost, {duplicated} duplicated, {altered} altered.**"
@@ -337,10 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", action="store_true", help="run the suite first (records fresh results)")
     parser.add_argument("--slow", action="store_true", help="with --run: include the soak (-m slow)")
+    parser.add_argument("--files", action="append", metavar="GLOB", help="with --run: only these scenario files")
+    parser.add_argument("-n", type=int, default=3, dest="processes", help="with --run: pytest processes [3]")
     parser.add_argument("--results", type=Path, default=RESULTS_DIR, help=f"results dir [{RESULTS_DIR}]")
     parser.add_argument("--out", type=Path, default=RELIABILITY_MD, help=f"markdown to write [{RELIABILITY_MD}]")
     args = parser.parse_args(argv)
-    code = run_suite(args.results, args.slow) if args.run else 0
+    code = run_suite(args.results, args.slow, args.files, args.processes) if args.run else 0
     rows, runs = load(args.results)
     if not rows:
         print(f"no results in {args.results}; run with --run", file=sys.stderr)

@@ -100,3 +100,22 @@ def test_the_benchmarks_own_outputs_do_not_make_the_tree_dirty(repo: Path) -> No
     (repo / "bench" / "results").mkdir()
     (repo / "bench" / "results" / "fleet.json").write_text("{}\n")
     assert code_version(repo)["dirty"] is False
+
+
+def test_a_partial_reliability_run_sets_aside_only_its_own_files_rows(tmp_path: Path) -> None:
+    import json
+
+    from bench.reliability_report import _PREVIOUS, _test_files, clear_stale
+
+    failover = _test_files(["test_reliability_failover*"])
+    assert failover and all(p.name.startswith("test_reliability_failover") for p in failover)
+    assert len(_test_files()) > len(failover)
+    rows = {
+        "mine": {"test": f"tests/{failover[0].name}::test_x", "ci": True},
+        "other": {"test": "tests/test_reliability_workers.py::test_y", "ci": True},
+    }
+    for name, row in rows.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(row))
+    moved = clear_stale(tmp_path, slow=False, files=failover)
+    assert [p.name for p in moved] == ["mine.json"]
+    assert (tmp_path / "other.json").exists() and (tmp_path / _PREVIOUS / "mine.json").exists()
