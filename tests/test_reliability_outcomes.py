@@ -296,7 +296,7 @@ def test_output_unwritable_for_20s_keeps_rows_stops_consuming_and_finishes_clean
     # memory (at most 2 × the in-flight bound generations completed meanwhile) and finished clean.
     assert blocked["done_during"] == 0, blocked
     assert blocked["completed_during"] <= 2 * max_inflight, blocked
-    assert "stopped consuming" in log and "storage is writable again" in log
+    assert "stopped consuming" in log and "commits succeed again" in log
     assert dead_letters(client, keys, "unwritable") == {}
     outcome = check_job(settings, "unwritable", job.prompts, job.sampling_params)
     record_result(

@@ -388,10 +388,14 @@ class WorkerRuntime:
         self.storage_ok = ok
         self.metrics.storage_healthy.set(int(ok))
         if ok:
-            log.warning("storage is writable again: resuming consuming")
+            log.warning("commits succeed again: resuming consuming")
         else:
+            # A commit is a part write and a Redis finalize: say which one refused (a head without its replicas
+            # answers NOREPLICAS to the finalize; that is no storage fault).
+            what = "the job-state Redis" if isinstance(exc, RedisError) else "storage"
             log.error(
-                "storage failing (%s: %s): stopped consuming; finished rows are kept and their commit retried",
+                "commit failing at %s (%s: %s): stopped consuming; finished rows are kept and their commit retried",
+                what,
                 type(exc).__name__,
                 exc,
             )
