@@ -15,8 +15,6 @@ import inspect
 import time
 from typing import Any
 
-import redis
-
 from producer import render
 from producer.collector import Collector
 from producer.feed import Input
@@ -142,16 +140,13 @@ def check_compatible(
 
 def previous_turns(settings: Settings, job: str, existing: Existing) -> str | None:
     """The ``--turns`` of an existing job: "all" when its job hash has the ``turns`` field of a multi-turn
-    submit (:func:`producer.conversations.write_conversations`), else "last"; None when there is no job or Redis
-    cannot say."""
+    submit (:func:`producer.conversations.write_conversations`), else "last"; None when there is no job. A Redis
+    that cannot say raises (the submit stops with one line): a re-submit with other ``--turns`` must never pass
+    unchecked."""
     if existing.record is None:
         return None
-    try:
-        client = sync_client(settings.redis_url, timeout_s=5)
-        with client:
-            raw = client.hget(settings.keys.job(job), TURNS_FIELD)
-    except (redis.RedisError, OSError):
-        return None
+    with sync_client(settings.redis_url, timeout_s=5) as client:
+        raw = client.hget(settings.keys.job(job), TURNS_FIELD)
     return "all" if regenerates_all_turns(turns_meta(raw)) else "last"
 
 

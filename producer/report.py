@@ -129,10 +129,10 @@ def think_warnings(thinking: bool, think_start_id: int | None, not_ending: int, 
     return []
 
 
-def estimate_redis_bytes(message_bytes: int, messages: int, rows: list[dict[str, Any]]) -> int:
-    """Queue list + prompt hashes, from the exact message sizes (the dry run builds every message)."""
-    hashes = sum(2 * (len(r["prompt_id"]) + HASH_ENTRY_OVERHEAD_B) + 16 + len(r["dataset"]) for r in rows)
-    return message_bytes + LIST_ENTRY_OVERHEAD_B * messages + hashes
+def estimate_redis_bytes(message_bytes: int, messages: int) -> int:
+    """The queue lists, from the exact message sizes (the dry run builds every message); the prompt hashes are
+    counted by the collector as it writes them (``Collector.hash_bytes``)."""
+    return message_bytes + LIST_ENTRY_OVERHEAD_B * messages
 
 
 def projected_wall_s(prompts: int, mean_output_tokens: float, hosts: int, server_tok_s: float) -> float:

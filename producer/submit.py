@@ -249,7 +249,7 @@ def _report(
         enqueued=c.enqueued,
         prompt_tokens_enqueued=c.tokens_enqueued,
         lengths=packed_length_stats(c.lengths),
-        estimated_redis_bytes=estimate_redis_bytes(c.message_bytes, c.enqueued, []) + c.hash_bytes,
+        estimated_redis_bytes=estimate_redis_bytes(c.message_bytes, c.enqueued) + c.hash_bytes,
         projected_wall_s=projected_wall_s(prompts, opts.mean_output_tokens, opts.hosts, opts.server_tok_s),
         warnings=warnings,
         problems=problems,

@@ -158,13 +158,13 @@ def submit_cmd(
             if not flags[name]:
                 raise click.UsageError(f"Missing option '--{name}' (or give a job file: producer submit JOB.yaml)")
         opts = _submit_options(list(paths), flags)
-    opts.progress = err.is_terminal if progress is None else progress
+    show_progress = err.is_terminal if progress is None else progress
     if priority_flag is not None:
         opts.priority = priority_flag
     if break_lock and not opts.dry_run:
         _break_lock(settings, opts.job, err)
     try:
-        report = _with_progress(err, settings, opts) if opts.progress else submit(settings, opts)
+        report = _with_progress(err, settings, opts) if show_progress else submit(settings, opts)
     except SubmitError as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False, markup=True, soft_wrap=True)
         sys.exit(1)
