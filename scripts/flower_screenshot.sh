@@ -4,8 +4,12 @@
 # Starts, on free loopback ports in a temporary directory, everything a head node and one inference node
 # run — redis-server, the SGLang simulator, a worker and Flower with basic auth, with the same flags as
 # deploy/head/docker-compose.yml — then submits a small two-dataset job with the test tokenizer, waits
-# until Flower lists both running and finished tasks, and screenshots /tasks with headless Chromium.
-# Everything it started is stopped on exit.
+# until Flower lists both running and finished tasks, holds that moment (the simulator stalls: the requests
+# at it stay there) and screenshots /tasks with headless Chromium. Everything it started is stopped on exit.
+#
+# What the page shows (workers/events.py): a task is STARTED from the moment its request goes to the SGLang
+# server until its outcome; RECEIVED while it waits for a request slot; its RUNTIME is the generation's wall
+# time, from that request going out to its row stored. tests/test_flower.py checks the same on every CI run.
 #
 # Needs: the project venv (.venv), redis-server and chromium (apt-get install -y redis-server chromium).
 # Usage: bash scripts/flower_screenshot.sh [OUT.png]     (default docs/flower.png)
@@ -104,6 +108,29 @@ while time.monotonic() < deadline:
         sys.exit(0)
     time.sleep(0.5)
 sys.exit("Flower did not show running and finished tasks of both datasets within 120 s")
+EOF
+
+# Hold the moment: the simulator answers nothing for a while (its generations freeze, the worker keeps
+# waiting for them), so the picture shows the tasks above, not whatever is left once Chromium has started.
+# Once Flower's view stops moving (the events already sent have arrived), the page is taken.
+"$VENV/python" - "$SIM_PORT" "$FLOWER_PORT" "$AUTH" <<'EOF'
+import base64, json, sys, time, urllib.request
+sim_port, port, auth = sys.argv[1:4]
+stall = urllib.request.Request(f"http://127.0.0.1:{sim_port}/control/stall", data=b'{"seconds": 120}',
+                               headers={"Content-Type": "application/json"}, method="POST")
+urllib.request.urlopen(stall, timeout=5).read()
+request = urllib.request.Request(
+    f"http://127.0.0.1:{port}/api/tasks?limit=1000",
+    headers={"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()},
+)
+seen, deadline = None, time.monotonic() + 60
+while time.monotonic() < deadline:
+    states = {uuid: t["state"] for uuid, t in json.load(urllib.request.urlopen(request, timeout=5)).items()}
+    if states == seen:
+        sys.exit(0)
+    seen = states
+    time.sleep(1.5)
+sys.exit("Flower's view kept moving while the simulator stalled")
 EOF
 
 mkdir -p "$(dirname "$OUT")"

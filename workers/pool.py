@@ -8,6 +8,10 @@ has an outcome, runs Celery's own trace on one of a few threads: the ``task_prer
 signals, the task function — which returns the outcome already computed (:meth:`WorkerRuntime.take_outcome`)
 — and the ack, or the requeue of a handed-back prompt, exactly as with the thread pool. The concurrency
 stays Celery's prefetch bound (``worker_concurrency``); it no longer costs a thread per held message.
+
+So Celery's trace cannot tell when the work started nor how long it took: the prompt's asyncio task carries its
+delivery's clock (workers/events.py), which marks the task STARTED when its request goes to the server and gives
+the ending event its runtime, up to the moment the outcome was known here.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 from celery.concurrency.base import BasePool, apply_target
 
 from thinkfleet.broker.bodies import BodyReader
+from workers import events as task_events
 from workers.runtime import current_runtime
 
 log = logging.getLogger("thinkfleet.worker")
@@ -92,6 +97,7 @@ class LoopPool(BasePool):
         if accept_callback is not None:
             accept_callback(os.getpid(), time.monotonic())
         task_id = str(args[1])  # type: ignore[index]
+        clock = task_events.take(task_id)  # its request's on_accepted started it, just now on this thread
         traced: Future[Any] = Future()
         token = object()
         self._running.add(token)
@@ -105,9 +111,14 @@ class LoopPool(BasePool):
             finally:
                 self._running.discard(token)
 
+        def ended(prompt: asyncio.Task[str]) -> None:  # on the loop, the moment the outcome is known
+            clock.done = time.monotonic()
+            self._tracer.submit(trace, prompt)
+
         def start() -> None:  # on the loop: a task, no concurrent future chained to it
-            prompt = loop.create_task(rt.ahandle(task_args, task_id))
-            prompt.add_done_callback(lambda done: self._tracer.submit(trace, done))
+            # In a context holding the delivery's clock: its first request marks it STARTED (workers/events.py).
+            prompt = loop.create_task(rt.ahandle(task_args, task_id), context=task_events.context_for(clock))
+            prompt.add_done_callback(ended)
 
         loop = rt.loop.loop
         loop.call_soon_threadsafe(start)

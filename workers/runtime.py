@@ -44,6 +44,7 @@ from workers.adaptive import Move, bound_info, inflight_watcher, limits_from
 from workers.attempts import HandBack, RequestAttempts
 from workers.client import SGLangClient
 from workers.committer import GroupCommitter
+from workers.events import StartedOnSend
 from workers.health import HealthGate
 from workers.hooks import PostCommitHooks
 from workers.identity import GuardedLedger, NameHeld
@@ -178,8 +179,9 @@ class WorkerRuntime:
         )
         chainer.ledger = self.ledger  # an agentic step's executor call is fenced by the run's claim
         chainer.served_model = lambda: self.gate.info.model_path if self.gate.info else None  # tokenizer roots
+        sends = StartedOnSend(self.client)  # a delivery's first /generate marks its Celery task STARTED
         self.attempts = RequestAttempts(
-            s, self.client, self.gate, self.metrics, lambda: self.draining, on_idle=self.committer.flush_soon
+            s, sends, self.gate, self.metrics, lambda: self.draining, on_idle=self.committer.flush_soon
         )
         # inflight_mode auto: the bound follows the server (reset from its limits whenever the gate opens).
         inflight = lambda: len(self.attempts.inflight)  # noqa: E731

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from celery import Celery, signals
+from celery import Celery, bootsteps, signals
 from celery.exceptions import Reject
 from celery.worker.consumer import Consumer
 from celery.worker.request import Request
@@ -36,7 +36,8 @@ from thinkfleet.broker.guard import CompressionRefused, refuse_compression
 from thinkfleet.broker.transit import enable_transit
 from thinkfleet.message import TASK_NAME
 from thinkfleet.settings import Settings
-from workers.runtime import HandBack, RuntimeStartError, current_runtime, get_runtime
+from workers import events as task_events
+from workers.runtime import HandBack, RuntimeStartError, WorkerRuntime, current_runtime, get_runtime
 
 log = logging.getLogger("thinkfleet.worker")
 
@@ -58,8 +59,10 @@ logging.getLogger("celery.app.trace").addFilter(OneLineHandBack())
 
 #: Exit status of a worker whose runtime could not be built (sysexits' EX_CONFIG).
 START_FAILED_EXIT = 78
-#: Seconds Celery task events (received, succeeded) wait in the buffer, so that one PUBLISH carries many.
+#: Seconds Celery task events (received, started, succeeded) wait in the buffer, so that one PUBLISH carries many.
 EVENT_FLUSH_S = 1.0
+#: The events that end a delivery here: they carry its runtime (workers/events.py).
+ENDING_EVENTS = frozenset({"task-succeeded", "task-failed", "task-rejected"})
 
 
 def _message_summary(message: Any) -> dict[str, Any]:
@@ -92,30 +95,17 @@ def record_refused(kind: str, message: Any, reason: str) -> None:
 
 class GuardedConsumer(Consumer):
     """Celery's consumer with compressed messages refused before kombu inflates them, and its task events
-    published in batches (:data:`EVENT_FLUSH_S`) instead of one publish per loop turn."""
-
-    _events_due = False
+    published in batches (:class:`EventOutboxFlush`, every :data:`EVENT_FLUSH_S`) instead of one publish per
+    loop turn."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         refuse_compression()  # before any message is received
         super().__init__(*args, **kwargs)
 
     def on_send_event_buffered(self) -> None:
-        # Celery flushes the task-event buffer on the next loop turn: at our rate that is a PUBLISH per
-        # event. One flush per EVENT_FLUSH_S instead (the buffer also flushes itself at 24 events).
-        # (Events are sent from pool threads too: the timer is only touched on the consumer's own loop.)
-        hub = self.hub
-        if hub is not None and not self._events_due:
-            hub.call_soon(self._flush_events_later)
-
-    def _flush_events_later(self) -> None:
-        if not self._events_due:
-            self._events_due = True
-            self.hub.call_later(EVENT_FLUSH_S, self._flush_buffered_events)
-
-    def _flush_buffered_events(self) -> None:
-        self._events_due = False
-        self._flush_events()
+        # Celery flushes the task-event buffer on the next loop turn: at our rate that is a PUBLISH per event.
+        # EventOutboxFlush flushes it every EVENT_FLUSH_S instead (the buffer also flushes itself at 24 events).
+        pass
 
     def on_decode_error(self, message: Any, exc: BaseException) -> None:
         if isinstance(exc, CompressionRefused):
@@ -123,13 +113,60 @@ class GuardedConsumer(Consumer):
         super().on_decode_error(message, exc)  # logs it and acks: the message leaves the queue
 
 
+class EventOutboxFlush(bootsteps.StartStopStep):
+    """Every :data:`EVENT_FLUSH_S`, on the consumer's thread: the task events of workers/events.py's outbox (put
+    by the event loop and the trace threads, which must not touch kombu's connection or hub) go to Celery's event
+    dispatcher, and its buffer — those and the ``task-received`` events Celery buffers itself — is published, a
+    batch in one PUBLISH. A consumer bootstep, so it starts again on the new connection after a reconnect."""
+
+    requires = ("celery.worker.consumer.events:Events",)
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self._timer: Any = None
+
+    def start(self, c: Any) -> None:
+        self._timer = c.timer.call_repeatedly(EVENT_FLUSH_S, self.flush, (c,), priority=10)
+
+    def stop(self, c: Any) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.flush(c)  # what is waiting goes before the dispatcher closes
+
+    def flush(self, c: Any) -> None:
+        dispatcher = c.event_dispatcher
+        if dispatcher is None:  # reconnecting: the events wait in the outbox
+            return
+        task_events.outbox.drain(dispatcher.send)
+        dispatcher.flush()
+
+
 class QuietRequest(Request):
-    """Celery's request without its ``task-started`` event: Flower's task list needs received and
-    succeeded (or failed); started comes a moment after received here, and cost a third of the events."""
+    """Celery's request with its task events as workers/events.py says: no ``task-started`` when the pool accepts
+    the message (the event loop sends it when the request goes to the server), ``runtime`` from that moment to the
+    outcome, a refused delivery (dead-lettered, malformed) as ``task-failed`` — and every event put in the
+    outbox, never published from the thread that ends the task."""
+
+    #: This delivery's moments (workers/events.py), from the pool's accepting it.
+    clock: task_events.TaskClock | None = None
+
+    def on_accepted(self, pid: int, time_accepted: float) -> None:
+        self.clock = task_events.accept(self.id)  # taken by the pool (or the task function) on this thread
+        super().on_accepted(pid, time_accepted)
 
     def send_event(self, type: str, **fields: Any) -> None:
-        if type != "task-started":
-            super().send_event(type, **fields)
+        if type == "task-started" or not (self._eventer and self._eventer.enabled and self.task.send_events):
+            return
+        if type in ENDING_EVENTS:
+            task_events.forget(self.id)
+            if self.clock is not None:
+                fields["runtime"] = self.clock.runtime_s()
+        if type == "task-succeeded":
+            failure = task_events.failed_outcome(fields.get("result"))
+            if failure is not None:  # acked like every outcome; in Flower, a failure
+                type, fields = "task-failed", {"exception": failure, "runtime": fields.get("runtime")}
+        task_events.outbox.put(type, uuid=self.id, **fields)
 
 
 def guarded_strategy(settings: Settings) -> Callable[..., Any]:
@@ -159,6 +196,18 @@ def guarded_strategy(settings: Settings) -> Callable[..., Any]:
         return on_message
 
     return strategy
+
+
+def _run_here(rt: WorkerRuntime, args: Any, task_id: str) -> str:
+    """The prompt run from the task function, this thread waiting (Celery's thread pool; LoopPool's fallback for
+    a body it could not read): the loop's task for it copies this thread's context, which holds its clock."""
+    clock = task_events.take(task_id)
+    token = task_events.enter(clock)
+    try:
+        return rt.handle(args, task_id)
+    finally:
+        clock.done = time.monotonic()
+        task_events.leave(token)
 
 
 def worker_identity(settings: Settings, celery_hostname: str | None) -> str:
@@ -193,6 +242,7 @@ def register_tasks(app: Celery, settings: Settings) -> None:
 
     # Compressed messages are refused by the consumer before kombu inflates them (GuardedConsumer).
     app.conf.worker_consumer = f"{__name__}:GuardedConsumer"
+    app.steps["consumer"].add(EventOutboxFlush)  # task events published in batches from the consumer's thread
 
     @app.task(
         name=TASK_NAME,
@@ -215,7 +265,7 @@ def register_tasks(app: Celery, settings: Settings) -> None:
                 if ahead.cancelled():  # only when the loop stops under it: never acked
                     raise HandBack()
                 return ahead.result()
-            return rt.handle(args, self.request.id)
+            return _run_here(rt, args, self.request.id)
         except HandBack:
             raise Reject("handed back", requeue=True) from None
         except Exception as exc:
