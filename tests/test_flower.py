@@ -430,3 +430,12 @@ def test_the_outbox_keeps_the_order_and_is_bounded() -> None:
     for i in range(5):
         box.put("task-received", uuid=str(i))
     assert [f["uuid"] for _, f in _drained(box)] == ["2", "3", "4"] and len(box) == 0
+
+
+def test_a_dead_letters_failure_row_names_its_reason(outbox: task_events.EventOutbox) -> None:
+    clock = task_events.TaskClock("job/p1/r0", taken=10.0, sent=11.0, done=14.0)
+    task_events.context_for(clock).run(task_events.note_refusal, "bad_output: finish_reason abort")
+    task_events.note_refusal("outside any delivery: nothing")
+    QuietRequest.send_event(_request(clock), "task-succeeded", result="'dead'", runtime=0.0001)
+    [(kind, fields)] = _drained(outbox)
+    assert kind == "task-failed" and "bad_output: finish_reason abort" in fields["exception"]

@@ -57,6 +57,8 @@ class TaskClock:
     taken: float = field(default_factory=time.monotonic)
     sent: float | None = None
     done: float | None = None
+    #: Why the delivery was refused (a dead letter's class and message), for Flower's FAILURE row.
+    reason: str | None = None
 
     def runtime_s(self) -> float:
         """Seconds from the request going to the server (else from the pool taking the message) to the outcome."""
@@ -142,11 +144,22 @@ def request_sent() -> None:
     outbox.put("task-started", uuid=clock.task_id)
 
 
-def failed_outcome(result: Any) -> str | None:
+def note_refusal(reason: str) -> None:
+    """The running delivery is being refused for ``reason`` (a dead letter): its FAILURE row will say so."""
+    clock = _current.get()
+    if clock is not None:
+        clock.reason = reason[:500]
+
+
+def failed_outcome(result: Any, reason: str | None = None) -> str | None:
     """The exception text Flower shows for an outcome that is a refusal, or None for any other outcome.
-    ``result`` is what Celery's trace reports: the outcome's repr (``"'dead'"``)."""
+    ``result`` is what Celery's trace reports: the outcome's repr (``"'dead'"``); ``reason``, what
+    :func:`note_refusal` recorded for it."""
     text = str(result or "").strip("'\"")
-    return FAILED_OUTCOMES.get(text)
+    failure = FAILED_OUTCOMES.get(text)
+    if failure is not None and reason:
+        return f"DeadLettered({reason!r}; producer retry JOB resends it)" if text == "dead" else failure
+    return failure
 
 
 class StartedOnSend:

@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from thinkfleet.message import PromptTask
 from thinkfleet.settings import Settings
 from thinkfleet.state.ledger import Ledger
+from workers import events as task_events
 from workers.attempts import HandBack
 from workers.metrics import WorkerMetrics
 
@@ -63,6 +64,7 @@ class Outcomes:
         else:  # bad_output keeps what the server answered
             await self.ledger.dead_letter(task, error_class, message, attempts, answer=answer)
         self.metrics.dead.labels(error_class).inc()
+        task_events.note_refusal(f"{error_class}: {message}")  # Flower's FAILURE row names it
         log.log(level, "dead-lettered %s/%s: %s: %s", task.job, task.prompt_id, error_class, message)
         return "dead"
 

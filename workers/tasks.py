@@ -163,7 +163,7 @@ class QuietRequest(Request):
             if self.clock is not None:
                 fields["runtime"] = self.clock.runtime_s()
         if type == "task-succeeded":
-            failure = task_events.failed_outcome(fields.get("result"))
+            failure = task_events.failed_outcome(fields.get("result"), self.clock.reason if self.clock else None)
             if failure is not None:  # acked like every outcome; in Flower, a failure
                 type, fields = "task-failed", {"exception": failure, "runtime": fields.get("runtime")}
         task_events.outbox.put(type, uuid=self.id, **fields)
