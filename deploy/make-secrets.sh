@@ -14,6 +14,7 @@
 #   redis_exporter_passwords.json  the same password in the exporter's own format ({"address": "password"})
 #   redis_replica_password    a head that fails over (docker-compose.sentinel.yml): replication between its Redis
 #   redis_sentinel_password   … and its Sentinels' user on each Redis
+#   sentinel_client_password  … what its Sentinels require of their clients (THINKFLEET_REDIS_SENTINEL_PASSWORD_FILE)
 #   signing_key               the producer host and every GPU node (THINKFLEET_SIGNING_KEY_FILE; compose secret of
 #                             the worker): HMAC key of job records and messages (thinkfleet/signing.py). No Redis
 #                             credential: whoever writes Redis without it cannot make a worker run anything.
@@ -48,6 +49,16 @@ for user in admin producer worker flower exporter replica sentinel; do
     fi
     chmod 644 "$file"
 done
+
+# The Sentinels' own password (not a Redis user: Sentinel has one password for its clients).
+file="$dir/sentinel_client_password"
+if [ -s "$file" ]; then
+    echo "kept    $file"
+else
+    (umask 022 && random_password >"$file")
+    echo "created $file"
+fi
+chmod 644 "$file"
 
 # The signing key: 32 random bytes as hex (thinkfleet.signing.MIN_KEY_CHARS is 32 characters). Kept on a rerun
 # like the passwords; to rotate it, see deploy/README.md §10 (THINKFLEET_SIGNING_KEY_PREVIOUS_FILE).

@@ -3,12 +3,14 @@ loopback (quorum 2, ``down-after-milliseconds`` 1000), for the failover tests an
 
 The Sentinels decide which Redis is the primary; a test kills, stops or isolates processes and waits for the
 promotion (:meth:`SentinelHead.wait_for_new_primary`). Each process keeps its own directory (AOF, logs, the
-Sentinel's rewritten config), so a failed run can be read afterwards.
+Sentinel's rewritten config), so a failed run can be read afterwards. A Redis may run with its wall clock off the
+host's (:class:`ShiftedClockRedis`: ``TIME`` and key expiry, as on a host whose clock is wrong).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +32,101 @@ from thinkfleet.settings import Settings
 MASTER = "thinkfleet"
 DOWN_AFTER_MS = 1000
 FAILOVER_TIMEOUT_MS = 4000
+#: A preload that shifts CLOCK_REALTIME (clock_gettime, gettimeofday, time) by THINKFLEET_CLOCK_OFFSET_S seconds and
+#: nothing else (the monotonic clocks Redis times itself with stay true). libfaketime would do, but not for Debian's
+#: redis-server: jemalloc calls clock_gettime while libfaketime initializes, which aborts (libfaketime #130). This
+#: one calls the kernel directly, so it needs neither dlsym nor malloc.
+CLOCK_SHIFT_C = r"""
+#define _GNU_SOURCE
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <sys/time.h>
+#include <time.h>
+#include <unistd.h>
+
+static long offset_s;
+static int ready;
+
+static long offset(void) {
+    if (!ready) {
+        const char *v = getenv("THINKFLEET_CLOCK_OFFSET_S");
+        offset_s = v ? atol(v) : 0;
+        ready = 1;
+    }
+    return offset_s;
+}
+
+int clock_gettime(clockid_t id, struct timespec *ts) {
+    int rc = (int)syscall(SYS_clock_gettime, id, ts);
+    if (rc == 0 && ts && (id == CLOCK_REALTIME || id == CLOCK_REALTIME_COARSE)) ts->tv_sec += offset();
+    return rc;
+}
+
+int gettimeofday(struct timeval *tv, void *tz) {
+    struct timespec ts;
+    int rc = clock_gettime(CLOCK_REALTIME, &ts);
+    (void)tz;
+    if (rc == 0 && tv) {
+        tv->tv_sec = ts.tv_sec;
+        tv->tv_usec = ts.tv_nsec / 1000;
+    }
+    return rc;
+}
+
+time_t time(time_t *t) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    if (t) *t = ts.tv_sec;
+    return ts.tv_sec;
+}
+"""
+CC = shutil.which("cc") or shutil.which("gcc")
+
+
+def clock_shift_library(workdir: Path) -> Path:
+    """:data:`CLOCK_SHIFT_C` built into ``workdir`` (a C compiler is needed: build-essential)."""
+    if CC is None:
+        raise RuntimeError("no C compiler (cc): apt-get install build-essential")
+    workdir.mkdir(parents=True, exist_ok=True)
+    source, library = workdir / "clock_shift.c", workdir / "clock_shift.so"
+    source.write_text(CLOCK_SHIFT_C)
+    subprocess.run([CC, "-shared", "-fPIC", "-O2", "-o", str(library), str(source)], check=True)
+    return library
+
+
+class ShiftedClockRedis(RedisProcess):
+    """``redis-server`` whose wall clock runs ``offset_s`` off the host's (``offset_s`` < 0: behind): its ``TIME``,
+    its key expiry and its log stamps."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        offset_s: int,
+        port: int | None = None,
+        appendonly: bool = False,
+        extra: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__(workdir, port=port, appendonly=appendonly, extra=extra)
+        self.offset_s = offset_s
+
+    def start(self) -> ShiftedClockRedis:
+        # RedisProcess starts redis-server with this process's environment: the preload joins it for this one start
+        # (a test's own process starts nothing else meanwhile; it only waits for the port).
+        shift = {
+            "LD_PRELOAD": str(clock_shift_library(self.workdir / "clock")),
+            "THINKFLEET_CLOCK_OFFSET_S": str(int(self.offset_s)),
+        }
+        saved = {name: os.environ.get(name) for name in shift}
+        os.environ.update(shift)
+        try:
+            super().start()
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+        return self
 
 
 class SentinelProcess:
@@ -84,16 +181,29 @@ class SentinelHead:
         sentinels: int = 3,
         appendonly: bool = True,
         options: tuple[str, ...] = (),
+        redis_options: dict[int, tuple[str, ...]] | None = None,
+        clock_offsets_s: dict[int, int] | None = None,
     ) -> None:
-        """``options``: more redis-server flags for every Redis of the head (``--min-replicas-to-write 1``, …)."""
+        """``options``: more redis-server flags for every Redis of the head (``--min-replicas-to-write 1``, …);
+        ``redis_options``: for Redis N only (0 the first primary: ``--replica-priority 0`` is never promoted);
+        ``clock_offsets_s``: Redis N's wall clock that many seconds off the host's (:class:`ShiftedClockRedis`)."""
         self.workdir = workdir
         primary_port = free_port()
+        own, shifted = redis_options or {}, clock_offsets_s or {}
         # A replica's first sync starts at once (the default waits 5 s for more replicas to share one transfer).
         sync_now = ("--repl-diskless-sync-delay", "0", *options)
-        self.redis = [RedisProcess(workdir / "r0", port=primary_port, appendonly=appendonly, extra=sync_now)]
-        for i in range(1, replicas + 1):
-            replica_of = ("--replicaof", "127.0.0.1", str(primary_port), *sync_now)
-            self.redis.append(RedisProcess(workdir / f"r{i}", appendonly=appendonly, extra=replica_of))
+        self.redis: list[RedisProcess] = []
+        for i in range(replicas + 1):
+            extra = (*sync_now, *own.get(i, ()))
+            if i:
+                extra = ("--replicaof", "127.0.0.1", str(primary_port), *extra)
+            port = primary_port if i == 0 else None
+            if i in shifted:
+                self.redis.append(
+                    ShiftedClockRedis(workdir / f"r{i}", shifted[i], port=port, appendonly=appendonly, extra=extra)
+                )
+            else:
+                self.redis.append(RedisProcess(workdir / f"r{i}", port=port, appendonly=appendonly, extra=extra))
         self.sentinels = [SentinelProcess(workdir / f"s{i}", primary_port) for i in range(sentinels)]
 
     def start(self) -> SentinelHead:
@@ -253,11 +363,18 @@ class SentinelFleet:
 
 @contextmanager
 def sentinel_fleet(
-    tmp_path: Path, sim_args: tuple[str, ...] = (), head_options: tuple[str, ...] = ()
+    tmp_path: Path,
+    sim_args: tuple[str, ...] = (),
+    head_options: tuple[str, ...] = (),
+    redis_options: dict[int, tuple[str, ...]] | None = None,
+    clock_offsets_s: dict[int, int] | None = None,
 ) -> Iterator[SentinelFleet]:
-    """A :class:`SentinelHead`, the simulator and two workers on the head's ``sentinel://`` URL, all stopped after."""
+    """A :class:`SentinelHead`, the simulator and two workers on the head's ``sentinel://`` URL, all stopped after
+    (``redis_options``, ``clock_offsets_s``: as :class:`SentinelHead` takes them)."""
     RedisServer(tmp_path / "probe")  # fails (CI) or skips the test when redis-server is missing
-    head = SentinelHead(tmp_path / "head", options=head_options).start()
+    head = SentinelHead(
+        tmp_path / "head", options=head_options, redis_options=redis_options, clock_offsets_s=clock_offsets_s
+    ).start()
     try:
         settings = isolated_settings(head.url(), str(tmp_path / "out"))
         client = sync_client(head.url())

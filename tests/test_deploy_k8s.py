@@ -4,11 +4,15 @@ Every document of the base is validated (strict: an unknown field fails) against
 schemas ``kubernetes-validate`` ships (offline; the newest version it has). With ``kubectl`` installed
 (its built-in kustomize), the example overlay is rendered — with secrets made by ``deploy/make-secrets.sh``
 in a copy of the tree — and every rendered document is validated too, and every ConfigMap and Secret a pod
-names exists in the render. Without kubectl that test skips with the reason.
+names exists in the render. Without kubectl that test skips with the reason. So is the HA overlay (a head that fails
+over: components/sentinel-head): three Redis and three Sentinels (quorum 2) one per node, their scripts the compose
+head's, every client's URL naming the three Sentinels, and every password a file of the pod's own Secret.
 """
 
 from __future__ import annotations
 
+import base64
+import os
 import re
 import shutil
 import subprocess
@@ -20,6 +24,7 @@ import pytest
 import yaml
 
 from tests.test_deploy_compose import HAND_BACK_MARGIN_S, setting_env_names
+from thinkfleet.redis_client import parse_sentinel
 from thinkfleet.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -28,6 +33,7 @@ BASE = K8S / "base"
 KUBECTL = shutil.which("kubectl")
 #: The Kubernetes version validated against: the newest whose schemas kubernetes-validate ships.
 K8S_VERSION = kubernetes_validate.utils.latest_version()
+WORKLOADS = {"StatefulSet", "Deployment", "Job"}
 
 
 def base_documents() -> list[dict[str, Any]]:
@@ -86,9 +92,9 @@ def test_a_manifest_with_an_unknown_field_is_refused() -> None:
         kubernetes_validate.validate(pdb, K8S_VERSION, strict=True)
 
 
-@pytest.mark.skipif(KUBECTL is None, reason="kubectl (its built-in kustomize) is not installed")
-def test_the_example_overlay_renders_to_valid_kubernetes_with_every_reference_resolved(tmp_path: Path) -> None:
-    # A copy of the tree (the overlay reads deploy/head/redis/ next to it), with the secrets an operator makes.
+def render_overlay(tmp_path: Path, name: str, extra_secrets: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """``kubectl kustomize`` of ``overlays/NAME`` in a copy of the tree (the overlay reads deploy/head/ next to it),
+    with the secrets an operator makes: make-secrets.sh's, Flower's login, and ``extra_secrets`` (random)."""
     for part in ("k8s", "head", "make-secrets.sh"):
         src = REPO / "deploy" / part
         dst = tmp_path / "deploy" / part
@@ -97,9 +103,12 @@ def test_the_example_overlay_renders_to_valid_kubernetes_with_every_reference_re
         else:
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(src, dst)
-    overlay = tmp_path / "deploy" / "k8s" / "overlays" / "example"
+    overlay = tmp_path / "deploy" / "k8s" / "overlays" / name
     subprocess.run(["sh", str(tmp_path / "deploy" / "make-secrets.sh"), str(overlay / "secrets")], check=True)
     (overlay / "secrets" / "flower_basic_auth").write_text("admin:" + "x" * 32)
+    for secret in extra_secrets:
+        (overlay / "secrets" / secret).write_text(os.urandom(24).hex() + "\n")
+    assert KUBECTL is not None
     out = subprocess.run(
         [KUBECTL, "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(overlay)],
         capture_output=True,
@@ -107,14 +116,21 @@ def test_the_example_overlay_renders_to_valid_kubernetes_with_every_reference_re
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def pod_specs(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every workload's pod spec, by workload name."""
+    return {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in docs if d["kind"] in WORKLOADS}
+
+
+def assert_valid_and_resolved(docs: list[dict[str, Any]]) -> None:
+    """Every document valid Kubernetes in the thinkfleet namespace, every ConfigMap and Secret a pod names rendered."""
     for doc in docs:
         assert doc["metadata"].get("namespace", "thinkfleet") == "thinkfleet" or doc["kind"] == "Namespace"
         validate(doc)
     have = {(d["kind"], d["metadata"]["name"]) for d in docs}
-    pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in {"StatefulSet", "Deployment"}]
-    pods += [d["spec"]["template"]["spec"] for d in docs if d["kind"] == "Job"]
-    for pod in pods:
+    for pod in pod_specs(docs).values():
         refs = [("Secret", v["secret"]["secretName"]) for v in pod.get("volumes", []) if "secret" in v]
         refs += [("ConfigMap", v["configMap"]["name"]) for v in pod.get("volumes", []) if "configMap" in v]
         for c in pod["containers"]:
@@ -127,14 +143,123 @@ def test_the_example_overlay_renders_to_valid_kubernetes_with_every_reference_re
                     refs.append(("Secret", source["secretKeyRef"]["name"]))
         missing = [ref for ref in refs if ref not in have]
         assert not missing, f"referenced but not rendered: {missing}"
+
+
+def mounted_file(docs: list[dict[str, Any]], pod: dict[str, Any], c: dict[str, Any], path: str) -> bytes:
+    """The content of ``path`` in container ``c`` of ``pod``, from the rendered Secret or ConfigMap mounted there."""
+    [mount] = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    key = path[len(mount["mountPath"]) + 1 :]
+    if "secret" in volume:
+        data = named(docs, "Secret", volume["secret"]["secretName"]).get("data", {})
+        assert key in data, f"{path}: no key {key} in Secret {volume['secret']['secretName']}"
+        return base64.b64decode(data[key])
+    data = named(docs, "ConfigMap", volume["configMap"]["name"])["data"]
+    assert key in data, f"{path}: no key {key} in ConfigMap {volume['configMap']['name']}"
+    return str(data[key]).encode()
+
+
+@pytest.mark.skipif(KUBECTL is None, reason="kubectl (its built-in kustomize) is not installed")
+def test_the_example_overlay_renders_to_valid_kubernetes_with_every_reference_resolved(tmp_path: Path) -> None:
+    docs = render_overlay(tmp_path, "example")
+    assert_valid_and_resolved(docs)
     # Each password file a pod names is in the Secret it mounts (the keys are the file names).
-    inference = named(docs, "StatefulSet", "inference")["spec"]["template"]["spec"]
+    inference = pod_specs(docs)["inference"]
     worker = container(inference, "worker")
-    [secret_volume] = [v for v in inference["volumes"] if v["name"] == "secrets"]
-    secret = named(docs, "Secret", secret_volume["secret"]["secretName"])
     for var in ("THINKFLEET_REDIS_PASSWORD_FILE", "THINKFLEET_SIGNING_KEY_FILE"):
-        assert Path(env_of(worker)[var]).name in secret["data"], var
+        assert mounted_file(docs, inference, worker, env_of(worker)[var])
     assert named(docs, "StatefulSet", "inference")["spec"]["replicas"] == 4
+
+
+@pytest.mark.skipif(KUBECTL is None, reason="kubectl (its built-in kustomize) is not installed")
+def test_the_ha_overlay_renders_a_head_that_fails_over_and_every_client_names_its_sentinels(tmp_path: Path) -> None:
+    docs = render_overlay(tmp_path, "ha-example", extra_secrets=("sentinel_client_password",))
+    assert_valid_and_resolved(docs)
+    pods = pod_specs(docs)
+    # What the component adds is in the fleet's namespace too (an object without one lands in "default").
+    for doc in docs:
+        assert doc["kind"] == "Namespace" or doc["metadata"]["namespace"] == "thinkfleet", doc["metadata"]
+    # Three Redis and three Sentinels, one per node, behind headless Services that publish pods before they are ready.
+    sentinel_sts, redis_sts = named(docs, "StatefulSet", "sentinel"), named(docs, "StatefulSet", "redis")
+    for sts in (redis_sts, sentinel_sts):
+        assert sts["spec"]["replicas"] == 3
+        [anti] = sts["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ]
+        assert anti["topologyKey"] == "kubernetes.io/hostname"
+        service = named(docs, "Service", sts["spec"]["serviceName"])
+        assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+        assert named(docs, "PodDisruptionBudget", sts["metadata"]["name"])["spec"]["maxUnavailable"] == 1
+    sentinels = [f"sentinel-{i}.{sentinel_sts['spec']['serviceName']}" for i in range(3)]
+    # The Sentinels: quorum 2 of 3 (a majority: one Sentinel's view never fails the head over), names everywhere,
+    # started by the compose head's entrypoint, the first primary redis-0.
+    sentinel = container(pods["sentinel"], "sentinel")
+    senv = env_of(sentinel)
+    assert senv["SENTINEL_QUORUM"] == "2" and 2 * int(senv["SENTINEL_QUORUM"]) > sentinel_sts["spec"]["replicas"]
+    assert senv["SENTINEL_ANNOUNCE_HOSTNAMES"] == "yes" and senv["SENTINEL_ANNOUNCE_IP"] == "$(POD_NAME).sentinel"
+    assert senv["SENTINEL_PEERS"].split() == [f"{s}:26379" for s in sentinels]
+    entrypoint = mounted_file(docs, pods["sentinel"], sentinel, sentinel["command"][-1]).decode()
+    assert entrypoint == (REPO / "deploy" / "head" / "sentinel" / "entrypoint.sh").read_text()
+    sentinel_dir = senv["SENTINEL_DIR"]
+    [claim] = sentinel_sts["spec"]["volumeClaimTemplates"]
+    assert {m["mountPath"]: m["name"] for m in sentinel["volumeMounts"]}[sentinel_dir] == claim["metadata"]["name"]
+    # The Redis: AOF as the base's, the HA ACL users, a start that asks the Sentinels whether it is primary.
+    redis = container(pods["redis"], "redis")
+    renv = env_of(redis)
+    scripts = {name: mounted_file(docs, pods["redis"], redis, f"/usr/local/etc/thinkfleet/{name}").decode()
+               for name in ("redis-role.sh", "entrypoint.sh", "users.ha.acl.template")}  # fmt: skip
+    assert redis["command"][-1] == "/usr/local/etc/thinkfleet/redis-role.sh"
+    assert scripts["redis-role.sh"] == (K8S / "components" / "sentinel-head" / "redis-role.sh").read_text()
+    assert redis["args"][redis["args"].index("--appendonly") + 1] == "yes"
+    assert renv["REDIS_SELF"] == "$(POD_NAME).redis" and renv["REDIS_FIRST_PRIMARY"] == senv["SENTINEL_PRIMARY_HOST"]
+    names = [e["name"] for e in redis["env"]]
+    assert names.index("POD_NAME") < names.index("REDIS_SELF")  # $(POD_NAME) expands only from an earlier variable
+    assert renv["HEAD_SENTINELS"].split(",") == [f"{s}:26379" for s in sentinels]
+    # Every password the Redis and Sentinel scripts read is in the Secret their pod mounts.
+    for user in ("admin", "producer", "worker", "flower", "exporter", "replica", "sentinel"):
+        assert mounted_file(docs, pods["redis"], redis, f"/run/secrets/redis_{user}_password")
+    for name in ("redis_sentinel_password", "sentinel_client_password"):
+        assert mounted_file(docs, pods["redis"], redis, f"/run/secrets/{name}")
+        assert mounted_file(docs, pods["sentinel"], sentinel, f"/run/secrets/{name}")
+    # Every client names the three Sentinels and the primary's name, and takes both passwords from its own Secret:
+    # as the settings open it, the URL carries both, and no password is a literal in any manifest.
+    secret_values = {v for d in docs if d["kind"] == "Secret" for v in d.get("data", {}).values()}
+    clients = {"inference": "worker", "flower": "flower", "producer-submit": "producer"}
+    for workload, user in clients.items():
+        pod = pods[workload]
+        [c] = [c for c in pod["containers"] if "THINKFLEET_REDIS_URL" in env_of(c)]
+        env = env_of(c)
+        url = parse_sentinel(env["THINKFLEET_REDIS_URL"])
+        assert url.sentinels == [(s, 26379) for s in sentinels], workload
+        assert (url.master, url.username, url.password, url.sentinel_password) == (
+            senv["SENTINEL_MASTER"],
+            user,
+            None,
+            None,
+        )
+        files = {}
+        for var in ("THINKFLEET_REDIS_PASSWORD_FILE", "THINKFLEET_REDIS_SENTINEL_PASSWORD_FILE"):
+            files[var] = tmp_path / workload / Path(env[var]).name
+            files[var].parent.mkdir(exist_ok=True)
+            files[var].write_bytes(mounted_file(docs, pod, c, env[var]))
+        opened = Settings(
+            redis_url=env["THINKFLEET_REDIS_URL"],
+            redis_password_file=str(files["THINKFLEET_REDIS_PASSWORD_FILE"]),
+            redis_sentinel_password_file=str(files["THINKFLEET_REDIS_SENTINEL_PASSWORD_FILE"]),
+        )
+        parsed = parse_sentinel(opened.redis_url)
+        assert parsed.password == files["THINKFLEET_REDIS_PASSWORD_FILE"].read_text().strip()
+        assert (
+            parsed.sentinel_password
+            == mounted_file(docs, pods["sentinel"], sentinel, "/run/secrets/sentinel_client_password").decode().strip()
+        )
+        assert Path(env["THINKFLEET_REDIS_PASSWORD_FILE"]).name == f"redis_{user}_password"
+    for doc in docs:
+        if doc["kind"] != "Secret":
+            text = yaml.safe_dump(doc)
+            assert not any(value in text for value in secret_values), doc["metadata"]["name"]
+            decoded = [base64.b64decode(v).decode().strip() for v in secret_values]
+            assert not any(pw in text for pw in decoded if len(pw) >= 16), doc["metadata"]["name"]
 
 
 # -- the numbers agree with the worker's -------------------------------------------------------------

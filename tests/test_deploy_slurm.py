@@ -5,7 +5,8 @@ Given a head Redis started by ``head.sbatch`` (AOF on the "shared" directory) an
 when three array elements join it, one is ``scancel``-ed mid-run (every process SIGTERMed, SIGKILL after
 ``KillWait``), another gets its time limit's ``--signal=B:TERM`` warning and drains, and a resubmitted element
 joins in their place, then every prompt is stored exactly once (``producer verify``, rows byte-equal to the
-simulator's, ``producer status`` agreeing) and the workers were named by Slurm node and job id.
+simulator's, ``producer status`` agreeing) and the workers were named by Slurm node and job id. ``head-ha.sbatch``,
+the head that fails over, runs too: three tasks, a Sentinel naming the primary, its URL followed through a failover.
 
 The cluster is this test's own: a private munged socket and key, slurm.conf in a temp dir, slurmd's on free
 ports as ``-N n1..n3`` (``NodeName``s sharing this host), all stopped at the end. Without Slurm installed
@@ -274,7 +275,7 @@ def test_slurm_drain_fits_in_the_time_limit_warning() -> None:
 
 
 def test_slurm_scripts_parse() -> None:
-    for script in ("thinkfleet.sbatch", "head.sbatch", "node.sh", "node.env"):
+    for script in ("thinkfleet.sbatch", "head.sbatch", "head-ha.sbatch", "head-ha.sh", "node.sh", "node.env"):
         done = subprocess.run(["bash", "-n", str(SLURM_DIR / script)], capture_output=True, text=True)
         assert done.returncode == 0, f"{script}: {done.stderr}"
 
@@ -422,6 +423,114 @@ def test_slurm_array_job_survives_scancel_and_time_limit_exactly_once(slurm: Slu
     assert "worker exited (rc 0)" in timed_log, timed_log  # drained and exited by itself, before the SIGKILL
     status = producer_cli(settings, "status", second.name)
     assert status.returncode == 0 and joined[0] in status.stdout, status.stdout + status.stderr
+
+
+def _free_ports_in_a_row(n: int) -> int:
+    """The first of ``n`` consecutive free ports (head-ha.sbatch's tasks share this host: base + rank)."""
+    for _ in range(100):
+        base = free_port()
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {n} free ports in a row")
+
+
+def test_slurm_ha_head_starts_names_its_primary_and_fails_over_behind_its_url(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """``head-ha.sbatch``: three tasks on three nodes (here three node names on one host, ports base + rank), each a
+    Redis and a Sentinel. The URL it writes opens the primary as the settings do; when the primary's Redis dies the
+    Sentinels promote a replica, the same URL writes to it, and redis-ha/primary names the promoted task (where a
+    requeued head starts its primary)."""
+    from thinkfleet.redis_client import parse_sentinel, sync_client
+
+    shared, logs = tmp_path / "shared", tmp_path / "logs"
+    logs.mkdir()
+    rport, sport = _free_ports_in_a_row(3), _free_ports_in_a_row(3)
+    env = {
+        "THINKFLEET_SHARED_DIR": str(shared),
+        "THINKFLEET_HOME": str(REPO),
+        "REDIS_PORT": str(rport),
+        "SENTINEL_PORT": str(sport),
+        "HEAD_PORT_STRIDE": "1",
+        "REDIS_ADVERTISE": "127.0.0.1",
+        "REDIS_MAXMEMORY": "256mb",
+        "SENTINEL_DOWN_AFTER_MS": "1000",
+        "SENTINEL_FAILOVER_TIMEOUT_MS": "4000",
+    }
+    slurm.run(
+        "sbatch", "--parsable", f"--output={logs}/head-%j.out", "--mem=0", "--cpus-per-task=1",
+        str(SLURM_DIR / "head-ha.sbatch"), env=env,
+    )  # fmt: skip
+    url_file = shared / "redis.url"
+    _wait_for("redis.url from head-ha.sbatch", url_file.exists, 90, slurm, logs)
+    url = url_file.read_text().strip()
+    # Given the URL it wrote: the three Sentinels (one per task), and the nodes' settings as node.env gives them.
+    assert [port for _h, port in parse_sentinel(url).sentinels] == [sport, sport + 1, sport + 2]
+    given = subprocess.run(
+        ["bash", "-c", f"source {SLURM_DIR / 'node.env'} && env"],
+        env={**os.environ, "THINKFLEET_SHARED_DIR": str(shared), "THINKFLEET_HOME": str(REPO)},
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    node = dict(line.split("=", 1) for line in given.splitlines() if line.startswith("THINKFLEET_REDIS"))
+    assert node["THINKFLEET_REDIS_URL"] == url
+    settings = Settings(
+        redis_url=url,
+        redis_password_file=node["THINKFLEET_REDIS_PASSWORD_FILE"],
+        redis_sentinel_password_file=node["THINKFLEET_REDIS_SENTINEL_PASSWORD_FILE"],
+    )
+    password = (shared / "redis_password").read_text().strip()
+    watchers = [redis.Redis(port=sport + rank, password=password, socket_timeout=5) for rank in range(3)]
+
+    def primary() -> int | None:
+        try:
+            return int(watchers[1].sentinel_get_master_addr_by_name("thinkfleet")[1])
+        except (redis.RedisError, TypeError):
+            return None
+
+    # Then a Sentinel names task 0's Redis the primary, the URL writes to it (a replica streams from it: the head
+    # takes writes once redis.url is there), and its AOF is on.
+    assert primary() == rport
+    client = sync_client(settings.redis_url)
+    client.set("ha:probe", "1")
+    assert client.execute_command("ROLE")[0] == b"master" and client.config_get("appendonly") == {"appendonly": "yes"}
+    with pytest.raises(redis.AuthenticationError):  # the Sentinels answer only with the password
+        redis.Redis(port=sport, socket_timeout=5).sentinel_get_master_addr_by_name("thinkfleet")
+
+    # When every Sentinel knows both replicas online and the others (a Sentinel learns the replicas from the
+    # primary's INFO, every 10 s: one elected to fail over before it did finds "no good replica")…
+    def ready(watcher: redis.Redis) -> bool:
+        replicas = watcher.sentinel_slaves("thinkfleet")
+        linked = [r for r in replicas if not r["is_disconnected"] and r.get("master-link-status") == "ok"]
+        return len(linked) == 2 and len(watcher.sentinel_sentinels("thinkfleet")) == 2
+
+    _wait_for("every Sentinel seeing it all", lambda: all(ready(w) for w in watchers), 60, slurm, logs)
+    # …and task 0's Redis dies,
+    pid = int((shared / "redis-ha" / "0" / "redis.pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+    # then the Sentinels promote a replica, the same URL writes to it, and redis-ha/primary names its task.
+    _wait_for("a promoted replica", lambda: primary() in (rport + 1, rport + 2), 60, slurm, logs)
+    new = primary()
+    assert new is not None
+    _wait_for("a write through the URL", lambda: _set(client, "ha:probe", "2"), 60, slurm, logs)
+    assert redis.Redis(port=new, password=password).get("ha:probe") == b"2"
+    promoted = str(new - rport)
+    _wait_for(
+        "redis-ha/primary naming the promoted task",
+        lambda: (shared / "redis-ha" / "primary").read_text().strip() == promoted,
+        30, slurm, logs,
+    )  # fmt: skip
+
+
+def _set(client: redis.Redis, key: str, value: str) -> bool:
+    try:
+        return bool(client.set(key, value))
+    except redis.RedisError:
+        return False
 
 
 def producer_wait(settings: Settings, job: str) -> subprocess.CompletedProcess[str]:

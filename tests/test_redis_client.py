@@ -8,7 +8,15 @@ from celery import Celery
 
 from thinkfleet.broker.celery_app import configure
 from thinkfleet.broker.transit import SENTINEL_TRANSPORT, TRANSPORT, enable_transit
-from thinkfleet.redis_client import RedisUrlError, is_sentinel, kombu_broker, parse_sentinel, redacted, with_password
+from thinkfleet.redis_client import (
+    RedisUrlError,
+    is_sentinel,
+    kombu_broker,
+    parse_sentinel,
+    redacted,
+    with_password,
+    with_sentinel_password,
+)
 from thinkfleet.settings import Settings
 
 URL = "sentinel://worker:s3cret@h1:26379,h2:26380,[::1]:26381/2?master=tf&sentinel_password=sp"
@@ -53,6 +61,35 @@ def test_passwords_are_set_and_hidden_in_sentinel_urls_too() -> None:
     )
     shown = redacted(URL)
     assert "s3cret" not in shown and "=sp" not in shown and "h2:26380" in shown
+
+
+def test_the_sentinels_password_comes_from_its_file_into_the_url_and_the_broker(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # Given the primary's and the Sentinels' passwords in files (secrets: never in the environment or the URL).
+    (tmp_path / "worker").write_text("w" * 24 + "\n")
+    (tmp_path / "sentinels").write_text("s&=/" + "x" * 20 + "\n")  # characters a query must escape
+    monkeypatch.setenv("THINKFLEET_REDIS_URL", "sentinel://worker@h1:26379,h2:26379/0?master=tf&sentinel_password=old")
+    monkeypatch.setenv("THINKFLEET_REDIS_PASSWORD_FILE", str(tmp_path / "worker"))
+    monkeypatch.setenv("THINKFLEET_REDIS_SENTINEL_PASSWORD_FILE", str(tmp_path / "sentinels"))
+    settings = Settings()
+    # Then each password reaches its own servers: the primary's on the connections, the Sentinels' on theirs.
+    s = parse_sentinel(settings.redis_url)
+    assert (s.username, s.password, s.sentinel_password) == ("worker", "w" * 24, "s&=/" + "x" * 20)
+    assert s.master == "tf" and settings.broker_url == settings.redis_url
+    broker, options = kombu_broker(str(settings.broker_url))
+    assert options["sentinel_kwargs"]["password"] == "s&=/" + "x" * 20 and "sentinel_password" not in broker
+    # And neither shows in what is logged; a CLI override keeps both; a redis:// URL is left alone.
+    assert "x" * 20 not in redacted(settings.redis_url) and "w" * 24 not in redacted(settings.redis_url)
+    moved = settings.with_overrides(redis_url="sentinel://worker@h3:26379/0?master=tf")
+    assert parse_sentinel(moved.redis_url).sentinel_password == "s&=/" + "x" * 20
+    assert parse_sentinel(moved.redis_url).password == "w" * 24
+    assert with_sentinel_password("redis://h:6379/0", "pw") == "redis://h:6379/0"
+
+
+def test_an_unreadable_sentinel_password_file_is_named(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("THINKFLEET_REDIS_URL", "sentinel://h1:26379/0?master=tf")
+    monkeypatch.setenv("THINKFLEET_REDIS_SENTINEL_PASSWORD_FILE", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match=r"THINKFLEET_REDIS_SENTINEL_PASSWORD_FILE: cannot read .*missing"):
+        Settings()
 
 
 def test_a_worker_on_a_sentinel_head_keeps_the_transit_transport_and_asks_every_sentinel() -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qs, quote, unquote, urlsplit
+from urllib.parse import parse_qs, parse_qsl, quote, unquote, urlencode, urlsplit
 
 import redis
 import redis.asyncio as aioredis
@@ -287,6 +287,17 @@ def with_password(url: str, password: str) -> str:
     userinfo, _, hostport = parts.netloc.rpartition("@")
     user = userinfo.partition(":")[0]
     return parts._replace(netloc=f"{user}:{quote(password, safe='')}@{hostport}").geturl()
+
+
+def with_sentinel_password(url: str, password: str) -> str:
+    """A ``sentinel://`` URL with the Sentinels' own ``password`` as its ``?sentinel_password=`` (replacing one it
+    had); other URLs are returned as they are (they name no Sentinel)."""
+    if not is_sentinel(url):
+        return url
+    parts = urlsplit(url)
+    query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "sentinel_password"]
+    query.append(("sentinel_password", password))
+    return parts._replace(query=urlencode(query, quote_via=quote)).geturl()
 
 
 def redacted(url: str) -> str:

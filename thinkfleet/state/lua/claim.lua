@@ -3,7 +3,8 @@
 -- ARGV: prompt_id, worker, claim_json, heartbeat_prefix, max_deliveries, in_group (0|1: a last-chance run that
 --       joins the worker's suspect group), revision, generation (of the message's job record; '' = not recorded),
 --       suspect_group_prefix (Keys.suspect_group('')), group (this worker life's group id, claim_json's 'group'
---       when in_group), group_size (the group's runs with this one), member (this run's name in the group's set)
+--       when in_group), group_size (the group's runs with this one), member (this run's name in the group's set),
+--       host_us (the claiming worker's clock, µs)
 -- Returns {state, previous claim or delivery record, epoch}; state is one of
 --   done | dead      finished already: skip (no server call)
 --   superseded       the message's revision is older than one requested since (producer retry), or its job
@@ -16,8 +17,9 @@
 --                    mine: a claim under our own name we no longer run — Redis lost our finalize, or a
 --                    previous life; either may name a part, which the worker checks before generating)
 --
--- The epoch is the fence: max(Redis TIME in µs, the job's last epoch + 1), so a later claim always has a higher
--- one, also after Redis lost writes or restarted empty (its clock goes on). mark_part.lua and finalize.lua
+-- The epoch is the fence: max(Redis TIME in µs, the worker's clock in µs, the job's last epoch + 1), so a later
+-- claim always has a higher one, also after Redis lost writes or restarted empty (its clock goes on), or a replica
+-- whose clock is behind was promoted (the worker's clock still is not). mark_part.lua and finalize.lua
 -- accept only the claim's current epoch; the row carries it, and storage's committed view keeps the highest.
 --
 -- The delivery record {x, k, ik, g, lost, error} counts crashed deliveries: x = unexpected exceptions
@@ -95,6 +97,10 @@ if x + k + 1 >= max then
 end
 local t = redis.call('TIME')
 local epoch = tonumber(t[1]) * 1000000 + tonumber(t[2])
+-- Nor below the claiming worker's own clock (ARGV[13], µs): a replica promoted with its clock behind that also
+-- lost the last epoch-clock writes would otherwise mint epochs below rows storage already holds.
+local host = tonumber(ARGV[13] or '0') or 0
+if host > epoch then epoch = host end
 local last = tonumber(redis.call('GET', KEYS[5]) or '0')
 if epoch <= last then epoch = last + 1 end
 -- As a decimal string: cjson would print a 16-digit number with 14 significant digits.
