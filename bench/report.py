@@ -28,6 +28,7 @@ Re-run everything (≈ 20 min on the 2-core dev VM; `pip install -e '.[bench]'` 
     .venv/bin/python -m bench.bench_producer --prompts 10000
     .venv/bin/python -m bench.bench_fleet
     .venv/bin/python -m bench.bench_fault_cost
+    .venv/bin/python -m bench.bench_affinity
 
 Rebuild every section from the saved JSON without re-running anything: `.venv/bin/python -m bench.report`
 (one section: the benchmark's own `--from-json bench/results/NAME.json`).
@@ -41,6 +42,7 @@ SECTIONS = (
     ("bench_fleet", "bench.bench_fleet", "fleet.json"),
     ("bench_scale", "bench.bench_scale", "scale.json"),
     ("bench_fault_cost", "bench.bench_fault_cost", "fault_cost.json"),
+    ("bench_affinity", "bench.bench_affinity", "affinity.json"),
 )
 
 

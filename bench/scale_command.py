@@ -19,6 +19,11 @@ import sys
 import time
 import uuid
 
+#: ``producer report`` fields of provenance (storage/report.py ``provenance``), and the files an export writes beside
+#: its rows (storage/exports/provenance.py): not what old and new code must agree on.
+PROVENANCE_FIELDS = ("servers", "job_facts", "unreadable_provenance", "speculative")
+PROVENANCE_FILES = ("provenance.json", "README.md")
+
 
 def _digests(root: str) -> dict[str, str]:
     out = {}
@@ -62,7 +67,9 @@ def run(cmd: str, uri: str, job: str, out: str, settings: object | None = None) 
         from storage.report import report_job
 
         summary, _ = report_job(settings, job)  # type: ignore[arg-type]
-        result["digest"] = hashlib.sha256(json.dumps(summary, sort_keys=True, default=str).encode()).hexdigest()
+        # The numbers must agree; what a later version says of who made the rows (provenance) is left out.
+        shown = {k: v for k, v in summary.items() if k not in PROVENANCE_FIELDS}
+        result["digest"] = hashlib.sha256(json.dumps(shown, sort_keys=True, default=str).encode()).hexdigest()
         result["rows"] = summary["rows"]
     elif cmd.startswith("export-"):
         from storage.exports import export_job
@@ -76,8 +83,9 @@ def run(cmd: str, uri: str, job: str, out: str, settings: object | None = None) 
         }[fmt]
         res = export_job(settings, job, fmt.removesuffix("-jsonl"), target)  # type: ignore[arg-type]
         result["rows"] = res.rows
-        # hf's state.json carries a random fingerprint: every other file must be identical.
-        digests = {k: v for k, v in _digests(out).items() if not k.endswith("state.json")}
+        # hf's state.json carries a random fingerprint, the provenance sidecar and dataset card the export's time and
+        # code: every other file must be identical.
+        digests = {k: v for k, v in _digests(out).items() if not k.endswith(("state.json", *PROVENANCE_FILES))}
         result["digest"] = hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()
     elif cmd == "compact":
         import pyarrow.compute as pc

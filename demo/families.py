@@ -11,6 +11,7 @@ Kept apart from the builder because the two change for different reasons: a temp
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from thinkfleet import kimi
 
@@ -44,7 +45,9 @@ CHAT_TEMPLATE = (
     "{%- if c is string -%}{{ c }}"
     "{%- elif c is not none -%}{%- for part in c -%}"
     "{%- if part.get('type', 'text') == 'text' -%}{{ part['text'] }}"
-    "{%- else -%}<|media_begin|>image<|media_content|><|media_pad|><|media_end|>{%- endif -%}"
+    # One placeholder per image part, then a newline, as K2.5's template renders it (tinker-cookbook's K2.5
+    # renderer and its test of the HF template: ``<|media_end|>\n``; docs/vision.md).
+    "{%- else -%}<|media_begin|>image<|media_content|><|media_pad|><|media_end|>{{ '\\n' }}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
     "{%- endmacro -%}"
     "{%- macro calls(m) -%}<|tool_calls_section_begin|>"
@@ -81,6 +84,22 @@ CHAT_TEMPLATE = (
 )
 
 
+#: Kimi-K2.5's image processor sizes (the checkpoint's ``preprocessor_config.json`` ``media_proc_cfg``, the values
+#: SGLang's image-only fallback processor also carries).
+KIMI_PREPROCESSOR: dict[str, Any] = {
+    "processor_class": "KimiK25Processor",
+    "media_proc_cfg": {
+        "patch_size": 14,
+        "merge_kernel_size": 2,
+        "in_patch_limit": 16384,
+        "patch_limit_on_one_side": 512,
+        "fixed_output_tokens": None,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    },
+}
+
+
 # -- Qwen3 ---------------------------------------------------------------------------------------------
 #: Qwen3's added tokens (``added_tokens.json`` of the Qwen3 checkpoints), at their real ids.
 QWEN3_SPECIALS: dict[str, int] = {
@@ -112,6 +131,18 @@ QWEN3_SPECIALS: dict[str, int] = {
     "</think>": 151668,
 }
 QWEN3_FIRST_SPECIAL_ID = 151643
+#: Qwen3-VL's image processor (its ``preprocessor_config.json``): patch 16, merge 2 (a 32 px factor), 64×64 px to
+#: 4096×4096 px; the Qwen3 test tokenizer stands in for a Qwen3-VL model directory.
+QWEN3_VL_PREPROCESSOR: dict[str, Any] = {
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+    "processor_class": "Qwen3VLProcessor",
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
 #: Qwen3's tokenizer_config marks these ``special: false`` (they survive ``skip_special_tokens``).
 QWEN3_NOT_SPECIAL = {
     "<tool_call>",
@@ -468,6 +499,9 @@ class Layout:
     #: pinned tokens that are special (DeepSeek's BOS/EOS/pad at ids 0–2), not words.
     pinned_special: frozenset[str] = frozenset()
     model_max_length: int = 262_144
+    #: ``preprocessor_config.json`` of the family's vision model (its image processor's sizes: how many tokens an
+    #: image becomes, thinkfleet/vision.py); None: a text-only family.
+    preprocessor: dict[str, Any] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -489,13 +523,14 @@ def layout(family: str = "kimi") -> Layout:
         return Layout(
             "kimi", kimi.FIRST_SPECIAL_ID, special_token_layout(), frozenset(NOT_SPECIAL), CHAT_TEMPLATE,
             eos="<|im_end|>", bos="[BOS]", unk="[UNK]", pad="[PAD]",
-            generation_eos=(kimi.IM_END,), generation_bos=kimi.BOS,
+            generation_eos=(kimi.IM_END,), generation_bos=kimi.BOS, preprocessor=KIMI_PREPROCESSOR,
         )  # fmt: skip
     if family == "qwen3":
         return Layout(
             "qwen3", QWEN3_FIRST_SPECIAL_ID, {i: t for t, i in QWEN3_SPECIALS.items()},
             frozenset(QWEN3_NOT_SPECIAL), QWEN3_CHAT_TEMPLATE, eos="<|im_end|>", pad="<|endoftext|>",
             generation_eos=(151645, 151643), generation_bos=151643, model_max_length=131_072,
+            preprocessor=QWEN3_VL_PREPROCESSOR,
         )  # fmt: skip
     if family == "qwen3-thinking":
         return replace(layout("qwen3"), family=family, template=QWEN3_THINKING_CHAT_TEMPLATE)

@@ -143,6 +143,7 @@ def content_hash(family: str = "kimi") -> str:
         "train_vocab": TRAIN_VOCAB_SIZE,
         "seed": ID_SEED,
     }
+    lay = layout(family)
     if family == "kimi":  # the spec Kimi's directories were always keyed by
         spec.update(
             template=CHAT_TEMPLATE,
@@ -151,7 +152,6 @@ def content_hash(family: str = "kimi") -> str:
             vocab=kimi.VOCAB_SIZE,
         )
     else:
-        lay = layout(family)
         spec.update(
             family=family,
             template=lay.template,
@@ -163,6 +163,8 @@ def content_hash(family: str = "kimi") -> str:
             **({"pinned_special": sorted(lay.pinned_special)} if lay.pinned_special else {}),
             max_length=lay.model_max_length,
         )
+    if lay.preprocessor is not None:  # a vision family's image processor (absent: the hash stays what it was)
+        spec["preprocessor"] = lay.preprocessor
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -288,6 +290,8 @@ def _write(directory: Path, lay: Layout | None = None) -> None:
     # What a model directory carries next to the tokenizer: the producer reads stop ids from here.
     generation = {"eos_token_id": list(lay.generation_eos), "bos_token_id": lay.generation_bos}
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    if lay.preprocessor is not None:  # a vision model's image processor sizes (thinkfleet/vision.py reads them)
+        (directory / "preprocessor_config.json").write_text(json.dumps(lay.preprocessor, indent=2) + "\n")
     (directory / MARKER).write_text(content_hash(lay.family) + "\n")
 
 

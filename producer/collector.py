@@ -18,14 +18,16 @@ from typing import Any
 
 from producer import render
 from producer.feed import Feed, Input
+from producer.images import ImageError, place_images
 from producer.inputs import Problem, Prompt
 from producer.report import HASH_ENTRY_OVERHEAD_B, DatasetReport
 from producer.state import Existing, PromptStager, write_manifest
 from producer.submit_options import SubmitOptions
 from thinkfleet.broker.envelope import Envelope
-from thinkfleet.message import PromptTask, unpack_ids
+from thinkfleet.message import PromptTask, content_hash, unpack_ids
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import sample_overrides
+from thinkfleet.vision import ImageRef, expanded_length
 
 #: prompt_id of sample k when --samples > 1: "<dataset>/<id>#<k>".
 SAMPLE_SEP = "#"
@@ -67,6 +69,8 @@ class Collector:
         self.resumed = 0
         self.not_ending = self.changed = self.batch_tokens = 0
         self.first_not_ending: str | None = None
+        #: image prompts enqueued, their images, and what their messages cost Redis (docs/vision.md)
+        self.image_prompts = self.images = self.image_message_bytes = 0
         self.feed: Feed | None = None  # the inputs being rendered (--turns all: their conversations)
         #: The record's generation: kept from the existing record, else a new one (a first submit, or after purge).
         self.generation = (existing.record.generation if existing.record else "") or uuid.uuid4().hex[:16]
@@ -82,6 +86,11 @@ class Collector:
             tasks.extend(self._add(dataset, prompt, *result))
         messages = self.envelope.encode_many(tasks) if tasks else []
         self.message_bytes += sum(map(len, messages))
+        for task, message in zip(tasks, messages, strict=True):
+            if task.media:
+                self.image_prompts += 1
+                self.images += len(task.media)
+                self.image_message_bytes += len(message)
         self.enqueued += len(messages)
         return messages
 
@@ -93,10 +102,24 @@ class Collector:
             reason = f"prompt is {n_tokens} tokens, over --max-prompt-tokens {opts.max_prompt_tokens}"
             self.problems.append(Problem(prompt.location, f"{reason}; shorten it, raise the limit, or --skip-invalid"))
             return []
-        unfit = render.check_prompt(n_tokens, max_id, inp.budget, self.limits)
+        media: tuple[ImageRef, ...] = ()
+        if prompt.images:  # each placeholder found in the ids; the hash binds the images too (thinkfleet/message.py)
+            try:
+                media, digest = self._place(dataset, prompt, blob)
+            except ImageError as e:
+                self.problems.append(Problem(prompt.location, f"{e} (--skip-invalid skips and records it)"))
+                return []
+        # SGLang checks the context on the prompt as its image processor expands it: each placeholder → its tokens.
+        length = expanded_length(n_tokens, media)
+        unfit = render.check_prompt(length, max_id, inp.budget, self.limits)
         if unfit is not None:
             if max_id >= self.limits.vocab_size:  # rare: unpack the ids to name the first one out of range
-                unfit = render.check_prompt(n_tokens, max_id, inp.budget, self.limits, unpack_ids(blob, None), self.tok)
+                unfit = render.check_prompt(length, max_id, inp.budget, self.limits, unpack_ids(blob, None), self.tok)
+            if media:
+                images = sum(m.tokens for m in media)
+                unfit += (
+                    f" ({n_tokens:,} ids, each of its {len(media)} image placeholder(s) expanded: {images:,} tokens)"
+                )
             self.problems.append(Problem(prompt.location, f"{unfit} (--skip-invalid skips and records it)"))
             return []
         if not ends:
@@ -133,9 +156,20 @@ class Collector:
                 self.tokens_enqueued += n_tokens
                 overrides = sample_overrides(inp.params, k, inp.samples)
                 tasks.append(
-                    PromptTask(opts.job, dataset, pid, prompt.row_index, digest, blob, k, 0, overrides, self.generation)
-                )
+                    PromptTask(
+                        opts.job, dataset, pid, prompt.row_index, digest, blob, k, 0, overrides, self.generation,
+                        media=media,
+                    )
+                )  # fmt: skip
         return tasks
+
+    def _place(self, dataset: str, prompt: Prompt, blob: bytes) -> tuple[tuple[ImageRef, ...], str]:
+        """An image prompt's references with their placeholders' positions, and its content hash (ids + images)."""
+        resolver = self.inputs[dataset].dataset.images
+        assert resolver is not None, "a prompt with images was read without an image resolver"
+        ids = unpack_ids(blob, None)
+        media = place_images(ids, prompt.images, resolver.vision.placeholder)
+        return media, content_hash(ids, [m.sha256 for m in media])
 
     def _row(self, row: dict[str, Any]) -> None:
         """A valid prompt of this submission: spooled for the manifest, its hashes staged, its numbers kept."""

@@ -3,7 +3,9 @@
 Inputs (local files and directories, ``s3://``, save_to_disk directories, hub ids) are read by
 :mod:`producer.sources`. A row becomes a
 :class:`Prompt`: OpenAI-style messages cut after the last user (or tool) turn — the trailing assistant
-turns are what we regenerate — plus optional tools.
+turns are what we regenerate — plus optional tools, and for an image prompt its images (content parts, an
+``images`` column, ``<image>`` markers: :mod:`producer.image_parts`; each read, checked and stored by
+:mod:`producer.images`).
 
 Every problem a user can cause is a :class:`Problem` naming ``file:line`` (or ``file row N``) and what
 to do; the caller decides whether problems abort the submit or are skipped and recorded.
@@ -22,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from producer.image_parts import IMAGE_PART_TYPES, RowImages, column_images
+from producer.images import DatasetBase, ImageError, ImageResolver
 from producer.sources import (
     S3_SCHEMES,
     SKIP_HINT,
@@ -34,12 +38,14 @@ from producer.sources import (
     locate_input,
     records,
 )
+from thinkfleet.vision import ImageRef
 
 __all__ = [
     "S3_SCHEMES",
     "SUFFIXES",
     "Columns",
     "Dataset",
+    "ImageError",
     "InputError",
     "Problem",
     "Prompt",
@@ -88,6 +94,9 @@ class Columns:
     system: str | None = None
     tools: str | None = None
     id: str | None = "id"  # "" disables ids: prompt ids are then dataset/row_index
+    #: A column of images (``<image>`` markers or bare ``{"type": "image"}`` parts take them in order); None =
+    #: ``images`` or ``image`` when the rows have one, "" = none (producer/images.py).
+    images: str | None = None
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,8 @@ class Prompt:
     location: str
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
+    #: An image prompt's images in the order of their parts (stored, measured: producer/images.py); () for text.
+    images: tuple[ImageRef, ...] = ()
 
 
 @dataclass
@@ -107,6 +118,8 @@ class Dataset:
     source: Source
     prompts: list[Prompt] = field(default_factory=list)
     rows: int = 0
+    #: What reads this dataset's images (set by ``producer submit``); None: a row with images is a problem.
+    images: ImageResolver | None = None
 
 
 @dataclass
@@ -116,6 +129,7 @@ class _Layout:
     system: str | None
     tools: str | None
     id: str | None
+    images: str | None = None  # None: ``images`` or ``image`` in each row that has one; "": none
 
 
 # -- conversations ---------------------------------------------------------------------------------------
@@ -146,7 +160,11 @@ def _detect(record: dict[str, Any], columns: Columns, where: str) -> _Layout:
                 "'conversations' (ShareGPT) or 'prompt', or name one with --messages-column, "
                 "--conversations-column or --prompt-column"
             )
-    for flag, col in (("--system-column", columns.system), ("--tools-column", columns.tools)):
+    for flag, col in (
+        ("--system-column", columns.system),
+        ("--tools-column", columns.tools),
+        ("images_column", columns.images),
+    ):
         if col and col not in record:
             raise InputError(f"{where}: no column {col!r} (columns: {sorted(record)}); check {flag}")
     system = columns.system or ("system" if "system" in record and kind != "messages" else None)
@@ -154,7 +172,7 @@ def _detect(record: dict[str, Any], columns: Columns, where: str) -> _Layout:
     id_col = columns.id if columns.id and columns.id in record else None
     if columns.id and columns.id != "id" and id_col is None:
         raise InputError(f"{where}: no column {columns.id!r} (columns: {sorted(record)}); check --id-column")
-    return _Layout(kind, column, system, tools, id_col)
+    return _Layout(kind, column, system, tools, id_col, columns.images)
 
 
 def _maybe_json(value: Any, what: str) -> Any:
@@ -167,20 +185,36 @@ def _maybe_json(value: Any, what: str) -> Any:
     return value
 
 
-def _content(value: Any, i: int, role: str) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, list) and all(
-        isinstance(p, dict) and p.get("type", "text") == "text" and isinstance(p.get("text"), str) for p in value
-    ):
-        return "".join(p["text"] for p in value)  # OpenAI text parts
+def _content(value: Any, i: int, role: str, images: RowImages) -> str | list[dict[str, Any]] | None:
+    """A message's content: a string, or text and image parts (an image prompt: producer/images.py). Text parts
+    alone are joined into one string, as the chat template renders them."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return images.split(value)
+    if isinstance(value, list) and all(isinstance(p, dict) for p in value):
+        parts: list[dict[str, Any]] = []
+        for j, p in enumerate(value):
+            kind = p.get("type", "text")
+            if kind == "text" and isinstance(p.get("text"), str):
+                split = images.split(p["text"])
+                parts.extend([{"type": "text", "text": split}] if isinstance(split, str) else split)
+            elif kind in IMAGE_PART_TYPES:
+                parts.append(images.part(p))
+            else:
+                raise RowError(
+                    f"message {i} ({role}) part {j} is of type {kind!r}; content parts are text, image_url or image"
+                )
+        if all(p["type"] == "text" for p in parts):
+            return "".join(p["text"] for p in parts)  # OpenAI text parts
+        return parts
     raise RowError(
         f"message {i} ({role}) has non-string content ({type(value).__name__}); content must be a string "
-        "(or a list of text parts)"
+        "or a list of text and image parts"
     )
 
 
-def _clean(message: Any, i: int) -> dict[str, Any]:
+def _clean(message: Any, i: int, images: RowImages) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise RowError(f"message {i} is a {type(message).__name__}, not an object with role and content")
     role = message.get("role")
@@ -188,7 +222,7 @@ def _clean(message: Any, i: int) -> dict[str, Any]:
         role = "system"
     if role not in ROLES:
         raise RowError(f"message {i} has role {role!r}; expected one of {sorted(ROLES)}")
-    out: dict[str, Any] = {"role": role, "content": _content(message.get("content"), i, role)}
+    out: dict[str, Any] = {"role": role, "content": _content(message.get("content"), i, role, images)}
     if out["content"] is None and not (role == "assistant" and message.get("tool_calls")):
         raise RowError(f"message {i} ({role}) has no content")
     if isinstance(message.get("name"), str) and message["name"]:
@@ -216,7 +250,8 @@ def _tool_calls(value: Any, i: int) -> list[dict[str, Any]]:
     return value
 
 
-def _messages(record: dict[str, Any], layout: _Layout) -> list[dict[str, Any]]:
+def _messages(record: dict[str, Any], layout: _Layout, images: RowImages) -> list[dict[str, Any]]:
+    """The conversation to render: cleaned, cut after its last user (or tool) turn, its kept images resolved."""
     value = record.get(layout.column)
     if value is None:
         raise RowError(f"column {layout.column!r} is missing or null")
@@ -238,13 +273,33 @@ def _messages(record: dict[str, Any], layout: _Layout) -> list[dict[str, Any]]:
             raw = [{"role": "system", "content": system}, *raw]
     if not raw:
         raise RowError("empty conversation")
-    messages = [_clean(m, i) for i, m in enumerate(raw)]
+    messages = [_clean(m, i, images) for i, m in enumerate(raw)]
     last = max((i for i, m in enumerate(messages) if m["role"] in ("user", "tool")), default=None)
     if last is None or not any(m["role"] == "user" for m in messages[: last + 1]):
         raise RowError("conversation has no user turn; nothing to answer")
-    if messages[last]["role"] == "user" and not (messages[last]["content"] or "").strip():
+    unplaced = images.leftover()
+    if unplaced:  # an images column and no marker: the images open the first user turn
+        first = next(m for m in messages if m["role"] == "user")
+        text = first["content"]
+        first["content"] = unplaced + ([{"type": "text", "text": text}] if isinstance(text, str) and text else [])
+    if messages[last]["role"] == "user" and not _has_content(messages[last]["content"]):
         raise RowError(f"the last user turn (message {last}) is empty")
-    return messages[: last + 1]  # trailing assistant turns are what we regenerate
+    kept = messages[: last + 1]  # trailing assistant turns are what we regenerate
+    images.resolve(kept)
+    return kept
+
+
+def _image_column(record: dict[str, Any], name: str | None) -> list[Any] | None:
+    """A row's images column as a list; None when it has none (JSONL rows may differ in their keys)."""
+    if name is None:  # "" turns image columns off (a text dataset with a column named "image")
+        name = next((c for c in ("images", "image") if c in record), None)
+    return column_images(record.get(name)) if name else None
+
+
+def _has_content(content: str | list[dict[str, Any]] | None) -> bool:
+    if isinstance(content, list):
+        return any(p["type"] != "text" or p["text"].strip() for p in content)
+    return bool((content or "").strip())
 
 
 def _sharegpt(message: Any, i: int) -> dict[str, Any]:
@@ -297,6 +352,7 @@ def iter_prompts(
     collect = problems if problems is not None else []
     layout: _Layout | None = None
     seen = SeenIds()
+    base = DatasetBase.of(dataset.source) if dataset.images is not None else None
     for row_index, (loc, record) in enumerate(records(dataset.source, collect, split)):
         dataset.rows += 1
         if record is None:
@@ -304,10 +360,12 @@ def iter_prompts(
         if layout is None:
             layout = _detect(record, columns, loc)
         try:
-            messages = _messages(record, layout)
+            column = _image_column(record, layout.images)
+            images = RowImages(dataset.images, base, column)
+            messages = _messages(record, layout, images)
             tools = _tools(record, layout)
             key = _row_id(record, layout, row_index)
-        except RowError as e:
+        except (RowError, ImageError) as e:
             collect.append(Problem(loc, f"{e}; {SKIP_HINT}"))
             continue
         prompt_id = f"{dataset.name}/{key}"
@@ -315,7 +373,7 @@ def iter_prompts(
         if first is not None:
             collect.append(Problem(loc, f"duplicate id {key!r} (first at {first}); ids must be unique"))
             continue
-        yield Prompt(prompt_id, row_index, loc, messages, tools)
+        yield Prompt(prompt_id, row_index, loc, messages, tools, tuple(images.refs))
     if dataset.rows == 0:
         raise InputError(f"{dataset.source}: no rows")
 

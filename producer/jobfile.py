@@ -124,6 +124,8 @@ class DatasetEntry(_Strict):
     tools_column: str | None = None
     #: a stable row id column; "" = row numbers; unset = "id" when the rows have one
     id_column: str | None = None
+    #: a column of images (docs/vision.md); "" = none; unset = "images" or "image" when the rows have one
+    images_column: str | None = None
     samples: int | None = Field(None, ge=1)
     sampling: Sampling | None = None
 
@@ -313,6 +315,7 @@ def dataset_options(jf: JobFile) -> list[DatasetOptions]:
             system=entry.system_column,
             tools=entry.tools_column,
             id="id" if entry.id_column is None else entry.id_column,
+            images=entry.images_column,
         )
         sampling = entry.sampling.model_dump(exclude_none=True) if entry.sampling else {}
         out.append(DatasetOptions(entry.path, entry.name, columns, entry.split, entry.samples, sampling))

@@ -6,7 +6,8 @@ files read in name order) and a Hugging Face ``save_to_disk`` directory — each
 ``THINKFLEET_S3_ENDPOINT_URL`` handling: :func:`storage.layout.locate`) — or a Hugging Face dataset id,
 read from the local ``datasets`` cache only (a submit never downloads). A location names the input as
 the user wrote it (``data/chat.jsonl:17``, ``s3://b/x.parquet row 16``); :mod:`producer.inputs` turns
-the records into conversations.
+the records into conversations. A Hugging Face dataset's ``Image`` columns are read as their files' bytes
+(``{bytes, path}``), never decoded here.
 """
 
 from __future__ import annotations
@@ -200,8 +201,28 @@ def _read_hf(src: Source, split: str | None) -> Iterator[tuple[str, dict[str, An
             ds = datasets.load_from_disk(local)
         except Exception as e:
             raise InputError(f"{src}: not a readable Hugging Face save_to_disk directory ({e})") from e
-        for i, record in enumerate(_one_split(ds, split, str(src))):
+        for i, record in enumerate(_hf_rows(_one_split(ds, split, str(src)))):
             yield f"{src} row {i}", record
+
+
+def _hf_rows(ds: Any) -> Iterator[dict[str, Any]]:
+    """A ``datasets.Dataset``'s rows; one with an ``Image`` feature as Arrow stores it — each image the
+    ``{bytes, path}`` of its file, never decoded into pixels and re-encoded (producer/images.py stores the bytes
+    the dataset holds, and decoding every image here would cost the submit its time twice)."""
+    if not _has_image(ds.features):
+        yield from ds
+        return
+    for batch in ds.with_format("arrow").iter(batch_size=256):
+        yield from batch.to_pylist()
+
+
+def _has_image(feature: Any) -> bool:
+    if type(feature).__name__ == "Image":
+        return True
+    if isinstance(feature, dict):
+        return any(_has_image(f) for f in feature.values())
+    inner = getattr(feature, "feature", None)  # List / Sequence / LargeList
+    return inner is not None and _has_image(inner)
 
 
 def _load_hub(dataset_id: str, split: str | None) -> Any:
@@ -267,7 +288,7 @@ def records(src: Source, problems: list[Problem], split: str | None) -> Iterator
     """Every row of ``src`` as (location, record); a row that is no object is (location, None) with its
     problem appended. A file-level problem raises :class:`InputError`."""
     if src.kind == "hub":
-        for i, record in enumerate(src.hub):
+        for i, record in enumerate(_hf_rows(src.hub)):
             yield f"{src} row {i}", record
         return
     assert src.fs is not None

@@ -144,6 +144,8 @@ class StatusReader:
             "clock_warnings": clock_warnings(r, self.settings),
             "inflight_bounds": inflight_bounds(r, self.settings),  # producer/bounds.py
             "clock_skew_warn_s": self.settings.clock_skew_warn_s,
+            # --turns all: later turns' reusable prefix and the part the servers found cached (host affinity)
+            "prefix_cache": prefix_cache(counters),
             **turns,
         }
 
@@ -385,6 +387,18 @@ def checked_status(reader: StatusReader, st: dict[str, Any]) -> dict[str, Any]:
         "unaccounted_ids": places.unaccounted_ids,
         "checked": {**verdict, "at": time.time(), "age_s": 0.0},
     }
+
+
+def prefix_cache(counters: dict[str, int]) -> dict[str, Any] | None:
+    """Later turns' prefix cache from the job's counters (finalize.lua adds each stored later turn once): ``turns``
+    counted, their ``reusable_tokens`` (what the previous turn's server had computed), ``cached_tokens`` (of those,
+    what the server found cached) and ``hit_rate`` = cached / reusable. None for a job without later turns."""
+    turns = counters.get("prefix_turns", 0)
+    if not turns:
+        return None
+    reusable, cached = counters.get("prefix_reusable_tokens", 0), counters.get("prefix_cached_tokens", 0)
+    rate = round(cached / reusable, 4) if reusable else None
+    return {"turns": turns, "reusable_tokens": reusable, "cached_tokens": cached, "hit_rate": rate}
 
 
 def broker_messages(broker: redis.Redis, settings: Settings, job: str) -> int:

@@ -36,6 +36,7 @@ from producer.collector import Collector
 from producer.conversations import stage_replay, write_conversations
 from producer.enqueue import Stager
 from producer.feed import Feed, Input, open_inputs
+from producer.images import image_resolver
 from producer.inputs import InputError, Problem
 from producer.jobrecord import (
     build_job_record,
@@ -115,6 +116,9 @@ def submit(settings: Settings, opts: SubmitOptions, on_progress: ProgressFn | No
     try:
         problems: list[Problem] = []
         datasets = open_inputs(opts, settings)
+        images = image_resolver(settings, opts.job, opts.tokenizer, tok, dry_run=opts.dry_run, turns=opts.turns)
+        for inp in datasets:  # what reads a row's images, where it has any (producer/images.py)
+            inp.dataset.images = images
         if opts.dry_run:
             existing = load_existing(client, settings, opts.job, redis_required=False)
             collector = _run(opts, settings, pool, info, limits, datasets, existing, problems, None, None, on_progress)

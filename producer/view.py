@@ -190,6 +190,8 @@ def status_view(st: dict[str, Any]) -> Group:
                 f"{t['enqueued']:,} enqueued ({t.get('planned', 0):,} planned)"
             )
         )
+    if st.get("prefix_cache"):
+        parts.append(Text(prefix_line(st["prefix_cache"])))
     if st.get("conversations") and st["conversations"].get("stranded"):
         c = st["conversations"]
         parts.append(
@@ -264,4 +266,13 @@ def status_line(st: dict[str, Any]) -> str:
         f"running {st['running']:,}, queued {st['queued']:,}, unaccounted {_n(lost) if lost is not None else '—'}) "
         f"{r['prompts_per_s']:.2f} prompts/s {r['output_tokens_per_s']:,.0f} tokens/s "
         f"ETA {format_duration(st['eta_s'])}"
+    )
+
+
+def prefix_line(p: dict[str, Any]) -> str:
+    """One line of a job's later-turn prefix cache (producer status ``prefix_cache``)."""
+    rate = "n/a" if p.get("hit_rate") is None else f"{100 * p['hit_rate']:.1f}%"
+    return (
+        f"prefix cache (later turns): hit rate {rate} — {p['cached_tokens']:,} of {p['reusable_tokens']:,} reusable "
+        f"prompt tokens cached, over {p['turns']:,} turns"
     )

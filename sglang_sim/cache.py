@@ -5,6 +5,12 @@ A prompt is cut into blocks of ``block_tokens`` ids; block k is keyed by a hash 
 block keys already present (rounded down to a block, at most ``len - 1``: SGLang always computes at
 least one token). Keys live in an LRU of ``capacity_blocks`` entries. Matching and inserting are
 O(prompt length); memory is bounded.
+
+As SGLang's radix tree: a prompt's blocks are cached when it is admitted (prefilled), and a finished request's
+prompt + output (:meth:`PrefixCache.insert`, the engine at finish: ``cache_finished_req``), so the next turn of a
+conversation finds its whole history cached on the host that ran the turn before it. Eviction takes leaves first:
+a sequence's blocks are touched deepest first, so under pressure a history loses its tail before its head (the
+shared system prompt, the earlier turns) — never its head while its tail stays unmatched behind it.
 """
 
 from __future__ import annotations
@@ -53,12 +59,20 @@ class PrefixCache:
             if key not in self._lru:
                 break
             matched += 1
-        for key in keys:
+        self._touch(keys)
+        return max(0, min(matched * self.block_tokens, len(input_ids) - 1))
+
+    def insert(self, ids: Sequence[int]) -> None:
+        """Remember a finished sequence's blocks (its prompt + output ids), without a match."""
+        self._touch(self.block_keys(ids))
+
+    def _touch(self, keys: list[bytes]) -> None:
+        # Deepest block first: the head ends most recent, so the LRU evicts a history's tail before its head.
+        for key in reversed(keys):
             self._lru[key] = None
             self._lru.move_to_end(key)
         while len(self._lru) > self.capacity_blocks:
             self._lru.popitem(last=False)
-        return max(0, min(matched * self.block_tokens, len(input_ids) - 1))
 
     def clear(self) -> None:
         self._lru.clear()

@@ -25,6 +25,7 @@ from sglang_sim.content import SIM_FAMILIES, ContentConfig
 from sglang_sim.engine import EngineConfig
 from sglang_sim.faults import BAD_OUTPUT_KINDS, FaultConfig
 from sglang_sim.server import create_app, describe
+from sglang_sim.speculative import ALGORITHMS
 from sglang_sim.versions import SUPPORTED_VERSIONS
 
 _HELP = {
@@ -79,6 +80,19 @@ _HELP = {
     "vocabulary size, model name, parsers and EOS ids unless given.",
     "eos_token_ids": "The model's own stop ids [the family's].",
     "normal_vocab_size": "Filler ids are drawn below this [the family's first special id].",
+    "dtype": "Reported in /server_info (--dtype).",
+    "quantization": "Reported in /server_info (--quantization).",
+    "kv_cache_dtype": "Reported in /server_info (--kv-cache-dtype).",
+    "revision": "Reported in /server_info (--revision: the model's hub revision).",
+    "random_seed": "Reported in /server_info (--random-seed; drawn at start when not given, as SGLang does).",
+    "speculative_algorithm": "Speculative decoding: finished meta_info carries the per-request acceptance figures "
+    "(spec_verify_ct, accepted drafts, …) of the imitated release.",
+    "speculative_draft_model_path": "Reported in /server_info (--speculative-draft-model-path).",
+    "speculative_num_steps": "Draft steps (reported; unset: SGLang's automatic 3).",
+    "speculative_eagle_topk": "Draft top-k (reported; unset: SGLang's automatic 1).",
+    "speculative_num_draft_tokens": "Tokens per verify step, the target's included (unset: SGLang's automatic 4).",
+    "speculative_accept_rate": "Simulator only: the share of draft tokens accepted (a fixed hash of each output id "
+    "and the one before it, so an output always gets the same figures).",
     "sample_per_request": "Every request draws its own output (temperature > 0, no seed): two runs of a prompt differ.",
 }
 _CHOICES: dict[str, Sequence[Any]] = {
@@ -86,6 +100,7 @@ _CHOICES: dict[str, Sequence[Any]] = {
     "sglang_version": SUPPORTED_VERSIONS,
     "abort_status_code": (400, 500, 503),
     "bad_output_kind": BAD_OUTPUT_KINDS,
+    "speculative_algorithm": ALGORITHMS,
 }
 
 

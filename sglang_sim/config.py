@@ -8,12 +8,14 @@ part, which is how ``sglang_sim.testing.run_simulator(**kwargs)`` and the CLI bu
 from __future__ import annotations
 
 import dataclasses
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_sim.content import VOCABULARIES, ContentConfig
 from sglang_sim.engine import EngineConfig
 from sglang_sim.faults import FaultConfig
+from sglang_sim.speculative import ALGORITHMS, DEFAULT_PARAMS
 from sglang_sim.versions import DEFAULT_VERSION, VersionProfile, profile
 from thinkfleet import kimi
 from thinkfleet.sglang_version import SGLANG_VERSION
@@ -100,6 +102,24 @@ class ServerConfig:
     max_total_num_tokens: int = 1_200_000
     reasoning_parser: str | None = "kimi_k2"
     tool_call_parser: str | None = "kimi_k2"
+    #: Launch arguments /server_info reports as given (what a data set's provenance records of the server).
+    dtype: str = "auto"
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    revision: str | None = None
+    #: ``--random-seed``; a real server given none draws ``random.randint(0, 1 << 30)`` at start (ServerArgs).
+    random_seed: int | None = None
+
+    # -- speculative decoding (sglang_sim.speculative) ------------------------------------------------
+    #: ``--speculative-algorithm``: finished ``meta_info`` then carries the acceptance figures.
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    #: Unset with an algorithm: SGLang's automatic choice (3 steps, top-k 1, 4 draft tokens).
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
+    #: Simulator only: the share of draft tokens the (imagined) draft model guesses right.
+    speculative_accept_rate: float = 0.7
 
     # -- simulation ---------------------------------------------------------------------------------
     #: Simulated time runs this many times faster than wall time (1000: the 57-hour job in minutes).
@@ -124,6 +144,29 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 0")
         if self.health_check_timeout_s <= 0:
             raise ValueError("health_check_timeout_s must be > 0")
+        if self.random_seed is None:  # as ServerArgs.__post_init__ does: /server_info reports the one drawn
+            self.random_seed = random.randint(0, 1 << 30)
+        self._resolve_speculative()
+
+    def _resolve_speculative(self) -> None:
+        """``ServerArgs``' speculative settings after its post-init: NEXTN is EAGLE, unset sizes chosen."""
+        algorithm = self.speculative_algorithm
+        if algorithm is None:
+            return
+        if algorithm.upper() not in ALGORITHMS:
+            raise ValueError(f"speculative_algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+        self.speculative_algorithm = "EAGLE" if algorithm.upper() == "NEXTN" else algorithm.upper()
+        steps, topk, drafts = DEFAULT_PARAMS
+        if self.speculative_num_steps is None:
+            self.speculative_num_steps = steps
+        if self.speculative_eagle_topk is None:
+            self.speculative_eagle_topk = topk
+        if self.speculative_num_draft_tokens is None:
+            self.speculative_num_draft_tokens = drafts
+        if self.speculative_num_draft_tokens < 2:
+            raise ValueError("speculative_num_draft_tokens must be >= 2 (one draft token and the target's)")
+        if not 0.0 <= self.speculative_accept_rate <= 1.0:
+            raise ValueError("speculative_accept_rate must be in [0, 1]")
 
     @property
     def profile(self) -> VersionProfile:

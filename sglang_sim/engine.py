@@ -132,6 +132,8 @@ class SimRequest:
     ) -> None:
         self.rid = rid
         self.input_ids = input_ids
+        #: The ids it will have produced (set by the caller that knows them): cached with the prompt at finish.
+        self.output_ids: Sequence[int] | None = None
         self.prompt_tokens = len(input_ids)
         self.output_len = output_len
         self.on_finish = on_finish
@@ -516,6 +518,8 @@ class Engine:
         self.stats.generation_tokens_total += req.generated_tokens
         if abort_message is None:
             self.stats.requests_finished += 1
+            if req.output_ids is not None:  # cache_finished_req: prompt + output (the last id's KV was never computed)
+                self.cache.insert([*req.input_ids, *req.output_ids[:-1]])
         else:
             self.stats.requests_aborted += 1
         req.on_finish(req)

@@ -45,6 +45,7 @@ def meta_info(
     timing: bool = False,
     in_batch: bool = False,
     layout: str = "0.5.9",
+    spec: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``meta_info`` in ``_handle_batch_output``'s key order; ``e2e_latency`` only once finished.
 
@@ -56,13 +57,14 @@ def meta_info(
     0.5.9: tests/real_sglang). ``decode_throughput`` is left out: the real server adds it only when a token
     reached the tokenizer manager before the last one, which depends on its batching. A request of a batch
     (``input_ids`` a list of lists) has no ``request_sent_to_scheduler_ts``. ``layout="0.5.23"``: that
-    release's keys (:func:`_meta_info_0_5_23`).
+    release's keys (:func:`_meta_info_0_5_23`). ``spec``: a finished request's speculative-decoding keys
+    (:mod:`sglang_sim.speculative`), right after ``e2e_latency`` as both releases put them.
     """
     if layout == "0.5.23":
         return _meta_info_0_5_23(
             rid=rid, finish_reason=finish_reason, prompt_tokens=prompt_tokens, weight_version=weight_version,
             reasoning_tokens=reasoning_tokens, completion_tokens=completion_tokens, cached_tokens=cached_tokens,
-            e2e_latency_s=e2e_latency_s, sent_ts=sent_ts, retractions_key=retractions_key, timing=timing,
+            e2e_latency_s=e2e_latency_s, sent_ts=sent_ts, retractions_key=retractions_key, timing=timing, spec=spec,
         )  # fmt: skip
     now = time.time()
     meta: dict[str, Any] = {
@@ -83,6 +85,7 @@ def meta_info(
         meta["cached_tokens_details"] = None
     if e2e_latency_s is not None:
         meta["e2e_latency"] = e2e_latency_s
+        meta |= spec or {}
         if timing:
             received = (sent_ts or now) - e2e_latency_s
             meta["request_received_ts"] = received
@@ -106,6 +109,7 @@ def _meta_info_0_5_23(
     sent_ts: float | None,
     retractions_key: str,
     timing: bool,
+    spec: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """0.5.23's ``meta_info`` (``TokenizerManager._handle_batch_output``, measured against a real 0.5.23:
     tests/real_sglang). With ``--enable-metrics`` (``timing``) the scheduler's ``SchedulerReqTimeStats.
@@ -135,6 +139,7 @@ def _meta_info_0_5_23(
     meta["dp_rank"] = None
     if final:
         meta["e2e_latency"] = e2e_latency_s
+        meta |= spec or {}
         if timing:
             meta |= {"request_received_ts": received, "first_token_latency": 0.0}
             meta |= {"api_server_dispatch_finish_ts": received, "request_finished_ts": sent_ts or now}

@@ -131,8 +131,15 @@ def _server_args(sim: Simulator) -> dict[str, Any]:
         "port": server.port,
         # The raw --context-length: null on a real server started without the flag.
         "context_length": server.context_length if server.report_context_length else None,
+        "revision": server.revision,
+        "dtype": server.dtype,
+        "quantization": server.quantization,
+        "kv_cache_dtype": server.kv_cache_dtype,
         "tp_size": server.tp_size,
+        "pp_size": 1,
+        "random_seed": server.random_seed,
         "dp_size": 1,
+        "ep_size": 1,
         "max_running_requests": engine.max_running_requests,
         "max_queued_requests": engine.max_queued_requests,
         "max_total_tokens": None,
@@ -155,6 +162,15 @@ def _server_args(sim: Simulator) -> dict[str, Any]:
         "attention_backend": "fa3",
         "sampling_backend": "pytorch" if deterministic else "flashinfer",
         "disable_custom_all_reduce": deterministic and server.tp_size > 1,
+        # sglang_sim.speculative: null without --speculative-algorithm, as on a real server.
+        "speculative_algorithm": server.speculative_algorithm,
+        "speculative_draft_model_path": server.speculative_draft_model_path,
+        "speculative_draft_model_revision": None,
+        "speculative_num_steps": server.speculative_num_steps,
+        "speculative_eagle_topk": server.speculative_eagle_topk,
+        "speculative_num_draft_tokens": server.speculative_num_draft_tokens,
+        "speculative_accept_threshold_single": 1.0,
+        "speculative_accept_threshold_acc": 1.0,
     }
     if sim.profile.server_info_extended:
         args["incremental_streaming_output"] = False
@@ -200,6 +216,8 @@ async def server_info(request: web.Request) -> web.Response:
             },
             "effective_max_running_requests_per_dp": engine.max_running_requests,
         }
+    if server.speculative_algorithm is not None and sim.spec_steps:  # the scheduler's running average
+        internal["avg_spec_accept_length"] = sim.spec_tokens / sim.spec_steps
     info: dict[str, Any] = dict(args)
     if extended:
         info["launch_command"] = responses.launch_command()
@@ -456,5 +474,5 @@ def describe(config: SimConfig) -> str:
         f"(sglang {server.sglang_version}, time_scale={server.time_scale:g}, "
         f"max_running={engine.max_running_requests}, kv_capacity={engine.kv_capacity_tokens or 'unlimited'}, "
         f"decode={engine.decode_tok_s:g} tok/s, per_request={engine.per_request_tok_s:g} tok/s, "
-        f"faults={_active_faults(config)})"
+        f"speculative={server.speculative_algorithm or 'off'}, faults={_active_faults(config)})"
     )

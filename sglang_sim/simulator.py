@@ -20,6 +20,7 @@ from sglang_sim.engine import Engine, SimRequest
 from sglang_sim.faults import Abort, FaultInjector
 from sglang_sim.metrics import CallStats, SimMetrics
 from sglang_sim.request import GenerateCall, GenerateItem, Limits
+from sglang_sim.speculative import figures
 from sglang_sim.text import TextCodec
 from sglang_sim.versions import VersionProfile
 
@@ -109,6 +110,8 @@ class Simulator:
         self._unstalled.set()
         self._stall_timer: asyncio.TimerHandle | None = None
         self._ticker: asyncio.Task[None] | None = None
+        #: Speculative decoding's totals (verify steps, tokens they emitted): ``avg_spec_accept_length``.
+        self.spec_steps = self.spec_tokens = 0
 
     # -- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -227,6 +230,16 @@ class Simulator:
             self.retracted.popitem(last=False)
         self.metrics.observe_retraction(req.prompt_tokens, req.resumed_tokens)
 
+    def spec_meta_info(self, output_ids: list[int]) -> dict[str, Any] | None:
+        """A finished request's acceptance figures under ``--speculative-algorithm`` (None without it)."""
+        server = self.config.server
+        if server.speculative_algorithm is None or server.speculative_num_draft_tokens is None:
+            return None
+        spec = figures(output_ids, server.speculative_num_draft_tokens, server.speculative_accept_rate)
+        self.spec_steps += spec.verify_ct
+        self.spec_tokens += spec.accepted + spec.verify_ct
+        return spec.meta_info(self.profile.spec_keys)
+
     def meta_info(self, **fields: Any) -> dict[str, Any]:
         """``responses.meta_info`` with this release's keys (and the rid's retraction count)."""
         meta = responses.meta_info(
@@ -278,6 +291,7 @@ class CallItem:
             on_finish=self._on_finish,
             on_progress=self._on_progress if call.parsed.stream else None,
         )
+        self.req.output_ids = generation.output_ids  # cached with the prompt when it finishes
         self.finished = False
         self.sent_tokens = -1  # tokens in the last streamed chunk
         self._logprobs: tuple[list[float], list[list[tuple[float, int]]] | None] | None = None
@@ -322,6 +336,7 @@ class CallItem:
                 e2e_latency_s=req.e2e_latency_s if final else None,
                 sent_ts=time.time() if final else None,
                 in_batch=not self.call.parsed.is_single,
+                spec=sim.spec_meta_info(ids) if final else None,
             ),
         }
         if self.item.return_logprob:

@@ -48,6 +48,9 @@ class VersionProfile:
     #: Which release's ``meta_info`` keys ``responses.meta_info`` writes: "0.5.9", or "0.5.23" (also
     #: ``weight_versions``, ``dp_rank``, ``cached_tokens_details`` a dict once a prefix was cached).
     meta_info_layout: str = "0.5.9"
+    #: Under ``--speculative-algorithm``, the finished ``meta_info``'s accepted-drafts, proposed-drafts and
+    #: histogram keys (0.5.9 ``tokenizer_manager.py:1855-1865``; 0.5.23 renamed them, its ``:3170-3199``).
+    spec_keys: tuple[str, str, str] = ("spec_accept_token_num", "spec_draft_token_num", "spec_accept_histogram")
 
 
 PROFILES: dict[str, VersionProfile] = {
@@ -77,6 +80,7 @@ PROFILES: dict[str, VersionProfile] = {
         server_info_extended=True,
         timing_meta_info=True,
         meta_info_layout="0.5.23",
+        spec_keys=("spec_num_correct_drafts", "spec_num_proposed_drafts", "spec_correct_drafts_histogram"),
     ),
 }
 

@@ -27,6 +27,7 @@ from storage.schema import (
     FINISH_REASON,
     HAS_THINK_END,
     IDS_CRC32,
+    IMAGE_SHA256,
     INPUT_IDS,
     OUTPUT_IDS,
     PROMPT_ID,
@@ -153,19 +154,22 @@ def row_problems(
 
 
 def hash_mismatches(table: pa.Table, submitted: dict[str, str] | None = None) -> list[str]:
-    """Prompt ids of rows whose ``input_ids`` do not hash to their ``content_hash`` — or, for a row whose
-    hash is no :func:`thinkfleet.message.content_hash` (empty, a placeholder), to the hash submitted for
-    the prompt (``submitted``: prompt_id → hash). Placeholders on both sides (the test fleet's
-    ``h-<prompt>``) cannot be recomputed; the stale check compares them as text.
+    """Prompt ids of rows whose ``input_ids`` (and, for an image prompt, its ``image_sha256``) do not hash to their
+    ``content_hash`` — or, for a row whose hash is no :func:`thinkfleet.message.content_hash` (empty, a
+    placeholder), to the hash submitted for the prompt (``submitted``: prompt_id → hash). Placeholders on both
+    sides (the test fleet's ``h-<prompt>``) cannot be recomputed; the stale check compares them as text.
     """
     submitted = submitted or {}
     hashes = table[CONTENT_HASH].to_pylist()
     values, offsets = flat_ids(table[INPUT_IDS])
     ids = values.astype("<u4", copy=False)
+    images = table[IMAGE_SHA256].to_pylist() if IMAGE_SHA256 in table.column_names else [None] * table.num_rows
     out = []
     for i, (pid, stored) in enumerate(zip(table[PROMPT_ID].to_pylist(), hashes, strict=True)):
         wanted = stored if is_content_hash(stored) else submitted.get(pid)
-        if is_content_hash(wanted) and hash_id_bytes(ids[offsets[i] : offsets[i + 1]].tobytes()) != wanted:
+        if not is_content_hash(wanted):
+            continue
+        if hash_id_bytes(ids[offsets[i] : offsets[i + 1]].tobytes(), images[i] or ()) != wanted:
             out.append(pid)
     return out
 

@@ -113,9 +113,9 @@ def verify(settings: Settings, job: str, as_json: bool, live: bool) -> None:
 @click.option(
     "--max-length",
     type=click.IntRange(min=1),
-    default=2048,
-    show_default=True,
-    help="eagle3/specforge: warn about rows longer than this (SpecForge's data.max_length default cuts them).",
+    default=None,
+    help="Warn, naming them, about rows longer than this [default: the format's consumer's: 2048 (SpecForge) "
+    "for specforge/eagle3/conversations, 1024 (TRL) for hf/messages].",
 )
 @click.option("--tokenizer", default=None, help="Tokenizer path/id for decoding (default: the job record's).")
 @click.option(
@@ -139,7 +139,7 @@ def export(
     min_reasoning_tokens: int,
     exclude_reasoning: bool,
     merge_turns: bool,
-    max_length: int,
+    max_length: int | None,
     tokenizer: str | None,
     trust_remote_code: bool,
     push_to_hub: str | None,

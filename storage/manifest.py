@@ -1,4 +1,4 @@
-"""The submitted set, kept beside the output so it survives losing Redis.
+"""What a job was made of and made by, kept beside the output so it survives losing Redis.
 
 ``producer submit`` writes one ``{job}/_manifest/submitted-{utc}-{rand}.parquet`` per submit call
 (atomically, like a part), listing every prompt it enqueued. ``verify`` falls back to it when Redis
@@ -10,15 +10,31 @@ template rendered, as JSON text (:data:`SOURCE_SCHEMA`) — so ``producer export
 write the conversation as the dataset had it instead of re-parsing rendered ids. Manifests written
 before these columns existed read back with them null; re-running the same ``producer submit`` writes
 a new manifest with them (it enqueues nothing that is done).
+
+**Provenance records** (``{job}/_provenance/server-{config}-{worker}-{digest}.json``, JSON): what served the job —
+one per worker and server configuration, written by the worker before the first part of the job that server's
+rows go into (workers/provenance.py), so no stored row names a configuration without its record. Each holds the
+server's SGLang version, ``/model_info`` and launch arguments (workers/sglang.py ``launch_record``), the model
+directory's config hashes when the worker can read it, thinkfleet's version and git revision, and the job's
+sampling, seeds, tokenizer fingerprint and chat-template hash. A row's ``server_config`` names its configuration's
+records. ``producer report`` and every export read them (:func:`read_provenance`, :func:`server_configs`).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import logging
+import os
 import posixpath
+import subprocess
 import uuid
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,6 +56,8 @@ from storage.schema import (
     SAMPLE_INDEX,
     SUBMITTED_AT,
 )
+
+log = logging.getLogger(__name__)
 
 MANIFEST_PREFIX = "submitted-"
 _FILE = "__file"
@@ -170,3 +188,160 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "tolist"):
         return value.tolist()
     return str(value)
+
+
+# -- provenance records -----------------------------------------------------------------------------------------
+#: ``{job}/_provenance/``: a leading ``_`` keeps it out of every Parquet reader's view of the job directory.
+PROVENANCE_DIR = "_provenance"
+PROVENANCE_PREFIX = "server-"
+#: What a record says it is (a reader refuses to guess at another layout).
+PROVENANCE_KIND = "thinkfleet.provenance.server/1"
+#: Records read at once (S3: one GET each).
+READ_THREADS = 16
+#: Seconds a ``git`` call may take (once per process).
+GIT_TIMEOUT_S = 5.0
+
+
+def provenance_dir(loc: layout.Location, job: str) -> str:
+    return posixpath.join(loc.job_dir(job), PROVENANCE_DIR)
+
+
+def write_provenance(loc: layout.Location, job: str, record: Mapping[str, Any]) -> str:
+    """Write one record (atomically; its name holds its content's digest, so writing it again is a no-op and a
+    record is never replaced by another). Returns its URI."""
+    body = json.dumps(record, indent=1, default=str).encode()  # in the record's order: its highlights first
+    stable = {k: v for k, v in record.items() if k != "recorded_at"}
+    digest = hashlib.sha256(json.dumps(stable, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    name = f"{PROVENANCE_PREFIX}{record['server_config']}-{layout.safe_name(str(record['worker']))}-{digest}.json"
+    path = posixpath.join(provenance_dir(loc, job), name)
+    if loc.fs.get_file_info(path).type != pafs.FileType.File:
+        layout.write_atomic(loc, path, body)
+    return loc.uri(path)
+
+
+def read_provenance(loc: layout.Location, job: str) -> list[dict[str, Any]]:
+    """Every record of ``job``, oldest first. A record that cannot be read or is not one comes back as
+    ``{"file", "error"}`` (logged): a reader says so rather than leave a server out unseen."""
+    infos = loc.fs.get_file_info(pafs.FileSelector(provenance_dir(loc, job), allow_not_found=True))
+    paths = sorted(
+        i.path
+        for i in infos
+        if i.type == pafs.FileType.File and i.base_name.startswith(PROVENANCE_PREFIX) and i.base_name.endswith(".json")
+    )
+    with ThreadPoolExecutor(min(READ_THREADS, max(1, len(paths)))) as pool:
+        records = list(pool.map(lambda p: _read_record(loc, p), paths))
+    return sorted(records, key=lambda r: (str(r.get("recorded_at", "")), str(r.get("file", ""))))
+
+
+def _read_record(loc: layout.Location, path: str) -> dict[str, Any]:
+    try:
+        with loc.fs.open_input_stream(path) as f:
+            record = json.loads(f.read())
+        if not isinstance(record, dict) or record.get("kind") != PROVENANCE_KIND:
+            raise ValueError(f"not a {PROVENANCE_KIND} record")
+        return record
+    except (OSError, ValueError) as exc:
+        log.error("provenance record %s cannot be read: %s", loc.uri(path), exc)
+        return {"file": loc.uri(path), "error": f"{type(exc).__name__}: {exc}"}
+
+
+def server_configs(
+    records: Sequence[Mapping[str, Any]], rows: Mapping[str | None, int] | None = None
+) -> list[dict[str, Any]]:
+    """The records grouped by server configuration: per ``server_config`` its SGLang version, model, weight
+    version, launch arguments (the highlights first) and model config hashes, every worker that ran it (host,
+    SGLang URL, thinkfleet version and revision) and, given ``rows`` (``server_config`` → committed rows), its
+    rows. Rows of no recorded configuration (written before schema 9, or by a worker without the hook) are
+    ``server_config`` None."""
+    groups: dict[str | None, dict[str, Any]] = {}
+    for record in records:
+        if "error" in record:
+            continue
+        server = record.get("server") or {}
+        config = record.get("server_config")
+        group = groups.setdefault(
+            config,
+            {
+                "server_config": config,
+                "sglang_version": server.get("version"),
+                "model_path": (server.get("model_info") or {}).get("model_path"),
+                "weight_version": (server.get("model_info") or {}).get("weight_version"),
+                "highlights": server.get("highlights") or {},
+                "launch_args": server.get("launch_args") or {},
+                "model_config": record.get("model_config") or {},
+                "workers": [],
+            },
+        )
+        software = record.get("thinkfleet") or {}
+        group["workers"].append(
+            {
+                "worker": record.get("worker"),
+                "host": record.get("worker_host"),
+                "sglang_url": record.get("sglang_url"),
+                "thinkfleet_version": software.get("version"),
+                "git_revision": software.get("git_revision"),
+                "random_seed": (server.get("launch_args") or {}).get("random_seed"),
+                "recorded_at": record.get("recorded_at"),
+            }
+        )
+    if rows is not None:
+        for config in rows:
+            groups.setdefault(config, {"server_config": config, "workers": []})
+        for config, group in groups.items():
+            group["rows"] = rows.get(config, 0)
+    return list(groups.values())
+
+
+def job_facts(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """What the records say of the job itself (sampling, seeds, tokenizer, template): each distinct value once."""
+    seen: dict[str, list[Any]] = {}
+    for record in records:
+        for key, value in (record.get("job_facts") or {}).items():
+            values = seen.setdefault(key, [])
+            if value not in values:
+                values.append(value)
+    return {k: v[0] if len(v) == 1 else v for k, v in seen.items()}
+
+
+def software(revision: str | None = None) -> dict[str, Any]:
+    """thinkfleet's version (its installed metadata) and git revision: ``revision`` when the deployment names it,
+    else one an installer recorded (``pip install git+…``: ``direct_url.json``), else the checkout the code runs
+    from (``git rev-parse HEAD``, and whether tracked files differ from it), else None — an image built without
+    ``.git`` knows its revision only if its build passes one. Read once per process."""
+    return dict(_software(revision or None))
+
+
+@functools.cache
+def _software(revision: str | None) -> dict[str, Any]:
+    try:
+        dist = metadata.distribution("thinkfleet")
+        version: str | None = dist.version
+        direct = json.loads(dist.read_text("direct_url.json") or "{}")
+    except (metadata.PackageNotFoundError, ValueError):
+        version, direct = None, {}
+    out: dict[str, Any] = {"version": version, "git_revision": None, "git_source": None, "git_dirty": None}
+    commit = revision or (direct.get("vcs_info") or {}).get("commit_id")
+    if commit:
+        return {**out, "git_revision": commit, "git_source": "configured" if revision else "direct_url.json"}
+    root = Path(__file__).resolve().parent.parent
+    if (root / ".git").exists():
+        out["git_revision"] = _git(root, "rev-parse", "HEAD")
+        status = _git(root, "status", "--porcelain", "--untracked-files=no")
+        out["git_source"] = "git" if out["git_revision"] else None
+        out["git_dirty"] = None if status is None else bool(status)
+    return out
+
+
+def _git(root: Path, *args: str) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), *args],
+            capture_output=True,
+            text=True,
+            timeout=GIT_TIMEOUT_S,
+            check=True,
+            env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"},  # a read must not take the index lock
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()

@@ -9,6 +9,11 @@ The job record (Redis, when it answers) says which model profile made the rows: 
 whether the rows carry reasoning spans at all — a job run with ``--no-reasoning-spans`` reports no
 reasoning share and no ``</think>`` rate (``None``) instead of a misleading 0. Without the record, null span
 columns (not recorded) say the same. A ``--turns all`` job also counts its conversations and turn rows.
+
+What served the job comes from its provenance records (``{job}/_provenance/``, storage/manifest.py): each distinct
+server configuration — SGLang version, model, weight version, launch arguments — with the workers and hosts that
+ran it and its rows (by their ``server_config``); and, where a server ran speculative decoding, the rows'
+acceptance figures (accept rate, accept length, the spread over rows).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
 import os
 from typing import Any
 
@@ -24,6 +30,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from storage import layout, stream
+from storage.manifest import job_facts, read_provenance, server_configs
+from storage.prefix_cache import PREFIX_COLUMNS, prefix_rows, prefix_summary
 from storage.schema import (
     COMPLETION_TOKENS,
     CONVERSATION_ID,
@@ -37,6 +45,10 @@ from storage.schema import (
     REASONING_END,
     REASONING_START,
     SCHEMA,
+    SERVER_CONFIG,
+    SPEC_ACCEPTED_TOKENS,
+    SPEC_DRAFT_TOKENS,
+    SPEC_VERIFY_CT,
     TOOL_CALL_SPANS,
     TURN_COUNT,
     TURN_INDEX,
@@ -61,7 +73,12 @@ _COLUMNS = [
     CONVERSATION_ID,
     TURN_INDEX,
     TURN_COUNT,
+    SERVER_CONFIG,
+    SPEC_VERIFY_CT,
+    SPEC_ACCEPTED_TOKENS,
+    SPEC_DRAFT_TOKENS,
 ]
+_COLUMNS += [c for c in PREFIX_COLUMNS if c not in _COLUMNS]  # --turns all: the prefix cache (storage/prefix_cache.py)
 _PERCENTILES = (50, 90, 99)
 #: Most points on the tokens/s timeline; buckets widen to stay under it.
 MAX_TIMELINE_POINTS = 120
@@ -80,6 +97,8 @@ def report_job(settings: Settings, job: str, out_dir: str | None = None) -> tupl
     state = jobstate.load_job_state(settings, job, timeout_s=2.0)
     record = JobRecord.from_dict(state.record, name=job) if state.record else None
     summary = summarize(job, table, record)
+    summary.update(provenance(read_provenance(loc, job), table))
+    summary["prefix_cache"] = prefix_summary(table)
     written: list[str] = []
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
@@ -130,6 +149,42 @@ def summarize(job: str, table: pa.Table, record: JobRecord | None = None) -> dic
     summary.update(_turns(table))
     summary.update(_throughput(table, out_len))
     return summary
+
+
+def provenance(records: list[dict[str, Any]], table: pa.Table) -> dict[str, Any]:
+    """The servers that made the rows (their records, grouped by configuration, with each one's rows), what the
+    records say of the job, records that could not be read, and the speculative-decoding figures."""
+    configs = table[SERVER_CONFIG] if SERVER_CONFIG in table.column_names else pa.nulls(table.num_rows, pa.string())
+    rows = {c["values"]: int(c["counts"]) for c in pc.value_counts(configs).to_pylist()} if table.num_rows else {}
+    return {
+        "servers": server_configs(records, rows),
+        "job_facts": job_facts(records),
+        "unreadable_provenance": [r for r in records if "error" in r],
+        "speculative": _speculative(table),
+    }
+
+
+def _speculative(table: pa.Table) -> dict[str, Any] | None:
+    """Acceptance over the rows that carry it (None when no row does): draft tokens accepted / proposed, output
+    tokens per verify step, and the spread of the per-row accept rate (how well the server's drafter already
+    predicts each sample)."""
+    if SPEC_VERIFY_CT not in table.column_names or table[SPEC_VERIFY_CT].null_count == table.num_rows:
+        return None
+    spec = table.filter(pc.is_valid(table[SPEC_VERIFY_CT]))
+    steps = spec[SPEC_VERIFY_CT].to_numpy().astype(np.int64)
+    accepted = spec[SPEC_ACCEPTED_TOKENS].fill_null(0).to_numpy().astype(np.int64)
+    proposed = spec[SPEC_DRAFT_TOKENS].fill_null(0).to_numpy().astype(np.int64)
+    tokens = spec[COMPLETION_TOKENS].to_numpy().astype(np.int64)
+    per_row = np.divide(accepted, proposed, out=np.zeros(len(steps)), where=proposed > 0)[proposed > 0]
+    return {
+        "rows": spec.num_rows,
+        "verify_steps": int(steps.sum()),
+        "accepted_tokens": int(accepted.sum()),
+        "draft_tokens": int(proposed.sum()),
+        "accept_rate": float(accepted.sum() / proposed.sum()) if proposed.sum() else None,
+        "accept_length": float(tokens.sum() / steps.sum()) if steps.sum() else None,
+        "row_accept_rate": _distribution(per_row),
+    }
 
 
 def _turns(table: pa.Table) -> dict[str, Any]:
@@ -259,9 +314,22 @@ def to_html(summary: dict[str, Any], png: bytes) -> str:
         table("output length (tokens)", summary["output_length"]),
         table("reasoning share", summary["reasoning_share"]),
         table("workers", workers),
+        *(table(f"server {s.get('server_config')}", _server_rows(s)) for s in summary.get("servers") or []),
+        table("speculative decoding", summary.get("speculative") or {}),
+        table("prefix cache", prefix_rows(summary.get("prefix_cache"))),
         f"<img alt='plots' src='data:image/png;base64,{base64.b64encode(png).decode()}'>",
     ]
     return "\n".join(parts)
+
+
+def _server_rows(server: dict[str, Any]) -> dict[str, Any]:
+    workers = ", ".join(f"{w.get('worker')} ({w.get('host')})" for w in server.get("workers") or [])
+    return {
+        "SGLang": server.get("sglang_version"),
+        "rows": server.get("rows", 0),
+        **(server.get("highlights") or {}),
+        "workers": workers or "no record",
+    }
 
 
 def _fmt(value: Any) -> str:
@@ -301,6 +369,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         if summary.get(key) is not None:
             head.add_row(key, f"{summary[key]:.1%}")
     head.add_row("tokens/s (overall)", f"{summary.get('tokens_per_s', 0.0):,.1f}")
+    for name, value in prefix_rows(summary.get("prefix_cache")).items():
+        head.add_row(name, value)
     console.print(head)
     for title, key in (("output length", "output_length"), ("reasoning share", "reasoning_share")):
         if not summary[key]:
@@ -322,3 +392,57 @@ def print_summary(summary: dict[str, Any]) -> None:
     for name, w in (summary.get("workers") or {}).items():
         workers.add_row(name, f"{w['rows']:,}", f"{w['output_tokens']:,}", f"{w['tokens_per_s']:,.1f}")
     console.print(workers)
+    for table in server_tables(summary):
+        console.print(table)
+
+
+def server_tables(summary: dict[str, Any]) -> list[Any]:
+    """Rich tables: each server configuration (version, launch arguments, workers, rows), the records that could
+    not be read, and the speculative-decoding figures."""
+    from rich.table import Table
+
+    tables = []
+    for server in summary.get("servers") or []:
+        config = server.get("server_config") or "none"
+        title = f"server {config}: SGLang {server.get('sglang_version') or '?'}, {server.get('rows', 0):,} rows"
+        table = Table(title=title, show_header=False)
+        if not server.get("workers"):
+            why = "rows written before provenance was recorded" if config == "none" else "no record of it was found"
+            table.add_row("record", why)
+        for key in ("model_path", "weight_version"):
+            if server.get(key) is not None:
+                table.add_row(key, str(server[key]))
+        for key, value in (server.get("highlights") or {}).items():
+            if key not in ("model_path", "weight_version"):
+                table.add_row(key, json.dumps(value) if isinstance(value, dict | list) else str(value))
+        files = (server.get("model_config") or {}).get("files") or {}
+        for name, digest in files.items():
+            table.add_row(f"model {name}", digest)
+        if server.get("model_config") and not (server.get("model_config") or {}).get("read"):
+            table.add_row("model config", "not read by the workers (the server's model_path names the weights)")
+        if server.get("launch_args"):
+            table.add_row("launch arguments", f"{len(server['launch_args'])} recorded (--json prints them all)")
+        for w in server.get("workers") or []:
+            revision = (w.get("git_revision") or "?")[:12]
+            software = f"thinkfleet {w.get('thinkfleet_version') or '?'} @ {revision}"
+            seed = f"; random_seed {w['random_seed']}" if w.get("random_seed") is not None else ""
+            table.add_row("worker", f"{w.get('worker')} on {w.get('host')} ({w.get('sglang_url')}{seed}; {software})")
+        tables.append(table)
+    for bad in summary.get("unreadable_provenance") or []:
+        table = Table(title="unreadable provenance record", show_header=False)
+        table.add_row(str(bad.get("file")), str(bad.get("error")))
+        tables.append(table)
+    spec = summary.get("speculative")
+    if spec:
+        table = Table(title="speculative decoding (acceptance)", show_header=False)
+        table.add_row("rows", f"{spec['rows']:,}")
+        if spec.get("accept_rate") is not None:
+            table.add_row(
+                "accept rate", f"{spec['accept_rate']:.1%} ({spec['accepted_tokens']:,} of {spec['draft_tokens']:,})"
+            )
+        if spec.get("accept_length") is not None:
+            table.add_row("accept length", f"{spec['accept_length']:.2f} tokens per verify step")
+        for name, value in (spec.get("row_accept_rate") or {}).items():
+            table.add_row(f"row accept rate {name}", f"{value:.1%}")
+        tables.append(table)
+    return tables

@@ -40,7 +40,14 @@ from storage.spans import KIMI_TOKENS, Spans, SpanTokens, compute_spans_batch, p
 #: thinkfleet/tool_steps.py; null for other jobs and parts of versions 1–6).
 #: 8: + ``chain_end`` (``--turns all``: how the row's conversation chain goes on or ends, thinkfleet/chain_end.py;
 #: null for single-turn jobs and parts of versions 1–7, whose ends are judged from Redis' answer records).
-SCHEMA_VERSION = "8"
+#: 9: + ``server_config`` (the digest of the serving SGLang's launch record, ``{job}/_provenance/``:
+#: storage/manifest.py) and the speculative-decoding figures ``spec_verify_ct``, ``spec_accepted_tokens``,
+#: ``spec_draft_tokens``, ``spec_accept_histogram`` (null without ``--speculative-algorithm``); all null in parts
+#: of versions 1–8. Also + ``prefix_reusable_tokens`` (a later turn or tool step: how much of its prompt its previous
+#: turn's server had already computed; null for turn 0, single-turn jobs and parts of versions 1–8).
+#: 10: + ``image_sha256``, ``image_paths``, ``image_tokens``, ``image_positions`` (an image prompt's images:
+#: docs/vision.md; null for text prompts and parts of versions 1–9).
+SCHEMA_VERSION = "10"
 
 # -- column names (import these instead of spelling strings) ------------------------------------------
 JOB = "job"
@@ -83,6 +90,10 @@ FINISH_MATCHED = "finish_matched"
 PROMPT_TOKENS = "prompt_tokens"
 COMPLETION_TOKENS = "completion_tokens"
 CACHED_TOKENS = "cached_tokens"
+#: A later turn (or tool step) of a --turns all job: the longest common prefix of its prompt ids with the previous
+#: turn's prompt + output ids — what that turn's server has computed (thinkfleet/broker/affinity.py offers the turn to
+#: that host). ``cached_tokens / prefix_reusable_tokens`` is the prefix cache's hit rate. Null: not a later turn.
+PREFIX_REUSABLE_TOKENS = "prefix_reusable_tokens"
 REASONING_TOKENS = "reasoning_tokens"
 NUM_RETRACTIONS = "num_retractions"
 LATENCY_S = "latency_s"
@@ -100,6 +111,24 @@ CREATED_AT = "created_at"
 OUTPUT_LOGPROBS = "output_logprobs"
 TOP_LOGPROB_IDS = "top_logprob_ids"
 TOP_LOGPROBS = "top_logprobs"
+#: The 16-hex digest of the serving SGLang's launch record (workers/sglang.py ``launch_record``): names the
+#: ``{job}/_provenance/`` records of that server configuration (storage/manifest.py).
+SERVER_CONFIG = "server_config"
+#: Speculative decoding (a server run with ``--speculative-algorithm``; null otherwise), as SGLang's finished
+#: ``meta_info`` reports them: verify steps, draft tokens accepted (bonus tokens excluded) and proposed
+#: (steps × (draft tokens − 1)), and how many steps accepted 0, 1, 2, … drafts. The accept rate is
+#: accepted / proposed, the accept length ``completion_tokens`` / ``spec_verify_ct``.
+SPEC_VERIFY_CT = "spec_verify_ct"
+SPEC_ACCEPTED_TOKENS = "spec_accepted_tokens"
+SPEC_DRAFT_TOKENS = "spec_draft_tokens"
+SPEC_ACCEPT_HISTOGRAM = "spec_accept_histogram"
+#: An image prompt's images in the order of their placeholders (thinkfleet/vision.py ``ImageRef``): each one's
+#: sha256 and image-store URI (``{OUTPUT_URI}/{job}/_images/…``, byte-identical to the dataset's file), the tokens
+#: SGLang expands its one placeholder into, and that placeholder's index in ``input_ids``. Null for text prompts.
+IMAGE_SHA256 = "image_sha256"
+IMAGE_PATHS = "image_paths"
+IMAGE_TOKENS = "image_tokens"
+IMAGE_POSITIONS = "image_positions"
 
 # Non-null list elements: the ids are never null, and saying so lets the Parquet writer skip
 # per-element definition levels.
@@ -111,6 +140,10 @@ TIMESTAMP = pa.timestamp("us", tz="UTC")
 LOGPROBS = pa.list_(pa.field("element", pa.float32(), nullable=False))
 TOP_IDS = pa.list_(pa.field("element", TOKEN_IDS, nullable=False))
 TOP_LOGPROBS_TYPE = pa.list_(pa.field("element", LOGPROBS, nullable=False))
+#: A list of counts (``spec_accept_histogram``).
+COUNTS = pa.list_(pa.field("element", pa.int32(), nullable=False))
+#: A list of texts (``image_sha256``, ``image_paths``).
+TEXTS = pa.list_(pa.field("element", pa.string(), nullable=False))
 #: ``dataset`` is a string column that Arrow holds dictionary-encoded. On disk it is a plain UTF-8
 #: string, but Arrow readers restore the dictionary type, and that is what pyarrow infers for the
 #: hive directory ``dataset=…``: so ``pq.read_table(job_dir)`` / ``pd.read_parquet(job_dir)`` merge
@@ -154,6 +187,7 @@ SCHEMA = pa.schema(
         pa.field(PROMPT_TOKENS, pa.int32(), nullable=False),  # defaults to len(input_ids)
         pa.field(COMPLETION_TOKENS, pa.int32(), nullable=False),  # must equal len(output_ids)
         pa.field(CACHED_TOKENS, pa.int32()),  # prefix-cache hits; null if the server didn't say
+        pa.field(PREFIX_REUSABLE_TOKENS, pa.int32()),  # later turns: prompt ids the previous turn's server computed
         pa.field(REASONING_TOKENS, pa.int32()),  # SGLang's count (incl. </think>); null before 0.5.10 (unreported)
         pa.field(NUM_RETRACTIONS, pa.int32()),  # retractions under memory pressure (total_/num_retractions)
         pa.field(LATENCY_S, pa.float64()),  # request send → response, seconds, as the worker saw it
@@ -168,6 +202,7 @@ SCHEMA = pa.schema(
         pa.field(DETERMINISTIC, pa.bool_()),
         pa.field(TOKENIZER_FINGERPRINT, pa.string()),  # hash of the tokenizer files used to tokenize
         pa.field(CHAT_TEMPLATE_HASH, pa.string()),  # hash of the chat template that rendered the prompt
+        pa.field(SERVER_CONFIG, pa.string()),  # the serving SGLang's launch record ({job}/_provenance/); null < v9
         pa.field(CONTENT_HASH, pa.string()),  # hash of the prompt ids; ties the row to its submit
         pa.field(IDS_CRC32, pa.int64()),  # CRC-32 of input_ids + output_ids (int32 LE); verify recomputes it
         pa.field(CREATED_AT, TIMESTAMP, nullable=False),  # when the row was built (UTC)
@@ -175,6 +210,16 @@ SCHEMA = pa.schema(
         pa.field(OUTPUT_LOGPROBS, LOGPROBS),  # the sampled token's logprob (as SGLang sampled: after temperature)
         pa.field(TOP_LOGPROB_IDS, TOP_IDS),  # K > 0: the top-K ids at each output position
         pa.field(TOP_LOGPROBS, TOP_LOGPROBS_TYPE),  # K > 0: their logprobs
+        # -- speculative decoding (--speculative-algorithm on the server; null otherwise) -----------------
+        pa.field(SPEC_VERIFY_CT, pa.int32()),  # verify steps (meta_info.spec_verify_ct)
+        pa.field(SPEC_ACCEPTED_TOKENS, pa.int32()),  # draft tokens accepted (bonus tokens excluded)
+        pa.field(SPEC_DRAFT_TOKENS, pa.int32()),  # draft tokens proposed
+        pa.field(SPEC_ACCEPT_HISTOGRAM, COUNTS),  # [i] = verify steps that accepted i drafts
+        # -- images (an image prompt; null for text prompts): one entry per placeholder, in order ------------
+        pa.field(IMAGE_SHA256, TEXTS),  # sha256 of each image's bytes
+        pa.field(IMAGE_PATHS, TEXTS),  # where the image store keeps them
+        pa.field(IMAGE_TOKENS, COUNTS),  # tokens SGLang expands each placeholder into
+        pa.field(IMAGE_POSITIONS, COUNTS),  # index of each placeholder in input_ids
     ],
     metadata={"thinkfleet.schema_version": SCHEMA_VERSION},
 )
@@ -220,6 +265,7 @@ WRITE_OPTIONS: dict[str, Any] = {
         SAMPLING_PARAMS,
         TOKENIZER_FINGERPRINT,
         CHAT_TEMPLATE_HASH,
+        SERVER_CONFIG,
     ],
     "write_statistics": [PROMPT_ID, ROW_INDEX, REVISION, CREATED_AT, COMPLETION_TOKENS],
     # Page CRCs: a flipped bit in a stored page is an error on read (storage/reader.py verifies them), not a silently

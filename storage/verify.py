@@ -55,10 +55,13 @@ from storage.schema import (
     CONTENT_HASH,
     DATASET,
     IDS_CRC32,
+    IMAGE_PATHS,
+    IMAGE_SHA256,
     MANIFEST_SCHEMA,
     PROMPT_ID,
     TOOL_CALL_SPANS,
 )
+from storage.verify_images import ImageRefs, check_images, manifest_images, row_images
 from storage.verify_report import VerifyReport
 from thinkfleet import profiles
 from thinkfleet.chain_end import owed_successors
@@ -177,6 +180,11 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
         )
     report.per_dataset = _per_dataset(report, sub_dataset, winners)
     report.quarantined = _quarantined(loc, job, damaged, stored, report)
+    # Image prompts: every image the submitted conversations and the rows refer to, read back and hashed.
+    images = checked.images
+    manifest_images(loc, job, images)
+    found = check_images(images, endpoint)
+    report.images_checked, report.image_problems = found.checked, found.problems
     return report
 
 
@@ -289,7 +297,7 @@ def _done_ids(settings: Settings, job: str) -> pa.Array | None:
 
 
 _KEY_COLUMNS = list(dict.fromkeys([DATASET, CONTENT_HASH, *CHAIN_COLUMNS]))
-_ROW_COLUMNS = [*CHECK_COLUMNS, CONTENT_HASH, IDS_CRC32]
+_ROW_COLUMNS = [*CHECK_COLUMNS, CONTENT_HASH, IDS_CRC32, IMAGE_SHA256, IMAGE_PATHS]
 
 
 @dataclass
@@ -301,6 +309,7 @@ class _RowChecks:
     hash_mismatch: list[str] = field(default_factory=list)
     checksum_mismatch: list[str] = field(default_factory=list)
     tool_rows: set[str] = field(default_factory=set)  # multi-turn rows whose output calls a tool (a chain end)
+    images: ImageRefs = field(default_factory=ImageRefs)  # image prompts: each image the rows refer to
 
 
 def _check_rows(plan: stream.Plan, tokens: SpanTokens, expected: bool, submitted: pa.Table) -> _RowChecks:
@@ -312,6 +321,7 @@ def _check_rows(plan: stream.Plan, tokens: SpanTokens, expected: bool, submitted
         out.thinking.add(stats)
         out.hash_mismatch.extend(hash_mismatches(table, _submitted_hashes(table, submitted)))
         out.checksum_mismatch.extend(checksum_mismatches(table))
+        row_images(out.images, table)
         calls = pc.list_value_length(table[TOOL_CALL_SPANS]).to_numpy(zero_copy_only=False) > 0
         if calls.any():
             pids = table[PROMPT_ID].to_pylist()

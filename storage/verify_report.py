@@ -53,6 +53,10 @@ class VerifyReport:
     #: False: the job runs with --no-reasoning-spans — spans null (not recorded), no reasoning alarm.
     reasoning_spans: bool = True
     per_dataset: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: image prompts: distinct images referred to (manifest and rows), and each one missing from the image store,
+    #: unreadable or holding other bytes than its sha256 says ("uri (prompt p): why": storage/verify_images.py)
+    images_checked: int = 0
+    image_problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -66,6 +70,7 @@ class VerifyReport:
             or self.stale
             or self.hash_mismatch
             or self.checksum_mismatch
+            or self.image_problems
             or any(not q.get("recovered") for q in self.quarantined)
             or self.reasoning_alarm
             or self.submitted_source == "none"
@@ -87,6 +92,11 @@ def format_report(report: VerifyReport, limit: int = 20) -> str:
     ]
     for name, ds_counts in report.per_dataset.items():
         lines.append(f"  dataset {name}: " + ", ".join(f"{k} {v}" for k, v in ds_counts.items()))
+    if report.images_checked:
+        bad = len(report.image_problems)
+        lines.append(
+            f"  images referred to {report.images_checked}, in the image store as hashed {report.images_checked - bad}"
+        )
 
     def section(title: str, ids: list[str], hint: str = "") -> None:
         if not ids:
@@ -138,6 +148,11 @@ def format_report(report: VerifyReport, limit: int = 20) -> str:
     section(
         "CHECKSUM MISMATCH (the row's ids_crc32 is not the CRC-32 of its ids: altered in storage)",
         report.checksum_mismatch,
+    )
+    section(
+        "IMAGE PROBLEMS (a referenced image is not in the image store as its sha256 says: re-run producer submit "
+        "with the same inputs to store it again)",
+        report.image_problems,
     )
     if report.reasoning_alarm:
         lines.append(

@@ -5,20 +5,14 @@ manifest keeps each prompt's source conversation), and its rows are what a worke
 tokenized from known reasoning, answer and tool-call text, ending in ``<|im_end|>``. Then each format is
 read back the way its consumer reads it.
 
-The consumers themselves (SpecForge 0.2.0, speculators 0.9.0) pull torch and pin versions of their own,
-so they live in a separate virtual environment (``THINKFLEET_CONSUMERS_VENV``, default
-``/tmp/consumers-venv``; docs/exports.md has the recipe). Without it the test that runs them is
-skipped, saying why; the schema tests always run.
+The consumers themselves (SpecForge, speculators, TRL) pull torch and pin versions of their own, so they
+run in a venv of their own, on the same job (:func:`store_job`): tests/test_consumers.py.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +39,6 @@ from thinkfleet import kimi
 from thinkfleet.settings import Settings
 
 JOB = "kx"
-CONSUMERS_VENV = Path(os.environ.get("THINKFLEET_CONSUMERS_VENV", "/tmp/consumers-venv"))
 TOOLS = [
     {
         "type": "function",
@@ -137,6 +130,10 @@ def settings(redis_url: str, tmp_path: Path) -> Settings:
 
 @pytest.fixture
 def job(settings: Settings, tmp_path: Path, tok_dir: Path, tok: Any) -> dict[str, dict[str, Any]]:
+    return store_job(settings, tmp_path, tok_dir, tok)
+
+
+def store_job(settings: Settings, tmp_path: Path, tok_dir: Path, tok: Any) -> dict[str, dict[str, Any]]:
     """Submit the inputs for real, then store one generation per prompt; prompt_id → what is expected."""
     path = write_jsonl(tmp_path / "chat.jsonl", _inputs())
     submit(settings, SubmitOptions(paths=[path], job=JOB, tokenizer=str(tok_dir), processes=1))
@@ -267,6 +264,7 @@ def test_hf_dataset_loads_with_every_rows_ids_spans_and_metadata(settings, job, 
         n = rec["prompt_len"]
         assert rec["input_ids"][:n] == want["prompt"] and rec["input_ids"][n:] == want["output"]
         assert rec["loss_mask"] == [0] * n + [1] * len(want["output"])
+        assert rec["assistant_masks"] == rec["loss_mask"]  # the name TRL's SFTTrainer reads (test_consumers.py)
         for column in ("reasoning_start", "reasoning_end", "has_think_end", "answer_start", "answer_end"):
             assert rec[column] == row[column], column
         assert rec["tool_call_spans"] == row["tool_call_spans"]
@@ -367,6 +365,7 @@ def test_shards_locally_named_after_out_and_stale_shards_go(settings, job, tmp_p
         "sf-00000.jsonl",
         "sf-00001.jsonl",
         "sf-00002.jsonl",
+        "sf.jsonl.provenance.json",  # the export's provenance sidecar (storage/exports/provenance.py)
     ]
 
     # A directory --out: part-NNNNN; eagle3 shards are Parquet there.
@@ -395,10 +394,12 @@ def test_exports_to_s3(settings, job, tok_dir, tmp_path, s3_endpoint) -> None:  
     local = _lines(export_job(settings, JOB, "specforge", str(tmp_path / "sf.jsonl")).path)
     result = export_job(settings, JOB, "specforge", f"s3://{BUCKET}/exports/sf.jsonl", shard_rows=4)
     keys = [f"exports/sf-{i:05d}.jsonl" for i in range(3)]
-    assert result.files == [f"s3://{BUCKET}/{k}" for k in keys] and _s3_keys(s3_endpoint, "exports/") == keys
+    sidecar = "exports/sf.jsonl.provenance.json"  # the export's provenance (storage/exports/provenance.py)
+    assert result.files == [f"s3://{BUCKET}/{k}" for k in keys]
+    assert _s3_keys(s3_endpoint, "exports/") == [*keys, sidecar]
     assert [json.loads(line) for k in keys for line in _s3_text(s3_endpoint, k).splitlines()] == local
     export_job(settings, JOB, "specforge", f"s3://{BUCKET}/exports/sf.jsonl", shard_rows=5)
-    assert _s3_keys(s3_endpoint, "exports/") == keys[:2]  # the stale third shard is gone
+    assert _s3_keys(s3_endpoint, "exports/") == [*keys[:2], sidecar]  # the stale third shard is gone
 
     export_job(settings, JOB, "messages", f"s3://{BUCKET}/m/all.jsonl", tokenizer=str(tok_dir))
     assert {json.loads(line)["id"] for line in _s3_text(s3_endpoint, "m/all.jsonl").splitlines()} == set(job)
@@ -406,6 +407,8 @@ def test_exports_to_s3(settings, job, tok_dir, tmp_path, s3_endpoint) -> None:  
     result = export_job(settings, JOB, "hf", f"s3://{BUCKET}/hf", shard_rows=5)
     keys = _s3_keys(s3_endpoint, "hf/")
     assert keys == [
+        "hf/README.md",  # the dataset card and the export's provenance (storage/exports/provenance.py)
+        "hf/_provenance.json",
         "hf/data-00000-of-00002.arrow",
         "hf/data-00001-of-00002.arrow",
         "hf/dataset_info.json",
@@ -419,102 +422,6 @@ def test_exports_to_s3(settings, job, tok_dir, tmp_path, s3_endpoint) -> None:  
     for key in keys:
         client.download_file(BUCKET, key, str(back / Path(key).name))
     assert datasets.load_from_disk(str(back)).num_rows == len(job)
-
-
-# -- the consumers, for real ---------------------------------------------------------------------------------------
-CONSUMER_CHECK = textwrap.dedent(
-    """
-    import json, subprocess, sys
-    from pathlib import Path
-
-    path, tok_dir, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    ours = [json.loads(line) for line in open(path)]
-    longest = max(len(r["input_ids"]) for r in ours)
-
-    from specforge.config.schema import DataConfig
-    from specforge.data.prompt_builder import prepare_prompt_tasks
-
-    DataConfig(prompts_path=path, max_length=longest)  # the config a run would carry
-    tasks = prepare_prompt_tasks(path, None, chat_template=None, max_length=longest, is_preformatted=False,
-                                 train_only_last_turn=False, cache_dir=None, cache_key=None, num_proc=None)
-    specforge = [t["payload"] for t in tasks]
-
-    cli = str(Path(sys.executable).with_name("speculators"))
-    subprocess.run([cli, "prepare-data", "--model", tok_dir, "--data", path, "--output", str(work / "spec"),
-                    "--seq-length", str(longest), "--num-preprocessing-workers", "1"],
-                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    from datasets import load_from_disk
-    spec = load_from_disk(str(work / "spec"))
-    speculators = [{"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for r in spec.to_list()]
-
-    # SpecForge's text route on the conversations export: re-rendered with its Kimi template, re-tokenized.
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    conv = [json.loads(line) for line in open(sys.argv[4])]
-    raw = prepare_prompt_tasks(sys.argv[4], tok, chat_template="kimi-k2-thinking", max_length=4 * longest,
-                               is_preformatted=False, train_only_last_turn=False, cache_dir=None, cache_key=None,
-                               num_proc=1)
-    trained = [tok.decode([i for i, m in zip(t["payload"]["input_ids"], t["payload"]["loss_mask"]) if m],
-                          skip_special_tokens=False) for t in raw]
-    stored = [r["prompt_ids"] + r["output_ids"] for r in conv]
-    text_route = {
-        "rows": len(raw),
-        "reasoning_trained": sorted(r["id"] for r in conv
-                                    if any(r["conversations"][-1]["reasoning_content"] in t for t in trained)),
-        "ids_kept": sum(t["payload"]["input_ids"] in stored for t in raw),
-    }
-    print(json.dumps({"specforge": specforge, "speculators": speculators, "text_route": text_route}))
-    """
-)
-
-
-def _consumers_python() -> Path:
-    python = CONSUMERS_VENV / "bin" / "python"
-    ok = (
-        python.exists()
-        and subprocess.run(
-            [str(python), "-c", "import specforge, speculators"], capture_output=True, timeout=120
-        ).returncode
-        == 0
-    )
-    if not ok:
-        reason = (
-            f"no SpecForge/speculators venv at {CONSUMERS_VENV} (set THINKFLEET_CONSUMERS_VENV; docs/exports.md "
-            "has the recipe): the consumers' own loaders are not run"
-        )
-        print(f"SKIP: {reason}", file=sys.stderr)
-        pytest.skip(reason)
-    return python
-
-
-def test_specforge_and_speculators_load_the_specforge_export_unchanged(settings, job, tok_dir, tmp_path) -> None:
-    python = _consumers_python()
-    out, conv = tmp_path / "sf.jsonl", tmp_path / "conv.jsonl"
-    export_job(settings, JOB, "specforge", str(out))
-    export_job(settings, JOB, "conversations", str(conv), tokenizer=str(tok_dir))
-    ours = sorted([r["input_ids"], r["loss_mask"]] for r in _lines(out))
-    proc = subprocess.run(
-        [str(python), "-c", CONSUMER_CHECK, str(out), str(tok_dir), str(tmp_path), str(conv)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
-    for consumer in ("specforge", "speculators"):
-        theirs = sorted([r["input_ids"], r["loss_mask"]] for r in loaded[consumer])
-        assert theirs == ours, consumer  # every row, ids and mask identical (speculators shuffles)
-
-    # The text route loads too (no top-level input_ids), and loses what README says it loses: only final
-    # turns with tool calls keep their reasoning in the trained tokens; the ids are re-tokenized.
-    text_route = loaded["text_route"]
-    with_calls = sorted(pid for pid, want in job.items() if "tool_calls" in want["reply"])
-    assert text_route["rows"] == len(job)
-    assert text_route["reasoning_trained"] == with_calls == ["chat/tool0", "chat/tool1"]
-    assert text_route["ids_kept"] == 0
-    print(f"SpecForge text route: {text_route}", file=sys.stderr)
 
 
 # -- the report extra ------------------------------------------------------------------------------------------

@@ -58,6 +58,9 @@ SOURCE_ENV = "THINKFLEET_FRONT_DOOR_SOURCE"
 EXTERNAL = {"specforge", "speculators"}
 #: Cheap, local commands run for real in the clone.
 REAL = {"cp", "mkdir", "printf"}
+#: Scripts whose first argument is a subcommand (``case`` labels): the one shown must be one they handle. They
+#: build multi-GB venvs, so they are parsed (``bash -n``), never run here; their tests build and use them.
+SUBCOMMAND_SCRIPTS = {"scripts/real_sglang.sh", "scripts/consumers.sh"}
 #: A path the reader replaces with their own (``cp /path/to/fleet.env .env``): such a command is not run.
 PLACEHOLDER = "/path/to/"
 #: What the docs run under ``sudo``: the host's firewall and packages, administration no clone can try.
@@ -359,7 +362,7 @@ class FrontDoor:
         if args[0] == "deploy/make-secrets.sh":
             self.run_real(cmd)  # cheap, and what the next commands need
         elif (
-            args[0] == "scripts/real_sglang.sh"
+            args[0] in SUBCOMMAND_SCRIPTS
             and len(args) > 1
             and not re.search(rf"^\s*{re.escape(args[1])}\)", script.read_text(), re.M)
         ):

@@ -200,3 +200,9 @@ class Keys:
     def transit(self, worker: str) -> str:
         """LIST of messages this worker popped off the queue and kombu has not yet recorded as unacked."""
         return f"{self.prefix}:transit:{worker}"
+
+    def affinity_offers(self, queue: str) -> str:
+        """ZSET ``{worker}\\n{task id}`` → Redis time the message was offered on that worker's host list of ``queue``
+        (thinkfleet/broker/affinity.py): written with the offer (finalize.lua), removed with the pop or the steal; a
+        sweep moves what waited longer than ``affinity_wait_s`` onto the shared queue."""
+        return f"{self.prefix}:affinity:{queue}:offers"

@@ -25,11 +25,15 @@ A refusal is a :class:`MessageRefused` carrying the dead-letter class.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import zstandard
+
+from thinkfleet.vision import MAX_IMAGES_PER_PROMPT, ImageRef
 
 if TYPE_CHECKING:
     import numpy as np
@@ -98,16 +102,27 @@ def check_name(kind: str, name: object) -> str:
 
 
 # -- content hash ------------------------------------------------------------------------------------------
-def content_hash(ids: list[int] | np.ndarray) -> str:
-    """Hash of the prompt ids (uint32 LE): workers and ``producer verify`` recompute it from the ids."""
+def content_hash(ids: list[int] | np.ndarray, images: Sequence[str] = ()) -> str:
+    """Hash of the prompt ids (uint32 LE) and, for an image prompt, of its images' sha256s in order (what the
+    model sees is both): workers and ``producer verify`` recompute it from the ids and the image references."""
     import numpy as np
 
-    return hash_id_bytes(np.ascontiguousarray(ids, dtype="<u4").tobytes())
+    return hash_id_bytes(np.ascontiguousarray(ids, dtype="<u4").tobytes(), images)
 
 
-def hash_id_bytes(raw: bytes | memoryview) -> str:
-    """:func:`content_hash` of ids already packed as uint32 LE bytes."""
-    return hashlib.blake2b(raw, digest_size=8).hexdigest()
+#: An image prompt's hash is another blake2b function (its personalization): no text prompt's ids can be made to
+#: hash like ids + image digests, so a message stripped of its images never passes for the submitted prompt.
+_IMAGE_PERSON = b"tf-image-prompt"
+
+
+def hash_id_bytes(raw: bytes | memoryview, images: Sequence[str] = ()) -> str:
+    """:func:`content_hash` of ids already packed as uint32 LE bytes (and the sha256 hex digests of its images)."""
+    if not images:
+        return hashlib.blake2b(raw, digest_size=8).hexdigest()
+    digest = hashlib.blake2b(raw, digest_size=8, person=_IMAGE_PERSON)
+    for sha256 in images:
+        digest.update(bytes.fromhex(sha256))
+    return digest.hexdigest()
 
 
 def is_content_hash(text: object) -> bool:
@@ -197,6 +212,17 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _media(value: Any) -> tuple[ImageRef, ...]:
+    """A message's image references (ValueError for anything a producer did not write)."""
+    if not isinstance(value, list | tuple) or not 0 < len(value) <= MAX_IMAGES_PER_PROMPT:
+        raise ValueError(f"media must be a list of 1 to {MAX_IMAGES_PER_PROMPT} image references")
+    refs = tuple(ImageRef.from_wire(v) for v in value)
+    positions = [r.position for r in refs]
+    if positions[0] < 0 or any(b <= a for a, b in itertools.pairwise(positions)):
+        raise ValueError(f"image placeholder positions {positions[:16]} do not increase from 0")
+    return refs
+
+
 @dataclass(frozen=True)
 class PromptTask:
     """Everything a worker needs about one generation unit; sampling params come from the job record.
@@ -220,6 +246,14 @@ class PromptTask:
     #: The producer's (or, for a next turn, a worker's) HMAC over the fields above (thinkfleet/signing.py); '' =
     #: unsigned: a message of a fleet without a signing key, or of an older producer (9 or 10 args).
     signature: str = ""
+    #: A later turn's (or tool step's) reusable prefix: the length of the longest common prefix of its ids with the
+    #: previous turn's prompt + output ids — what that turn's server has already computed (workers/turns.py). None =
+    #: not a later turn, or an older worker. A statistic only (the row's ``prefix_reusable_tokens``): not signed.
+    prefix_reusable: int | None = None
+    #: An image prompt's images, in the order of their placeholders (thinkfleet/vision.py: sha256, store URI, size,
+    #: tokens, placeholder position); () for a text prompt. Their sha256s are part of ``content_hash``, which the
+    #: signature covers. The 13th argument, present only when there are images.
+    media: tuple[ImageRef, ...] = ()
 
     def __post_init__(self) -> None:
         check_name("job", self.job)
@@ -236,20 +270,31 @@ class PromptTask:
             self.sample_index,
             self.revision,
             self.overrides,
-            *([self.generation] if self.generation or self.signature else []),
-            *([self.signature] if self.signature else []),
+            *self._optional_args(),
         ]
+
+    def _optional_args(self) -> list[Any]:
+        """generation, signature, prefix_reusable, media: each up to the last one given (older workers decode the
+        shorter forms, so a message carries no more of them than it needs)."""
+        tail: list[Any] = [self.generation, self.signature, self.prefix_reusable, [m.to_wire() for m in self.media]]
+        given = [bool(self.generation), bool(self.signature), self.prefix_reusable is not None, bool(self.media)]
+        return tail[: max((i + 1 for i, g in enumerate(given) if g), default=0)]
 
     @classmethod
     def from_args(cls, args: list[Any] | tuple[Any, ...]) -> PromptTask:
         """Decode a message's args; raises ValueError (or :class:`MessageRefused` for a bad name)."""
-        if len(args) not in (9, 10, 11):
+        if len(args) not in (9, 10, 11, 12, 13):
             raise ValueError(
-                f"a {TASK_NAME} message has 9 args (10 with its job generation, 11 with its signature), got {len(args)}"
+                f"a {TASK_NAME} message has 9 args (10 with its job generation, 11 with its signature, 12 with its "
+                f"reusable prefix, 13 with its images), got {len(args)}"
             )
         job, dataset, prompt_id, row_index, content_hash, ids_blob, sample_index, revision, overrides = args[:9]
         generation = args[9] if len(args) >= 10 else ""
-        signature = args[10] if len(args) == 11 else ""
+        signature = args[10] if len(args) >= 11 else ""
+        reusable = args[11] if len(args) >= 12 else None
+        media = _media(args[12]) if len(args) == 13 else ()
+        if reusable is not None and not (_is_int(reusable) and 0 <= reusable < 1 << 32):
+            raise ValueError(f"prefix_reusable must be a token count, got {str(reusable)[:64]!r}")
         if not isinstance(generation, str) or not is_plain_name(generation or "x"):
             raise ValueError(f"generation must be a plain name, got {str(generation)[:64]!r}")
         if not isinstance(signature, str) or len(signature) > 256:
@@ -270,6 +315,8 @@ class PromptTask:
             overrides=dict(overrides or {}),
             generation=generation,
             signature=signature,
+            prefix_reusable=reusable,
+            media=media,
         )
 
     @property
@@ -281,8 +328,9 @@ class PromptTask:
 
         Raises :class:`MessageRefused` with the dead-letter class: ``bad_overrides``, ``bad_content_hash``
         (no :func:`content_hash` to check the ids against), ``oversize`` (more than ``limits.max_prompt_tokens``
-        ids, declared or real), ``corrupt_message`` (an undecodable blob), ``content_hash_mismatch`` (the ids do
-        not hash to ``content_hash``) or ``invalid_ids`` (an id at or above ``limits.vocab_size``).
+        ids, declared or real), ``corrupt_message`` (an undecodable blob, an image placeholder past the ids),
+        ``content_hash_mismatch`` (the ids, and an image prompt's image sha256s, do not hash to ``content_hash``) or
+        ``invalid_ids`` (an id at or above ``limits.vocab_size``).
         """
         import numpy as np
 
@@ -299,13 +347,18 @@ class PromptTask:
             raise
         except Exception as exc:  # a truncated zstd frame, a partial id: resending it cannot help
             raise MessageRefused("corrupt_message", f"{type(exc).__name__}: {exc}") from exc
-        actual = hash_id_bytes(data)
+        actual = hash_id_bytes(data, [m.sha256 for m in self.media])
         if actual != self.content_hash:
+            what = "the ids and images" if self.media else "the ids"
             raise MessageRefused(
                 "content_hash_mismatch",
-                f"the ids hash to {actual}, the message says {self.content_hash}: not the submitted prompt",
+                f"{what} hash to {actual}, the message says {self.content_hash}: not the submitted prompt",
             )
         ids = np.frombuffer(data, dtype="<u4")
+        if self.media and self.media[-1].position >= len(ids):
+            raise MessageRefused(
+                "corrupt_message", f"image placeholder position {self.media[-1].position} is past the {len(ids)} ids"
+            )
         vocab = limits.vocab_size
         if vocab is not None and len(ids) and int(ids.max()) >= vocab:
             at = int(np.argmax(ids >= vocab))

@@ -18,7 +18,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from thinkfleet.keys import DEFAULT_PREFIX, Keys
-from thinkfleet.redis_client import redacted, with_password
+from thinkfleet.redis_client import is_sentinel, redacted, with_password, with_sentinel_password
 
 #: Connections of a worker's Redis pool beyond one per request and commit thread: its own loops (lease renewal,
 #: transit and visibility sweeps, the committer, health probes, metrics) and a reconnect's overlap.
@@ -50,6 +50,11 @@ class Settings(BaseSettings):
         description="File holding the Redis password (a compose secret); it replaces any password in redis_url "
         "(which may name the ACL user: redis://worker@head:6379/0) and in a redis:// broker_url.",
     )
+    redis_sentinel_password_file: str | None = Field(
+        None,
+        description="File holding the password the Sentinels themselves require (a secret; not the primary's): it "
+        "replaces ?sentinel_password= in a sentinel:// redis_url and broker_url. Ignored for other URLs.",
+    )
     sglang_url: str = Field("http://127.0.0.1:30000", description="This host's SGLang server.")
     output_uri: str = Field(
         "./thinkfleet-output", description="Root for Parquet parts: a local path or s3://bucket/prefix."
@@ -75,6 +80,11 @@ class Settings(BaseSettings):
         5.0, gt=0, description="inflight_mode auto: seconds between two decisions on the bound (4 load reads each)."
     )
     worker_name: str | None = Field(None, description="Worker identity; default hostname-pid.")
+    git_revision: str | None = Field(
+        None,
+        description="The code's git revision, for the provenance records (an image built without .git: the "
+        "Dockerfile's GIT_REVISION build argument sets it); default read from the install or the checkout.",
+    )
     metrics_port: int = Field(
         0, ge=0, description="Prometheus port of this worker; 0 picks a free one (registered in Redis)."
     )
@@ -161,6 +171,33 @@ class Settings(BaseSettings):
         "concurrency); 1 = one at a time (cheapest way to find a poison prompt, slowest tail).",
     )
 
+    # -- worker: placement of a conversation's next turn (thinkfleet/broker/affinity.py) ----------------
+    affinity: bool = Field(
+        True,
+        description="Worker: offer a --turns all or agentic conversation's next turn first to this host, whose "
+        "server has its prefix cached (its host list, popped before the shared queue); any host takes it after "
+        "affinity_wait_s, or at once when this host is dead, draining or not consuming. Off: onto the shared queue.",
+    )
+    affinity_wait_s: float = Field(
+        3.0,
+        gt=0,
+        description="Longest an offered next turn waits for its host (on Redis's clock) before any host may take it "
+        "(it then goes to the consuming end of the shared queue; every worker sweeps every quarter of this, ≤ 1 s).",
+    )
+    affinity_idle_wait_s: float = Field(
+        0.5,
+        ge=0,
+        description="Worker: an idle worker (nothing on the queue or its own host list) takes another host's "
+        "offered next turn once it waited this long, rather than idle while that host is full (work stealing; "
+        "its prefix is prefilled again). At or above affinity_wait_s: never (the sweep hands it over first).",
+    )
+    affinity_backlog: int = Field(
+        16,
+        ge=0,
+        description="Worker: an offer that finds this many next turns already waiting for this host goes onto the "
+        "shared queue instead. 0 = no bound (affinity_wait_s alone bounds the wait).",
+    )
+
     # -- storage ------------------------------------------------------------------------------------
     storage_retry_max_s: float = Field(
         30.0, gt=0, description="Longest backoff between retries of a failed Parquet commit (rows kept in memory)."
@@ -197,6 +234,22 @@ class Settings(BaseSettings):
         ge=0,
         description="Largest message body a worker decodes; bigger ones go to the malformed list as oversize. "
         "0 = derived from max_prompt_tokens (4 bytes per id + 64 KiB).",
+    )
+
+    # -- images in prompts: what producer submit accepts and where it keeps them (docs/vision.md) -------------
+    image_store_uri: str | None = Field(
+        None,
+        description="Where producer submit stores each prompt image once, by sha256 (a local path or s3://…); "
+        "workers read images only from there. Unset: {OUTPUT_URI}/{job}/_images.",
+    )
+    max_image_bytes: int = Field(
+        20 << 20, ge=1, description="Largest image file producer submit accepts (20 MiB); a bigger one is refused."
+    )
+    max_image_pixels: int = Field(
+        64_000_000, ge=1, description="Most pixels (width × height) of an image producer submit accepts."
+    )
+    image_fetch_timeout_s: float = Field(
+        30.0, gt=0, description="Timeout of one http(s):// or s3:// image fetch at submit (workers never fetch)."
     )
 
     # -- trust: what a worker runs and what it believes (thinkfleet/signing.py, workers/jobs.py) ----------
@@ -255,6 +308,19 @@ class Settings(BaseSettings):
             self.broker_url = self.redis_url
         elif not urlsplit(self.broker_url).password:
             self.broker_url = with_redis_password(self.broker_url, password)
+        return self
+
+    @model_validator(mode="after")
+    def _sentinel_password_from_file(self) -> Settings:
+        if not self.redis_sentinel_password_file:
+            return self
+        password = read_password_file(self.redis_sentinel_password_file, "THINKFLEET_REDIS_SENTINEL_PASSWORD_FILE")
+        old = self.redis_url
+        self.redis_url = with_sentinel_password(old, password)
+        if not self.broker_url or self.broker_url == old:
+            self.broker_url = self.redis_url
+        elif is_sentinel(self.broker_url):
+            self.broker_url = with_sentinel_password(self.broker_url, password)
         return self
 
     @model_validator(mode="after")
@@ -351,14 +417,14 @@ class Settings(BaseSettings):
         return Settings.model_validate(data)
 
 
-def read_password_file(path: str) -> str:
+def read_password_file(path: str, setting: str = "THINKFLEET_REDIS_PASSWORD_FILE") -> str:
     """A password file's content without surrounding whitespace (``openssl rand -hex 24 > FILE`` adds a newline)."""
     try:
         password = Path(path).read_text().strip()
     except OSError as exc:
-        raise ValueError(f"THINKFLEET_REDIS_PASSWORD_FILE: cannot read {path}: {exc.strerror or exc}") from None
+        raise ValueError(f"{setting}: cannot read {path}: {exc.strerror or exc}") from None
     if not password:
-        raise ValueError(f"THINKFLEET_REDIS_PASSWORD_FILE: {path} is empty")
+        raise ValueError(f"{setting}: {path} is empty")
     return password
 
 

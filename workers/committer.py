@@ -332,10 +332,12 @@ class GroupCommitter:
     ) -> Finalized:
         """Mark the rows done, and in the same Lua call write what the hooks asked for theirs (keyed by prompt id:
         a row split off or fenced since takes its write with it). ``fences``: see ``Ledger.finalize``."""
-        given = {"fences": fences} if fences else {}  # (only a replay passes them)
+        given: dict[str, Any] = {"fences": fences} if fences else {}  # (only a replay passes them)
         if writes is None:
             return await self.ledger.finalize(job, dataset, finals, self.alarm_min_rows, self.alarm_share, **given)
         per_row = [writes.rows.get(f.prompt_id) for f in finals]
+        if writes.offers:  # the next turns go onto our host list, offered (thinkfleet/broker/affinity.py)
+            given["offers"] = writes.offers
         return await self.ledger.finalize(
             job, dataset, finals, self.alarm_min_rows, self.alarm_share, per_row, writes.queue, writes.records, **given
         )

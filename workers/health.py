@@ -67,6 +67,10 @@ class HealthGate:
         self.on_up = on_up
         self.metrics = metrics  # workers.metrics.WorkerMetrics (optional in tests)
         self.info: ServerInfo | None = None
+        #: Every server configuration this gate has read, by its digest (``ServerInfo.config_digest``): a row
+        #: generated before a restart that changed the server's arguments still finds what served it
+        #: (workers/provenance.py records it).
+        self.known: dict[str, ServerInfo] = {}
         self.state = "unknown"
         self.detail = ""
         self.last_completion = float("-inf")  # monotonic time of the last completed /generate
@@ -185,7 +189,7 @@ class HealthGate:
             )
         log.info(
             "preflight ok: model=%s weight_version=%s sglang=%s reasoning_parser=%s max_running=%s "
-            "vocab_size=%s context_length=%s deterministic_inference=%s",
+            "vocab_size=%s context_length=%s deterministic_inference=%s speculative=%s server_config=%s",
             info.model_path,
             info.weight_version,
             info.version or "?",
@@ -194,7 +198,11 @@ class HealthGate:
             info.vocab_size if info.vocab_size is not None else "unreported",
             info.context_length if info.context_length is not None else "unreported",
             {True: "on", False: "off", None: "unreported"}[info.deterministic],
+            info.launch_args.get("speculative_algorithm") or "off",
+            info.config_digest,
         )
+        if info.config_digest is not None:
+            self.known[info.config_digest] = info
         self.info, self._info_at = info, started
         return info
 

@@ -65,10 +65,13 @@ class FinalizeWrites:
     queue: str  # the broker list the rows' messages are pushed onto
     records: str  # the hash their ``answer`` records go into
     rows: Mapping[str, RowWrite]  # prompt id → its write (keyed, so rows split off or fenced simply find none)
+    #: When ``queue`` is this worker's host list: the ZSET each message's offer time goes into (thinkfleet/broker/
+    #: affinity.py); '' = the shared queue.
+    offers: str = ""
 
     def merged(self, other: FinalizeWrites) -> FinalizeWrites:
         """Two hooks' writes as one finalize's (they must name the same keys and different rows)."""
-        if (other.queue, other.records) != (self.queue, self.records):
+        if (other.queue, other.records, other.offers) != (self.queue, self.records, self.offers):
             raise HookConflict(
                 f"two hooks write one finalize to {self.queue} + {self.records} and {other.queue} + {other.records}: "
                 "finalize.lua takes one queue and one record hash"
@@ -76,7 +79,7 @@ class FinalizeWrites:
         both = self.rows.keys() & other.rows.keys()
         if both:
             raise HookConflict(f"two hooks write the finalize of {sorted(both)[:3]}: finalize.lua takes one per row")
-        return FinalizeWrites(self.queue, self.records, {**self.rows, **other.rows})
+        return FinalizeWrites(self.queue, self.records, {**self.rows, **other.rows}, self.offers)
 
 
 class HookConflict(TypeError):

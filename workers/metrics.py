@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
+from thinkfleet.broker.affinity import AFFINITY
 from thinkfleet.broker.transit import LEFT_TO_HOLDER
 from workers.adaptive import REASON_KINDS
 
@@ -106,6 +110,19 @@ class WorkerMetrics:
             buckets=(0.01, 0.05, 0.1, 0.5, 1, 5),
             registry=r,
         )
+        # -- a conversation's prefix cache (thinkfleet/broker/affinity.py) -----------------------------------
+        self.prefix_reusable = Counter(
+            "thinkfleet_prefix_reusable_tokens",
+            "Prompt tokens of later turns their previous turn's server had computed (prefix_reusable_tokens)",
+            registry=r,
+        )
+        self.prefix_cached = Counter(
+            "thinkfleet_prefix_cached_tokens",
+            "Of those, the tokens the server reported cached (cached_tokens, capped at the reusable prefix): "
+            "the prefix cache's hit rate is this over thinkfleet_prefix_reusable_tokens",
+            registry=r,
+        )
+        r.register(_AffinityCollector())
         self._inflight = 0
         self._since = time.monotonic()
 
@@ -133,6 +150,12 @@ class WorkerMetrics:
         self.bound_reason.state(kind if kind in REASON_KINDS else "cap")
         self.bound_moves.labels(kind).inc()
 
+    def note_prefix(self, reusable: int | None, cached: int | None) -> None:
+        """A stored later turn's reusable prefix and the server's cached tokens (both known, or not counted)."""
+        if reusable is not None and cached is not None:
+            self.prefix_reusable.inc(reusable)
+            self.prefix_cached.inc(min(cached, reusable))
+
     def note_retractions(self, n: int | None) -> None:
         if n:
             self.retractions.inc(n)
@@ -149,3 +172,18 @@ class WorkerMetrics:
         self.inflight.set(self._inflight)
         if latency_s is not None:
             self.latency.observe(latency_s)
+
+
+class _AffinityCollector(Collector):
+    """``thinkfleet_affinity_messages_total{outcome}``: this process's placement counts (thinkfleet/broker/affinity.py
+    AFFINITY, kept by the transit channel's thread and the sweep): ``offered`` to our host list, ``shared_away`` /
+    ``shared_backlog`` put on the shared queue instead, ``own`` popped from our host list, ``stolen_stale`` /
+    ``stolen_whole`` moved from a host list to the shared queue by our sweeps (waited too long / host dead or away)."""
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "thinkfleet_affinity_messages", "Next-turn placements by outcome (host affinity)", labels=["outcome"]
+        )
+        for outcome in AFFINITY.OUTCOMES:
+            family.add_metric([outcome], AFFINITY[outcome])
+        yield family

@@ -202,13 +202,14 @@ class PromptPipeline:
         model = info.model_path if info else ""
         deterministic = info.deterministic if info else None
         row, final = build_row(
-            task, job, input_ids, gen, sampling, self.identity, model, attempts, latency, deterministic, epoch
+            task, job, input_ids, gen, sampling, self.identity, model, attempts, latency, deterministic, epoch, info
         )
         # Waits through storage failures (the commit is retried); raises StorageUnavailable only if a
         # drain gives up on it, which hands the prompt back.
         part = await self.committer.commit(task.job, task.dataset, row, final)
         self.metrics.completed.labels(task.dataset).inc()
         self.metrics.output_tokens.inc(gen.completion_tokens)
+        self.metrics.note_prefix(task.prefix_reusable, gen.cached_tokens)  # a later turn's prefix cache
         return await self._stored(Committed(task, job, final, part, row), "stored")
 
     async def _stored(self, committed: Committed, outcome: str) -> str:

@@ -5,17 +5,17 @@ from __future__ import annotations
 import functools
 import json
 import socket
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from storage.schema import span_values
+from storage.schema import IMAGE_PATHS, IMAGE_POSITIONS, IMAGE_SHA256, IMAGE_TOKENS, span_values
 from storage.spans import compute_spans, prompt_opens_reasoning
 from thinkfleet.message import PromptTask
 from thinkfleet.state.ledger import FinalRow
 from thinkfleet.tokens import SpanTokens
 from workers.jobs import JobSpec
-from workers.sglang import Generation
+from workers.sglang import Generation, ServerInfo
 
 _HOST = socket.gethostname()
 
@@ -46,10 +46,13 @@ def build_row(
     latency_s: float,
     deterministic: bool | None = None,
     epoch: int = 0,
+    server: ServerInfo | None = None,
 ) -> tuple[dict[str, Any], FinalRow]:
     """One row; counts the server did not report (``reasoning_tokens`` before SGLang 0.5.10, …) stay None
     (null), and ``deterministic`` says whether the server honoured ``sampling_seed`` (None: unknown). ``epoch`` is
-    the claim's fencing token (thinkfleet/state/ledger.py), stored with the row."""
+    the claim's fencing token (thinkfleet/state/ledger.py), stored with the row. ``server``: what the gate knew
+    of the server that answered — the row names its launch record (``server_config``; when None, the provenance
+    hook fills it in before the write: workers/provenance.py)."""
     opens = prompt_opens_reasoning(input_ids, job.tokens)
     spans = compute_spans(
         gen.output_ids,
@@ -78,6 +81,7 @@ def build_row(
         "prompt_tokens": gen.prompt_tokens or len(input_ids),
         "completion_tokens": gen.completion_tokens,
         "cached_tokens": gen.cached_tokens,
+        "prefix_reusable_tokens": task.prefix_reusable,  # a later turn's: what its previous turn's server computed
         "reasoning_tokens": gen.reasoning_tokens,
         "num_retractions": gen.num_retractions,
         "latency_s": latency_s,
@@ -90,16 +94,44 @@ def build_row(
         "deterministic": deterministic,
         "tokenizer_fingerprint": job.tokenizer_fingerprint,
         "chat_template_hash": job.chat_template_hash,
+        "server_config": server.config_digest if server is not None else None,
         "content_hash": task.content_hash,
         # --turns all: filled before the write by the TurnChaining hook (workers/turns.py); null for single-turn jobs
         "conversation_id": None,
         "turn_index": None,
         "turn_count": None,
+        # agentic steps and chain ends (workers/turns.py, tool_steps.py fill them); present in every row, so
+        # rows_to_table's one-itemgetter-per-row path applies (a missing key sends it down the per-column one)
+        "step_index": None,
+        "tool_args_differ": None,
+        "chain_end": None,
         "created_at": datetime.now(UTC),
+        # --speculative-algorithm on the server: its acceptance figures of this row (null otherwise)
+        "spec_verify_ct": gen.spec_verify_ct,
+        "spec_accepted_tokens": gen.spec_accepted_tokens,
+        "spec_draft_tokens": gen.spec_draft_tokens,
+        "spec_accept_histogram": gen.spec_accept_histogram,
+        # an image prompt's images, one per placeholder (docs/vision.md); null for a text prompt
+        **image_columns(task),
     }
     truncated = gen.finish_type == "length"
     final = final_row(task, job, gen.completion_tokens, spans.has_think_end, truncated, opens, epoch)
+    if task.prefix_reusable is not None:  # the job's prefix-cache counters (finalize.lua)
+        final = replace(final, prefix_reusable=task.prefix_reusable, cached_tokens=gen.cached_tokens)
     return row, final
+
+
+def image_columns(task: PromptTask) -> dict[str, Any]:
+    """The row's image columns from the message's references (all null for a text prompt)."""
+    media = task.media
+    if not media:
+        return {IMAGE_SHA256: None, IMAGE_PATHS: None, IMAGE_TOKENS: None, IMAGE_POSITIONS: None}
+    return {
+        IMAGE_SHA256: [m.sha256 for m in media],
+        IMAGE_PATHS: [m.uri for m in media],
+        IMAGE_TOKENS: [m.tokens for m in media],
+        IMAGE_POSITIONS: [m.position for m in media],
+    }
 
 
 def final_row(

@@ -33,7 +33,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from storage.writer import PartWriter, StorageNotWritable
-from thinkfleet.broker.transit import TransitSweeper
+from thinkfleet.broker.affinity import HostAffinity
+from thinkfleet.broker.transit import TransitSweeper, uses_transit
 from thinkfleet.broker.visibility import unacked_index_key
 from thinkfleet.message import PromptTask
 from thinkfleet.redis_client import async_client
@@ -53,6 +54,7 @@ from workers.lease import HeldMessages, LeaseKeeper
 from workers.loop import EventLoopThread
 from workers.metrics import WorkerMetrics
 from workers.pipeline import PromptPipeline
+from workers.provenance import ProvenanceRecorder
 from workers.scheduler import slurm_info
 from workers.tool_steps import StepChainer
 from workers.turns import TurnChaining
@@ -147,8 +149,12 @@ class WorkerRuntime:
         except StorageNotWritable as exc:
             raise RuntimeStartError(str(exc)) from exc
         # What hangs off a stored row, in order (workers/hooks.py): the committer and the pipeline call them.
+        recorder = ProvenanceRecorder(self.writer.loc, self.jobs, self.identity, s.sglang_url, s.git_revision)
         self.hooks = PostCommitHooks(
-            [TurnChaining(chainer := StepChainer(self.redis, s.keys, s, self.writer, self.jobs))],  # --turns all
+            [
+                TurnChaining(chainer := StepChainer(self.redis, s.keys, s, self.writer, self.jobs)),  # --turns all
+                recorder,  # what served each job, recorded before the first part of its rows (workers/provenance.py)
+            ],
             on_error=lambda hook, exc: self.metrics.errors.labels("post_commit_hook").inc(),
         )
         self.committer = GroupCommitter(
@@ -178,6 +184,11 @@ class WorkerRuntime:
             metrics=self.metrics,
         )
         chainer.ledger = self.ledger  # an agentic step's executor call is fenced by the run's claim
+        recorder.gate = self.gate  # what the gate read of the server is what the records say
+        # A conversation's next turn is offered first to this host, which pops it before the shared queue; every
+        # worker's sweep hands over what waited too long or whose host is gone (thinkfleet/broker/affinity.py).
+        self.affinity = HostAffinity(self.redis, s, self.identity, self._accepting, uses_transit(s.broker_url))
+        chainer.affinity = self.affinity
         chainer.served_model = lambda: self.gate.info.model_path if self.gate.info else None  # tokenizer roots
         sends = StartedOnSend(self.client)  # a delivery's first /generate marks its Celery task STARTED
         self.attempts = RequestAttempts(
@@ -224,6 +235,7 @@ class WorkerRuntime:
         if not await self.lease.beat():
             raise RuntimeStartError(f"worker name {self.identity!r} was taken by {self.lease.lost} while it started")
         self.lease.start()
+        self.affinity.start()
         if self.adaptive is not None:
             self.adaptive.start()
         self._release_task = asyncio.get_running_loop().create_task(
@@ -363,6 +375,12 @@ class WorkerRuntime:
         elif not want and consuming:
             consumer.cancel_task_queue(queue)
 
+    def _accepting(self) -> bool:
+        """We take work now (what :meth:`_apply_consuming` wants): else next turns are not offered to us, and our
+        host list goes to the shared queue (thinkfleet/broker/affinity.py)."""
+        gate = getattr(self, "gate", None)
+        return gate is not None and gate.healthy and self.storage_ok and not self.draining
+
     def _server_down(self) -> None:
         self.metrics.healthy.set(0)
         self._sync_consuming()
@@ -430,6 +448,7 @@ class WorkerRuntime:
         async def _aclose() -> None:
             self._release_task.cancel()
             self._cancel_watch.cancel()
+            await self.affinity.stop()  # our host list to the shared queue, while our heartbeat still says alive
             await self.lease.stop()
             if self.adaptive is not None:
                 await self.adaptive.stop()

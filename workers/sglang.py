@@ -14,13 +14,22 @@ every row that reaches a commit group encodes. What is
 never sent (:func:`check_request`): an id at or above the vocabulary (neither release checks input ids;
 on the GPU it is an out-of-range embedding lookup) or a prompt + ``max_new_tokens`` past the context
 length (``>=`` up to 0.5.10, ``>`` from 0.5.11).
+
+What the server is (:func:`parse_server_info`) includes its launch record: every ``/server_info`` argument but the
+live state, secrets redacted, and a digest of what configures it (:func:`launch_record`), which a row names
+(``server_config``) and workers/provenance.py records beside the job's output.
+
+One file because the house keeps SGLang's wire format in exactly one module: what is sent, what an answer
+means, and what the server says it is are read against the same releases, and split apart they would drift.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 #: Sampling keys we forward to SGLang (anything else in a job record is ours).
@@ -138,6 +147,37 @@ class Generation:
     output_logprobs: list[float] | None = None
     top_logprob_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    #: Speculative decoding (the server runs ``--speculative-algorithm``; None otherwise): verify steps, draft
+    #: tokens accepted and proposed, and how many steps accepted 0, 1, 2, … drafts (:data:`SPEC_KEYS`).
+    spec_verify_ct: int | None = None
+    spec_accepted_tokens: int | None = None
+    spec_draft_tokens: int | None = None
+    spec_accept_histogram: list[int] | None = None
+
+
+#: A finished answer's speculative-decoding figures, per release: 0.5.9 ``tokenizer_manager.py:1851-1867``
+#: (``_calculate_spec_decoding_metrics``: only when a verify step ran); 0.5.23 renamed the counts (its
+#: ``tokenizer_manager.py:3164-3201``). Each entry: (our name, the names SGLang has used, oldest first).
+SPEC_KEYS = (
+    ("spec_verify_ct", ("spec_verify_ct",)),
+    ("spec_accepted_tokens", ("spec_accept_token_num", "spec_num_correct_drafts")),
+    ("spec_draft_tokens", ("spec_draft_token_num", "spec_num_proposed_drafts")),
+)
+SPEC_HISTOGRAM_KEYS = ("spec_accept_histogram", "spec_correct_drafts_histogram")
+
+
+def spec_figures(meta: dict[str, Any]) -> dict[str, Any]:
+    """The acceptance figures of ``meta`` as :class:`Generation` keywords; a figure absent or not a count stays
+    None (a side signal of the server's, never a reason to refuse the generation it rides with)."""
+    if "spec_verify_ct" not in meta:  # no speculative decoding: one dict lookup per answer
+        return {}
+    out: dict[str, Any] = {name: _count(meta, *keys) for name, keys in SPEC_KEYS}
+    for key in SPEC_HISTOGRAM_KEYS:
+        value = meta.get(key)
+        if isinstance(value, list) and all(_is_count(v) for v in value):
+            out["spec_accept_histogram"] = value
+            break
+    return out
 
 
 def build_request(input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> dict[str, Any]:
@@ -454,6 +494,7 @@ def _parse_response(
         output_logprobs=chosen,
         top_logprob_ids=top_ids,
         top_logprobs=top_values,
+        **spec_figures(meta),
     )
 
 
@@ -482,6 +523,11 @@ class ServerInfo:
     max_req_input_len: int | None = None
     deterministic: bool | None = None  # --enable-deterministic-inference (sampling_seed is honoured)
     max_total_num_tokens: int | None = None  # the KV pool, tokens (the adaptive in-flight bound reads it)
+    #: The launch record (:func:`launch_record`): every /server_info argument, secrets redacted, and /model_info as
+    #: answered; ``config_digest`` names what configures the server (a row's ``server_config``).
+    launch_args: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    model_info: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    config_digest: str | None = None
 
     @property
     def context_check_inclusive(self) -> bool:
@@ -520,6 +566,7 @@ def parse_server_info(
     deterministic = server_info.get("enable_deterministic_inference")
     if not isinstance(deterministic, bool):
         deterministic = state0.get("enable_deterministic_inference")
+    launch_args, digest = launch_record(model_info, server_info)
     return ServerInfo(
         model_path=str(model_info.get("model_path") or server_info.get("model_path") or ""),
         weight_version=str(model_info.get("weight_version") or "default"),
@@ -538,7 +585,55 @@ def parse_server_info(
         max_total_num_tokens=_positive_int(
             server_info.get("max_total_num_tokens"), (state0.get("memory_usage") or {}).get("token_capacity")
         ),
+        launch_args=launch_args,
+        model_info=dict(model_info),
+        config_digest=digest,
     )
+
+
+#: ``/server_info`` keys that are the server's state, not how it was launched: 0.5.9 ``http_server.py:593-610``
+#: returns ``asdict(server_args)`` + ``scheduler_info`` + ``internal_states`` + ``version``; 0.5.23 adds
+#: ``startup_time``, ``kv_events``, ``hicache_object_layout``, ``frontend`` (``version`` is recorded on its own).
+SERVER_STATE_KEYS = frozenset(
+    {"internal_states", "status", "version", "startup_time", "kv_events", "hicache_object_layout", "frontend"}
+    | {"simulator"}  # sglang_sim's clock
+)
+#: Arguments that name one instance rather than its configuration — its address, rank, the seed SGLang draws when
+#: given none (``server_args.py:853``), the KV pool its GPU's free memory sized: recorded, left out of the digest,
+#: so a fleet of servers launched alike is one configuration.
+INSTANCE_KEYS = frozenset(
+    {"host", "port", "nccl_port", "dist_init_addr", "node_rank", "base_gpu_id", "random_seed", "launch_command"}
+    | {"max_total_num_tokens", "max_req_input_len"}
+)
+#: The arguments a reader of a data set's provenance looks for first (``producer report``, export metadata): the
+#: model and its weights, parallelism and precision, the parsers, speculative decoding, determinism. None of
+#: :data:`INSTANCE_KEYS`: those differ between servers of one configuration (a record keeps them per worker).
+LAUNCH_HIGHLIGHTS = (
+    "model_path", "served_model_name", "revision", "weight_version", "dtype", "quantization", "kv_cache_dtype",
+    "tp_size", "dp_size", "pp_size", "ep_size", "enable_dp_attention", "context_length", "reasoning_parser",
+    "tool_call_parser", "speculative_algorithm", "speculative_draft_model_path", "speculative_draft_model_revision",
+    "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
+    "enable_deterministic_inference", "attention_backend", "sampling_backend",
+    "max_running_requests", "chunked_prefill_size", "preferred_sampling_params", "sampling_defaults",
+)  # fmt: skip
+#: Arguments whose value is a credential (``--api-key``, ``--admin-api-key``, 0.5.23's watermark keys).
+_SECRET = re.compile(r"(^|_)(api_key|key|key_b|secret|password)$")
+REDACTED = "<redacted>"
+
+
+def launch_record(model_info: Mapping[str, Any], server_info: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """``/server_info`` without its live state (:data:`SERVER_STATE_KEYS`), credentials redacted, and the
+    16-hex digest of what configures the server: SGLang's version, ``/model_info`` and those arguments but the
+    instance's own (:data:`INSTANCE_KEYS`)."""
+    args = {
+        k: REDACTED if v is not None and _SECRET.search(k) else v
+        for k, v in server_info.items()
+        if k not in SERVER_STATE_KEYS
+    }
+    config = {k: v for k, v in args.items() if k not in INSTANCE_KEYS}
+    identity = {"version": server_info.get("version"), "model_info": dict(model_info), "args": config}
+    text = json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str)
+    return args, hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 # -- refusing what the server would choke on ------------------------------------------------------------

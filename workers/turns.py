@@ -40,7 +40,10 @@ own recorded answer (0 when it has none), so its new row wins the committed view
 ``max_new_tokens`` (its override, read back from the row's ``sampling_params``) goes with the re-derived turns.
 When the re-run ends the chain early (a tool call, an error), the later turns leave ``done``/``dead``
 (``NextTurn.drop``); their stored rows are superseded (``thinkfleet.turns.beyond_chain_ends``).
-Later turns are queued at the job's priority (:meth:`TurnChainer.queue_for`), their messages saying it.
+Later turns are queued at the job's priority (:meth:`TurnChainer.placement`), their messages saying it: onto this
+worker's host list, offered first to this host whose server has their prefix cached (thinkfleet/broker/affinity.py),
+or the shared queue. Each carries how much of its prompt that server computed (``prefix_reusable``, the longest
+common prefix with turn i's prompt + output ids), which its row stores.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +60,7 @@ import pyarrow.parquet as pq
 import redis.asyncio as aioredis
 
 from storage.schema import CHAIN_END
+from thinkfleet.broker.affinity import AFFINITY, HostAffinity, Placement
 from thinkfleet.chain_end import end_of
 from thinkfleet.keys import Keys
 from thinkfleet.message import MessageRefused, PromptTask, content_hash, pack_ids
@@ -165,6 +170,9 @@ class TurnChainer:
         self._loading = asyncio.Lock()
         #: The model directory this node's server serves (the default tokenizer root); set by the runtime.
         self.served_model: Any = lambda: None
+        #: Where next turns are offered (this worker's host list, thinkfleet/broker/affinity.py); set by the runtime.
+        #: None: the shared queue.
+        self.affinity: HostAffinity | None = None
         self._envelopes: dict[int, Any] = {}
 
     async def _current(self, job: str) -> JobSpec | None:
@@ -254,10 +262,18 @@ class TurnChainer:
         return _priority_step(record.priority if record is not None else 0)
 
     async def queue_for(self, job: str) -> str:
-        """The list ``finalize`` pushes the job's next turns onto: its priority list (as its submit queued)."""
+        """The shared list ``finalize`` pushes the job's next turns onto without affinity: its priority list (as its
+        submit queued)."""
         from thinkfleet.broker.keys import priority_list
 
         return priority_list(self.queue, await self.priority(job))
+
+    async def placement(self, job: str) -> Placement:
+        """Where ``finalize`` pushes the job's next turns: this worker's host list at the job's priority, offered
+        (thinkfleet/broker/affinity.py: this host's server has their prefix cached), or the shared queue."""
+        if self.affinity is None:
+            return Placement(await self.queue_for(job))
+        return await self.affinity.place(await self.priority(job))
 
     async def annotate(self, job: str, rows: list[dict[str, Any]]) -> None:
         """Fill the turn columns of a multi-turn job's rows (before they are written)."""
@@ -374,6 +390,9 @@ class TurnChainer:
         # Only finalize writes answers, and turn i+1's is not written before turn i's finalize enqueues it:
         # the orphan recovery computes the same revision.
         next_revision = answer_revision(json.loads(following)) + 1 if following is not None else 0
+        # What of it turn i's server has computed (the template decides: Kimi's drops earlier reasoning, so usually
+        # turn i's prompt; a tool step may keep it all): the row's prefix_reusable_tokens, the cache's hit rate.
+        reusable = shared_prefix([*row["input_ids"], *row["output_ids"]], ids)
         task = PromptTask(
             job,
             dataset,
@@ -384,6 +403,7 @@ class TurnChainer:
             revision=next_revision,
             overrides=_carried(jt.record, dataset, row),
             generation=jt.record.generation,
+            prefix_reusable=reusable,
         )
         # the priority of the record this turn is derived with (its generation's), as that record's submit queued
         return digest, self._encode(task, _priority_step(jt.record.priority))
@@ -430,7 +450,23 @@ class TurnChaining(PostCommitHook):
         rows = {n.prompt_id: n for n in nexts if n is not None}
         if not rows:
             return None  # no turn of a multi-turn job among them: the plain finalize
-        return FinalizeWrites(await self.chainer.queue_for(job), answers_key(self.chainer.keys, job), rows)
+        answers = answers_key(self.chainer.keys, job)
+        if not any(n.next_prompt_id for n in rows.values()):  # nothing enqueued: no placement to choose
+            return FinalizeWrites(await self.chainer.queue_for(job), answers, rows)
+        place = await self.chainer.placement(job)
+        if place.offers:  # (counted as the finalize is prepared: a retried commit counts its group again)
+            AFFINITY.note("offered", sum(1 for n in rows.values() if n.next_prompt_id))
+        return FinalizeWrites(place.queue, answers, rows, place.offers)
+
+
+def shared_prefix(before: Sequence[int], ids: Sequence[int]) -> int:
+    """The length of the longest common prefix of two id sequences."""
+    import numpy as np
+
+    a, b = np.asarray(before, dtype=np.int64), np.asarray(ids, dtype=np.int64)
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
 
 
 def _priority_step(priority: int | None) -> int:

@@ -27,6 +27,7 @@ from storage.exports.conversations import Conversations
 from storage.exports.eagle3 import Eagle3
 from storage.exports.hf import HF_SCHEMA, HuggingFace, hf_table
 from storage.exports.messages import Messages
+from storage.exports.provenance import write_export_provenance
 from storage.exports.specforge import SpecForge
 from storage.exports.text import load_tokenizer, turn_history
 from storage.exports.tokens import EAGLE3_SCHEMA, LOSS_MASK, MERGE_MIN_RUN, eagle3_table, merged_table
@@ -74,7 +75,7 @@ def export_job(
     drop_truncated: bool = False,
     min_reasoning_tokens: int = 0,
     shard_rows: int | None = None,
-    max_length: int = SPECFORGE_MAX_LENGTH,
+    max_length: int | None = None,
     push_to_hub: str | None = None,
     hub_private: bool = False,
     merge_turns: bool = False,
@@ -112,6 +113,7 @@ def export_job(
     result = ExportResult(path=loc.uri(loc.root), format=fmt, rows=0)
     rows = Rows(settings, job, datasets, drop_truncated, min_reasoning_tokens, result.skipped)
     exporter.write(result, loc, rows)
+    write_export_provenance(settings, job, loc, result, options)  # beside the rows: what made them
     if result.rows == 0:
         result.warnings.append("no rows were exported (nothing committed, or every row filtered out)")
     return result

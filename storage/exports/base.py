@@ -56,6 +56,14 @@ from thinkfleet.turns import beyond_chain_ends
 
 #: SpecForge 0.2.0's default ``data.max_length``: longer rows are cut there without a warning.
 SPECFORGE_MAX_LENGTH = 2048
+#: speculators 0.9.0's default ``prepare-data --seq-length``: longer rows are cut there.
+SPECULATORS_SEQ_LENGTH = 8192
+#: TRL 1.16's default ``SFTConfig.max_length``: longer rows are cut there (a row left with no trained token is
+#: dropped), with no word about it.
+TRL_MAX_LENGTH = 1024
+#: Rows over the length limit named in the result (longest first; the warning names the first few).
+LONG_ROWS_KEPT = 1000
+LONG_ROWS_NAMED = 10
 #: The shard number in file names: ``X-00000.jsonl``.
 SHARD_DIGITS = 5
 #: The stored columns every format reads (the token formats need no more).
@@ -84,8 +92,9 @@ class ExportResult:
     files: list[str] = field(default_factory=list)  # every file written (URIs)
     skipped: dict[str, int] = field(default_factory=dict)  # reason → rows left out
     longest: int = 0  # longest written row, in tokens (prompt + output)
-    max_length: int | None = None  # the length limit warned about (token formats)
+    max_length: int | None = None  # the length limit warned about (the format's consumer's default, or --max-length)
     over_max_length: int = 0  # written rows longer than max_length
+    over_max_length_ids: list[str] = field(default_factory=list)  # their ids, longest first (LONG_ROWS_KEPT at most)
     warnings: list[str] = field(default_factory=list)
     pushed_to: str | None = None  # the Hub repo (--push-to-hub)
 
@@ -101,7 +110,7 @@ class ExportOptions:
     # what they train on
     exclude_reasoning: bool = False
     merge_turns: bool = False  # eagle3/specforge: one record per conversation
-    max_length: int = SPECFORGE_MAX_LENGTH  # token formats: warn about longer rows
+    max_length: int | None = None  # warn about longer rows (None: the limit of the format's consumer, by default)
     # the files
     shard_rows: int | None = None
     # text formats: the tokenizer that decodes the generated turn
@@ -116,7 +125,7 @@ class ExportOptions:
             raise ExportError(f"--shard-rows must be at least 1, got {self.shard_rows}")
         if self.min_reasoning_tokens < 0:
             raise ExportError(f"--min-reasoning-tokens must be 0 or more, got {self.min_reasoning_tokens}")
-        if self.max_length < 1:
+        if self.max_length is not None and self.max_length < 1:
             raise ExportError(f"--max-length must be at least 1, got {self.max_length}")
 
 
@@ -133,9 +142,18 @@ class ExportFormat:
     merges_turns: ClassVar[bool] = False
     #: Takes ``--push-to-hub``.
     pushes: ClassVar[bool] = False
+    #: The length limit of the consumer this format is read by, with its defaults (rows past it are cut), and what
+    #: the warning about longer rows tells the user (``{longest}`` is filled in). Every format sets both.
+    length_limit: ClassVar[int]
+    length_advice: ClassVar[str]
 
     def __init__(self, options: ExportOptions) -> None:
         self.options = options
+
+    @property
+    def max_length(self) -> int:
+        """The limit rows are checked against: ``--max-length`` when given, else the consumer's default."""
+        return self.options.max_length or self.length_limit
 
     def check(self) -> None:
         """Refuse what this format cannot do, before anything is read (a subclass adds its own checks)."""
@@ -146,6 +164,55 @@ class ExportFormat:
     def write(self, result: ExportResult, loc: layout.Location, rows: Rows) -> None:
         """Write ``rows`` under ``loc``, counting into ``result``."""
         raise NotImplementedError
+
+
+class LengthCheck:
+    """The rows longer than a consumer's limit, which it cuts without a word: counted, the longest named.
+
+    Fed a batch at a time; holds at most ~2 × :data:`LONG_ROWS_KEPT` (length, id) pairs, whatever the export's size.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.longest = 0
+        self.over = 0
+        self._named: list[tuple[int, str]] = []
+
+    def add_records(self, records: pa.Table) -> None:
+        """A batch of token records (``id``, ``input_ids``)."""
+        self.add(records["id"], pc.list_value_length(records["input_ids"]).to_numpy(zero_copy_only=False))
+
+    def add(self, ids: pa.Array | pa.ChunkedArray | Sequence[str], lengths: np.ndarray) -> None:
+        """One batch: its rows' ids and lengths (tokens), in the same order."""
+        if not len(lengths):
+            return
+        self.longest = max(self.longest, int(lengths.max()))
+        over = np.flatnonzero(lengths > self.limit)
+        if not len(over):
+            return
+        self.over += len(over)
+        order = over[np.argsort(-lengths[over], kind="stable")][:LONG_ROWS_KEPT]
+        if isinstance(ids, pa.Array | pa.ChunkedArray):
+            names = ids.take(pa.array(order)).to_pylist()
+        else:
+            names = [ids[i] for i in order]
+        self._named += zip(lengths[order].tolist(), names, strict=True)
+        if len(self._named) > 2 * LONG_ROWS_KEPT:
+            self._named = sorted(self._named, key=lambda pair: -pair[0])[:LONG_ROWS_KEPT]
+
+    def report(self, result: ExportResult, advice: str) -> None:
+        """Into ``result``: the longest row, the rows over the limit and their ids; a warning naming them."""
+        result.longest, result.max_length, result.over_max_length = self.longest, self.limit, self.over
+        named = sorted(self._named, key=lambda pair: -pair[0])[:LONG_ROWS_KEPT]
+        result.over_max_length_ids = [pid for _, pid in named]
+        if not self.over:
+            return
+        shown = ", ".join(result.over_max_length_ids[:LONG_ROWS_NAMED])
+        more = f" and {self.over - LONG_ROWS_NAMED} more (--json lists the {LONG_ROWS_KEPT} longest)"
+        result.warnings.append(
+            f"{self.over} of {result.rows} rows are longer than {self.limit} tokens (longest {self.longest}): "
+            f"{shown}{more if self.over > LONG_ROWS_NAMED else ''}. {advice.format(longest=self.longest)}"
+        )
 
 
 # -- the rows ------------------------------------------------------------------------------------------------

@@ -1,10 +1,13 @@
 """``--format eagle3``: token-level records, Parquet (or JSONL when ``--out`` ends in ``.jsonl``).
 
 A record is ``id``, ``dataset``, ``input_ids`` = prompt + output, ``loss_mask`` 1 over the output and 0 over
-the prompt, ``prompt_len``, ``finish_reason`` (:data:`~storage.exports.tokens.EAGLE3_SCHEMA`). The JSONL form is
-what SpecForge and speculators read (see :mod:`storage.exports.specforge`, which writes it through this class).
+the prompt, ``prompt_len``, ``finish_reason`` (:data:`~storage.exports.tokens.EAGLE3_SCHEMA`). The Parquet is for
+a loader of your own: neither SpecForge nor speculators reads Parquet (SpecForge's prompt builder reads any file
+as JSON lines and fails on it). The JSONL form is what they read (see :mod:`storage.exports.specforge`, which
+writes it through this class).
 ``exclude_reasoning`` zeroes the mask over the reasoning block (through ``</think>``); a job run with
-``--no-reasoning-spans`` trains on the whole output. Rows longer than ``max_length`` are counted and warned about.
+``--no-reasoning-spans`` trains on the whole output. Rows longer than SpecForge's default ``data.max_length``
+(or ``--max-length``) are counted and warned about, by id.
 """
 
 from __future__ import annotations
@@ -13,12 +16,19 @@ import json
 from collections.abc import Iterator
 from typing import ClassVar
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from storage import layout
-from storage.exports.base import COLUMNS, SPECFORGE_MAX_LENGTH, ExportFormat, ExportResult, Files, Rows
+from storage.exports.base import (
+    COLUMNS,
+    SPECFORGE_MAX_LENGTH,
+    SPECULATORS_SEQ_LENGTH,
+    ExportFormat,
+    ExportResult,
+    Files,
+    LengthCheck,
+    Rows,
+)
 from storage.exports.tokens import EAGLE3_SCHEMA, MERGE_COLUMNS, eagle3_table, merged_table
 
 
@@ -26,6 +36,12 @@ class Eagle3(ExportFormat):
     name = "eagle3"
     suffix = ".parquet"
     merges_turns = True
+    length_limit = SPECFORGE_MAX_LENGTH
+    length_advice = (
+        f"SpecForge cuts rows at data.max_length (default {SPECFORGE_MAX_LENGTH}) without a warning and speculators "
+        f"at --seq-length (default {SPECULATORS_SEQ_LENGTH}): set data.max_length={{longest}} / --seq-length "
+        "{longest}, or these rows lose their tail"
+    )
     #: The fields of a JSONL record (``None``: every column of the records).
     jsonl_fields: ClassVar[tuple[str, ...] | None] = None
 
@@ -40,7 +56,7 @@ class Eagle3(ExportFormat):
         opts = self.options
         parquet = self.writes_parquet(loc)
         suffix = ".parquet" if parquet else ".jsonl"
-        lengths: list[np.ndarray] = []
+        lengths = LengthCheck(self.max_length)
         columns = MERGE_COLUMNS if opts.merge_turns else COLUMNS
         # A row group is held, joined into one table and encoded: about three times this share at once.
         with Files(loc, suffix, opts.shard_rows, result, EAGLE3_SCHEMA, rows.memory_bytes // 16) as files:
@@ -51,29 +67,14 @@ class Eagle3(ExportFormat):
                     else:
                         records = eagle3_table(table, opts.exclude_reasoning)
                     records = self.keep(records, result.skipped)
-                    lengths.append(pc.list_value_length(records["input_ids"]).to_numpy(zero_copy_only=False))
+                    lengths.add_records(records)
                     if parquet:
                         files.write_table(records)
                     else:
                         fields = list(self.jsonl_fields or records.column_names)
                         files.write_lines(_json_lines(records.select(fields)))
                 files.end_table()  # a dataset's rows are one row group, as when a dataset was read whole
-        self._count_lengths(result, lengths, opts.max_length)
-
-    @staticmethod
-    def _count_lengths(result: ExportResult, lengths: list[np.ndarray], max_length: int) -> None:
-        """The longest row and the rows over ``max_length``: the consumers cut those without a word."""
-        every = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
-        result.longest = int(every.max()) if len(every) else 0
-        result.max_length = max_length
-        result.over_max_length = int((every > max_length).sum())
-        if result.over_max_length:
-            result.warnings.append(
-                f"{result.over_max_length} of {result.rows} rows are longer than {max_length} tokens (longest "
-                f"{result.longest}): SpecForge cuts rows at data.max_length (default {SPECFORGE_MAX_LENGTH}) "
-                f"without a warning and speculators at --seq-length — set data.max_length={result.longest} / "
-                f"--seq-length {result.longest}, or these rows lose their tail"
-            )
+        lengths.report(result, self.length_advice)
 
 
 #: Rows turned into Python objects at once for JSON (an id is ~36 bytes as a Python int, 4 in Arrow).

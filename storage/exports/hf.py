@@ -1,7 +1,10 @@
 """``--format hf``: a Hugging Face dataset (``datasets`` ``save_to_disk``; ``datasets.load_from_disk`` reads it).
 
 The ``eagle3`` columns plus every span and the provenance columns as features (:data:`HF_SCHEMA`); a job run
-with ``--no-reasoning-spans`` keeps its null spans. ``shard_rows`` becomes ``save_to_disk(num_shards=…)``.
+with ``--no-reasoning-spans`` keeps its null spans. The mask is there twice, equal: ``assistant_masks`` is the
+name TRL's ``SFTTrainer`` builds its labels from with its default settings (a column it does not know, such as
+``loss_mask``, it ignores, and then trains on the prompt too); ``loss_mask`` is the name the other formats and
+SpecForge-style loaders use. ``shard_rows`` becomes ``save_to_disk(num_shards=…)``.
 ``--push-to-hub REPO`` also uploads it (needs a Hugging Face token), through the one seam :func:`push_dataset`.
 """
 
@@ -17,11 +20,19 @@ import uuid
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
 from storage import layout
-from storage.exports.base import COLUMNS, ExportError, ExportFormat, ExportResult, Rows, upload
+from storage.exports.base import (
+    COLUMNS,
+    TRL_MAX_LENGTH,
+    ExportError,
+    ExportFormat,
+    ExportResult,
+    LengthCheck,
+    Rows,
+    upload,
+)
 from storage.exports.tokens import eagle3_table
 from storage.schema import (
     ANSWER_END,
@@ -50,14 +61,17 @@ from storage.schema import (
 #: How to add the ``hub`` extra — in a clone (the README's install) the extra is named by the checkout, not by
 #: the distribution name, which is not on PyPI.
 HF_EXTRA = "in the checkout, `.venv/bin/pip install -e '.[hub]'`"
-#: The ``hf`` dataset: the eagle3 columns, then the spans (offsets into the OUTPUT, i.e. into
-#: ``input_ids[prompt_len:]``) and provenance. Plain nullable Arrow types, so ``datasets`` maps them to
-#: features without a cast.
+#: The mask column TRL's SFTTrainer reads with its defaults (1: the token carries loss).
+TRL_MASK = "assistant_masks"
+#: The ``hf`` dataset: the eagle3 columns (the mask also as :data:`TRL_MASK`), then the spans (offsets into the
+#: OUTPUT, i.e. into ``input_ids[prompt_len:]``) and provenance. Plain nullable Arrow types, so ``datasets`` maps
+#: them to features without a cast.
 HF_SCHEMA = pa.schema(
     [
         pa.field("id", pa.string()),
         pa.field(DATASET, pa.string()),
         pa.field("input_ids", pa.list_(pa.int32())),
+        pa.field(TRL_MASK, pa.list_(pa.int8())),
         pa.field("loss_mask", pa.list_(pa.int8())),
         pa.field("prompt_len", pa.int32()),
         pa.field(REASONING_START, pa.int32()),
@@ -82,16 +96,19 @@ HF_SCHEMA = pa.schema(
         pa.field(CREATED_AT, pa.timestamp("us", tz="UTC")),
     ]
 )
-_HF_PROVENANCE = [f.name for f in HF_SCHEMA][5:]
-_HF_COLUMNS = list(dict.fromkeys([*COLUMNS, *(c for c in _HF_PROVENANCE if c != "prompt_len")]))
+#: The columns built from the token records; the rest are the stored columns as they are.
+_TOKEN_COLUMNS = 6
+_HF_PROVENANCE = HF_SCHEMA.names[_TOKEN_COLUMNS:]
+_HF_COLUMNS = list(dict.fromkeys([*COLUMNS, *_HF_PROVENANCE]))
 _REPO_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 def hf_table(table: pa.Table, exclude_reasoning: bool = False) -> pa.Table:
     """Committed rows (with :data:`_HF_COLUMNS`) → the ``hf`` dataset's columns (:data:`HF_SCHEMA`)."""
     tokens = eagle3_table(table, exclude_reasoning)
-    columns = [tokens["id"], tokens[DATASET], tokens["input_ids"], tokens["loss_mask"], tokens["prompt_len"]]
-    columns += [table[name] for name in HF_SCHEMA.names[5:]]
+    mask = tokens["loss_mask"]
+    columns = [tokens["id"], tokens[DATASET], tokens["input_ids"], mask, mask, tokens["prompt_len"]]
+    columns += [table[name] for name in _HF_PROVENANCE]
     return pa.Table.from_arrays([c.cast(f.type) for c, f in zip(columns, HF_SCHEMA, strict=True)], schema=HF_SCHEMA)
 
 
@@ -104,6 +121,11 @@ class HuggingFace(ExportFormat):
     name = "hf"
     suffix = ""  # a directory
     pushes = True
+    length_limit = TRL_MAX_LENGTH
+    length_advice = (
+        f"TRL's SFTTrainer cuts rows at SFTConfig.max_length (default {TRL_MAX_LENGTH}) without a warning, and drops "
+        "a row whose prompt alone fills it: set max_length={longest} (or None), or these rows lose their tail"
+    )
 
     hub_token: str | None = None
 
@@ -145,6 +167,7 @@ class HuggingFace(ExportFormat):
 
     def _save(self, hf_datasets: Any, result: ExportResult, loc: layout.Location, rows: Rows) -> None:
         opts = self.options
+        lengths = LengthCheck(self.max_length)
         with tempfile.TemporaryDirectory(prefix="thinkfleet-hf-") as tmp:
             arrow_path = os.path.join(tmp, "rows.arrow")
             with pa.OSFile(arrow_path, "wb") as sink, pa.ipc.new_stream(sink, HF_SCHEMA) as writer:
@@ -152,9 +175,7 @@ class HuggingFace(ExportFormat):
                     records = hf_table(table, opts.exclude_reasoning)
                     writer.write_table(records)
                     result.rows += records.num_rows
-                    if records.num_rows:
-                        longest = pc.max(pc.list_value_length(records["input_ids"])).as_py()
-                        result.longest = max(result.longest, int(longest))
+                    lengths.add_records(records)
             dataset = hf_datasets.Dataset.from_file(arrow_path)  # memory-mapped: never all in memory
             # One shard at least: datasets saves an empty dataset with none, and then cannot load it.
             num_shards = max(1, math.ceil(result.rows / opts.shard_rows)) if opts.shard_rows else None
@@ -172,6 +193,7 @@ class HuggingFace(ExportFormat):
                 )
                 result.pushed_to = opts.push_to_hub
             del dataset  # release the memory map before the temporary directory goes
+        lengths.report(result, self.length_advice)
 
 
 def _save_local_dataset(dataset: Any, path: str, num_shards: int | None) -> list[str]:

@@ -23,10 +23,20 @@ import json
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+import numpy as np
 import pyarrow as pa
 
 from storage import conversations, jobstate, layout, manifest
-from storage.exports.base import COLUMNS, ExportError, ExportFormat, ExportResult, Files, Rows, need_reasoning_spans
+from storage.exports.base import (
+    COLUMNS,
+    ExportError,
+    ExportFormat,
+    ExportResult,
+    Files,
+    LengthCheck,
+    Rows,
+    need_reasoning_spans,
+)
 from storage.exports.tool_steps import agentic_histories, is_step
 from storage.schema import (
     ANSWER_END,
@@ -67,6 +77,8 @@ class TextFormat(ExportFormat):
         convs = _ConversationRecords(settings, rows.job)
         _check_sources(rows, lookup, convs)
         markers = conversations.ToolMarkers.of(record)
+        # By the stored ids: the consumer re-renders the text, so its count differs a little (see docs/exports.md).
+        lengths = LengthCheck(self.max_length)
         with Files(loc, ".jsonl", opts.shard_rows, result) as files:
             # A conversation's turns in one table (a later turn's history is decoded from the earlier ones); small
             # tables, since each becomes Python objects.
@@ -77,6 +89,11 @@ class TextFormat(ExportFormat):
                 sources = lookup.get(table[PROMPT_ID].to_pylist())
                 histories = _histories(everything, convs, tok, markers, opts.exclude_reasoning)
                 keep = self._kept(table, rows, everything, histories, result)
+                kept = [row for row in everything if row[PROMPT_ID] in keep]
+                lengths.add(
+                    [row[PROMPT_ID] for row in kept],
+                    np.array([len(row[INPUT_IDS]) + len(row[OUTPUT_IDS]) for row in kept], dtype=np.int64),
+                )
                 files.write_lines(
                     json.dumps(
                         _text_record(
@@ -84,9 +101,9 @@ class TextFormat(ExportFormat):
                         ),
                         ensure_ascii=False,
                     )
-                    for row in everything
-                    if row[PROMPT_ID] in keep
+                    for row in kept
                 )
+        lengths.report(result, self.length_advice)
 
     @staticmethod
     def _kept(

@@ -105,7 +105,7 @@ def _args(task: PromptTask, signer: Any) -> list[Any]:
     args = task.to_args()
     if signer is None or task.signature:
         return args
-    return [*args[:9], task.generation, signer.task_signature(task)]
+    return [*args[:9], task.generation, signer.task_signature(task), *args[11:]]  # (a reusable prefix stays)
 
 
 def _quote(text: str) -> bytes:

@@ -33,6 +33,40 @@ def priority_lists(queue: str) -> list[str]:
     return [priority_list(queue, step) for step in PRIORITY_STEPS]
 
 
+#: Between a queue's name and a worker's name in that worker's host list (:func:`host_queue`).
+HOST_INFIX = ":host:"
+
+
+def host_queue(queue: str, worker: str) -> str:
+    """The step-0 list of ``worker``'s host-affine messages on ``queue`` (thinkfleet/broker/affinity.py): a
+    conversation's next turn offered first to the host whose server holds its prefix. Its priority lists follow
+    kombu's scheme (:func:`priority_list` of this name). Under the queue's name, so every ACL user that may touch
+    the queue may touch it (``~{queue}*``)."""
+    return f"{queue}{HOST_INFIX}{worker}"
+
+
+def host_lists(queue: str, worker: str) -> list[str]:
+    """Every priority list of ``worker``'s host list on ``queue``, highest first."""
+    return priority_lists(host_queue(queue, worker))
+
+
+def host_glob(queue: str) -> str:
+    """A SCAN pattern matching every worker's host lists on ``queue`` (every priority step)."""
+    return _glob_escape(queue + HOST_INFIX) + "*"
+
+
+def host_owner(queue: str, key: str) -> str | None:
+    """The worker a host list (any priority step) of ``queue`` belongs to; None for any other key."""
+    head = queue + HOST_INFIX
+    if not key.startswith(head):
+        return None
+    return key[len(head) :].split(PRIORITY_SEP, 1)[0] or None
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
 @dataclass(frozen=True)
 class KombuKeys:
     """kombu's ack-emulation keys under a prefix: ``KombuKeys("tf").unacked == "tf:kombu:unacked"``."""

@@ -1,5 +1,5 @@
-"""What is on the broker, read from Redis: queue lists (with kombu's priority lists), task ids of the
-messages on them, and the delivered-but-unacknowledged messages in kombu's ``unacked`` hash.
+"""What is on the broker, read from Redis: queue lists (with kombu's priority lists and the workers' host lists),
+task ids of the messages on them, and the delivered-but-unacknowledged messages in kombu's ``unacked`` hash.
 
 Readers only (status, verify, the invariant, a re-submit's dedup): they never move a message. What a task
 id means (``job/prompt/rN``) is :mod:`thinkfleet.state.invariant`'s business; here it is kombu's envelope.
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import msgpack
 import redis
 
-from thinkfleet.broker.keys import KombuKeys, priority_lists
+from thinkfleet.broker.keys import KombuKeys, host_glob, priority_lists
 
 if TYPE_CHECKING:  # the message module loads numpy and zstandard: status and wait read task ids only
     from thinkfleet.message import PromptTask
@@ -81,17 +81,28 @@ def task_ids_of(raws: Iterable[bytes]) -> Iterator[str]:
 
 
 def queue_keys(client: redis.Redis, queue: str) -> list[str]:
-    """The queue's list and those of kombu's priority lists next to it that exist, highest first."""
+    """Every list a message waits on for ``queue``: the workers' host lists that exist (thinkfleet/broker/affinity.py),
+    then the queue's list and those of kombu's priority lists next to it that exist, highest first.
+
+    Host lists come first because a sweep moves messages from a host list onto the queue (never back): a reader
+    going in this order finds a message moved while it reads (a message also moves from either into a transit list,
+    which the readers read before and after)."""
     names = priority_lists(queue)
     with client.pipeline(transaction=False) as p:
         for name in names[1:]:
             p.exists(name)
         present = p.execute()
-    return [queue, *(n for n, there in zip(names[1:], present, strict=True) if there)]
+    return [*host_list_keys(client, queue), queue, *(n for n, there in zip(names[1:], present, strict=True) if there)]
+
+
+def host_list_keys(client: redis.Redis, queue: str) -> list[str]:
+    """Every worker's host lists of ``queue`` that exist (every priority step), sorted."""
+    found = client.scan_iter(match=host_glob(queue), count=1000)
+    return sorted(k.decode() if isinstance(k, bytes) else str(k) for k in found)
 
 
 def queue_length(client: redis.Redis, queue: str) -> int:
-    """Messages waiting on ``queue``, all priorities together."""
+    """Messages waiting on ``queue``, all priorities and host lists together."""
     return sum(int(client.llen(key)) for key in queue_keys(client, queue))
 
 

@@ -7,14 +7,13 @@ frees (``MultiChannelPoller._pause_brpop``). A worker SIGKILLed then loses that 
 (reproduced by tests/test_reliability_workers.py).
 
 Here the pop is a move ``queue → {prefix}:transit:{worker}`` instead (``LMOVE`` from kombu's priority
-lists, highest first, else ``BLMOVE`` from the queue; see :class:`Channel`): atomic, so the message is
-always in Redis — in the queue, the worker's transit list, or kombu's unacked hash. Once kombu has
-recorded it as unacked, it leaves the transit list. :func:`sweep_transit` (run by every live worker's
-lease keeper) puts back on the queue — each message onto the list of its own priority — what a dead
-worker (no heartbeat) left in its transit list, and what its own list kept for two sweeps in a row (a
-reply lost with its connection, or a popped message waiting for a free slot — another worker may serve
-it now). Both may hand a message out twice; the claims in thinkfleet/state/ledger.py make a second delivery
-cost nothing.
+lists, highest first — each step the worker's own host list first, thinkfleet/broker/affinity.py — else ``BLMOVE``
+from the queue; see :class:`Channel`): atomic, so the message is always in Redis — in the queue, a host list, the
+worker's transit list, or kombu's unacked hash.
+Once kombu has recorded it as unacked, it leaves the transit list. The sweep run by every live worker's lease
+keeper (thinkfleet/broker/transit_sweep.py) puts back on the queue what a dead worker left in its transit list, and
+what its own list kept for two sweeps in a row. Both may hand a message out twice; the claims in
+thinkfleet/state/ledger.py make a second delivery cost nothing.
 
 Only a worker consuming its one task queue from ``redis://``, ``rediss://`` (TLS: the channel is
 kombu's own, so it connects through kombu's SSL connection class with the ``broker_use_ssl`` options) or a
@@ -55,7 +54,6 @@ from queue import Empty
 from time import monotonic
 from typing import Any
 
-import redis.asyncio as aioredis
 from celery import Celery
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
@@ -63,9 +61,9 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 from kombu.utils.objects import cached_property
 
+from thinkfleet.broker.affinity import AFFINITY, POP, affinity_options, block_timeout, pop_keys
 from thinkfleet.broker.clock import RedisClock
-from thinkfleet.broker.keys import priority_lists
-from thinkfleet.keys import Keys
+from thinkfleet.broker.transit_sweep import TransitSweeper as TransitSweeper  # (its home was here)
 from thinkfleet.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -74,51 +72,6 @@ log = logging.getLogger(__name__)
 TRANSPORT = "thinkfleet.broker.transit:Transport"
 #: … and for a ``sentinel://`` head (thinkfleet/redis_client.py).
 SENTINEL_TRANSPORT = "thinkfleet.broker.transit_sentinel:SentinelTransport"
-
-# Lua: the priority step a kombu message names (``"priority": N`` in its properties, at the end of the JSON;
-# a JSON string can hold no unescaped quote, so only a key matches), capped at the last list in KEYS.
-_PRIORITY_OF = """
-local function priority_of(m, top)
-  local p, init = nil, math.max(1, #m - 1024)
-  for _ = 1, 2 do
-    while true do
-      local _, e, d = string.find(m, '"priority": (%d+)', init)
-      if not e then break end
-      p, init = tonumber(d), e + 1
-    end
-    if p then break end
-    init = 1
-  end
-  p = p or 0
-  if p > top then p = top end
-  return p
-end
-"""
-
-# Move a transit list's messages back to the consuming end of the queue list of their own priority: all of
-# them (no ARGV), or only those named in ARGV that are still there. KEYS: transit, then the queue's
-# priority lists from step 0 (the queue itself) up. Only commands the worker's ACL user has (no RPOP).
-_RECLAIM = (
-    _PRIORITY_OF
-    + """
-local top, n = #KEYS - 2, 0
-if #ARGV == 0 then
-  while true do
-    local m = redis.call('LRANGE', KEYS[1], -1, -1)[1]
-    if not m then return n end
-    redis.call('LMOVE', KEYS[1], KEYS[2 + priority_of(m, top)], 'RIGHT', 'RIGHT')
-    n = n + 1
-  end
-end
-for i = 1, #ARGV do
-  if redis.call('LREM', KEYS[1], 1, ARGV[i]) == 1 then
-    redis.call('RPUSH', KEYS[2 + priority_of(ARGV[i], top)], ARGV[i])
-    n = n + 1
-  end
-end
-return n
-"""
-)
 
 # The non-blocking half of the transit pop: the first message of the highest-priority list that has one,
 # moved atomically into the transit list. KEYS: the priority lists, highest first, then the transit list.
@@ -392,6 +345,10 @@ class Channel(kombu_redis.Channel):
         "transit_queue",
         "unacked_holder_key",
         "delivery_holder",
+        "affinity_key",
+        "affinity_offers",
+        "affinity_idle_ms",
+        "affinity_block",
     )
     #: HASH kombu delivery tag → the holder of the delivery recorded in ``unacked_key`` (KombuKeys.unacked_holder).
     _unacked_holder_key: str | None = None
@@ -399,6 +356,11 @@ class Channel(kombu_redis.Channel):
     delivery_holder: str | None = None
     transit_key: str | None = None
     transit_queue: str | None = None
+    #: This worker's host list, popped first, the offers ZSET, and how old an offer an idle pop steals (affinity.py).
+    affinity_key: str | None = None
+    affinity_offers: str | None = None
+    affinity_idle_ms: str | None = None
+    affinity_block: str | None = None  # '1': this worker offers next turns to itself (it blocks briefly)
     _transit_pending: str | None = None
     _transit_command: str = "EVAL"
     #: Block on the step-0 list next: at the start (a fresh worker waits on the queue, as it always did)
@@ -459,9 +421,13 @@ class Channel(kombu_redis.Channel):
         self._transit_pending = source
         if self._transit_block:
             self._transit_command = "BLMOVE"
+            timeout = block_timeout(self, timeout)  # shorter where next turns are offered to us (affinity.py)
             self.client.connection.send_command("BLMOVE", source, self.transit_key, "RIGHT", "LEFT", timeout or 0)
         else:
             self._transit_command = "EVAL"
+            if self.affinity_key and self.affinity_offers:  # our host list first, step by step (affinity.POP)
+                self.client.connection.send_command("EVAL", POP, *pop_keys(self, source))
+                return
             lists = list(dict.fromkeys(self._q_for_pri(source, pri) for pri in sorted(self.priority_steps)))
             self.client.connection.send_command("EVAL", _POP, len(lists) + 1, *lists, self.transit_key)
 
@@ -481,6 +447,9 @@ class Channel(kombu_redis.Channel):
             # Found nothing with the EVAL: wait on the step-0 list next; after any message or a BLMOVE
             # timeout, look at every list again (highest priority first).
             self._transit_block = not item and self._transit_command == "EVAL"
+            if isinstance(item, list):  # affinity.POP: {message, where it came from}
+                AFFINITY.note_pop(int(item[1]))
+                item = item[0]
             if not item:
                 raise Empty()
             self._queue_cycle.rotate(source)
@@ -542,6 +511,7 @@ def enable_transit(app: Celery, settings: Settings, worker: str) -> None:
         return
     options = dict(app.conf.broker_transport_options or {})
     options.update(transit_key=settings.keys.transit(worker), transit_queue=settings.queue, delivery_holder=worker)
+    options.update(affinity_options(settings, worker))  # whatever the affinity setting: a host pops its host list
     # Only worker processes pop through transit; Flower, the producer and `celery inspect` keep kombu's
     # stock redis transport (Flower's broker page only knows the stock transports).
     if str(settings.broker_url).startswith("sentinel://"):
@@ -552,33 +522,3 @@ def enable_transit(app: Celery, settings: Settings, worker: str) -> None:
     else:
         app.conf.broker_transport = TRANSPORT
     app.conf.broker_transport_options = options
-
-
-class TransitSweeper:
-    """Returns stranded transit messages to the queue; one per worker process, run by its lease keeper."""
-
-    def __init__(self, client: aioredis.Redis, keys: Keys, worker: str, queue: str) -> None:
-        self.r = client
-        self.keys = keys
-        self.worker = worker
-        self.queue = queue
-        self._reclaim = client.register_script(_RECLAIM)
-        #: Where a reclaimed message goes: the list of its own ``properties.priority``.
-        self._lists = priority_lists(queue)
-        self._seen: set[bytes] = set()  # own transit messages at the previous sweep
-
-    async def sweep(self) -> int:
-        """One pass; returns how many messages went back to the queue."""
-        moved = 0
-        prefix = self.keys.transit("")
-        async for raw_key in self.r.scan_iter(match=f"{prefix}*", count=1000):
-            key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
-            owner = key[len(prefix) :]
-            if owner == self.worker:
-                items = set(await self.r.lrange(key, 0, -1))
-                stale, self._seen = items & self._seen, items
-                if stale:
-                    moved += int(await self._reclaim(keys=[key, *self._lists], args=sorted(stale)))
-            elif not await self.r.exists(self.keys.heartbeat(owner)):
-                moved += int(await self._reclaim(keys=[key, *self._lists], args=[]))
-        return moved

@@ -106,6 +106,10 @@ class FinalRow:
     #: The revision the stored row carries (its message's; for an orphan the stored row's): finalize refuses a row
     #: of a lower revision than the one requested since (``producer retry --truncated``, ``Keys.revisions``).
     revision: int = 0
+    #: A later turn's reusable prefix (its message's ``prefix_reusable``: how much of its prompt its previous turn's
+    #: server already computed) and the cached tokens the server reported; None = unknown (not counted).
+    prefix_reusable: int | None = None
+    cached_tokens: int | None = None
 
     @property
     def think_flag(self) -> int:
@@ -258,6 +262,7 @@ class Ledger:
                 self.group,
                 max(1, group_size),
                 self._member(job, prompt_id),
+                int(time.time() * 1_000_000),  # epochs never below this host's clock (claim.lua)
             ],
         )
         state = state.decode() if isinstance(state, bytes) else state
@@ -337,6 +342,7 @@ class Ledger:
         queue: str = "",
         answers: str = "",
         fences: Mapping[str, Fence] | None = None,
+        offers: str = "",
     ) -> Finalized:
         """Mark rows done — those whose claim is still ours at our epoch; the others are fenced (returned, and
         they change nothing). Returns (new rows, alarm condition, alarm window rows, of them missing, fenced).
@@ -352,7 +358,10 @@ class Ledger:
         finalize replayed from a row it stored under an earlier claim: ``GroupCommitter.replay``). Passed, never
         swapped into the fences held: a live run of the same prompt may mark its part while this call awaits Redis,
         and must do so under its own fence (with the old one it was fenced by its own claim: acked, never stored).
-        Its held fence stays too: it is that live run's, not this finalize's."""
+        Its held fence stays too: it is that live run's, not this finalize's.
+
+        ``offers`` (thinkfleet/broker/affinity.py): ``queue`` is this worker's host list, and each next turn's offer
+        time goes into this ZSET with it (one step: a host list message always has its offer)."""
         k = self.keys
         given = fences or {}
         args: list[Any] = [self.worker, alarm_min_rows, alarm_share, dataset]
@@ -366,6 +375,7 @@ class Ledger:
             epoch, generation, _ = given.get(row.prompt_id) or self._fence(job, row.prompt_id)
             next_revision = message_revision(turn.next_message) if turn is not None and turn.next_prompt_id else 0
             args += [epoch, str(row.epoch) if row.epoch else epoch, generation, int(row.revision), next_revision]
+            args += [_count_arg(row.prefix_reusable), _count_arg(row.cached_tokens)]
         keys = [
             k.done(job),
             k.claims(job),
@@ -379,7 +389,7 @@ class Ledger:
             k.job(job),
         ]
         if any(t is not None for t in turns or []):
-            keys += [queue, k.prompts(job), k.prompt_dataset(job), answers]
+            keys += [queue, k.prompts(job), k.prompt_dataset(job), answers, *([offers] if offers else [])]
         seq, mark = self._next_mark(job)
         keys += [k.revisions(job), k.finalize_marks(job)]
         args.append(mark)
@@ -688,3 +698,8 @@ def _pairs(flat: list[Any]) -> dict[str, str]:
     """A Lua script's flat {key, value, ...} answer as a dict of strings."""
     text = [v.decode() if isinstance(v, bytes) else str(v) for v in flat or []]
     return dict(zip(text[0::2], text[1::2], strict=True))
+
+
+def _count_arg(value: int | None) -> str | int:
+    """A per-row count for finalize.lua: '' = unknown (a negative count is no count either)."""
+    return "" if value is None or value < 0 else int(value)

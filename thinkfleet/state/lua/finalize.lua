@@ -1,4 +1,4 @@
--- uses: _mark
+-- uses: _mark _offer
 -- Mark committed rows done (the part holding them is durable); for a multi-turn job (workers/turns.py),
 -- each newly done row also records the model's answer and enqueues its conversation's next turn in the
 -- same atomic step (exactly once: only the call that moves the row into done does it, so a recovery
@@ -16,15 +16,21 @@
 -- --truncated, Keys.revisions) is fenced ('revision N') whatever its claim says (our own claim on it goes). A next
 -- turn enqueued at a revision above the one requested for it (a re-derivation) raises it in the same step: a
 -- leftover copy of its older message (rendered from the turn as it was) is superseded, not run.
+-- Host affinity (thinkfleet/broker/affinity.py): with the offers ZSET after answers, the queue is the caller's own
+-- host list; a next turn is pushed onto its far end (the host list is first in, first out, so its oldest offer is
+-- the one popped and the one a sweep looks at) and its offer time recorded, on Redis's clock, in the same step.
+-- Every newly done row of a turn ≥ 1 that says how much of its prompt its previous turn's server already computed
+-- (prefix_reusable) and how much the server found cached adds both (cached capped at reusable) to the job's counters.
 -- KEYS: done, claims, counters, dataset_counters, worker_counters, timeline, deliveries, dead, committed_epochs,
 --       job (the record hash), and only when a row carries an answer or a next turn: queue, prompts,
---       prompt_dataset, answers; last of all, always: revisions, finalize_marks
+--       prompt_dataset, answers, [offers]; last of all, always: revisions, finalize_marks
 -- ARGV: worker, alarm_min_rows, alarm_missing_share, dataset, then per row: prompt_id, tokens, think_end
 --       ('1' closed reasoning, '0' expected to and did not, '2' not expected to reason: not watched by the alarm),
 --       truncated, answer ('' = none), next_prompt_id ('' = none), next_content_hash, next_message,
 --       drop (JSON list of turn prompt ids, '' = none), the claim's epoch, the row's own epoch (an orphan's part
 --       row was written under an earlier claim), the generation of the job record it ran for ('' = not recorded),
---       the row's revision, the next turn's revision (its message's; 0 = none);
+--       the row's revision, the next turn's revision (its message's; 0 = none), the row's prefix_reusable tokens
+--       ('' = unknown), its cached tokens ('' = not reported);
 --       last of all, always: the caller's finalize mark ('nonce:seq:prev', _mark.lua's write_mark: a
 --       worker that later finds an older mark there knows Redis lost finalizes of its own, Ledger.lost_finalizes)
 -- Returns {new rows, alarm fires, alarm rows seen, of them missing, {fenced prompt_id, holder, ...}}
@@ -62,7 +68,13 @@ local function holder(pid, e, row_e, gen, rev)
 end
 -- (not for a purged job: its record is gone, and a finalize must not bring its keys back)
 if redis.call('EXISTS', KEYS[10]) == 1 then write_mark(KEYS[#KEYS], ARGV[1], ARGV[#ARGV]) end
-for i = 5, #ARGV - 1, 14 do
+local offers = #KEYS == 17 and KEYS[15] or nil
+local offered_at = nil
+if offers then
+  local t = redis.call('TIME')
+  offered_at = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+for i = 5, #ARGV - 1, 16 do
   local pid = ARGV[i]
   local held = holder(pid, ARGV[i + 9], ARGV[i + 10], ARGV[i + 11], ARGV[i + 12])
   if held and held ~= 'ours' then
@@ -82,6 +94,12 @@ for i = 5, #ARGV - 1, 14 do
       flags[#flags + 1] = f
     end
     trunc = trunc + tonumber(ARGV[i + 3])
+    local reusable, cached = tonumber(ARGV[i + 14]), tonumber(ARGV[i + 15])
+    if reusable and cached then
+      redis.call('HINCRBY', KEYS[3], 'prefix_turns', 1)
+      redis.call('HINCRBY', KEYS[3], 'prefix_reusable_tokens', reusable)
+      redis.call('HINCRBY', KEYS[3], 'prefix_cached_tokens', math.min(cached, reusable))
+    end
     if ARGV[i + 4] ~= '' then redis.call('HSET', KEYS[14], pid, ARGV[i + 4]) end
     if ARGV[i + 5] ~= '' then
       take_out(ARGV[i + 5])
@@ -92,7 +110,12 @@ for i = 5, #ARGV - 1, 14 do
         redis.call('HINCRBY', KEYS[4], 'submitted', 1)
       end
       redis.call('HSET', KEYS[13], ARGV[i + 5], ARGV[4])
-      redis.call('RPUSH', KEYS[11], ARGV[i + 7])
+      if offers then
+        redis.call('LPUSH', KEYS[11], ARGV[i + 7])
+        redis.call('ZADD', offers, offered_at, offer_member(ARGV[1], ARGV[i + 7]))
+      else
+        redis.call('RPUSH', KEYS[11], ARGV[i + 7])
+      end
       local nrev = tonumber(ARGV[i + 13]) or 0
       if nrev > tonumber(redis.call('HGET', KEYS[#KEYS - 1], ARGV[i + 5]) or '0') then
         redis.call('HSET', KEYS[#KEYS - 1], ARGV[i + 5], nrev)
