@@ -14,7 +14,8 @@ holds — the next claim outranks every stored row.
 - A failover that also loses the last writes: the promoted replica's epoch clock is older than rows storage holds
   and its TIME is below them; the workers' own clocks keep the epochs above them (without that term in claim.lua
   this test failed: a prompt re-run before the finalize marks recovered it got an epoch below its stored row). It
-  runs with ``-m slow`` (the documented reliability command), the plain case in CI.
+  runs with ``-m slow``, as the plain one does (the documented command: bench.reliability_report --run --slow; CI
+  runs test_reliability_failover.py's failover).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def _behind(fleet: SentinelFleet) -> int:
     return replica.port
 
 
+@pytest.mark.slow  # CI runs the plain failover (test_reliability_failover.py); these by the documented command
 def test_a_failover_to_a_replica_whose_clock_is_behind_mints_no_epoch_below_storage(tmp_path: Path) -> None:
     started = time.monotonic()
     with sentinel_fleet(tmp_path, **HEAD) as fleet:

@@ -132,8 +132,11 @@ def test_the_signature_rides_as_an_eleventh_arg_and_older_bodies_still_decode() 
     assert len(nine) == 9 and PromptTask.from_args(nine) == _task(generation="")
     with pytest.raises(ValueError, match="signature"):
         PromptTask.from_args([*_task().to_args(), 7])
-    with pytest.raises(ValueError, match="11 with its signature"):
+    # What follows the signature is typed (12th: the reusable prefix, 13th: the images), and nothing after that.
+    with pytest.raises(ValueError, match="prefix_reusable must be a token count"):
         PromptTask.from_args([*signed.to_args(), "extra"])
+    with pytest.raises(ValueError, match="11 with its signature"):
+        PromptTask.from_args([*signed.to_args(), None, [], "extra"])
 
 
 def test_the_envelope_and_send_tasks_sign_with_the_settings_key(tmp_path: Path) -> None:

@@ -34,7 +34,9 @@ def test_a_finalize_waits_for_its_replica_on_its_own_connection_and_counts_a_sho
         async def scenario() -> None:
             client = aioredis.from_url(primary.url())
             await client.set(keys.heartbeat("w"), "1")
-            ledger = Ledger(client, keys, "w", waitaof_ms=300, wait_replicas=1)
+            # A generous wait while the replica receives (WAIT returns as soon as it acknowledges: a loaded box must
+            # not make a receiving replica look short), a short one once it is frozen (below).
+            ledger = Ledger(client, keys, "w", waitaof_ms=30_000, wait_replicas=1)
             for _ in range(300):  # the replica has connected and synced (online, not still loading the RDB)
                 slave = (await client.info("replication")).get("slave0") or {}
                 if slave.get("state") == "online":
@@ -47,6 +49,7 @@ def test_a_finalize_waits_for_its_replica_on_its_own_connection_and_counts_a_sho
             assert sum(ledger.short_waits.values()) == 0, ledger.short_waits
             # When the replica freezes, the next finalize's WAIT comes back short: counted, and the row stands.
             os.kill(replica.pid, signal.SIGSTOP)
+            ledger.waitaof_ms = 300
             try:
                 assert (await ledger.claim(JOB, "p2")).state == "new"
                 finalized = await ledger.finalize(JOB, "ds", [FinalRow("p2", 5, True, False)], 100, 0.95)
