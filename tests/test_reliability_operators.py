@@ -79,7 +79,13 @@ def test_cancel_with_a_killed_workers_claims_parked_dead_letters_every_prompt_an
         assert held, "the dead worker holds claims"
         other.start().wait_ready(client, keys)
         wait_until(lambda: not client.exists(keys.heartbeat("victim")), 60, what="the victim's heartbeat gone")
-        wait_until(lambda: _nothing_delivered(client, settings), 120, what="the victim's deliveries parked")
+        # Every message parked (the victim's restored deliveries too): one restored onto the queue but not yet taken
+        # would be taken by `other` after the cancel and dead-lettered by it, not counted by cancel.
+        wait_until(
+            lambda: _nothing_delivered(client, settings) and client.llen(keys.parked("cx")) >= n,
+            120,
+            what="the victim's deliveries parked",
+        )
         assert in_flight(client, keys, "cx", "victim") == held, "the dead worker's claims are still there"
         assert job_progress(client, keys, "cx")["done"] == 0
         # When the job is cancelled.
