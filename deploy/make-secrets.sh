@@ -39,26 +39,21 @@ random_password() {
     fi
 }
 
-for user in admin producer worker flower exporter replica sentinel; do
-    file="$dir/redis_${user}_password"
-    if [ -s "$file" ]; then
-        echo "kept    $file"
+make_password() {  # make_password FILE — a random password, kept if FILE exists already
+    if [ -s "$1" ]; then
+        echo "kept    $1"
     else
-        (umask 022 && random_password >"$file")
-        echo "created $file"
+        (umask 022 && random_password >"$1")
+        echo "created $1"
     fi
-    chmod 644 "$file"
-done
+    chmod 644 "$1"
+}
 
+for user in admin producer worker flower exporter replica sentinel; do
+    make_password "$dir/redis_${user}_password"
+done
 # The Sentinels' own password (not a Redis user: Sentinel has one password for its clients).
-file="$dir/sentinel_client_password"
-if [ -s "$file" ]; then
-    echo "kept    $file"
-else
-    (umask 022 && random_password >"$file")
-    echo "created $file"
-fi
-chmod 644 "$file"
+make_password "$dir/sentinel_client_password"
 
 # The signing key: 32 random bytes as hex (thinkfleet.signing.MIN_KEY_CHARS is 32 characters). Kept on a rerun
 # like the passwords; to rotate it, see deploy/README.md §10 (THINKFLEET_SIGNING_KEY_PREVIOUS_FILE).
