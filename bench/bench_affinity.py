@@ -45,7 +45,7 @@ from storage.reader import read_committed
 from testing.corpus import synthetic_text
 from testing.datasets import agentic_rows, conversation_rows, write_jsonl
 from testing.fleet import WorkerProcess, wait_for_port, worker_env
-from testing.harness import producer_cli, tokenizer_roots_for_tests
+from testing.harness import FAST_WORKER, producer_cli, tokenizer_roots_for_tests
 from testing.redis_process import RedisProcess
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet.settings import Settings
@@ -65,16 +65,12 @@ AGENTIC_CONVERSATIONS, AGENTIC_TURNS = 24, 2
 SYSTEM_PROMPTS, SYSTEM_WORDS, USER_WORDS = 4, 900, 60
 KILL_AT = 0.4
 WAIT_S = 3.0
+#: The tests' fast worker, with a longer lease and the default request deadline (no timeout is a fault here).
 WORKER = {
+    **FAST_WORKER,
     "lease_s": 8,
-    "reaper_interval_s": 1,
-    "flush_interval_s": 0.2,
-    "health_interval_s": 0.5,
-    "retry_base_s": 0.05,
-    "retry_max_backoff_s": 0.5,
     "request_timeout_floor_s": 120,
-    "shutdown_grace_s": 2,
-    "inflight_mode": "fixed",
+    "request_min_decode_tok_s": Settings.model_fields["request_min_decode_tok_s"].default,
     "affinity_wait_s": WAIT_S,
 }
 _COLUMNS = [
