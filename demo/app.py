@@ -9,6 +9,11 @@ conversations of docs/examples/agentic/ regenerated through their tool calls (``
 executor``), the simulator calling the example executor's calculator and lookup (its tool catalogue), the workers
 running that executor (docs/examples/agentic/tools.py) for every call; then wait, status, verify, the ``messages``
 export (each step's history with the executed results fed back) and the report.
+
+``--vision`` runs the vision sample instead (docs/vision.md): demo/data/vision.jsonl — a text prompt and image prompts
+in each accepted form, their pictures shipped beside it (demo/data/images/, drawn by :mod:`demo.vision_images`) —
+submitted, generated, verified (every image read back from the job's image store and hashed) and exported as chat
+JSONL whose content parts point at the stored images.
 """
 
 from __future__ import annotations
@@ -143,9 +148,17 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="Run the agentic sample (docs/examples/agentic: tool calls answered by the example executor).",
     )
+    parser.add_argument(
+        "--vision",
+        action="store_true",
+        help="Run the vision sample (demo/data/vision.jsonl: image prompts, their pictures shipped beside it).",
+    )
     args = parser.parse_args(argv)
     if args.agentic:
         agentic_main()
+        return
+    if args.vision:
+        vision_main()
         return
     settings = demo_settings()
     workdir, output_uri = _places(settings)
@@ -264,6 +277,38 @@ def agentic_main() -> None:
     print(f"Parquet:  {output_uri}/{job}/dataset=*/part-*.parquet")
     print(f"Messages: {messages}")
     print(f"Report:   {workdir / 'report'}/report.html")
+
+
+def vision_main() -> None:
+    """The vision sample (``--vision``): see the module docstring."""
+    settings = demo_settings()
+    workdir, output_uri = _places(settings)
+    job = time.strftime("demo-vision-%Y%m%d-%H%M%S")
+    # The Kimi-shaped test tokenizer carries K2.5's image processor sizes (preprocessor_config.json): each picture's
+    # tokens are counted by the model's own rule (thinkfleet/vision.py).
+    tokenizer = build_test_tokenizer(workdir / "kimi-test-tokenizer")
+    print(f"· Kimi-shaped test tokenizer at {tokenizer}")
+    messages = workdir / f"{job}-messages.jsonl"
+    with (
+        _redis(settings.redis_url, workdir) as redis_url,
+        # The simulator reads the same directory: its preprocessor_config.json makes it a model that sees images
+        # (has_image_understanding), each placeholder expanded by the same rule.
+        _simulator(workdir, time_scale=40, extra_args=("--tokenizer", str(tokenizer))) as sim_url,
+        _workers(settings, workdir, redis_url, sim_url, output_uri) as env,
+    ):
+        print(f"· 2 workers consuming (logs in {workdir / 'logs'})")
+        _producer(
+            env,
+            *("submit", str(DATA_DIR / "vision.jsonl"), "--job", job, "--tokenizer", str(tokenizer)),
+            *("--max-new-tokens", "512", "--context-length", str(CONTEXT_LENGTH), "--seed", "1"),
+        )
+        _producer(env, "wait", job, "--timeout", "600")
+        _producer(env, "status", job)
+        _producer(env, "verify", job)
+        _producer(env, "export", job, "--format", "messages", "--out", str(messages))
+    print(f"\nImages:   {output_uri}/{job}/_images/ (each once, by sha256)")
+    print(f"Parquet:  {output_uri}/{job}/dataset=vision/part-*.parquet")
+    print(f"Messages: {messages}")
 
 
 def _agentic_summary(messages: Path) -> tuple[int, int]:

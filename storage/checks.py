@@ -9,6 +9,9 @@ and never taken from the row or the message: :func:`hash_mismatches` (``input_id
 injected or corrupted prompts) and :func:`checksum_mismatches` (the ids against ``ids_crc32``: altered in
 storage). Like :func:`row_problems`, each needs only the table in hand, so ``producer verify`` (storage/verify.py)
 runs them all over the committed rows a batch at a time.
+
+An image prompt's row is checked against its own ids too (:func:`image_problems`): one placeholder per image, at
+the positions the row records, and nowhere else.
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ from storage.schema import (
     FINISH_REASON,
     HAS_THINK_END,
     IDS_CRC32,
+    IMAGE_PATHS,
+    IMAGE_POSITIONS,
     IMAGE_SHA256,
+    IMAGE_TOKENS,
     INPUT_IDS,
     OUTPUT_IDS,
     PROMPT_ID,
@@ -45,6 +51,8 @@ from thinkfleet.message import hash_id_bytes, is_content_hash
 
 #: Columns :func:`row_problems` needs.
 CHECK_COLUMNS = [PROMPT_ID, *TOKEN_COLUMNS, *SPAN_COLUMNS, STOP_TOKEN, COMPLETION_TOKENS, FINISH_REASON]
+#: Columns :func:`image_problems` needs.
+IMAGE_CHECK_COLUMNS = [PROMPT_ID, INPUT_IDS, IMAGE_SHA256, IMAGE_PATHS, IMAGE_TOKENS, IMAGE_POSITIONS]
 FINISH_TYPES = ("stop", "length", "abort")
 
 
@@ -186,3 +194,58 @@ def checksum_mismatches(table: pa.Table) -> list[str]:
     differ = valid & (stored.fill_null(0).to_numpy() != table_ids_checksums(table))
     pids = table[PROMPT_ID].to_pylist()
     return [pids[i] for i in differ.nonzero()[0].tolist()]
+
+
+def image_problems(table: pa.Table, placeholder_id: int | None = None) -> dict[str, list[str]]:
+    """``{prompt_id: [problem, …]}`` for image prompts whose ids are not what the producer rendered for them: the
+    four image columns one entry per image; each ``image_positions`` entry inside ``input_ids``, in order, holding the
+    placeholder (``placeholder_id``, the job record's; else the id at the row's first position); and that id nowhere
+    else — one placeholder per image, never expanded (SGLang would expand a second copy again). The ids themselves
+    are bound to what was submitted by the content hash (:func:`hash_mismatches`, which covers the images' sha256s)."""
+    if IMAGE_SHA256 not in table.column_names or table[IMAGE_SHA256].null_count == table.num_rows:
+        return {}
+    values, offsets = flat_ids(table[INPUT_IDS])
+    found: dict[str, list[str]] = {}
+    columns = [table[c].to_pylist() for c in (PROMPT_ID, IMAGE_SHA256, IMAGE_PATHS, IMAGE_TOKENS, IMAGE_POSITIONS)]
+    for i, (pid, shas, paths, tokens, positions) in enumerate(zip(*columns, strict=True)):
+        if shas is None and paths is None and tokens is None and positions is None:
+            continue  # a text prompt
+        problems = _image_row(values[offsets[i] : offsets[i + 1]], shas, paths, tokens, positions, placeholder_id)
+        if problems:
+            found[pid] = problems
+    return found
+
+
+def _image_row(
+    ids: np.ndarray,
+    shas: list[str] | None,
+    paths: list[str] | None,
+    tokens: list[int] | None,
+    positions: list[int] | None,
+    placeholder_id: int | None,
+) -> list[str]:
+    counts = [len(c) if c is not None else 0 for c in (shas, paths, tokens, positions)]
+    if len(set(counts)) != 1 or not counts[0]:
+        return [
+            f"image columns disagree: {counts[0]} image_sha256, {counts[1]} image_paths, {counts[2]} image_tokens, "
+            f"{counts[3]} image_positions (one entry per image in each)"
+        ]
+    assert tokens is not None and positions is not None
+    problems = []
+    if min(tokens) < 1:
+        problems.append(f"image_tokens {tokens} has a count under 1")
+    pos = np.asarray(positions, dtype=np.int64)
+    if (pos < 0).any() or (pos >= len(ids)).any() or (np.diff(pos) <= 0).any():
+        where = f"are not increasing positions inside input_ids ({len(ids)} ids)"
+        return [*problems, f"image_positions {positions} {where}"]
+    wanted = placeholder_id if placeholder_id is not None else int(ids[pos[0]])
+    wrong = [p for p in positions if int(ids[p]) != wanted]
+    if wrong:
+        problems.append(f"input_ids hold no placeholder (id {wanted}) at image_positions {wrong}")
+    placed = int(np.count_nonzero(ids == wanted))
+    if placed != len(positions):
+        problems.append(
+            f"input_ids hold {placed} placeholders (id {wanted}) for {len(positions)} images: one per image, never "
+            "expanded"
+        )
+    return problems

@@ -127,6 +127,14 @@ def verify(settings: Settings, job: str, as_json: bool, live: bool) -> None:
     "--push-to-hub", "push_to_hub", default=None, metavar="REPO", help="hf: also upload to this Hub dataset repo."
 )
 @click.option("--hub-private", is_flag=True, help="hf: make a repo that --push-to-hub creates private.")
+@click.option(
+    "--image-urls",
+    type=click.Choice(["store", "data"]),
+    default="store",
+    show_default=True,
+    help="messages/conversations, image prompts: point at each image where the image store keeps it (messages: a "
+    "file:// or s3:// URL; conversations: SpecForge's plain path), or inline its bytes as a data: URI.",
+)
 @click.option("--dataset", "datasets", multiple=True, help="Only these datasets (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def export(
@@ -144,6 +152,7 @@ def export(
     trust_remote_code: bool,
     push_to_hub: str | None,
     hub_private: bool,
+    image_urls: str,
     datasets: tuple[str, ...],
     as_json: bool,
 ) -> None:
@@ -172,6 +181,7 @@ def export(
             push_to_hub=push_to_hub,
             hub_private=hub_private,
             merge_turns=merge_turns,
+            image_urls=image_urls,
         )
     except ExportError as exc:
         raise click.ClickException(str(exc)) from exc

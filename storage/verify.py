@@ -49,14 +49,20 @@ import pyarrow.compute as pc
 
 from storage import jobstate, layout, quarantine, reader, stream
 from storage.chains import CHAIN_COLUMNS, RecordReader, redis_records, stored_links
-from storage.checks import CHECK_COLUMNS, ThinkingStats, checksum_mismatches, hash_mismatches, row_problems
+from storage.checks import (
+    CHECK_COLUMNS,
+    IMAGE_CHECK_COLUMNS,
+    ThinkingStats,
+    checksum_mismatches,
+    hash_mismatches,
+    image_problems,
+    row_problems,
+)
 from storage.manifest import read_submitted
 from storage.schema import (
     CONTENT_HASH,
     DATASET,
     IDS_CRC32,
-    IMAGE_PATHS,
-    IMAGE_SHA256,
     MANIFEST_SCHEMA,
     PROMPT_ID,
     TOOL_CALL_SPANS,
@@ -105,7 +111,7 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
         )  # fmt: skip
         damaged += plan.damaged
         try:
-            checked = _check_rows(plan, tokens, expected, submitted)
+            checked = _check_rows(plan, tokens, expected, submitted, _placeholder_id(state.record))
             break
         except stream.PlanStale:  # a part changed under the read (a compaction): read the job again
             if attempt == stream.REPLANS - 1:
@@ -297,7 +303,7 @@ def _done_ids(settings: Settings, job: str) -> pa.Array | None:
 
 
 _KEY_COLUMNS = list(dict.fromkeys([DATASET, CONTENT_HASH, *CHAIN_COLUMNS]))
-_ROW_COLUMNS = [*CHECK_COLUMNS, CONTENT_HASH, IDS_CRC32, IMAGE_SHA256, IMAGE_PATHS]
+_ROW_COLUMNS = list(dict.fromkeys([*CHECK_COLUMNS, CONTENT_HASH, IDS_CRC32, *IMAGE_CHECK_COLUMNS]))
 
 
 @dataclass
@@ -312,12 +318,16 @@ class _RowChecks:
     images: ImageRefs = field(default_factory=ImageRefs)  # image prompts: each image the rows refer to
 
 
-def _check_rows(plan: stream.Plan, tokens: SpanTokens, expected: bool, submitted: pa.Table) -> _RowChecks:
+def _check_rows(
+    plan: stream.Plan, tokens: SpanTokens, expected: bool, submitted: pa.Table, placeholder_id: int | None = None
+) -> _RowChecks:
     """Every committed row's checks, a batch of rows at a time; raises ``stream.PlanStale``."""
     out = _RowChecks()
     for table in stream.winner_batches(plan, _ROW_COLUMNS):
         problems, stats = row_problems(table, tokens, expected)
         out.malformed.update(problems)
+        for pid, found in image_problems(table, placeholder_id).items():  # image prompts: their placeholders
+            out.malformed.setdefault(pid, []).extend(found)
         out.thinking.add(stats)
         out.hash_mismatch.extend(hash_mismatches(table, _submitted_hashes(table, submitted)))
         out.checksum_mismatch.extend(checksum_mismatches(table))
@@ -327,6 +337,12 @@ def _check_rows(plan: stream.Plan, tokens: SpanTokens, expected: bool, submitted
             pids = table[PROMPT_ID].to_pylist()
             out.tool_rows.update(pids[i] for i in np.flatnonzero(calls).tolist())
     return out
+
+
+def _placeholder_id(record: dict[str, Any]) -> int | None:
+    """The image placeholder id the job record names (``producer submit`` writes it once it read an image)."""
+    value = record.get("image_placeholder_id")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _quarantined(

@@ -4,7 +4,7 @@ The references come from two places, so a job is checked before any row is store
 manifest's source conversations (each image part the producer wrote carries ``image`` — the store URI — and
 ``sha256``: producer/images.py) and the committed rows' ``image_paths`` / ``image_sha256`` columns (storage/schema.py).
 Each distinct image is read once (a few at a time: S3 reads wait on the network) and hashed; one that is absent,
-unreadable or holds other bytes fails verify, named with a prompt that refers to it.
+unreadable or holds other bytes fails verify, named with a prompt that refers to it and the fix.
 """
 
 from __future__ import annotations
@@ -104,5 +104,14 @@ def check_images(refs: ImageRefs, s3_endpoint_url: str | None = None) -> ImageCh
         found = pool.map(lambda kv: (kv, check_image(kv[0], kv[1][0], s3_endpoint_url)), items)
         for (uri, (_sha, pid)), problem in found:
             if problem is not None:
-                out.problems.append(f"{uri} (prompt {pid}): {problem}")
+                out.problems.append(f"{uri} (prompt {pid}): {problem} → {_fix(uri, problem)}")
     return out
+
+
+def _fix(uri: str, problem: str) -> str:
+    """What brings the image back: a submit stores a missing image again, but never replaces one that is there
+    (its name is its content: storage/images.py), so an altered or unreadable file goes first."""
+    again = "re-run the job's `producer submit` with the same inputs"
+    if problem == "missing":
+        return f"{again} (it stores the image again; nothing done is enqueued twice)"
+    return f"delete {uri}, then {again} (a stored image is never replaced)"

@@ -150,8 +150,8 @@ def format_report(report: VerifyReport, limit: int = 20) -> str:
         report.checksum_mismatch,
     )
     section(
-        "IMAGE PROBLEMS (a referenced image is not in the image store as its sha256 says: re-run producer submit "
-        "with the same inputs to store it again)",
+        "IMAGE PROBLEMS (a referenced image is not in the image store as its sha256 says; each line: the file, a "
+        "prompt that uses it, what is wrong → the fix)",
         report.image_problems,
     )
     if report.reasoning_alarm:

@@ -79,6 +79,7 @@ def export_job(
     push_to_hub: str | None = None,
     hub_private: bool = False,
     merge_turns: bool = False,
+    image_urls: str = "store",
 ) -> ExportResult:
     """Write the committed rows of ``job`` in ``fmt`` (a key of :data:`FORMATS`) to ``out`` (local path or
     ``s3://``).
@@ -101,6 +102,7 @@ def export_job(
         trust_remote_code=trust_remote_code,
         push_to_hub=push_to_hub,
         hub_private=hub_private,
+        image_urls=image_urls,
     )
     _refuse_unsupported(fmt, options)
     exporter = FORMATS[fmt](options)
@@ -127,3 +129,9 @@ def _refuse_unsupported(fmt: str, options: ExportOptions) -> None:
     if options.push_to_hub is not None and not FORMATS[fmt].pushes:
         takers = " or ".join(f"--format {name}" for name, f in FORMATS.items() if f.pushes)
         raise ExportError(f"--push-to-hub uploads a Hugging Face dataset: use it with {takers}, not {fmt}")
+    if options.image_urls != "store" and not FORMATS[fmt].takes_image_urls:
+        takers = " and ".join(name for name, f in FORMATS.items() if f.takes_image_urls)
+        raise ExportError(
+            f"--image-urls is for the {takers} formats, not {fmt} (hf carries the images' bytes; the token formats "
+            "carry no images)"
+        )

@@ -66,6 +66,9 @@ LONG_ROWS_KEPT = 1000
 LONG_ROWS_NAMED = 10
 #: The shard number in file names: ``X-00000.jsonl``.
 SHARD_DIGITS = 5
+#: ``--image-urls``: how a text format points at an image — where the image store keeps it, or inline as a data URI
+#: (storage/exports/images.py).
+IMAGE_URLS = ("store", "data")
 #: The stored columns every format reads (the token formats need no more).
 COLUMNS = list(dict.fromkeys([PROMPT_ID, DATASET, INPUT_IDS, OUTPUT_IDS, *SPAN_COLUMNS, FINISH_REASON]))
 
@@ -119,8 +122,12 @@ class ExportOptions:
     # hf: the Hub upload
     push_to_hub: str | None = None
     hub_private: bool = False
+    # text formats: an image prompt's images as the store's URLs or inline data URIs (IMAGE_URLS)
+    image_urls: str = "store"
 
     def __post_init__(self) -> None:
+        if self.image_urls not in IMAGE_URLS:
+            raise ExportError(f"--image-urls must be one of {', '.join(IMAGE_URLS)}, got {self.image_urls!r}")
         if self.shard_rows is not None and self.shard_rows < 1:
             raise ExportError(f"--shard-rows must be at least 1, got {self.shard_rows}")
         if self.min_reasoning_tokens < 0:
@@ -142,6 +149,8 @@ class ExportFormat:
     merges_turns: ClassVar[bool] = False
     #: Takes ``--push-to-hub``.
     pushes: ClassVar[bool] = False
+    #: Takes ``--image-urls`` (writes images as URLs: the text formats).
+    takes_image_urls: ClassVar[bool] = False
     #: The length limit of the consumer this format is read by, with its defaults (rows past it are cut), and what
     #: the warning about longer rows tells the user (``{longest}`` is filled in). Every format sets both.
     length_limit: ClassVar[int]

@@ -52,16 +52,24 @@ class Eagle3(ExportFormat):
         """The records worth writing (a subclass drops, and counts into ``skipped``, what its readers drop)."""
         return records
 
+    #: Stored columns a subclass's :meth:`keep_rows` reads besides the records' own.
+    row_columns: ClassVar[tuple[str, ...]] = ()
+
+    def keep_rows(self, table: pa.Table, skipped: dict[str, int]) -> pa.Table:
+        """The stored rows worth making records of (a subclass drops, and counts, rows its readers cannot take)."""
+        return table
+
     def write(self, result: ExportResult, loc: layout.Location, rows: Rows) -> None:
         opts = self.options
         parquet = self.writes_parquet(loc)
         suffix = ".parquet" if parquet else ".jsonl"
         lengths = LengthCheck(self.max_length)
-        columns = MERGE_COLUMNS if opts.merge_turns else COLUMNS
+        columns = [*(MERGE_COLUMNS if opts.merge_turns else COLUMNS), *self.row_columns]
         # A row group is held, joined into one table and encoded: about three times this share at once.
         with Files(loc, suffix, opts.shard_rows, result, EAGLE3_SCHEMA, rows.memory_bytes // 16) as files:
             for _, tables in rows.dataset_tables(columns, merge_turns=opts.merge_turns):
                 for table in tables:
+                    table = self.keep_rows(table, result.skipped)
                     if opts.merge_turns:
                         records = merged_table(table, opts.exclude_reasoning, result.skipped)
                     else:

@@ -6,6 +6,13 @@ name TRL's ``SFTTrainer`` builds its labels from with its default settings (a co
 ``loss_mask``, it ignores, and then trains on the prompt too); ``loss_mask`` is the name the other formats and
 SpecForge-style loaders use. ``shard_rows`` becomes ``save_to_disk(num_shards=…)``.
 ``--push-to-hub REPO`` also uploads it (needs a Hugging Face token), through the one seam :func:`push_dataset`.
+
+A job with image prompts gets four more columns (:func:`with_image_columns`): ``images``, a list of ``datasets.Image``
+per row — each image's bytes exactly as the image store holds them (read back and hashed: storage/exports/images.py),
+in placeholder order, empty for a text prompt — and ``image_sha256``, ``image_tokens``, ``image_positions`` as stored
+(null for a text prompt), so a consumer can expand each placeholder of ``input_ids``. The placeholders are prompt
+tokens: ``loss_mask``/``assistant_masks`` are 0 over them as over the rest of the prompt. A text-only job's dataset
+has none of these columns (an ``images`` column makes TRL take a dataset for a vision one).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from storage.exports.base import (
     Rows,
     upload,
 )
+from storage.exports.images import ImageBytes
 from storage.exports.tokens import eagle3_table
 from storage.schema import (
     ANSWER_END,
@@ -44,7 +52,12 @@ from storage.schema import (
     DATASET,
     FINISH_REASON,
     HAS_THINK_END,
+    IMAGE_PATHS,
+    IMAGE_POSITIONS,
+    IMAGE_SHA256,
+    IMAGE_TOKENS,
     MODEL,
+    PROMPT_ID,
     PROMPT_TOKENS,
     REASONING_END,
     REASONING_START,
@@ -112,6 +125,49 @@ def hf_table(table: pa.Table, exclude_reasoning: bool = False) -> pa.Table:
     return pa.Table.from_arrays([c.cast(f.type) for c, f in zip(columns, HF_SCHEMA, strict=True)], schema=HF_SCHEMA)
 
 
+#: An image prompt's images (``datasets.Image`` each) and their references, after the :data:`HF_SCHEMA` columns.
+IMAGES = "images"
+IMAGE_STRUCT = pa.struct([("bytes", pa.binary()), ("path", pa.string())])  # datasets.Image's storage
+IMAGE_FIELDS = [
+    pa.field(IMAGES, pa.list_(IMAGE_STRUCT)),
+    pa.field(IMAGE_SHA256, pa.list_(pa.string())),
+    pa.field(IMAGE_TOKENS, pa.list_(pa.int32())),
+    pa.field(IMAGE_POSITIONS, pa.list_(pa.int32())),
+]
+_IMAGE_COLUMNS = [IMAGE_SHA256, IMAGE_PATHS, IMAGE_TOKENS, IMAGE_POSITIONS]
+#: Rows whose images are read and written at once (an image may be up to THINKFLEET_MAX_IMAGE_BYTES, 20 MiB).
+IMAGE_SLICE_ROWS = 32
+
+
+def image_schema(hf_datasets: Any) -> pa.Schema:
+    """:data:`HF_SCHEMA` + :data:`IMAGE_FIELDS`, with the ``datasets`` features that make ``images`` a list of
+    ``Image`` (the schema's metadata: ``Dataset.from_file`` and ``load_from_disk`` read them from there)."""
+    schema = pa.schema([*HF_SCHEMA, *IMAGE_FIELDS])
+    features = hf_datasets.Features.from_arrow_schema(schema)
+    features[IMAGES] = hf_datasets.List(hf_datasets.Image())
+    return schema.with_metadata(features.arrow_schema.metadata)
+
+
+def with_image_columns(records: pa.Table, table: pa.Table, schema: pa.Schema, images: ImageBytes) -> pa.Table:
+    """``records`` (:func:`hf_table` of ``table``) with the image columns of ``schema``: each image read back from
+    the store and checked against its sha256 (the struct's ``path`` is the store's file name, for the reader's eyes:
+    the bytes are there)."""
+    column: list[list[dict[str, Any]]] = []
+    rows = zip(table[PROMPT_ID].to_pylist(), table[IMAGE_PATHS].to_pylist(), table[IMAGE_SHA256].to_pylist(),
+               strict=True)  # fmt: skip
+    for pid, uris, digests in rows:
+        pairs = zip(uris or (), digests or (), strict=True)
+        column.append([{"bytes": images.get(uri, sha, pid), "path": posixpath.basename(uri)} for uri, sha in pairs])
+    arrays = [pa.array(column, schema.field(IMAGES).type)]
+    arrays += [table[name].cast(schema.field(name).type) for name in (IMAGE_SHA256, IMAGE_TOKENS, IMAGE_POSITIONS)]
+    return pa.Table.from_arrays([*records.columns, *arrays], schema=schema)
+
+
+def _has_image_rows(rows: Rows) -> bool:
+    """Does any committed row (of the datasets exported) hold images? One column read."""
+    return any(t[IMAGE_SHA256].null_count < t.num_rows for t in rows.tables([IMAGE_SHA256], filtered=False))
+
+
 #: The Hub upload, a seam for tests (no network here): ``push_dataset(dataset, repo, token=…, …)``.
 def push_dataset(dataset: Any, repo: str, *, token: str | None, private: bool, num_shards: int | None) -> None:
     dataset.push_to_hub(repo, token=token, private=private, num_shards=num_shards)
@@ -168,14 +224,25 @@ class HuggingFace(ExportFormat):
     def _save(self, hf_datasets: Any, result: ExportResult, loc: layout.Location, rows: Rows) -> None:
         opts = self.options
         lengths = LengthCheck(self.max_length)
+        schema, columns, images = HF_SCHEMA, _HF_COLUMNS, None
+        if _has_image_rows(rows):  # (a text-only job's dataset keeps the plain schema)
+            schema, columns = image_schema(hf_datasets), [*_HF_COLUMNS, *_IMAGE_COLUMNS]
+            images = ImageBytes(rows.settings.s3_endpoint_url)
         with tempfile.TemporaryDirectory(prefix="thinkfleet-hf-") as tmp:
             arrow_path = os.path.join(tmp, "rows.arrow")
-            with pa.OSFile(arrow_path, "wb") as sink, pa.ipc.new_stream(sink, HF_SCHEMA) as writer:
-                for table in rows.tables(_HF_COLUMNS):
-                    records = hf_table(table, opts.exclude_reasoning)
-                    writer.write_table(records)
-                    result.rows += records.num_rows
-                    lengths.add_records(records)
+            with pa.OSFile(arrow_path, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+                for batch in rows.tables(columns):
+                    # The batches are sized by their stored columns, which hold no image bytes: with images, a few
+                    # rows at a time, so memory holds IMAGE_SLICE_ROWS rows' images whatever their sizes.
+                    step = IMAGE_SLICE_ROWS if images is not None else max(1, batch.num_rows)
+                    for start in range(0, batch.num_rows, step):
+                        table = batch.slice(start, step)
+                        records = hf_table(table, opts.exclude_reasoning)
+                        if images is not None:
+                            records = with_image_columns(records, table, schema, images)
+                        writer.write_table(records)
+                        result.rows += records.num_rows
+                        lengths.add_records(records)
             dataset = hf_datasets.Dataset.from_file(arrow_path)  # memory-mapped: never all in memory
             # One shard at least: datasets saves an empty dataset with none, and then cannot load it.
             num_shards = max(1, math.ceil(result.rows / opts.shard_rows)) if opts.shard_rows else None

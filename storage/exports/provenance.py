@@ -91,6 +91,7 @@ def sidecar(
                 "max_length": options.max_length,
                 "shard_rows": options.shard_rows,
                 "tokenizer": options.tokenizer,
+                "image_urls": options.image_urls,
             },
             "thinkfleet": software(),
         },

@@ -3,6 +3,11 @@
 SpecForge 0.2.0's pre-tokenized loader (``data.prompts_path``) and speculators 0.9.0's ``prepare-data --data``
 read it as it is (``len(input_ids) == len(loss_mask)``). Rows with no trainable token (everything masked under
 ``--exclude-reasoning``) are skipped and counted — the consumers would drop them anyway.
+
+Image prompts are left out, counted and warned about: this loader sends the ids to the target server with no
+image, so its hidden states would be those of a prompt whose images are bare placeholders — a drafter trained on
+them learns the wrong thing, silently. SpecForge's VLM path reads ``{image, conversations}``: ``--format
+conversations`` writes image prompts in that shape (storage/exports/conversations.py, docs/vision.md).
 """
 
 from __future__ import annotations
@@ -14,6 +19,10 @@ import pyarrow.compute as pc
 from storage import layout
 from storage.exports.base import ExportResult, Rows
 from storage.exports.eagle3 import Eagle3
+from storage.schema import IMAGE_SHA256
+
+#: The skip reason of an image prompt.
+IMAGE_ROWS = "image_prompts"
 
 
 class SpecForge(Eagle3):
@@ -23,6 +32,16 @@ class SpecForge(Eagle3):
 
     def writes_parquet(self, loc: layout.Location) -> bool:
         return False  # SpecForge does not read Parquet
+
+    row_columns = (IMAGE_SHA256,)
+
+    def keep_rows(self, table: pa.Table, skipped: dict[str, int]) -> pa.Table:
+        """Leave out (and count) the image prompts: this loader would send their ids without their images."""
+        images = table[IMAGE_SHA256]
+        if images.null_count == len(images):
+            return table
+        skipped[IMAGE_ROWS] = skipped.get(IMAGE_ROWS, 0) + len(images) - images.null_count
+        return table.filter(pc.is_null(images))
 
     def keep(self, records: pa.Table, skipped: dict[str, int]) -> pa.Table:
         """Drop (and count) records whose loss mask has no 1: SpecForge and speculators drop them anyway."""
@@ -37,6 +56,12 @@ class SpecForge(Eagle3):
 
     def write(self, result: ExportResult, loc: layout.Location, rows: Rows) -> None:
         super().write(result, loc, rows)
+        if result.skipped.get(IMAGE_ROWS):
+            result.warnings.append(
+                f"left out {result.skipped[IMAGE_ROWS]} image prompts: SpecForge's pre-tokenized loader sends ids "
+                "with no image, so the target would see bare placeholders. Export them with --format conversations "
+                "(SpecForge's VLM shape, {image, conversations}) or --format hf"
+            )
         if result.skipped.get("no_trainable_tokens"):
             result.warnings.append(
                 f"skipped {result.skipped['no_trainable_tokens']} rows with no trainable token left (all of their "

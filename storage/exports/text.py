@@ -37,6 +37,7 @@ from storage.exports.base import (
     Rows,
     need_reasoning_spans,
 )
+from storage.exports.images import ImageBytes
 from storage.exports.tool_steps import agentic_histories, is_step
 from storage.schema import (
     ANSWER_END,
@@ -46,6 +47,9 @@ from storage.schema import (
     DATASET,
     FINISH_REASON,
     HAS_THINK_END,
+    IMAGE_POSITIONS,
+    IMAGE_SHA256,
+    IMAGE_TOKENS,
     INPUT_IDS,
     OUTPUT_IDS,
     PROMPT_ID,
@@ -59,13 +63,24 @@ from thinkfleet.redis_client import sync_client
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import JobRecord
 
-_TEXT_COLUMNS = [*COLUMNS, STOP_TOKEN, CONTENT_HASH, CONVERSATION_ID, TURN_INDEX]
+#: Records held before they are written (the tables are sized by their stored columns; ``--image-urls data`` puts
+#: each image's bytes in its record).
+_RECORDS_HELD = 32
+_TEXT_COLUMNS = [*COLUMNS, STOP_TOKEN, CONTENT_HASH, CONVERSATION_ID, TURN_INDEX, IMAGE_SHA256, IMAGE_TOKENS,
+                 IMAGE_POSITIONS]  # fmt: skip
 
 
 class TextFormat(ExportFormat):
-    """A chat-record JSONL format; a subclass names the key its messages go under."""
+    """A chat-record JSONL format; a subclass names the key its messages go under, and how an image prompt's
+    images are written (:meth:`with_images`)."""
 
     key: ClassVar[str]
+    takes_image_urls = True
+
+    def with_images(self, record: dict[str, Any], images: ImageBytes) -> str | None:
+        """Write an image prompt's images into ``record`` (its source messages still hold the manifest's image
+        parts, storage/exports/images.py); a reason to leave the row out instead, or None."""
+        raise NotImplementedError
 
     def write(self, result: ExportResult, loc: layout.Location, rows: Rows) -> None:
         opts = self.options
@@ -79,6 +94,7 @@ class TextFormat(ExportFormat):
         markers = conversations.ToolMarkers.of(record)
         # By the stored ids: the consumer re-renders the text, so its count differs a little (see docs/exports.md).
         lengths = LengthCheck(self.max_length)
+        images = ImageBytes(settings.s3_endpoint_url)
         with Files(loc, ".jsonl", opts.shard_rows, result) as files:
             # A conversation's turns in one table (a later turn's history is decoded from the earlier ones); small
             # tables, since each becomes Python objects.
@@ -89,20 +105,27 @@ class TextFormat(ExportFormat):
                 sources = lookup.get(table[PROMPT_ID].to_pylist())
                 histories = _histories(everything, convs, tok, markers, opts.exclude_reasoning)
                 keep = self._kept(table, rows, everything, histories, result)
-                kept = [row for row in everything if row[PROMPT_ID] in keep]
-                lengths.add(
-                    [row[PROMPT_ID] for row in kept],
-                    np.array([len(row[INPUT_IDS]) + len(row[OUTPUT_IDS]) for row in kept], dtype=np.int64),
-                )
-                files.write_lines(
-                    json.dumps(
-                        _text_record(
-                            row, sources, tok, markers, self.key, opts.exclude_reasoning, histories.get(row[PROMPT_ID])
-                        ),
-                        ensure_ascii=False,
+                ids: list[str] = []
+                sizes: list[int] = []
+                records: list[dict[str, Any]] = []
+                for row in everything:
+                    if row[PROMPT_ID] not in keep:
+                        continue
+                    record = _text_record(
+                        row, sources, tok, markers, self.key, opts.exclude_reasoning, histories.get(row[PROMPT_ID])
                     )
-                    for row in kept
-                )
+                    why = self.with_images(record, images) if row.get(IMAGE_SHA256) else None
+                    if why:  # an image prompt this format's consumer cannot hold: counted, named in a warning
+                        result.skipped[why] = result.skipped.get(why, 0) + 1
+                        continue
+                    ids.append(row[PROMPT_ID])
+                    sizes.append(len(row[INPUT_IDS]) + len(row[OUTPUT_IDS]))
+                    records.append(record)
+                    if len(records) == _RECORDS_HELD:  # (inline images: a record may hold megabytes)
+                        files.write_lines(json.dumps(r, ensure_ascii=False) for r in records)
+                        records.clear()
+                files.write_lines(json.dumps(r, ensure_ascii=False) for r in records)
+                lengths.add(ids, np.array(sizes, dtype=np.int64))
         lengths.report(result, self.length_advice)
 
     @staticmethod
@@ -272,6 +295,8 @@ def _text_record(
         prompt_ids=row[INPUT_IDS],
         output_ids=row[OUTPUT_IDS],
     )
+    if row.get(IMAGE_SHA256):  # what a consumer needs to expand each placeholder of prompt_ids (docs/vision.md)
+        record.update({c: row[c] for c in (IMAGE_SHA256, IMAGE_TOKENS, IMAGE_POSITIONS)})
     return record
 
 
