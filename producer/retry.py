@@ -27,6 +27,14 @@ re-run re-derives every turn after it (workers/turns.py), so a later truncated t
 *settled* conversations are re-run — every turn in the job's submitted set is done or dead — and a chain still
 running is skipped (named on stderr and in ``RetryResult.skipped``): its later turns would race the re-run. Turn
 rows past their conversation's chain end are superseded (``thinkfleet.turns.beyond_chain_ends``), never re-run.
+
+Host affinity (thinkfleet/broker/affinity.py): a re-sent later turn of a ``--turns all`` or agentic job is offered
+first to the host whose server has its history cached — a dead letter's to the worker that stored its conversation's
+previous turn (or tool step), a truncated re-run's to the worker that ran it — in the same MULTI that takes it out of
+``dead``/``done`` (``offer_resent``: its host list plus its offer time, so the host's pop, the idle steal and the
+sweep treat it as any offered next turn; a host without a heartbeat or at its backlog bound gets it on the shared
+queue). Claims and fences are unchanged: where it runs is only a preference. ``retry --missing`` re-sends to the
+shared queue.
 """
 
 from __future__ import annotations
@@ -59,11 +67,15 @@ _TAKE_OUT = lua("requeue")
 
 
 class RetryResult(list[str]):
-    """The re-queued prompt ids; ``skipped``: prompt id → why it was not re-queued (a chain still running)."""
+    """The re-queued prompt ids; ``skipped``: prompt id → why it was not re-queued (a chain still running);
+    ``offered``: prompt id → the host whose list it was offered on (host affinity, see the module doc)."""
 
-    def __init__(self, ids: list[str], skipped: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, ids: list[str], skipped: dict[str, str] | None = None, offered: dict[str, str] | None = None
+    ) -> None:
         super().__init__(ids)
         self.skipped = skipped or {}
+        self.offered = offered or {}
 
 
 #: Why a truncated turn of a conversation whose chain is still running is not re-run.
@@ -107,32 +119,93 @@ def _requeue(
     field: str,
     tasks: list[PromptTask],
     revisions: Mapping[str, int] | None = None,
-) -> None:
+    hosts: Mapping[str, str] | None = None,
+) -> dict[str, str]:
     """Take ``tasks``' prompts out of ``field`` ('dead' or 'done') and put their messages on the queue, at once —
     with ``revisions`` (prompt id → the revision now requested) raised in that same MULTI: one transition, so no
     worker sees the new revision asked for with the prompt still done, or the prompt out of done without it.
+    ``hosts`` (prompt id → worker, :func:`_affine_hosts`): those messages are offered on that worker's host list
+    in the same MULTI (thinkfleet/broker/affinity.py ``offer_resent``: onto the shared queue when it has no
+    heartbeat or no room). Returns the prompts offered on a host list → their host.
 
     Call with the job's submit lock held.
     """
     if not tasks:
-        return
+        return {}
     settings.require_supported_broker()  # the queue is in this Redis: one MULTI takes out and enqueues
+    from thinkfleet.broker.affinity import offer_resent
+
     # Back onto the job's priority list, the messages saying that priority (as its submit queued them).
     priority = job_priority(client, settings, job)
     envelope = Envelope(settings, priority)
+    hosts = hosts or {}
+    by_host: dict[str, list[PromptTask]] = {}
+    for t in tasks:
+        if hosts.get(t.prompt_id):
+            by_host.setdefault(hosts[t.prompt_id], []).append(t)
+    shared = [t for t in tasks if not hosts.get(t.prompt_id)]
     stager = Stager(client, settings.keys, job, settings.queue, priority)
     try:
-        for chunk in _chunks(tasks):
+        for chunk in _chunks(shared):
             stager.push(envelope.encode_many(chunk))
+        offers: list[tuple[str, list[PromptTask]]] = []
         with client.pipeline(transaction=True) as pipe:
             if revisions:
                 pipe.hset(settings.keys.revisions(job), mapping=dict(revisions))
             _take_out(pipe, settings, job, field, tasks)
             stager.commit(pipe)
-            pipe.execute()
+            for worker, mine in sorted(by_host.items()):
+                for chunk in _chunks(mine):
+                    offer_resent(pipe, settings, worker, priority, envelope.encode_many(chunk))
+                    offers.append((worker, chunk))
+            replies = pipe.execute()
     except BaseException:
         stager.discard()
         raise
+    offered: dict[str, str] = {}
+    for (worker, chunk), n in zip(offers, replies[len(replies) - len(offers) :], strict=True):
+        offered.update((t.prompt_id, worker) for t in chunk[: int(n)])  # the first n: the rest had no room
+    return offered
+
+
+def _affine(settings: Settings) -> bool:
+    """Whether re-sent turns are offered to a host: affinity on, and a broker whose workers pop host lists."""
+    from thinkfleet.broker.transit import uses_transit
+
+    return bool(settings.affinity) and uses_transit(settings.broker_url)
+
+
+def _affine_hosts(settings: Settings, job: str, tasks: Sequence[PromptTask]) -> dict[str, str]:
+    """Dead-lettered turns of a ``--turns all`` (or agentic) job → the worker that stored their conversation's
+    previous turn (or tool step): its server's radix cache holds the history the turn starts with. From the job's
+    committed rows (their ``worker`` column); a turn 0, or one whose previous row is not stored, has none."""
+    from storage.reader import read_committed
+    from thinkfleet.turns import split_step_id
+
+    wanted = {t.prompt_id: split_step_id(t.prompt_id) for t in tasks}
+    wanted = {pid: parts for pid, parts in wanted.items() if parts is not None and parts[1:] > (0, 0)}
+    if not wanted or not _affine(settings):
+        return {}
+    convs = {parts[0] for parts in wanted.values()}
+    datasets = sorted({t.dataset for t in tasks if t.prompt_id in wanted})
+    table = read_committed(
+        settings.output_uri,
+        job,
+        columns=["prompt_id", "worker"],
+        datasets=datasets,
+        s3_endpoint_url=settings.s3_endpoint_url,
+    )
+    stored: dict[str, list[tuple[tuple[int, int], str]]] = {}
+    for row in table.to_pylist():
+        parts = split_step_id(row["prompt_id"])
+        if parts is not None and parts[0] in convs and row["worker"]:
+            stored.setdefault(parts[0], []).append((parts[1:], row["worker"]))
+    hosts: dict[str, str] = {}
+    for pid, (conv, turn, step) in wanted.items():
+        before = [(at, w) for at, w in stored.get(conv, ()) if at < (turn, step)]
+        if before:
+            hosts[pid] = max(before)[1]
+    return hosts
 
 
 def _lock(client: redis.Redis, settings: Settings, job: str) -> SubmitLock:
@@ -168,8 +241,8 @@ def retry_dead(settings: Settings, job: str, error_classes: tuple[str, ...] = ()
                         continue
                 tasks.append(task)
             tasks.sort(key=lambda t: (t.dataset, t.row_index, t.sample_index, t.prompt_id))
-            _requeue(client, settings, job, "dead", tasks)
-            return RetryResult([t.prompt_id for t in tasks], refused)
+            offered = _requeue(client, settings, job, "dead", tasks, hosts=_affine_hosts(settings, job, tasks))
+            return RetryResult([t.prompt_id for t in tasks], refused, offered)
     finally:
         client.close()
 
@@ -247,13 +320,18 @@ def retry_truncated(settings: Settings, job: str, max_new_tokens: int) -> list[s
                     "content_hash",
                     "input_ids",
                     "finish_reason",
+                    "worker",
                 ],
                 s3_endpoint_url=settings.s3_endpoint_url,
             )
             table = table.filter(pc.equal(table["finish_reason"], "length"))
-            rows, skipped = table.to_pylist(), {}
+            rows, skipped, hosts = table.to_pylist(), {}, {}
             if _multi_turn(client, settings, job):
                 rows, skipped = _chain_heads(client, settings, job, rows)
+                # A re-run turn goes first to the host that ran it: its server's cache holds the whole prompt (the
+                # previous turn's history and this turn's user message); its re-derived turns follow it there.
+                if _affine(settings):
+                    hosts = {r["prompt_id"]: r["worker"] for r in rows if r.get("worker")}
             tasks = [
                 PromptTask(
                     job=job,
@@ -273,10 +351,11 @@ def retry_truncated(settings: Settings, job: str, max_new_tokens: int) -> list[s
             # follow so that status and verify agree while the re-runs are in flight. The new revision is asked for
             # in the same transition: a worker's claim refuses a message of a lower one from then on, so a leftover
             # copy of the old message cannot run with the old budget and be acked for the new one (claim.lua).
-            _requeue(client, settings, job, "done", tasks, {t.prompt_id: t.revision for t in tasks})
+            revisions = {t.prompt_id: t.revision for t in tasks}
+            offered = _requeue(client, settings, job, "done", tasks, revisions, hosts)
             for pid, why in skipped.items():
                 click.echo(f"skipped {pid}: {why}", err=True)
-            return RetryResult([t.prompt_id for t in tasks], skipped)
+            return RetryResult([t.prompt_id for t in tasks], skipped, offered)
     finally:
         client.close()
 
@@ -435,7 +514,9 @@ def retry(
         raise click.ClickException(f"nothing re-queued: {e}") from e
     if as_json:
         skipped = getattr(ids, "skipped", {})  # turns of conversations whose chain still runs
-        click.echo(json.dumps({"job": job, "requeued": len(ids), "prompt_ids": list(ids), "skipped": skipped}))
+        offered = getattr(ids, "offered", {})  # turns offered to the host that ran their previous turn
+        out = {"job": job, "requeued": len(ids), "prompt_ids": list(ids), "skipped": skipped, "offered": offered}
+        click.echo(json.dumps(out))
     else:
         click.echo(f"{len(ids)} {what} for job {job}")
         if missing and ids.skipped:

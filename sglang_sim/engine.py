@@ -518,8 +518,8 @@ class Engine:
         self.stats.generation_tokens_total += req.generated_tokens
         if abort_message is None:
             self.stats.requests_finished += 1
-            if req.output_ids is not None:  # cache_finished_req: prompt + output (the last id's KV was never computed)
-                self.cache.insert([*req.input_ids, *req.output_ids[:-1]])
+            if req.output_ids is not None:  # cache_finished_req: prompt + output (overlap scheduler: every id's KV)
+                self.cache.insert([*req.input_ids, *req.output_ids])
         else:
             self.stats.requests_aborted += 1
         req.on_finish(req)

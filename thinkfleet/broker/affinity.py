@@ -13,7 +13,9 @@ claims, fences and the finalize are what they were, so exactly-once does not dep
   first out: its oldest offer is the one its host pops next and the one a sweep looks at. The worker offers to
   the shared queue instead when affinity is off, its broker has no transit channel (nothing would pop its host
   list), it is not consuming (draining, server down, storage failing) or its host list already holds
-  ``affinity_backlog`` messages (:meth:`HostAffinity.place`).
+  ``affinity_backlog`` messages (:meth:`HostAffinity.place`). ``producer retry`` offers a re-sent turn the same way
+  to the host that ran its previous turn (:func:`offer_resent`, in the retry's MULTI). Each offer is counted once, by
+  the finalize call that pushed it (``offered``, :class:`AffinityStats`).
 - **Pop.** A worker's transit channel (thinkfleet/broker/transit.py) pops its own host list before the shared
   queue, priority step by priority step (:data:`POP`): within a job priority a conversation's next turn comes
   before a new turn 0, and no host list lets a lower-priority job pass a higher one. The pop removes the offer in
@@ -165,8 +167,43 @@ return {by_age, by_owner, #found >= batch and 1 or 0}
 )
 
 
+# ``producer retry``'s offer of re-sent turns to a host (:func:`offer_resent`), queued inside the retry's MULTI: onto
+# the host's list with their offers, as finalize.lua offers a next turn, while the host has a heartbeat and room
+# under the backlog bound; else (or for the rest) onto the shared list of the same priority. KEYS: offers, the host's
+# list, the shared list, the host's heartbeat. ARGV: the worker, the backlog bound (0 = none), then the messages.
+# Returns how many were offered on the host list.
+OFFER = (
+    lua("_offer")
+    + """
+local offers, host, shared = KEYS[1], KEYS[2], KEYS[3]
+local room = -1
+if redis.call('EXISTS', KEYS[4]) == 0 then
+  room = 0
+elseif tonumber(ARGV[2]) > 0 then
+  room = math.max(0, tonumber(ARGV[2]) - redis.call('LLEN', host))
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local offered = 0
+for i = 3, #ARGV do
+  if room ~= 0 then
+    redis.call('LPUSH', host, ARGV[i])
+    redis.call('ZADD', offers, now, offer_member(ARGV[1], ARGV[i]))
+    offered = offered + 1
+    if room > 0 then room = room - 1 end
+  else
+    redis.call('LPUSH', shared, ARGV[i])
+  end
+end
+return offered
+"""
+)
+
+
 class AffinityStats:
-    """This process's placement counts, by outcome (``offered``, ``shared_away``, ``shared_backlog``, ``own``: popped
+    """This process's placement counts, by outcome (``offered``: next turns its finalizes pushed onto its host list,
+    counted once each by the finalize that made the offer, thinkfleet/state/ledger.py; ``shared_away``,
+    ``shared_backlog``, ``own``: popped
     from its own host list, ``stolen_stale``/``stolen_whole``: moved to the shared queue by its sweeps): thread-safe
     (the transit channel counts its pops on Celery's thread), exported by workers/metrics.py."""
 
@@ -371,3 +408,22 @@ def affinity_options(settings: Settings, worker: str) -> dict[str, str]:
         "affinity_idle_ms": str(int(settings.affinity_idle_wait_s * 1000)),
         "affinity_block": "1" if settings.affinity else "",
     }
+
+
+def offer_resent(pipe: Any, settings: Settings, worker: str, priority: int, messages: list[bytes]) -> None:
+    """Queue on ``pipe`` (a MULTI: ``producer retry``'s) the offer of re-sent ``messages`` — turns whose previous turn
+    ``worker`` ran — to ``worker``'s host list at ``priority``, each with its offer on Redis's clock (:data:`OFFER`):
+    its host pops them first, and the same sweep and idle steal hand them over when they wait too long or the host is
+    gone. A host without a heartbeat, or whose list is at the backlog bound, gets none: onto the shared queue. The
+    call's result in the MULTI's replies is how many were offered."""
+    pipe.eval(
+        OFFER,
+        4,
+        settings.keys.affinity_offers(settings.queue),
+        priority_list(host_queue(settings.queue, worker), priority),
+        priority_list(settings.queue, priority),
+        settings.keys.heartbeat(worker),
+        worker,
+        int(settings.affinity_backlog),
+        *messages,
+    )

@@ -135,6 +135,9 @@ class Finalized(NamedTuple):
     seen: int  # alarm window rows
     missing: int  # of them without </think>
     fenced: dict[str, str]  # prompt id → what holds it now (another claim's epoch@worker, 'done', 'dead')
+    #: next turns this call offered on the caller's host list (host affinity): only the call that moves a row into
+    #: done pushes its next turn, so a retried or replayed finalize of the same rows offers (and counts) none
+    offered: int = 0
 
 
 #: dead_letter.lua's answer for a job whose record is gone or of another generation (purged).
@@ -361,7 +364,9 @@ class Ledger:
         Its held fence stays too: it is that live run's, not this finalize's.
 
         ``offers`` (thinkfleet/broker/affinity.py): ``queue`` is this worker's host list, and each next turn's offer
-        time goes into this ZSET with it (one step: a host list message always has its offer)."""
+        time goes into this ZSET with it (one step: a host list message always has its offer). The next turns this
+        call pushed are ``Finalized.offered``, and counted ``offered`` in ``AFFINITY`` here: a retried finalize
+        (an error after the Lua call ran) or a replayed one finds its rows done and offers nothing again."""
         k = self.keys
         given = fences or {}
         args: list[Any] = [self.worker, alarm_min_rows, alarm_share, dataset]
@@ -393,13 +398,18 @@ class Ledger:
         seq, mark = self._next_mark(job)
         keys += [k.revisions(job), k.finalize_marks(job)]
         args.append(mark)
-        new, fire, seen, miss, flat = await self._finalize_durably(keys, args)
+        new, fire, seen, miss, flat, offered = await self._finalize_durably(keys, args)
         self._marked[job] = max(self._marked.get(job, 0), seq)
         fenced = _pairs(flat)
         for row in rows:
             if row.prompt_id not in given:
                 self._drop(job, row.prompt_id)
-        return Finalized(int(new), bool(fire), int(seen), int(miss), fenced)
+        if offers and int(offered):
+            # Counted where the offer is made, once per next turn (thinkfleet/broker/affinity.py AFFINITY)
+            from thinkfleet.broker.affinity import AFFINITY
+
+            AFFINITY.note("offered", int(offered))
+        return Finalized(int(new), bool(fire), int(seen), int(miss), fenced, int(offered))
 
     def _mark(self, seq: int) -> str:
         return f"{self._mark_nonce}:{seq}"

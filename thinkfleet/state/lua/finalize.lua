@@ -33,8 +33,11 @@
 --       ('' = unknown), its cached tokens ('' = not reported);
 --       last of all, always: the caller's finalize mark ('nonce:seq:prev', _mark.lua's write_mark: a
 --       worker that later finds an older mark there knows Redis lost finalizes of its own, Ledger.lost_finalizes)
--- Returns {new rows, alarm fires, alarm rows seen, of them missing, {fenced prompt_id, holder, ...}}
-local new_rows, tokens, think, trunc, expected = 0, 0, 0, 0, 0
+-- Returns {new rows, alarm fires, alarm rows seen, of them missing, {fenced prompt_id, holder, ...}, next turns
+--   offered on the host list by this call} — the last is what the worker counts as offered (AFFINITY): only the
+--   call that moves a row into done pushes its next turn, so a retried or replayed finalize of it offers nothing
+--   and counts nothing.
+local new_rows, tokens, think, trunc, expected, offered = 0, 0, 0, 0, 0, 0
 local undone, undead = 0, 0
 local function take_out(id)
   undone = undone + redis.call('SREM', KEYS[1], id)
@@ -113,6 +116,7 @@ for i = 5, #ARGV - 1, 16 do
       if offers then
         redis.call('LPUSH', KEYS[11], ARGV[i + 7])
         redis.call('ZADD', offers, offered_at, offer_member(ARGV[1], ARGV[i + 7]))
+        offered = offered + 1
       else
         redis.call('RPUSH', KEYS[11], ARGV[i + 7])
       end
@@ -143,7 +147,7 @@ for n = 2, #fenced, 2 do
   if fenced[n] ~= 'generation' then counted = counted + 1 end
 end
 if counted > 0 then redis.call('HINCRBY', KEYS[3], 'fenced', counted) end
-if new_rows == 0 then return {0, 0, 0, 0, fenced} end
+if new_rows == 0 then return {0, 0, 0, 0, fenced, 0} end
 if undead > 0 then
   redis.call('HINCRBY', KEYS[3], 'dead', -undead)
   redis.call('HINCRBY', KEYS[4], 'dead', -undead)
@@ -179,4 +183,4 @@ local fire = 0
 if (seen >= minrows and miss >= share * minrows) or (rows >= minrows and missing_all >= share * rows) then
   fire = 1
 end
-return {new_rows, fire, seen, miss, fenced}
+return {new_rows, fire, seen, miss, fenced, offered}
