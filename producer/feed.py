@@ -17,6 +17,7 @@ from typing import Any
 from producer.inputs import Columns, Dataset, InputError, Problem, Prompt, iter_prompts, open_dataset
 from producer.submit_options import DatasetOptions, SubmitError, SubmitOptions
 from thinkfleet.settings import Settings
+from thinkfleet.vision import image_count
 
 
 @dataclass
@@ -94,7 +95,13 @@ class Feed:
         plan.update(dataset=dataset, row_index=prompt.row_index, tools=prompt.tools)
         self.conversations[prompt.prompt_id] = plan
         first = plan["messages"][: plan["users"][0] + 1]
-        return dataclasses.replace(prompt, prompt_id=turn_id(prompt.prompt_id, 0), messages=first)
+        images = prompt.images
+        if images:
+            # Every image of the conversation, in order: the workers give each later turn the first ones its history
+            # holds (workers/turns.py); turn 0 carries those of its own messages.
+            plan["images"] = [ref.to_wire() for ref in images]
+            images = images[: image_count(first)]
+        return dataclasses.replace(prompt, prompt_id=turn_id(prompt.prompt_id, 0), messages=first, images=images)
 
     def take(self, n: int) -> list[tuple[str, Prompt]]:
         return [self.pending.popleft() for _ in range(n)]

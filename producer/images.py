@@ -141,6 +141,11 @@ class ImageResolver:
             raise InputError(f"this submit has image rows, but {self._vision}")
         return self._vision
 
+    @property
+    def used(self) -> bool:
+        """Whether this submit read the model's vision (it met an image row): the job record then names the store."""
+        return isinstance(self._vision, Vision)
+
     def resolve(self, value: Any, base: DatasetBase, what: str) -> ImageRef:
         """The reference of one image (``what`` names it in errors: "image 2 (photo.png)"); ImageError if bad."""
         if self.refuse:
@@ -347,15 +352,10 @@ def place_images(ids: Any, refs: tuple[ImageRef, ...], placeholder: Placeholder)
 
 def image_resolver(settings: Any, job: str, tokenizer: str, tok: Any, *, dry_run: bool, turns: str) -> ImageResolver:
     """What reads a submit's images: the job's store (``THINKFLEET_IMAGE_STORE_URI`` or beside the job; a dry run
-    writes nothing) and the settings' limits. ``--turns all`` takes no image rows yet: each is a row problem."""
+    writes nothing) and the settings' limits. ``--turns all`` takes image rows too: each later turn's history keeps
+    its images, one placeholder each (workers/turns.py)."""
     store = ImageStore.for_job(settings.output_uri, job, settings.image_store_uri, settings.s3_endpoint_url, dry_run)
-    refuse = None
-    if turns == "all":
-        refuse = (
-            "image prompts are regenerated with --turns last only for now (a later turn must keep the history's "
-            "images exactly once: issue 33 part 4); submit this dataset with --turns last"
-        )
     return ImageResolver(
         store, tok, tokenizer, max_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels,
-        fetch_timeout_s=settings.image_fetch_timeout_s, s3_endpoint_url=settings.s3_endpoint_url, refuse=refuse,
+        fetch_timeout_s=settings.image_fetch_timeout_s, s3_endpoint_url=settings.s3_endpoint_url,
     )  # fmt: skip

@@ -191,7 +191,19 @@ def build_job_record(
     limits = collector.limits
     record.vocab_size, record.vocab_source = limits.vocab_size, limits.vocab_source
     record.context_length, record.context_source = limits.context_length, limits.context_source
+    _record_images(record, collector)
     return record
+
+
+def _record_images(record: JobRecord, collector: Collector) -> None:
+    """Where the job's images are and which id is their placeholder, once a submit read any image: workers read
+    images only from that store (workers/images.py) and render later turns' images with that placeholder."""
+    for inp in collector.inputs.values():
+        resolver = inp.dataset.images
+        if resolver is not None and resolver.used:
+            record.image_store = resolver.store.root_uri
+            record.image_placeholder_id = resolver.vision.placeholder.token_id
+            return
 
 
 def submit_priority(opts: SubmitOptions, record: JobRecord | None) -> int:

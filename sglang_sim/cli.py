@@ -31,7 +31,10 @@ from sglang_sim.versions import SUPPORTED_VERSIONS
 _HELP = {
     "port": "TCP port to listen on.",
     "model_path": "Model name reported by /model_info, /server_info and /v1/models.",
-    "tokenizer": "Tokenizer dir/id for text prompts and response text (transformers.AutoTokenizer).",
+    "tokenizer": "Tokenizer dir/id for text prompts and response text (transformers.AutoTokenizer); with a "
+    "preprocessor_config.json beside it the model sees images (image_data).",
+    "image_token_skew": "Each image expands into this many more tokens than its processor's rule (a miscounting "
+    "server).",
     "context_length": "Context length in tokens (longer prompts get SGLang's 400).",
     "max_running_requests": "Requests decoded at once; the rest wait FIFO.",
     "max_queued_requests": "Waiting-queue bound; beyond it /generate answers 503 (default unbounded).",

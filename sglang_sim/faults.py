@@ -66,6 +66,9 @@ class FaultConfig:
     bad_output_kind: str = "int32"
     #: Draw the bad output per call (a retry may get a good answer) instead of per prompt (every attempt bad).
     bad_output_per_attempt: bool = False
+    #: Each image expands into this many more tokens than its processor's rule says (at least 1): a server whose
+    #: image processor counts otherwise (another preprocessor_config.json; sglang_sim/vision.py).
+    image_token_skew: int = 0
 
     def __post_init__(self) -> None:
         rates = (self.fault_503_rate, self.fault_drop_rate, self.fault_hang_rate)
@@ -95,6 +98,7 @@ class FaultConfig:
         "bad_output_rate",
         "bad_output_kind",
         "bad_output_per_attempt",
+        "image_token_skew",
     )
 
 

@@ -61,6 +61,10 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     sim.record_rids(parsed)
     try:
         for item in parsed.items:
+            if item.image_data and sim.vision is not None:
+                # The tokenizer manager expands the images before its length checks; the prefill, prompt_tokens and
+                # prompt_token_ids are the expanded prompt's (sglang_sim/vision.py).
+                item.input_ids = sim.vision.expand(item.input_ids, item.image_data, sim.faults.config.image_token_skew)
             validate_item(item, sim.limits, sim.codec.has_tokenizer)
         if profile.rejects_duplicate_rids:
             for item in parsed.items:

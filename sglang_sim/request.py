@@ -46,6 +46,8 @@ class _GenerateBody(BaseModel):
     stream: bool = False
     return_prompt_token_ids: bool = False
     require_reasoning: bool = False
+    #: One image (or a list) per placeholder, per prompt of a batch (sglang_sim/vision.py).
+    image_data: list[Any] | str | None = None
     return_hidden_states: list[bool] | bool = False
 
 
@@ -121,6 +123,8 @@ class GenerateItem:
     #: ``return_logprob`` / ``top_logprobs_num`` of this item (``normalize_batch_and_arguments``).
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    #: This item's images, one per placeholder in order (empty: a text prompt).
+    image_data: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -176,6 +180,7 @@ def normalize_call(
     for i, item in enumerate(items):
         item.return_logprob = bool(_per_item(body.return_logprob, i, False))
         item.top_logprobs_num = int(_per_item(body.top_logprobs_num, i, 0) or 0)
+        item.image_data = _item_images(body.image_data, is_single, i)
     return GenerateCall(
         items=items,
         is_single=is_single,
@@ -192,6 +197,16 @@ def _per_item(value: Any, index: int, default: Any) -> Any:
     if isinstance(value, list):
         return value[index] if index < len(value) else default
     return default if value is None else value
+
+
+def _item_images(value: Any, is_single: bool, index: int) -> list[Any]:
+    """One item's images: a single request's ``image_data`` (one image or a list); a batch's, per item."""
+    if value is None:
+        return []
+    if is_single:
+        return list(value) if isinstance(value, list) else [value]
+    entry = value[index] if isinstance(value, list) and index < len(value) else None
+    return [] if entry is None else list(entry) if isinstance(entry, list) else [entry]
 
 
 def _prompts(body: _GenerateBody, encode: Callable[[str], list[int]]) -> list[list[int]]:

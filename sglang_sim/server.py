@@ -108,7 +108,8 @@ async def model_info(request: web.Request) -> web.Response:
             "disaggregation_mode": "null",
         }
     info |= {
-        "has_image_understanding": True,  # Kimi-K2.5 is natively multimodal
+        # Kimi-K2.5 is natively multimodal; the simulator sees images only with its processor's config (vision.py)
+        "has_image_understanding": sim.vision is not None,
         "has_audio_understanding": False,
         "model_type": "kimi_k25",
         "architectures": ["KimiK25ForConditionalGeneration"],

@@ -23,6 +23,7 @@ from sglang_sim.request import GenerateCall, GenerateItem, Limits
 from sglang_sim.speculative import figures
 from sglang_sim.text import TextCodec
 from sglang_sim.versions import VersionProfile
+from sglang_sim.vision import SimVision
 
 logger = logging.getLogger("sglang_sim")
 
@@ -85,6 +86,8 @@ class Simulator:
         #: rid → times the scheduler retracted it (``meta_info``'s retraction count; only retracted rids).
         self.retracted: OrderedDict[str, int] = OrderedDict()
         self.codec = TextCodec(server.tokenizer)
+        #: The model's image processor (sglang_sim/vision.py); None: a text-only model, image_data is ignored.
+        self.vision = SimVision.load(server.tokenizer, self.codec.tokenizer, self.profile.image_errors_400)
         self.faults = FaultInjector(config.faults)
         self.metrics = SimMetrics(server.model_name)
         self.stats = CallStats()
@@ -341,8 +344,8 @@ class CallItem:
         }
         if self.item.return_logprob:
             out["meta_info"] = self._with_logprobs(out["meta_info"], ids)
-        if self.call.parsed.return_prompt_token_ids:
-            out["prompt_token_ids"] = self.item.input_ids
+        if self.call.parsed.return_prompt_token_ids and sim.profile.prompt_token_ids:
+            out["prompt_token_ids"] = self.item.input_ids  # expanded for an image prompt (sglang_sim/vision.py)
         if not self.call.parsed.is_single and self.call.parsed.stream:
             out["index"] = self.item.index
         return out

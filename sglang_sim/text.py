@@ -95,6 +95,11 @@ class TextCodec:
     def has_tokenizer(self) -> bool:
         return self._tokenizer is not None
 
+    @property
+    def tokenizer(self) -> Any:
+        """The loaded tokenizer (None without ``--tokenizer``): the image placeholder's id comes from it."""
+        return self._tokenizer
+
     def encode(self, text: str) -> list[int]:
         """Prompt text → ids, as SGLang's tokenizer manager does (``tokenizer(text)["input_ids"]``)."""
         if self._tokenizer is None:

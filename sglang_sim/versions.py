@@ -51,6 +51,13 @@ class VersionProfile:
     #: Under ``--speculative-algorithm``, the finished ``meta_info``'s accepted-drafts, proposed-drafts and
     #: histogram keys (0.5.9 ``tokenizer_manager.py:1855-1865``; 0.5.23 renamed them, its ``:3170-3199``).
     spec_keys: tuple[str, str, str] = ("spec_accept_token_num", "spec_draft_token_num", "spec_accept_histogram")
+    #: An image prompt's ids are kept (only its placeholders expanded; ``SGLANG_MM_AVOID_RETOKENIZE``, from 0.5.13)
+    #: and ``return_prompt_token_ids`` answers them (``prompt_token_ids``); False: the field is not in the request
+    #: (0.5.9's ``GenerateReqInput`` has no such field), nothing is returned.
+    prompt_token_ids: bool = False
+    #: More image placeholders than images: 400 (0.5.23 ``_placeholder_mismatch_error``, a ValueError); False: 500
+    #: (0.5.9's RuntimeError from ``legacy_load_mm_data``). sglang_sim/vision.py.
+    image_errors_400: bool = False
 
 
 PROFILES: dict[str, VersionProfile] = {
@@ -81,6 +88,8 @@ PROFILES: dict[str, VersionProfile] = {
         timing_meta_info=True,
         meta_info_layout="0.5.23",
         spec_keys=("spec_num_correct_drafts", "spec_num_proposed_drafts", "spec_correct_drafts_histogram"),
+        prompt_token_ids=True,
+        image_errors_400=True,
     ),
 }
 

@@ -54,6 +54,11 @@ class ImageStore:
         loc = layout.locate(output_uri, s3_endpoint_url)
         return cls(loc.uri(posixpath.join(loc.job_dir(job), IMAGES_DIR)), s3_endpoint_url, dry_run)
 
+    @property
+    def root_uri(self) -> str:
+        """The store's root as a URI (what the job record keeps: workers read images only under it)."""
+        return self.loc.uri(self.loc.root)
+
     def path(self, sha256: str, ext: str) -> str:
         return posixpath.join(self.loc.root, sha256[:2], f"{sha256}.{ext}")
 

@@ -47,7 +47,10 @@ from storage.spans import KIMI_TOKENS, Spans, SpanTokens, compute_spans_batch, p
 #: turn's server had already computed; null for turn 0, single-turn jobs and parts of versions 1–8).
 #: 10: + ``image_sha256``, ``image_paths``, ``image_tokens``, ``image_positions`` (an image prompt's images:
 #: docs/vision.md; null for text prompts and parts of versions 1–9).
-SCHEMA_VERSION = "10"
+#: 11: + ``expanded_input_ids`` (an image prompt served by SGLang ≥ 0.5.13: the prompt ids the server ran, each
+#: placeholder expanded into its image's tokens, as ``return_prompt_token_ids`` returned and the worker checked them;
+#: null for text prompts, older servers and parts of versions 1–10).
+SCHEMA_VERSION = "11"
 
 # -- column names (import these instead of spelling strings) ------------------------------------------
 JOB = "job"
@@ -129,6 +132,9 @@ IMAGE_SHA256 = "image_sha256"
 IMAGE_PATHS = "image_paths"
 IMAGE_TOKENS = "image_tokens"
 IMAGE_POSITIONS = "image_positions"
+#: The ids the server ran for an image prompt (SGLang ≥ 0.5.13 ``return_prompt_token_ids``): ``input_ids`` with each
+#: placeholder repeated ``image_tokens`` times (workers check exactly that). Null where the server did not return them.
+EXPANDED_INPUT_IDS = "expanded_input_ids"
 
 # Non-null list elements: the ids are never null, and saying so lets the Parquet writer skip
 # per-element definition levels.
@@ -220,6 +226,7 @@ SCHEMA = pa.schema(
         pa.field(IMAGE_PATHS, TEXTS),  # where the image store keeps them
         pa.field(IMAGE_TOKENS, COUNTS),  # tokens SGLang expands each placeholder into
         pa.field(IMAGE_POSITIONS, COUNTS),  # index of each placeholder in input_ids
+        pa.field(EXPANDED_INPUT_IDS, TOKEN_IDS),  # the server's expanded prompt ids (SGLang >= 0.5.13)
     ],
     metadata={"thinkfleet.schema_version": SCHEMA_VERSION},
 )

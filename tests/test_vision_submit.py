@@ -335,10 +335,10 @@ def test_a_model_directory_without_image_understanding_is_refused_with_its_fix(
     (wrong / "preprocessor_config.json").write_text(json.dumps(qwen_cfg))
     with pytest.raises(SubmitError, match=r"has no <\|image_pad\|> token"):
         submit(settings, opts([path], wrong, job="p3"))
-    # --turns all takes no image rows yet: a row problem each, the text rows go on
-    report = submit(settings, opts([path], kimi_dir, job="p4", turns="all", skip_invalid=True))
-    assert report.enqueued == 1 and "issue 33 part 4" in str(report.problems[0])
-    assert redis_client.llen(settings.queue) == 1
+    # --turns all takes image rows too (each later turn keeps the history's images: tests/test_vision_turns.py)
+    report = submit(settings, opts([path], kimi_dir, job="p4", turns="all"))
+    assert report.enqueued == 2 and not report.problems
+    assert redis_client.llen(settings.queue) == 2
 
 
 def test_a_dry_run_checks_images_and_writes_none(

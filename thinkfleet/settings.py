@@ -251,6 +251,12 @@ class Settings(BaseSettings):
     image_fetch_timeout_s: float = Field(
         30.0, gt=0, description="Timeout of one http(s):// or s3:// image fetch at submit (workers never fetch)."
     )
+    image_cache_bytes: int = Field(
+        256 << 20,
+        ge=0,
+        description="Worker: byte budget of the images it keeps encoded (data: URIs, by sha256; least recently used "
+        "dropped first), so an image many prompts share is read from the store once (256 MiB). 0: read every time.",
+    )
 
     # -- trust: what a worker runs and what it believes (thinkfleet/signing.py, workers/jobs.py) ----------
     signing_key_file: str | None = Field(

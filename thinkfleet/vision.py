@@ -240,6 +240,52 @@ class ImageRef:
         return cls(sha, uri, mime, *numbers)  # type: ignore[arg-type]
 
 
+def image_count(messages: list[dict[str, Any]]) -> int:
+    """How many images a rendered conversation's messages hold (the producer's resolved ``{"type": "image",
+    "image": <store URI>, "sha256": …}`` parts): the chat template renders one placeholder for each."""
+    return sum(
+        1
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for part in m["content"]
+        if isinstance(part, dict) and part.get("type") == "image"
+    )
+
+
 def expanded_length(n_ids: int, images: tuple[ImageRef, ...] | list[ImageRef]) -> int:
     """The prompt's length on the server: each image's one placeholder becomes its ``tokens``."""
     return n_ids + sum(image.tokens - 1 for image in images)
+
+
+def expand_ids(ids: list[int], images: tuple[ImageRef, ...] | list[ImageRef]) -> list[int]:
+    """``ids`` as the server sees them once it expanded each image's one placeholder (at its ``position``) into
+    ``tokens`` copies of that placeholder id — what SGLang ≥ 0.5.13 returns as ``prompt_token_ids``
+    (``base_processor._expand_input_ids``). ValueError for a reference whose position is not in ``ids``."""
+    out: list[int] = []
+    start = 0
+    for image in sorted(images, key=lambda m: m.position):
+        if not start <= image.position < len(ids):
+            raise ValueError(f"image {image.sha256[:12]} placeholder position {image.position} is not in the ids")
+        out.extend(ids[start : image.position])
+        out.extend([ids[image.position]] * image.tokens)
+        start = image.position + 1
+    out.extend(ids[start:])
+    return out
+
+
+def load_rule(model_dir: str) -> ImageRule:
+    """The rule of the model directory ``model_dir`` (its ``preprocessor_config.json``), as the server's processor
+    reads it at start; :class:`VisionError` when the file is missing or unreadable (a text-only model)."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir).expanduser() / PREPROCESSOR_CONFIG
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise VisionError(f"{path}: no such file (a model without an image processor)") from None
+    except (OSError, ValueError) as exc:
+        raise VisionError(f"{path}: not readable JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise VisionError(f"{path}: a JSON {type(config).__name__}, not an object")
+    return image_rule(config, str(path))

@@ -2,7 +2,7 @@
 
 A decoded message is admitted — its job's spec and its verified prompt ids — or ends here without touching its
 prompt's claim: refused unsigned (the malformed list), dead-lettered (an unknown job, a record the producer did not
-sign, a tokenizer this worker may not run, ids the message's own checks refuse, images it cannot send yet), skipped
+sign, a tokenizer this worker may not run, ids the message's own checks refuse), skipped
 (a message of a purged job's older generation), parked (its job is paused) or dead-lettered ``cancelled``. Each of
 those is a decision about the *message*, taken before the prompt's run begins (workers/pipeline.py), so none of them
 holds a claim.
@@ -31,9 +31,6 @@ from workers.metrics import WorkerMetrics
 from workers.outcomes import Outcomes
 
 log = logging.getLogger("thinkfleet.worker")
-
-#: The dead-letter class of an image prompt on a worker that cannot send its images (docs/vision.md).
-IMAGES_UNSUPPORTED = "images_unsupported"
 
 
 @dataclass(frozen=True)
@@ -110,15 +107,7 @@ class Admission:
         except MessageRefused as exc:
             # Resending it cannot help: dead-lettered with the check it failed (the whole message kept).
             return await self.outcomes.dead(task, exc.error_class, exc.detail)
-        if task.media:
-            # /generate would get the ids without image_data: the model would answer a prompt whose images are
-            # placeholders, a row no one could tell from a real one. Kept whole: producer retry resends it to a
-            # worker that sends images (issue 33 part 3).
-            n = len(task.media)
-            return await self.outcomes.dead(
-                task, IMAGES_UNSUPPORTED, f"this worker does not send image_data yet: the prompt's {n} image(s) "
-                "would be dropped; run producer retry once the fleet's workers send images",
-            )  # fmt: skip
+        # An image prompt's images are read and checked after its claim (workers/images.py, in the trip).
         return Admitted(job, input_ids)
 
     async def _stale_generation(self, task: PromptTask, job: JobSpec) -> str:

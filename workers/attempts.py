@@ -20,7 +20,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from thinkfleet.failpoints import failpoint
 from thinkfleet.message import PromptTask
@@ -32,6 +32,9 @@ from workers.client import SGLangClient
 from workers.health import HealthGate
 from workers.metrics import WorkerMetrics
 from workers.sglang import Generation, PermanentError, ServerFault
+
+if TYPE_CHECKING:
+    from workers.sglang import ImagePrompt
 
 log = logging.getLogger("thinkfleet.worker")
 
@@ -72,10 +75,16 @@ class RequestAttempts:
             request.cancel()
 
     async def run(
-        self, task: PromptTask, input_ids: list[int], sampling: dict[str, Any], vocab_size: int | None = None
+        self,
+        task: PromptTask,
+        input_ids: list[int],
+        sampling: dict[str, Any],
+        vocab_size: int | None = None,
+        images: ImagePrompt | None = None,
     ) -> tuple[Generation, int, float]:
         """The generation, the attempts it took and the last attempt's latency (s). ``vocab_size`` (the
-        server's, else the job record's; None: unknown) bounds every output id of an answer."""
+        server's, else the job record's; None: unknown) bounds every output id of an answer; ``images``: an
+        image prompt's ``image_data`` and the expanded prompt its answer must show."""
         s = self.settings
         deadline = s.request_deadline_s(int(sampling.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS))
         attempt = 0
@@ -91,7 +100,7 @@ class RequestAttempts:
                     raise HandBack()
                 attempt += 1
                 gen, error, started, sent_at = await self._attempt(
-                    task, input_ids, sampling, attempt, deadline, vocab_size
+                    task, input_ids, sampling, attempt, deadline, vocab_size, images
                 )
             if error is None:
                 self.gate.note_completion()
@@ -126,6 +135,7 @@ class RequestAttempts:
         attempt: int,
         deadline: float,
         vocab_size: int | None = None,
+        images: ImagePrompt | None = None,
     ) -> tuple[Generation | None, ServerFault | PermanentError | None, float, float]:
         """One /generate call inside a request slot: (generation, None) or (None, the server's fault, or its
         context-length refusal)."""
@@ -133,7 +143,8 @@ class RequestAttempts:
         started = time.perf_counter()
         sent_at = time.monotonic()
         self.metrics.request_started()
-        request = asyncio.ensure_future(self.client.generate(input_ids, sampling, rid, deadline, vocab_size))
+        extra = {"images": images} if images is not None else {}  # a text prompt's call is as it always was
+        request = asyncio.ensure_future(self.client.generate(input_ids, sampling, rid, deadline, vocab_size, **extra))
         self.inflight[request] = (task.job, rid)
         try:
             failpoint("during_generate", task.prompt_id)

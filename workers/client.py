@@ -17,7 +17,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
@@ -30,6 +30,9 @@ from workers.sglang import (
     classify_http_error,
     parse_response,
 )
+
+if TYPE_CHECKING:
+    from workers.sglang import ImagePrompt
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +113,15 @@ class SGLangClient:
         rid: str,
         deadline_s: float,
         vocab_size: int | None = None,
+        images: ImagePrompt | None = None,
     ) -> Generation:
         """One attempt. Raises ServerFault (BadOutput: an answer that cannot be stored, e.g. an output id
-        outside ``[0, vocab_size)``) / PermanentError / asyncio.TimeoutError."""
+        outside ``[0, vocab_size)``) / PermanentError (an image prompt the server expanded otherwise than sent:
+        ImageTokensMismatch) / asyncio.TimeoutError."""
         # orjson: the ids are most of the bytes both ways, and the stdlib json is several times slower on them.
-        body = orjson.dumps(build_request(input_ids, sampling_params, rid))
+        image_data = images.image_data if images is not None else None
+        asked = images is not None and images.return_prompt_token_ids
+        body = orjson.dumps(build_request(input_ids, sampling_params, rid, image_data, asked))
         try:
             async with asyncio.timeout(deadline_s):
                 async with self.session.post(f"{self.base_url}/generate", data=body, headers=_JSON) as resp:
@@ -137,6 +144,7 @@ class SGLangClient:
             sampling_params.get("logprobs"),
             vocab_size=vocab_size,
             prompt_len=len(input_ids),
+            expected=images.expected if images is not None else None,
         )
 
     async def abort(self, rid: str) -> None:

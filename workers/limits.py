@@ -86,7 +86,9 @@ class JobLimits:
         max_new = sampling.get("max_new_tokens")
         max_new = int(max_new) if max_new is not None else None
         limits = await self.limits(task, sampling, info)
-        refused = check_request(input_ids, max_new, limits)
+        # an image prompt's placeholders count as the tokens the server expands them into (its context check's)
+        images = sum(m.tokens - 1 for m in task.media)
+        refused = check_request(input_ids, max_new, limits, images)
         if refused is not None and refused.error_class == "context_overflow":
             # The server may have restarted with a longer context since the gate read it (it reads it only when
             # it reopens): read it once more, and dead-letter only what the server's present context refuses.
@@ -94,7 +96,7 @@ class JobLimits:
             if fresh is not info:
                 info = fresh
                 limits = await self.limits(task, sampling, info)
-                refused = check_request(input_ids, max_new, limits)
+                refused = check_request(input_ids, max_new, limits, images)
         return Fitted(limits, refused, info)
 
     async def limits(self, task: PromptTask, sampling: dict[str, Any], info: ServerInfo | None) -> RequestLimits:

@@ -40,6 +40,7 @@ from workers.claims import Claims, Poisoned, Run
 from workers.committer import BadRow, Fenced, GroupCommitter, StorageUnavailable
 from workers.health import HealthGate
 from workers.hooks import Committed, PostCommitHooks
+from workers.images import ImageNotSent, ImageSender
 from workers.jobs import JobCache, JobSpec
 from workers.limits import JobLimits, output_vocab
 from workers.metrics import WorkerMetrics
@@ -85,6 +86,8 @@ class PromptPipeline:
             settings, redis, jobs, gate, self.limits, self.outcomes, metrics, attempts.cancelled_jobs
         )
         self.claims = Claims(settings, identity, redis, ledger, committer, metrics, draining)
+        #: An image prompt's images: read from the job's store once per worker, checked, sent as data: URIs.
+        self.images = ImageSender(settings)
 
     async def handle(self, args: Any, message_id: str | None = None) -> str:
         """A message's args → its outcome (the message is acked), or :class:`HandBack` (requeued). Nothing
@@ -190,10 +193,18 @@ class PromptPipeline:
             # Never sent: an id >= the vocabulary or an overflowing context must not reach the GPU.
             refused = fitted.refused
             return await self.outcomes.dead(task, refused.error_class, refused.message, level=logging.WARNING)
+        images = None
+        if task.media:
+            try:
+                images = await self.images.prepare(task, job, input_ids, self.gate.info or fitted.info)
+            except ImageNotSent as exc:  # never sent without its images, nor with other bytes than submitted
+                return await self.outcomes.dead(task, exc.error_class, exc.detail, level=logging.WARNING)
         try:
             # Every answer is validated against the vocabulary here (BadOutput, retried): a bad row never
-            # reaches a commit group, where it would fail its neighbours' encode.
-            gen, attempts, latency = await self.attempts.run(task, input_ids, sampling, output_vocab(fitted.limits))
+            # reaches a commit group, where it would fail its neighbours' encode. An image prompt's answer must
+            # show the prompt expanded as sent (ImageTokensMismatch: dead-lettered bad_output at once).
+            vocab = output_vocab(fitted.limits)
+            gen, attempts, latency = await self.attempts.run(task, input_ids, sampling, vocab, images)
         except PermanentError as exc:
             # bad_output keeps what the server answered (exc.answer) in the dead letter.
             n = getattr(exc, "attempts", 1)

@@ -9,7 +9,14 @@ from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from storage.schema import IMAGE_PATHS, IMAGE_POSITIONS, IMAGE_SHA256, IMAGE_TOKENS, span_values
+from storage.schema import (
+    EXPANDED_INPUT_IDS,
+    IMAGE_PATHS,
+    IMAGE_POSITIONS,
+    IMAGE_SHA256,
+    IMAGE_TOKENS,
+    span_values,
+)
 from storage.spans import compute_spans, prompt_opens_reasoning
 from thinkfleet.message import PromptTask
 from thinkfleet.state.ledger import FinalRow
@@ -113,6 +120,8 @@ def build_row(
         "spec_accept_histogram": gen.spec_accept_histogram,
         # an image prompt's images, one per placeholder (docs/vision.md); null for a text prompt
         **image_columns(task),
+        # the prompt as the server expanded it (SGLang >= 0.5.13, checked against the ids sent); null otherwise
+        EXPANDED_INPUT_IDS: gen.prompt_token_ids,
     }
     truncated = gen.finish_type == "length"
     final = final_row(task, job, gen.completion_tokens, spans.has_think_end, truncated, opens, epoch)

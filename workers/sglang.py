@@ -29,7 +29,7 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 #: Sampling keys we forward to SGLang (anything else in a job record is ours).
@@ -122,6 +122,37 @@ class PermanentError(Exception):
         self.answer = answer
 
 
+class ImageTokensMismatch(PermanentError):
+    """An image prompt the server did not run as sent: ``prompt_tokens`` is not ``len(input_ids) − n_images +
+    Σ image tokens``, or (≥ 0.5.13) ``prompt_token_ids`` is not the ids sent with each placeholder expanded. The
+    same ids and images make the same count again, so it is not retried: dead-lettered ``bad_output`` at once,
+    with the server's answer kept — never a row whose prompt is not what the model saw."""
+
+    def __init__(self, message: str, answer: dict[str, Any]) -> None:
+        super().__init__("bad_output", f"image prompt: {message}", answer=answer)
+
+
+@dataclass(frozen=True)
+class ExpectedPrompt:
+    """What an image prompt's answer must show of its prompt: the expanded length, and (when asked for with
+    ``return_prompt_token_ids``) the expanded ids themselves."""
+
+    n_ids: int
+    n_images: int
+    length: int
+    ids: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """What an image prompt's request carries beside its ids, and what its answer must show."""
+
+    image_data: list[str]
+    expected: ExpectedPrompt
+    #: Ask for ``return_prompt_token_ids`` (SGLang ≥ 0.5.13): the answer's ids are checked against ``expected.ids``.
+    return_prompt_token_ids: bool
+
+
 #: ``finish_reason.matched`` of a NaN / out-of-vocab sample (scheduler output processing, every version).
 NAN_MATCHED = "NaN happened"
 
@@ -153,6 +184,9 @@ class Generation:
     spec_accepted_tokens: int | None = None
     spec_draft_tokens: int | None = None
     spec_accept_histogram: list[int] | None = None
+    #: An image prompt on SGLang ≥ 0.5.13 (``return_prompt_token_ids``): the ids the server ran, each image's
+    #: placeholder expanded — checked equal to the ids sent with each placeholder expanded by its count.
+    prompt_token_ids: list[int] | None = None
 
 
 #: A finished answer's speculative-decoding figures, per release: 0.5.9 ``tokenizer_manager.py:1851-1867``
@@ -180,8 +214,16 @@ def spec_figures(meta: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def build_request(input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> dict[str, Any]:
-    """The JSON body of one /generate call."""
+def build_request(
+    input_ids: list[int],
+    sampling_params: dict[str, Any],
+    rid: str,
+    image_data: list[str] | None = None,
+    return_prompt_token_ids: bool = False,
+) -> dict[str, Any]:
+    """The JSON body of one /generate call. An image prompt adds ``image_data`` (one ``data:`` URI per placeholder,
+    in order: ``GenerateReqInput.image_data``) and, on SGLang ≥ 0.5.13, ``return_prompt_token_ids`` (the answer's
+    top-level ``prompt_token_ids``: 0.5.23 ``managers/tokenizer_manager.py`` ``_handle_batch_output``)."""
     params = {k: sampling_params[k] for k in SAMPLING_KEYS if sampling_params.get(k) is not None}
     # Ids are the product; keep special tokens and the stop token verbatim in `text` too.
     params["skip_special_tokens"] = False
@@ -193,6 +235,10 @@ def build_request(input_ids: list[int], sampling_params: dict[str, Any], rid: st
         "stream": False,
         "require_reasoning": True,
     }
+    if image_data:
+        body["image_data"] = image_data
+        if return_prompt_token_ids:
+            body["return_prompt_token_ids"] = True
     k = sampling_params.get(LOGPROBS_KEY)
     if k is not None:
         # logprob_start_len -1 (SGLang's default): output logprobs, plus one input position (ignored).
@@ -293,6 +339,10 @@ def answer_excerpt(data: Any) -> dict[str, Any]:
     text = data.get("text")
     if isinstance(text, str):
         out["text"] = text[:ANSWER_TEXT_KEPT]
+    prompt_ids = data.get("prompt_token_ids")
+    if isinstance(prompt_ids, list):  # an image prompt's expanded ids: what the server ran
+        out["prompt_token_ids"] = prompt_ids[:ANSWER_IDS_KEPT]
+        out["prompt_token_ids_count"] = len(prompt_ids)
     return out
 
 
@@ -415,6 +465,7 @@ def parse_response(
     logprobs: int | None = None,
     vocab_size: int | None = None,
     prompt_len: int | None = None,
+    expected: ExpectedPrompt | None = None,
 ) -> Generation:
     """Validate a non-streaming single-request response; inconsistencies are server faults, not data.
 
@@ -427,14 +478,49 @@ def parse_response(
     Every row it returns can be stored: each output (and top-logprob) id is an int in ``[0, vocab_size)``
     (``[0, 2**31)`` when the vocabulary is unknown), a ``stop``/``length`` finish has at most
     ``max_new_tokens`` ids, every count is an int32 consistent with the ids (``prompt_len``: the prompt ids
-    sent). Anything else raises :class:`BadOutput` carrying :func:`answer_excerpt` of the answer.
+    sent). Anything else raises :class:`BadOutput` carrying :func:`answer_excerpt` of the answer. An image
+    prompt (``expected``) is checked against its expanded prompt instead (:func:`check_image_prompt`).
     """
     try:
-        return _parse_response(data, rid, max_new_tokens, logprobs, vocab_size, prompt_len)
+        gen = _parse_response(data, rid, max_new_tokens, logprobs, vocab_size, None if expected else prompt_len)
     except BadOutput as exc:
         if exc.answer is None:
             exc.answer = answer_excerpt(data)
         raise
+    if expected is None:
+        return gen
+    return check_image_prompt(gen, data, expected)
+
+
+def check_image_prompt(gen: Generation, data: dict[str, Any], expected: ExpectedPrompt) -> Generation:
+    """``gen`` with the server's expanded ids when its prompt is the one sent (:class:`ImageTokensMismatch`
+    otherwise): ``meta_info.prompt_tokens`` = the expanded length, and the returned ``prompt_token_ids`` (asked
+    for: ``expected.ids``) equal to the ids sent with each placeholder expanded by its image's count."""
+    reported = data["meta_info"].get("prompt_tokens")
+    if reported != expected.length:
+        raise ImageTokensMismatch(
+            f"meta_info.prompt_tokens={reported!r} != {expected.length} ({expected.n_ids} ids − {expected.n_images} "
+            f"placeholder(s) + the images' token counts): the server's image processor counts these images "
+            "differently (another preprocessor_config.json, or a re-tokenization drift)",
+            answer_excerpt(data),
+        )
+    if expected.ids is None:
+        return gen
+    returned = data.get("prompt_token_ids")
+    if not isinstance(returned, list):
+        raise ImageTokensMismatch(
+            "return_prompt_token_ids was asked for (SGLang >= 0.5.13) and the answer has no prompt_token_ids list",
+            answer_excerpt(data),
+        )
+    if returned != expected.ids:
+        at = next((i for i, (a, b) in enumerate(zip(returned, expected.ids, strict=False)) if a != b), None)
+        where = f"first difference at {at}" if at is not None else "one is a prefix of the other"
+        raise ImageTokensMismatch(
+            f"prompt_token_ids ({len(returned)} ids) != the ids sent with each placeholder expanded "
+            f"({len(expected.ids)} ids; {where})",
+            answer_excerpt(data),
+        )
+    return replace(gen, prompt_token_ids=expected.ids)
 
 
 def _parse_response(
@@ -501,6 +587,9 @@ def _parse_response(
 # -- what the server is ---------------------------------------------------------------------------------
 #: First release whose context check is ``input + max_new_tokens > context`` (``>=`` up to 0.5.10).
 STRICT_CONTEXT_CHECK_FROM = (0, 5, 11)
+#: First release that keeps an image prompt's ids (expanding only its placeholders; before, it decodes and
+#: re-tokenizes them) and answers ``return_prompt_token_ids`` (sglang PR #26555; docs/sglang-versions.md).
+PROMPT_TOKEN_IDS_FROM = (0, 5, 13)
 
 
 def parse_version(text: Any) -> tuple[int, int, int] | None:
@@ -535,6 +624,19 @@ class ServerInfo:
         version: the stricter check); False from 0.5.11, which refuses only ``>``."""
         version = parse_version(self.version)
         return version is None or version < STRICT_CONTEXT_CHECK_FROM
+
+    @property
+    def returns_prompt_token_ids(self) -> bool:
+        """True from SGLang 0.5.13: an image prompt's ids are kept (``SGLANG_MM_AVOID_RETOKENIZE``, default on)
+        and ``return_prompt_token_ids`` returns them expanded; False before, or when the version is unknown."""
+        version = parse_version(self.version)
+        return version is not None and version >= PROMPT_TOKEN_IDS_FROM
+
+    @property
+    def image_understanding(self) -> bool | None:
+        """``/model_info.has_image_understanding`` (None: the server did not say)."""
+        value = self.model_info.get("has_image_understanding")
+        return value if isinstance(value, bool) else None
 
 
 def _positive_int(*values: Any) -> int | None:
@@ -650,9 +752,12 @@ class RequestLimits:
     version: str | None = None
 
 
-def check_request(input_ids: list[int], max_new_tokens: int | None, limits: RequestLimits) -> PermanentError | None:
+def check_request(
+    input_ids: list[int], max_new_tokens: int | None, limits: RequestLimits, image_tokens: int = 0
+) -> PermanentError | None:
     """The refusal (``invalid_ids`` / ``context_overflow``, with a message naming the id or the lengths)
-    of a prompt the server must never see, or None when it fits what the worker knows of the server."""
+    of a prompt the server must never see, or None when it fits what the worker knows of the server.
+    ``image_tokens``: what an image prompt's placeholders add once expanded (the server checks that length)."""
     vocab = limits.vocab_size
     if vocab is not None and input_ids:
         top = max(input_ids)
@@ -665,7 +770,7 @@ def check_request(input_ids: list[int], max_new_tokens: int | None, limits: Requ
             )
     if input_ids and min(input_ids) < 0:
         return PermanentError("invalid_ids", f"prompt id {min(input_ids)} is negative; not sent")
-    n = len(input_ids)
+    n = len(input_ids) + image_tokens
     ctx = limits.context_length
     where = f"({limits.context_source}{f', SGLang {limits.version}' if limits.version else ''})"
     if ctx is not None:

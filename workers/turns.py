@@ -49,6 +49,7 @@ common prefix with turn i's prompt + output ids), which its row stores.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import Sequence
@@ -60,7 +61,7 @@ import pyarrow.parquet as pq
 import redis.asyncio as aioredis
 
 from storage.schema import CHAIN_END
-from thinkfleet.broker.affinity import AFFINITY, HostAffinity, Placement
+from thinkfleet.broker.affinity import HostAffinity, Placement
 from thinkfleet.chain_end import end_of
 from thinkfleet.keys import Keys
 from thinkfleet.message import MessageRefused, PromptTask, content_hash, pack_ids
@@ -81,6 +82,7 @@ from thinkfleet.turns import (
     turn_messages,
     turns_meta,
 )
+from thinkfleet.vision import ImageRef
 from workers.hooks import CommitGroup, FinalizeWrites, PostCommitHook, StoredRow
 from workers.jobs import JobCache, JobSpec, UnknownJob, confined_tokenizer, tokenizer_roots
 
@@ -384,8 +386,11 @@ class TurnChainer:
         following: bytes | None,
     ) -> tuple[str, bytes]:
         """The next turn's (or step's) content hash and encoded message, from its rendered ``ids`` and the answer
-        record ``following`` already holds for ``next_id`` (None: none yet)."""
-        digest = content_hash(ids)
+        record ``following`` already holds for ``next_id`` (None: none yet). An image conversation's message carries
+        the images its history holds (:func:`history_images`), each once, as the one placeholder it was rendered
+        with: the ids are rendered from the messages, never from an earlier turn's expanded ids."""
+        media = history_images(jt.record, conv, ids, next_id)
+        digest = content_hash(ids, [m.sha256 for m in media]) if media else content_hash(ids)
         # A re-derivation (turn i+1 has an answer: a row of it is stored) goes one revision above that row.
         # Only finalize writes answers, and turn i+1's is not written before turn i's finalize enqueues it:
         # the orphan recovery computes the same revision.
@@ -404,6 +409,7 @@ class TurnChainer:
             overrides=_carried(jt.record, dataset, row),
             generation=jt.record.generation,
             prefix_reusable=reusable,
+            media=media,
         )
         # the priority of the record this turn is derived with (its generation's), as that record's submit queued
         return digest, self._encode(task, _priority_step(jt.record.priority))
@@ -453,10 +459,28 @@ class TurnChaining(PostCommitHook):
         answers = answers_key(self.chainer.keys, job)
         if not any(n.next_prompt_id for n in rows.values()):  # nothing enqueued: no placement to choose
             return FinalizeWrites(await self.chainer.queue_for(job), answers, rows)
-        place = await self.chainer.placement(job)
-        if place.offers:  # (counted as the finalize is prepared: a retried commit counts its group again)
-            AFFINITY.note("offered", sum(1 for n in rows.values() if n.next_prompt_id))
+        place = await self.chainer.placement(job)  # (offers are counted by the finalize that makes them: ledger.py)
         return FinalizeWrites(place.queue, answers, rows, place.offers)
+
+
+def history_images(record: JobRecord, conv: dict[str, Any], ids: list[int], prompt_id: str) -> tuple[ImageRef, ...]:
+    """The images of a later turn's rendered ``ids``: the conversation's first k images (the producer recorded them
+    in order, ``conv["images"]``), k the placeholders the template rendered, each at its placeholder. A history
+    only grows, so its images are always the first ones; :class:`TurnError` when the ids hold more placeholders
+    than the conversation has images (an answer that spelled the placeholder token)."""
+    refs = conv.get("images") or []
+    pid = record.image_placeholder_id
+    if not refs or pid is None:
+        return ()
+    positions = [i for i, t in enumerate(ids) if t == pid]
+    if len(positions) > len(refs):
+        raise TurnError(
+            f"{prompt_id}: its rendered history holds {len(positions)} image placeholder(s) ({pid}) for the "
+            f"conversation's {len(refs)} image(s): an answer spelled the placeholder token"
+        )
+    return tuple(
+        dataclasses.replace(ImageRef.from_wire(ref), position=p) for ref, p in zip(refs, positions, strict=False)
+    )
 
 
 def shared_prefix(before: Sequence[int], ids: Sequence[int]) -> int:

@@ -74,6 +74,11 @@ field                            absent →            what
                                                      and (K > 0) the top-K alternatives; null = none asked.
                                                      Workers read K from ``sampling_params["logprobs"]``
                                                      (never forwarded to SGLang's ``sampling_params``)
+``image_store``                  ""                  image prompts: the root URI of the job's image store
+                                                     (storage/images.py); workers read images only from it
+                                                     ("": a record from before it, the default store)
+``image_placeholder_id``         null                image prompts: the id of the one placeholder the chat
+                                                     template renders per image (docs/vision.md)
 ================================ =================== ======================================================
 
 Marker ids: absent vs null. ``producer submit`` always writes ``model_family`` and every marker field,
@@ -131,7 +136,7 @@ MARKER_FIELDS: tuple[str, ...] = (
     "tool_call_end_id",
 )
 #: Fields where a stored null is a value; elsewhere null reads as the field's default.
-NULLABLE_FIELDS: frozenset[str] = frozenset({*MARKER_FIELDS, "expected_model", "logprobs"})
+NULLABLE_FIELDS: frozenset[str] = frozenset({*MARKER_FIELDS, "expected_model", "logprobs", "image_placeholder_id"})
 _STAMP_FIELDS = ("created_at", "updated_at")
 
 
@@ -178,6 +183,9 @@ class JobRecord:
     #: carries it. Workers reload a record whose generation changed and refuse messages of another ('' = a
     #: record of a version before generations: not checked).
     generation: str = ""
+    #: Image prompts (docs/vision.md): where the job's images are (workers read nowhere else) and the placeholder id.
+    image_store: str = ""
+    image_placeholder_id: int | None = None
 
     # -- sampling ---------------------------------------------------------------------------------
     @property
