@@ -27,6 +27,7 @@ from storage.schema import (
     ANSWER_START,
     COMPLETION_TOKENS,
     CONTENT_HASH,
+    EXPANDED_INPUT_IDS,
     FINISH_REASON,
     HAS_THINK_END,
     IDS_CRC32,
@@ -52,7 +53,9 @@ from thinkfleet.message import hash_id_bytes, is_content_hash
 #: Columns :func:`row_problems` needs.
 CHECK_COLUMNS = [PROMPT_ID, *TOKEN_COLUMNS, *SPAN_COLUMNS, STOP_TOKEN, COMPLETION_TOKENS, FINISH_REASON]
 #: Columns :func:`image_problems` needs.
-IMAGE_CHECK_COLUMNS = [PROMPT_ID, INPUT_IDS, IMAGE_SHA256, IMAGE_PATHS, IMAGE_TOKENS, IMAGE_POSITIONS]
+IMAGE_CHECK_COLUMNS = [
+    PROMPT_ID, INPUT_IDS, IMAGE_SHA256, IMAGE_PATHS, IMAGE_TOKENS, IMAGE_POSITIONS, EXPANDED_INPUT_IDS
+]  # fmt: skip
 FINISH_TYPES = ("stop", "length", "abort")
 
 
@@ -207,13 +210,33 @@ def image_problems(table: pa.Table, placeholder_id: int | None = None) -> dict[s
     values, offsets = flat_ids(table[INPUT_IDS])
     found: dict[str, list[str]] = {}
     columns = [table[c].to_pylist() for c in (PROMPT_ID, IMAGE_SHA256, IMAGE_PATHS, IMAGE_TOKENS, IMAGE_POSITIONS)]
+    # schema 11: the prompt ids a server >= 0.5.13 returned (null where it returned none, and in older parts)
+    expanded = table[EXPANDED_INPUT_IDS].to_pylist() if EXPANDED_INPUT_IDS in table.column_names else None
     for i, (pid, shas, paths, tokens, positions) in enumerate(zip(*columns, strict=True)):
         if shas is None and paths is None and tokens is None and positions is None:
             continue  # a text prompt
-        problems = _image_row(values[offsets[i] : offsets[i + 1]], shas, paths, tokens, positions, placeholder_id)
+        ids = values[offsets[i] : offsets[i + 1]]
+        problems = _image_row(ids, shas, paths, tokens, positions, placeholder_id)
+        if not problems and expanded is not None and expanded[i] is not None:
+            problems = _expanded_problems(ids, tokens, positions, expanded[i])
         if problems:
             found[pid] = problems
     return found
+
+
+def _expanded_problems(ids: np.ndarray, tokens: list[int], positions: list[int], served: list[int]) -> list[str]:
+    """The server's expanded prompt must be ``ids`` with each image's one placeholder repeated ``image_tokens`` times
+    (what the worker checked before storing it: thinkfleet/vision.py ``expand_ids``)."""
+    reps = np.ones(len(ids), dtype=np.int64)
+    reps[np.asarray(positions, dtype=np.int64)] = tokens
+    want = np.repeat(ids, reps)
+    got = np.asarray(served, dtype=want.dtype)
+    if len(got) == len(want) and bool((got == want).all()):
+        return []
+    if len(got) != len(want):
+        return [f"expanded_input_ids hold {len(got)} ids, the ids with each placeholder expanded {len(want)}"]
+    first = int(np.flatnonzero(got != want)[0])
+    return [f"expanded_input_ids differ from the ids with each placeholder expanded at position {first}"]
 
 
 def _image_row(

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import redis
 
-from storage.checks import hash_mismatches
+from storage.checks import hash_mismatches, image_problems
 from storage.reader import read_committed
 from storage.schema import (
     EXPANDED_INPUT_IDS,
@@ -260,3 +260,11 @@ def test_image_columns_round_trip_and_verify_rehashes_ids_with_images() -> None:
     # a row whose image list was altered no longer hashes to what was submitted
     altered = rows_to_table([{**image_row, IMAGE_SHA256: ["cd" * 32, "ab" * 32]}])
     assert hash_mismatches(altered) == ["ds/1"]
+    # verify (storage/checks.py): the server's expanded ids must be the ids with each placeholder expanded
+    assert image_problems(table, 163605) == {}
+    shifted = [expanded[0], expanded[2], expanded[1], *expanded[3:]]  # the first placeholder one id early
+    assert shifted != expanded
+    bad = image_problems(rows_to_table([{**image_row, EXPANDED_INPUT_IDS: shifted}]), 163605)
+    assert list(bad) == ["ds/1"] and "expanded_input_ids differ" in bad["ds/1"][0]
+    short = image_problems(rows_to_table([{**image_row, EXPANDED_INPUT_IDS: expanded[:-1]}]), 163605)
+    assert "expanded_input_ids hold" in short["ds/1"][0]
