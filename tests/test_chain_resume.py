@@ -187,6 +187,7 @@ def _store_foreign_turn(settings: Settings, job: str) -> str:
     return row["prompt_id"]
 
 
+@pytest.mark.slow  # a purge racing a running worker: CI runs tests/test_reliability_generations.py's
 def test_purge_force_and_resubmit_with_a_worker_kept_running(redis_url: str, tmp_path: Path, tok_dir: Path) -> None:
     settings = isolated_settings(redis_url, str(tmp_path / "out"))
     client = redis.Redis.from_url(redis_url)

@@ -61,8 +61,22 @@ def _fired(workers: list[WorkerProcess], point: str, action: str) -> int:
     return sum(path.read_text(errors="replace").count(needle) for path in logs)
 
 
-@pytest.mark.parametrize("action", [a for a in ACTIONS if a != "stop"])  # stop: tests/test_reliability_fencing.py
-@pytest.mark.parametrize("point", WORKER_POINTS)
+#: ``raise`` cases CI runs (every ``kill`` case runs there); the rest are ``-m slow``, run by
+#: ``python -m bench.reliability_report --run --slow`` with the whole matrix: an exception at these points takes
+#: the same hand-back path as the three kept (a delivery never acked), which the kills at the same points cover.
+CI_RAISES = {"during_generate", "after_finalize", "before_ack"}
+
+
+def _matrix() -> list[object]:
+    cases = []
+    for point in WORKER_POINTS:
+        for action in (a for a in ACTIONS if a != "stop"):  # stop: tests/test_reliability_fencing.py
+            slow = action == "raise" and point not in CI_RAISES
+            cases.append(pytest.param(point, action, id=f"{point}-{action}", marks=[pytest.mark.slow] if slow else []))
+    return cases
+
+
+@pytest.mark.parametrize(("point", "action"), _matrix())
 def test_a_failpoint_loses_and_duplicates_nothing(
     point: str, action: str, sim: SimulatorProcess, redis_url: str, tmp_path: Path
 ) -> None:
