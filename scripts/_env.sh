@@ -5,8 +5,13 @@ ensure_venv() {  # ensure_venv EXTRA — (re)install when pyproject.toml changed
   local extra=$1 stamp=.venv/.thinkfleet-$1
   if [ ! -x .venv/bin/python ]; then "$PYTHON" -m venv .venv; fi
   if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    .venv/bin/python -m pip install -q --upgrade pip
-    .venv/bin/python -m pip install -q -e ".[$extra]"
+    # uv installs what pip would (same resolution; checked with both freezes) in ~25 s instead of ~2 min on a
+    # 2-core box, which is most of CI's set-up; pip stays the fallback where uv cannot be had or fails
+    [ -x .venv/bin/uv ] || .venv/bin/python -m pip install -q uv 2>/dev/null || true
+    if ! { [ -x .venv/bin/uv ] && .venv/bin/uv pip install -q --python .venv/bin/python -e ".[$extra]"; }; then
+      .venv/bin/python -m pip install -q --upgrade pip
+      .venv/bin/python -m pip install -q -e ".[$extra]"
+    fi
     touch "$stamp"
   fi
 }
