@@ -102,10 +102,11 @@ def _check_stored_as_served(settings: Any, job: str, prompts: dict[str, list[int
 def test_a_job_is_stored_exactly_once_as_the_server_answers_it(
     real_sglang: RealServer, redis_url: str, tmp_path: Path
 ) -> None:
-    # Given a job of 120 prompts with a sampling seed, on a server without deterministic inference.
+    # Given a job of 48 prompts with a sampling seed, on a server without deterministic inference (enough to fill
+    # the worker's in-flight bound many times over; every prompt is asked again below, so each one costs twice).
     settings = isolated_settings(redis_url, str(tmp_path / "out"))
     client = redis.Redis.from_url(redis_url)
-    prompts = make_prompts(120, seed=3, length=48)
+    prompts = make_prompts(48, seed=3, length=48)
     worker = _worker("real-1", settings, real_sglang, tmp_path).start()
     try:
         worker.wait_ready(client, settings.keys, timeout_s=120)
@@ -151,7 +152,7 @@ def test_server_and_worker_killed_mid_job_lose_and_duplicate_nothing(
         pytest.skip("THINKFLEET_REAL_SGLANG_URL names a server this test cannot kill and restart")
     settings = isolated_settings(redis_url, str(tmp_path / "out"), lease_s=60)
     client = redis.Redis.from_url(redis_url)
-    prompts = make_prompts(100, seed=9, length=48)
+    prompts = make_prompts(60, seed=9, length=48)
     workers = [_worker(f"real-k{i}", settings, real_sglang, tmp_path, inflight=4) for i in range(2)]
     try:
         for w in workers:
@@ -159,12 +160,12 @@ def test_server_and_worker_killed_mid_job_lose_and_duplicate_nothing(
         job = submit(settings, "faults", prompts, **GREEDY)
         done = lambda: job_progress(client, settings.keys, "faults")["done"]  # noqa: E731
         # When the server is SIGKILLed a quarter of the way through, and comes back a minute later…
-        wait_until(lambda: done() >= 25, 600, 0.5, what="25 rows")
+        wait_until(lambda: done() >= 15, 600, 0.5, what="15 rows")
         real_sglang.kill()
         real_sglang.start(wait=True)
         restart = real_sglang.starts[-1]
         # …and a worker is SIGKILLed halfway (its claims wait out their lease; the other worker takes them).
-        wait_until(lambda: done() >= 50, 600, 0.5, what="50 rows")
+        wait_until(lambda: done() >= 30, 600, 0.5, what="30 rows")
         workers[0].kill()
         workers[0].start()
         wait_until(lambda: job_settled(client, settings, "faults", len(prompts)), 900, 1, what="the job settled")
