@@ -62,6 +62,12 @@ def ensure_environment() -> Path:
     return Path(_run_script("env", VERSION))
 
 
+def ensure_vision_environment() -> Path:
+    """The python of the venv's vision overlay (real torchvision, a decord stand-in: scripts/real_sglang.sh
+    vision-env), built once per lock file and overlay (the venv first, then ≈ 20 s)."""
+    return Path(_run_script("vision-env", VERSION))
+
+
 def ensure_model(tokenizer: Path, cache: Path, arch: str = "qwen2", vocab_size: int | None = None) -> Path:
     """A tiny random-weight model around ``tokenizer``, cached on the tokenizer's and the builder's content."""
     digest = hashlib.sha256()
@@ -114,6 +120,8 @@ class RealServer:
     proc: subprocess.Popen[bytes] | None = None
     #: (seconds since start, /health_generate status) until the first 200, per start: the health timeline
     starts: list[list[tuple[float, int]]] = field(default_factory=list)
+    #: The server flags beyond the script's CPU ones (the compose file's, by default).
+    flags: tuple[str, ...] = COMPOSE_FLAGS
 
     @property
     def url(self) -> str:
@@ -127,7 +135,7 @@ class RealServer:
         if self.external is None:
             assert self.model is not None
             log = open(self.log_path, "ab")  # noqa: SIM115 — the child keeps it
-            env = {**os.environ, "THINKFLEET_REAL_SGLANG_ARGS": " ".join(COMPOSE_FLAGS)}
+            env = {**os.environ, "THINKFLEET_REAL_SGLANG_ARGS": " ".join(self.flags)}
             self.proc = subprocess.Popen(
                 ["bash", str(SCRIPT), "serve", str(self.model), str(self.port), VERSION],
                 stdout=log,
