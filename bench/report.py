@@ -29,6 +29,7 @@ Re-run everything (≈ 20 min on the 2-core dev VM; `pip install -e '.[bench]'` 
     .venv/bin/python -m bench.bench_fleet
     .venv/bin/python -m bench.bench_fault_cost
     .venv/bin/python -m bench.bench_affinity
+    .venv/bin/python -m bench.bench_vision --prompts 500 --worker-prompts 1000
 
 Rebuild every section from the saved JSON without re-running anything: `.venv/bin/python -m bench.report`
 (one section: the benchmark's own `--from-json bench/results/NAME.json`).
@@ -43,6 +44,7 @@ SECTIONS = (
     ("bench_scale", "bench.bench_scale", "scale.json"),
     ("bench_fault_cost", "bench.bench_fault_cost", "fault_cost.json"),
     ("bench_affinity", "bench.bench_affinity", "affinity.json"),
+    ("bench_vision", "bench.bench_vision", "vision.json"),
 )
 
 
