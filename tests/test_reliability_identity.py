@@ -111,11 +111,13 @@ def test_a_second_worker_under_a_live_workers_name_refuses_to_start(
 def test_a_worker_sigkilled_and_restarted_under_its_name_starts_and_finishes(
     redis_url: str, tmp_path: Path, sim: SimulatorProcess
 ) -> None:
-    # Given a worker running a job, SIGKILLed while it holds claims: its heartbeat outlives it (one lease).
+    # Given a worker running a job, SIGKILLed while it holds claims: its heartbeat outlives it (one lease — 20 s
+    # here, longer than any restart on a loaded box: with 8 s the heartbeat could lapse before the new life looked,
+    # and the takeover this test checks never happen).
     settings = isolated_settings(redis_url, str(tmp_path / "out"))
     client = redis.Redis.from_url(redis_url)
     keys = settings.keys
-    env = fast_env(settings, sim.url, lease_s=LEASE_S, max_inflight=4)
+    env = fast_env(settings, sim.url, lease_s=20, max_inflight=4)
     worker = WorkerProcess("phoenix", env, tmp_path).start()
     started = time.monotonic()
     try:

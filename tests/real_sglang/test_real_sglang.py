@@ -74,7 +74,10 @@ def replay(server: RealServer, prompts: list[list[int]], sampling: dict[str, Any
 def _check_stored_as_served(settings: Any, job: str, prompts: dict[str, list[int]], server: RealServer) -> list[dict]:
     """Exactly once, ``producer verify`` OK, and every row's output what the server answers at temperature 0."""
     # A random-weight model never closes reasoning: verify's reasoning alarm (the seed's bug detector) must fire…
-    alarmed = json.loads(producer_cli(settings, "verify", job, "--json").stdout)
+    # (from 40 rows: these jobs are 48 and 60 prompts, under the alarm's default of 100 rows)
+    alarm_env = {**cli_env(settings), "THINKFLEET_ALARM_MIN_ROWS": "40"}
+    cmd = [sys.executable, "-m", "producer.cli", "verify", job, "--json"]
+    alarmed = json.loads(subprocess.run(cmd, env=alarm_env, capture_output=True, text=True).stdout)
     assert alarmed["reasoning_alarm"] and alarmed["think_end_rows"] == 0, alarmed
     # …and with the alarm set aside, everything else verify checks passes.
     env = {**cli_env(settings), "THINKFLEET_ALARM_MIN_ROWS": str(10**9)}
