@@ -5,17 +5,15 @@ an image processor reporting ``has_image_understanding: false`` and ignoring ima
 
 from __future__ import annotations
 
-import base64
-import io
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import requests
 
 from sglang_sim.testing import SimulatorThread
+from testing.images import png_data_uri, random_png
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet import kimi
 from thinkfleet.vision import kimi_image_tokens, load_rule
@@ -26,12 +24,7 @@ FAST = {"time_scale": 2000, "health_min_s": 0.05}
 
 
 def png_uri(width: int, height: int, seed: int = 0) -> str:
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 255, size=(height, width, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return png_data_uri(random_png(width, height, seed))
 
 
 def kimi_prompt(images: int) -> list[int]:

@@ -4,14 +4,12 @@ the ids an earlier turn's server expanded), and its message sends all the histor
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import io
 import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import redis
 
@@ -19,6 +17,8 @@ from storage.reader import read_committed
 from storage.schema import EXPANDED_INPUT_IDS, IMAGE_POSITIONS, IMAGE_SHA256, IMAGE_TOKENS
 from testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
 from testing.harness import fast_env, isolated_settings, producer_cli, simulator
+from testing.images import png_data_uri
+from testing.images import random_png as png
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet.vision import ImageRef, expand_ids, load_rule
 
@@ -26,17 +26,8 @@ MEDIA_PAD = 163605
 TURNS = 3
 
 
-def png(width: int, height: int, seed: int) -> bytes:
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 255, size=(height, width, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
-
-
 def image_part(data: bytes) -> dict[str, Any]:
-    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
+    return {"type": "image_url", "image_url": {"url": png_data_uri(data)}}
 
 
 def conversation(cid: str, first: list[bytes], second: list[bytes]) -> dict[str, Any]:

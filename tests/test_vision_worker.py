@@ -6,14 +6,12 @@ image understanding) ends as a dead letter saying why — never as a row."""
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import io
 import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import redis
 
@@ -29,6 +27,8 @@ from storage.schema import (
 )
 from testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
 from testing.harness import fast_env, isolated_settings, producer_cli, sim_stats, simulator
+from testing.images import png_data_uri as uri
+from testing.images import random_png as png
 from testing.rows import make_row
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet import failpoints
@@ -39,19 +39,6 @@ from workers.rows import image_columns
 
 PLACEHOLDER = {"kimi": 163605, "qwen3": 151655}
 TEXT_ROWS = 4
-
-
-def png(width: int, height: int, seed: int) -> bytes:
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 255, size=(height, width, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def uri(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 def mixed_dataset(path: Path) -> tuple[Path, dict[str, list[bytes]]]:
