@@ -149,7 +149,12 @@ class PrefixCache:
 
     def _match(self, pages: list) -> tuple[int, set[_Node]]:
         """The matched pages (a node the match ends inside is split there), touching the path."""
-        now = next(self._clock)
+        n, path, _node = self._descend(pages, next(self._clock))
+        return n, path
+
+    def _descend(self, pages: list, now: int) -> tuple[int, set[_Node], _Node]:
+        """Follow ``pages`` from the root, touching each node at ``now`` and splitting the one the walk ends inside;
+        returns the pages matched, the nodes passed and the node the walk ended at."""
         node, n, path = self.root, 0, set()
         while n < len(pages):
             child = node.children.get(pages[n])
@@ -162,22 +167,12 @@ class PrefixCache:
             path.add(child)
             n += k
             node = child  # (after a split the next page differs from the lower part's: the loop ends)
-        return n, path
+        return n, path, node
 
     def _insert(self, pages: list, locked: set[_Node]) -> None:
         now = next(self._clock)
-        node, n = self.root, 0
-        while n < len(pages):
-            child = node.children.get(pages[n])
-            if child is None:
-                break
-            child.last_access = now
-            k = _common(child.key, pages, n)
-            if k < len(child.key):
-                child = self._split(child, k, now)
-            locked.add(child)
-            n += k
-            node = child
+        n, path, node = self._descend(pages, now)
+        locked |= path
         if n < len(pages):
             leaf = _Node(pages[n:], node, now, next(self._orders))
             node.children[pages[n]] = leaf
