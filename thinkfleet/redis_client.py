@@ -7,16 +7,18 @@
   ``READONLY`` reconnects to the new one). USER/PASSWORD are the primary's (the ACL user of the process); the
   Sentinels' own password, when they have one, is ``?sentinel_password=…`` (and ``?sentinel_username=…``);
   ``?ssl=true`` speaks TLS to the Redis servers (with ``ssl_ca_certs``/``ssl_certfile``/``ssl_keyfile`` as for
-  ``rediss://``).
+  ``rediss://``; the broker's connections too: :func:`kombu_broker`), ``?sentinel_ssl=true`` to the Sentinels as well
+  (Sentinels serving ``tls-port`` only), with the same files.
 
 Every client made here has socket timeouts and TCP keepalive, so a frozen primary (a SIGSTOPped process, a host gone
 from the network) is noticed by a timeout instead of a read that waits forever (celery #6348), and a Sentinel URL
 then finds the new primary. The broker (kombu, thinkfleet/broker/) takes the same URL, translated by
-:func:`kombu_broker`.
+:func:`kombu_broker`, and the same bounds (thinkfleet/broker/celery_app.py: ``broker_transport_options``).
 """
 
 from __future__ import annotations
 
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,8 +33,13 @@ from redis.sentinel import Sentinel, SentinelConnectionPool
 #: A command unanswered this long is a Redis that does not answer (a frozen primary: the connection is dropped, and
 #: a Sentinel URL reconnects to whichever Redis is the primary now). Longer than any stall of a loaded host (a worker
 #: starved 14-17 s on a 2-core CI box): a slow answer must never be taken for a dead Redis, since a command retried
-#: on a timeout may run twice. Every command of ours is short; the broker's blocking pops are kombu's own.
-SOCKET_TIMEOUT_S = 60.0
+#: on a timeout may run twice. Every command of ours is short; the broker's blocking pops block for 1 s (kombu's
+#: ``brpop_timeout``), and their replies are read only once the socket is readable. A process with settings uses
+#: :func:`command_timeout_s` (a third of the lease at most) instead.
+SOCKET_TIMEOUT_S = 20.0
+#: The shortest :func:`command_timeout_s` gives, whatever the lease (a test's 4 s lease): above a loaded Redis's
+#: slowest fsync, and above the broker's 1 s blocking pop.
+MIN_SOCKET_TIMEOUT_S = 2.0
 CONNECT_TIMEOUT_S = 5.0
 #: For the producer's bulk writes (a submit's commit, a retry's requeue: one MULTI of up to millions of entries): long
 #: enough for any of them on a loaded head, and still a bound, so a frozen primary stops the command with an error.
@@ -74,6 +81,8 @@ class SentinelUrl:
     sentinel_password: str | None = None
     ssl: bool = False
     ssl_options: dict[str, str] = field(default_factory=dict)
+    #: TLS to the Sentinels too (``?sentinel_ssl=true``: Sentinels serving ``tls-port`` only), with the same files.
+    sentinel_ssl: bool = False
 
     def connection_kwargs(self) -> dict[str, Any]:
         """What each connection to the primary is opened with."""
@@ -91,6 +100,9 @@ class SentinelUrl:
         }
         if self.sentinel_password:
             kwargs.update(username=self.sentinel_username, password=self.sentinel_password)
+        if self.sentinel_ssl:
+            kwargs["ssl"] = True
+            kwargs.update(self.ssl_options)
         return kwargs
 
 
@@ -127,6 +139,7 @@ def parse_sentinel(url: str) -> SentinelUrl:
     if not path.isdigit():
         raise RedisUrlError(f"sentinel URL {redacted(url)}: the database {path!r} is not a number")
     ssl = query.pop("ssl", "false").lower() in ("1", "true", "yes")
+    sentinel_ssl = query.pop("sentinel_ssl", "false").lower() in ("1", "true", "yes")
     return SentinelUrl(
         sentinels=sentinels,
         master=master,
@@ -137,7 +150,28 @@ def parse_sentinel(url: str) -> SentinelUrl:
         sentinel_password=query.pop("sentinel_password", None),
         ssl=ssl,
         ssl_options={k: query[k] for k in SSL_OPTIONS if k in query},
+        sentinel_ssl=sentinel_ssl,
     )
+
+
+def command_timeout_s(lease_s: float, configured_s: float | None = None) -> float:
+    """How long a Redis command of a process with this lease waits for its reply (``redis_timeout_s`` when set):
+    a third of the lease, so a connection stuck on a silent primary is dropped — and a lease renewal retried on the
+    promoted one — while the lease still holds; at most :data:`SOCKET_TIMEOUT_S`, at least
+    :data:`MIN_SOCKET_TIMEOUT_S`."""
+    if configured_s is not None:
+        return float(configured_s)
+    return max(MIN_SOCKET_TIMEOUT_S, min(SOCKET_TIMEOUT_S, lease_s / 3))
+
+
+def keepalive_options(timeout_s: float | None) -> dict[int, int]:
+    """TCP keepalive probes (Linux) that find a peer *host* gone — powered off, cut from the network — within about
+    ``timeout_s`` of silence; the kernel's default is two hours. (A frozen *process* on a live host still answers
+    them: only the socket timeout and the health checks notice that one.)"""
+    if not timeout_s or not hasattr(socket, "TCP_KEEPIDLE"):
+        return {}
+    idle = max(1, int(timeout_s / 2))
+    return {socket.TCP_KEEPIDLE: idle, socket.TCP_KEEPINTVL: max(1, idle // 3), socket.TCP_KEEPCNT: 3}
 
 
 def _common(timeout_s: float | None, connect_timeout_s: float | None) -> dict[str, Any]:
@@ -145,6 +179,7 @@ def _common(timeout_s: float | None, connect_timeout_s: float | None) -> dict[st
         "socket_timeout": timeout_s,
         "socket_connect_timeout": connect_timeout_s,
         "socket_keepalive": True,
+        "socket_keepalive_options": keepalive_options(timeout_s or connect_timeout_s),
         # No CLIENT SETINFO on connect: Redis < 7.2 answers it with an error that, on a reconnect cut short (a
         # worker resumed from a pause, its timeouts all due at once), was read as the next command's reply.
         "driver_info": None,
@@ -186,6 +221,10 @@ class _SentinelPool(_Recheck, SentinelConnectionPool):
             connection.disconnect()
             connection.connect()  # SentinelManagedConnection: to the primary the Sentinels name now
         return connection
+
+
+#: The pool above under a public name: the broker's Sentinel channel (thinkfleet/broker/transit_sentinel.py) uses it.
+RecheckedSentinelPool = _SentinelPool
 
 
 class _BlockingSentinelPool(_SentinelPool, redis.BlockingConnectionPool):

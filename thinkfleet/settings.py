@@ -118,6 +118,13 @@ class Settings(BaseSettings):
         description="How long a starting worker waits for an unreachable Redis (the head node restarting) before "
         "it exits naming the cause; a refused password or certificate stops it at once.",
     )
+    redis_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="How long a Redis command — the broker's included — waits for its reply before its connection "
+        "is dropped and opened again (a sentinel:// URL then finds the promoted primary); the broker's health checks "
+        "run at half of it. Unset: lease_s / 3, between 2 and 20 s, so a silent primary is noticed within the lease.",
+    )
     clock_skew_warn_s: float = Field(
         5.0,
         gt=0,
@@ -256,6 +263,37 @@ class Settings(BaseSettings):
         ge=0,
         description="Worker: byte budget of the images it keeps encoded (data: URIs, by sha256; least recently used "
         "dropped first), so an image many prompts share is read from the store once (256 MiB). 0: read every time.",
+    )
+    # -- the image store on a worker: its gate, hand-backs and bytes in flight (docs/vision.md) -----------------
+    image_inflight_bytes: int = Field(
+        1 << 30,
+        ge=1,
+        description="Worker: byte budget of the encoded images its requests hold (1 GiB), taken before an image "
+        "prompt's images are read and given back when its request ends; a prompt over the whole budget runs alone.",
+    )
+    image_handback_max: int = Field(
+        5,
+        ge=1,
+        description="Worker: hand-backs of one image prompt whose image cannot be read while its store can (a "
+        "permission error, a directory in its place) or is missing, before it is dead-lettered image_unreadable "
+        "or image_missing.",
+    )
+    image_missing_workers: int = Field(
+        2,
+        ge=1,
+        description="Worker: distinct workers that must find an image missing (its store readable) before the "
+        "prompt is dead-lettered image_missing (fewer when image_handback_max tries come first).",
+    )
+    image_backoff_max_s: float = Field(
+        30.0,
+        gt=0,
+        description="Worker: longest wait before an image prompt is handed back (doubling from a second per "
+        "hand-back), and between two checks of an image store whose gate is closed.",
+    )
+    image_store_map: str = Field(
+        "",
+        description="Worker: where this host mounts image stores that the job records name by the producer's "
+        "path, as FROM=TO[,FROM=TO] path prefixes (e.g. /data/out=/mnt/out). Unset: the recorded path.",
     )
 
     # -- trust: what a worker runs and what it believes (thinkfleet/signing.py, workers/jobs.py) ----------

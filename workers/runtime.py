@@ -37,7 +37,7 @@ from thinkfleet.broker.affinity import HostAffinity
 from thinkfleet.broker.transit import TransitSweeper, uses_transit
 from thinkfleet.broker.visibility import unacked_index_key
 from thinkfleet.message import PromptTask
-from thinkfleet.redis_client import async_client
+from thinkfleet.redis_client import async_client, command_timeout_s
 from thinkfleet.settings import Settings, redacted_url
 from thinkfleet.signing import SigningKeyError, signer_for
 from thinkfleet.state.lifecycle import CANCELLED
@@ -83,6 +83,8 @@ def worker_redis(settings: Settings) -> aioredis.Redis:
     each a prompt handed back) is smaller than the default in-flight bound of 150."""
     return async_client(
         settings.redis_url,
+        # A third of the lease at most: a renewal stuck on a silent primary is retried on the promoted one in time.
+        timeout_s=command_timeout_s(settings.lease_s, settings.redis_timeout_s),
         max_connections=settings.worker_redis_connections,
         pool_wait_s=REDIS_POOL_WAIT_S,
         health_check_interval=30,
@@ -232,6 +234,11 @@ class WorkerRuntime:
             **slurm_info(),
         }
         self.lease.info = info
+        # An image store this host cannot read is a closed gate the heartbeat names (producer status).
+        gates = self.pipeline.images.gates
+        gates.on_change = lambda: info.update(image_store_gates=gates.closed())
+        if s.image_store_uri:  # the fleet's store, checked now (a job's own store: on its first image prompt)
+            await gates.recheck(s.image_store_uri.rstrip("/"))
         if not await self.lease.beat():
             raise RuntimeStartError(f"worker name {self.identity!r} was taken by {self.lease.lost} while it started")
         self.lease.start()

@@ -25,7 +25,14 @@ from kombu import Exchange, Queue
 
 from thinkfleet.broker.keys import PRIORITY_SEP, PRIORITY_STEPS, kombu_transport_options
 from thinkfleet.message import TASK_NAME, PromptTask
-from thinkfleet.redis_client import kombu_broker
+from thinkfleet.redis_client import (
+    CONNECT_TIMEOUT_S,
+    command_timeout_s,
+    is_sentinel,
+    keepalive_options,
+    kombu_broker,
+    parse_sentinel,
+)
 from thinkfleet.settings import Settings, load_settings
 
 
@@ -40,7 +47,32 @@ def broker_transport_options(settings: Settings) -> dict[str, Any]:
     options["priority_steps"] = list(PRIORITY_STEPS)
     options["sep"] = PRIORITY_SEP
     options["queue_order_strategy"] = "priority"
+    options.update(broker_timeouts(settings))
     return options
+
+
+def broker_timeouts(settings: Settings) -> dict[str, Any]:
+    """Bounds on every connection kombu opens — the consumer's blocking pop and the synchronous commands of the
+    channel (the unacked record, the settle, the restore sweep, the Redis clock): without them a primary that stops
+    answering without closing its sockets (a SIGSTOPped process, a frozen VM, a partition that drops packets) holds
+    the consumer thread in a read for ever (issue 43). Each is the state clients' command timeout, a third of the
+    lease at most (thinkfleet/redis_client.py ``command_timeout_s``), so a worker notices the silent primary, and
+    reconnects to the promoted one, while its lease still holds.
+
+    - ``socket_timeout``: a synchronous command's reply. A blocking pop blocks 1 s on the server (kombu's
+      ``brpop_timeout``) and its reply is read only once the socket is readable, so the timeout never cuts one short.
+    - ``health_check_interval``: half the timeout. redis-py PINGs a connection idle that long before using it, and
+      kombu drops the pop's connection once its reply is that much overdue (``maybe_check_brpop_health``: the event
+      loop waits on the socket, where no socket timeout applies).
+    - TCP keepalive probes: a head *host* that vanished is noticed within about the timeout."""
+    timeout = command_timeout_s(settings.lease_s, settings.redis_timeout_s)
+    return {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": min(CONNECT_TIMEOUT_S, timeout),
+        "socket_keepalive": True,
+        "socket_keepalive_options": keepalive_options(timeout),
+        "health_check_interval": max(1, int(timeout / 2)),
+    }
 
 
 #: TLS file options a ``rediss://`` URL may carry (``?ssl_ca_certs=/run/secrets/redis_tls_ca``).
@@ -48,13 +80,22 @@ SSL_FILE_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 
 
 def broker_ssl(broker_url: str | None) -> dict[str, Any] | None:
-    """TLS options of a ``rediss://`` broker: verify the server's certificate unless the URL says
-    ``?ssl_cert_reqs=none|optional`` (kombu's own default for rediss is no verification at all), against
-    the CA in ``?ssl_ca_certs=`` when given (else the system's). The file options are repeated here
-    because Flower's broker page reads ``broker_use_ssl`` only, not the URL."""
-    if not broker_url or not broker_url.startswith("rediss://"):
+    """TLS options of a ``rediss://`` broker, or of a ``sentinel://…?ssl=true`` head (kombu then connects to the
+    primary with its Sentinel-managed SSL connection class, as the state clients do): verify the server's
+    certificate unless the URL says ``?ssl_cert_reqs=none|optional`` (kombu's own default for rediss is no
+    verification at all), against the CA in ``?ssl_ca_certs=`` when given (else the system's). The file options
+    are repeated here because Flower's broker page reads ``broker_use_ssl`` only, not the URL."""
+    if not broker_url:
         return None
-    query = parse_qs(urlsplit(broker_url).query)
+    if is_sentinel(broker_url):
+        head = parse_sentinel(broker_url)
+        if not head.ssl:
+            return None
+        query = {name: [value] for name, value in head.ssl_options.items()}
+    elif broker_url.startswith("rediss://"):
+        query = parse_qs(urlsplit(broker_url).query)
+    else:
+        return None
     wanted = (query.get("ssl_cert_reqs") or ["required"])[0].lower()
     levels = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL}
     options: dict[str, Any] = {"ssl_cert_reqs": levels.get(wanted.removeprefix("cert_"), ssl.CERT_REQUIRED)}

@@ -9,8 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
+from redis.sentinel import SentinelConnectionPool
 
 from thinkfleet.broker.transit import Channel
+from thinkfleet.redis_client import RecheckedSentinelPool
 
 
 class SentinelChannel(Channel, kombu_redis.SentinelChannel):
@@ -34,9 +36,23 @@ class SentinelChannel(Channel, kombu_redis.SentinelChannel):
         kept = client.alt  # read by kombu's pool for the Sentinels' addresses, and by nothing else after start
         client.alt = list(self.sentinel_urls or kept)
         try:
-            return super()._sentinel_managed_pool(asynchronous)
+            pool = super()._sentinel_managed_pool(asynchronous)
         finally:
             client.alt = kept
+        return rechecked(pool)
+
+
+def rechecked(pool: Any) -> Any:
+    """kombu's Sentinel pool made the state clients' (thinkfleet/redis_client.py ``RecheckedSentinelPool``): it asks
+    the Sentinels who the primary is at most every second when a command takes a connection, not only when one is
+    opened, and reconnects a connection still on a primary that was failed over. A frozen primary that was replaced
+    keeps its sockets open and, once woken, answers reads as a replica: kombu's own pool would keep the channel's
+    command connections on it. (The pop's one connection is opened again after kombu drops it — a timeout, an
+    overdue reply — and then asks the Sentinels.) kombu builds the pool itself, so its class is swapped: the subclass
+    only adds methods and class attributes."""
+    if type(pool) is SentinelConnectionPool:
+        pool.__class__ = RecheckedSentinelPool
+    return pool
 
 
 class SentinelTransport(kombu_redis.SentinelTransport):
