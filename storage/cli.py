@@ -97,6 +97,14 @@ def verify(settings: Settings, job: str, as_json: bool, live: bool) -> None:
 @click.option("--shard-rows", type=click.IntRange(min=1), default=None, help="At most N rows per output file.")
 @click.option("--drop-truncated", is_flag=True, help="Leave out rows that did not end on a stop (length, abort).")
 @click.option(
+    "--drop-flag",
+    "drop_flags",
+    default="",
+    metavar="FLAG[,FLAG…]",
+    help="Leave out rows carrying any of these quality flags: truncated, loop, no_think_end, empty_answer, "
+    "tool_call_unparsed (docs/storage.md#quality-flags). --drop-truncated is --drop-flag truncated.",
+)
+@click.option(
     "--min-reasoning-tokens", type=click.IntRange(min=0), default=0, help="Leave out rows with less reasoning."
 )
 @click.option(
@@ -144,6 +152,7 @@ def export(
     out: str | None,
     shard_rows: int | None,
     drop_truncated: bool,
+    drop_flags: str,
     min_reasoning_tokens: int,
     exclude_reasoning: bool,
     merge_turns: bool,
@@ -175,6 +184,7 @@ def export(
             datasets=list(datasets) or None,
             trust_remote_code=trust_remote_code,
             drop_truncated=drop_truncated,
+            drop_flags=[f for f in drop_flags.split(",") if f.strip()],
             min_reasoning_tokens=min_reasoning_tokens,
             shard_rows=shard_rows,
             max_length=max_length,

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from storage.quality import compute_flags
 from storage.spans import KIMI_TOKENS, Spans, SpanTokens, compute_spans_batch, prompts_open_reasoning
 
 #: 2: + ``deterministic``; ``reasoning_tokens``/``num_retractions``/``cached_tokens`` are null when the server
@@ -50,7 +51,10 @@ from storage.spans import KIMI_TOKENS, Spans, SpanTokens, compute_spans_batch, p
 #: 11: + ``expanded_input_ids`` (an image prompt served by SGLang ≥ 0.5.13: the prompt ids the server ran, each
 #: placeholder expanded into its image's tokens, as ``return_prompt_token_ids`` returned and the worker checked them;
 #: null for text prompts, older servers and parts of versions 1–10).
-SCHEMA_VERSION = "11"
+#: 12: + the quality flags ``loop``, ``loop_period``, ``no_think_end``, ``empty_answer``, ``tool_call_unparsed``
+#: (storage/quality.py: decided from the ids and spans when the row is made); null in parts of versions 1–11, whose
+#: readers compute them from the same ids (storage/flags.py).
+SCHEMA_VERSION = "12"
 
 # -- column names (import these instead of spelling strings) ------------------------------------------
 JOB = "job"
@@ -135,6 +139,15 @@ IMAGE_POSITIONS = "image_positions"
 #: The ids the server ran for an image prompt (SGLang ≥ 0.5.13 ``return_prompt_token_ids``): ``input_ids`` with each
 #: placeholder repeated ``image_tokens`` times (workers check exactly that). Null where the server did not return them.
 EXPANDED_INPUT_IDS = "expanded_input_ids"
+#: Quality flags (storage/quality.py has the exact rules): the output ends in a repeated cycle of ids (and the
+#: cycle's length, null when it does not), reasoning never closed, nothing after the closed reasoning, a tool-call
+#: section whose ids do not parse. Null in parts before schema 12 (storage/flags.py computes them on read).
+LOOP = "loop"
+LOOP_PERIOD = "loop_period"
+NO_THINK_END = "no_think_end"
+EMPTY_ANSWER = "empty_answer"
+TOOL_CALL_UNPARSED = "tool_call_unparsed"
+QUALITY_COLUMNS = (LOOP, LOOP_PERIOD, NO_THINK_END, EMPTY_ANSWER, TOOL_CALL_UNPARSED)
 
 # Non-null list elements: the ids are never null, and saying so lets the Parquet writer skip
 # per-element definition levels.
@@ -227,6 +240,12 @@ SCHEMA = pa.schema(
         pa.field(IMAGE_TOKENS, COUNTS),  # tokens SGLang expands each placeholder into
         pa.field(IMAGE_POSITIONS, COUNTS),  # index of each placeholder in input_ids
         pa.field(EXPANDED_INPUT_IDS, TOKEN_IDS),  # the server's expanded prompt ids (SGLang >= 0.5.13)
+        # -- quality flags (storage/quality.py; null before schema 12) -----------------------------------------
+        pa.field(LOOP, pa.bool_()),  # the output ends in a repeated cycle of 1–64 ids
+        pa.field(LOOP_PERIOD, pa.int32()),  # that cycle's length; null when no loop
+        pa.field(NO_THINK_END, pa.bool_()),  # reasoning never closed (null: spans not recorded)
+        pa.field(EMPTY_ANSWER, pa.bool_()),  # closed reasoning, then no answer and no tool call (null: not recorded)
+        pa.field(TOOL_CALL_UNPARSED, pa.bool_()),  # a tool call or section without its end marker
     ],
     metadata={"thinkfleet.schema_version": SCHEMA_VERSION},
 )
@@ -333,6 +352,7 @@ def rows_to_table(
     columns[INPUT_IDS] = pa.ListArray.from_arrays(in_offsets, in_values, type=TOKEN_IDS)
     columns[OUTPUT_IDS] = pa.ListArray.from_arrays(out_offsets, out_values, type=TOKEN_IDS)
     columns.update(_span_columns(rows, in_values, in_offsets, out_values, out_offsets, tokens))
+    columns.update(_quality_columns(columns, in_values, in_offsets, out_values, out_offsets, tokens))
     if not tokens.reasoning_spans:
         for name in REASONING_SPAN_COLUMNS:
             columns[name] = pa.nulls(n, columns[name].type)
@@ -472,6 +492,45 @@ def _span_columns(
         ANSWER_END: pa.array(s.answer_end),
         TOOL_CALL_SPANS: _span_list(s.tool_call_offsets, s.tool_call_starts, s.tool_call_ends),
         STOP_TOKEN: stop,
+    }
+
+
+def _quality_columns(
+    columns: Mapping[str, pa.Array],
+    in_values: np.ndarray,
+    in_offsets: np.ndarray,
+    out_values: np.ndarray,
+    out_offsets: np.ndarray,
+    tokens: SpanTokens,
+) -> dict[str, pa.Array]:
+    """The quality flag columns (storage/quality.py) of rows whose span columns are built."""
+
+    def ints(name: str) -> np.ndarray:
+        return columns[name].fill_null(0).to_numpy(zero_copy_only=False)
+
+    calls = columns[TOOL_CALL_SPANS]
+    flags = compute_flags(
+        out_values,
+        out_offsets,
+        opens=prompts_open_reasoning(in_values, in_offsets, tokens),
+        reasoning_start=ints(REASONING_START),
+        reasoning_end=ints(REASONING_END),
+        has_think_end=columns[HAS_THINK_END].fill_null(False).to_numpy(zero_copy_only=False),
+        answer_start=ints(ANSWER_START),
+        answer_end=ints(ANSWER_END),
+        tool_call_offsets=calls.offsets.to_numpy(),
+        tool_call_ends=calls.flatten().field("end").to_numpy(zero_copy_only=False),
+        has_stop=columns[STOP_TOKEN].is_valid().to_numpy(zero_copy_only=False),
+        tokens=tokens,
+    )
+    looped = flags.loop_period > 0
+    recorded = tokens.reasoning_spans
+    return {
+        LOOP: pa.array(looped),
+        LOOP_PERIOD: pa.array(flags.loop_period, pa.int32(), mask=~looped),
+        NO_THINK_END: pa.array(flags.no_think_end) if recorded else pa.nulls(len(looped), pa.bool_()),
+        EMPTY_ANSWER: pa.array(flags.empty_answer) if recorded else pa.nulls(len(looped), pa.bool_()),
+        TOOL_CALL_UNPARSED: pa.array(flags.tool_call_unparsed),
     }
 
 

@@ -58,6 +58,7 @@ from storage.checks import (
     image_problems,
     row_problems,
 )
+from storage.flags import FLAG_NAMES, FLAG_READ_COLUMNS, count_flags, table_flags
 from storage.manifest import read_submitted
 from storage.schema import (
     CONTENT_HASH,
@@ -176,6 +177,7 @@ def verify_job(settings: Settings, job: str) -> VerifyReport:
         report.step_prompt_mismatch = steps.mismatches
         report.notes.extend([steps.note] if steps.note else [])
     report.thinking_rows, report.think_end_rows = thinking.thinking_rows, thinking.think_end_rows
+    report.quality_flags = dict(checked.flags)
     report.reasoning_spans = tokens.reasoning_spans
     if tokens.reasoning_spans:
         _reasoning_alarm(report, settings)
@@ -303,7 +305,7 @@ def _done_ids(settings: Settings, job: str) -> pa.Array | None:
 
 
 _KEY_COLUMNS = list(dict.fromkeys([DATASET, CONTENT_HASH, *CHAIN_COLUMNS]))
-_ROW_COLUMNS = list(dict.fromkeys([*CHECK_COLUMNS, CONTENT_HASH, IDS_CRC32, *IMAGE_CHECK_COLUMNS]))
+_ROW_COLUMNS = list(dict.fromkeys([*CHECK_COLUMNS, CONTENT_HASH, IDS_CRC32, *IMAGE_CHECK_COLUMNS, *FLAG_READ_COLUMNS]))
 
 
 @dataclass
@@ -316,6 +318,7 @@ class _RowChecks:
     checksum_mismatch: list[str] = field(default_factory=list)
     tool_rows: set[str] = field(default_factory=set)  # multi-turn rows whose output calls a tool (a chain end)
     images: ImageRefs = field(default_factory=ImageRefs)  # image prompts: each image the rows refer to
+    flags: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FLAG_NAMES, 0))  # rows per quality flag
 
 
 def _check_rows(
@@ -329,6 +332,8 @@ def _check_rows(
         for pid, found in image_problems(table, placeholder_id).items():  # image prompts: their placeholders
             out.malformed.setdefault(pid, []).extend(found)
         out.thinking.add(stats)
+        for name, count in count_flags(table_flags(table, tokens)).items():
+            out.flags[name] += count
         out.hash_mismatch.extend(hash_mismatches(table, _submitted_hashes(table, submitted)))
         out.checksum_mismatch.extend(checksum_mismatches(table))
         row_images(out.images, table)

@@ -55,6 +55,8 @@ class VerifyReport:
     per_dataset: dict[str, dict[str, int]] = field(default_factory=dict)
     #: image prompts: distinct images referred to (manifest and rows), and each one missing from the image store,
     #: unreadable or holding other bytes than its sha256 says ("uri (prompt p): why": storage/verify_images.py)
+    #: committed rows carrying each quality flag (storage/flags.py): reported, never a failure
+    quality_flags: dict[str, int] = field(default_factory=dict)
     images_checked: int = 0
     image_problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -90,6 +92,8 @@ def format_report(report: VerifyReport, limit: int = 20) -> str:
         if report.reasoning_spans
         else "  reasoning spans not recorded (--no-reasoning-spans): no reasoning alarm",
     ]
+    if report.quality_flags:
+        lines.append("  quality flags: " + ", ".join(f"{k} {v}" for k, v in report.quality_flags.items()))
     for name, ds_counts in report.per_dataset.items():
         lines.append(f"  dataset {name}: " + ", ".join(f"{k} {v}" for k, v in ds_counts.items()))
     if report.images_checked:

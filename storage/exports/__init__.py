@@ -73,6 +73,7 @@ def export_job(
     datasets: Sequence[str] | None = None,
     trust_remote_code: bool = False,
     drop_truncated: bool = False,
+    drop_flags: Sequence[str] = (),
     min_reasoning_tokens: int = 0,
     shard_rows: int | None = None,
     max_length: int | None = None,
@@ -93,6 +94,7 @@ def export_job(
     options = ExportOptions(
         datasets=datasets,
         drop_truncated=drop_truncated,
+        drop_flags=tuple(drop_flags),
         min_reasoning_tokens=min_reasoning_tokens,
         exclude_reasoning=exclude_reasoning,
         merge_turns=merge_turns,
@@ -113,7 +115,7 @@ def export_job(
     except ValueError as exc:
         raise ExportError(f"--out {out!r}: {exc}") from exc
     result = ExportResult(path=loc.uri(loc.root), format=fmt, rows=0)
-    rows = Rows(settings, job, datasets, drop_truncated, min_reasoning_tokens, result.skipped)
+    rows = Rows(settings, job, datasets, drop_truncated, min_reasoning_tokens, result.skipped, options.drop_flags)
     exporter.write(result, loc, rows)
     write_export_provenance(settings, job, loc, result, options)  # beside the rows: what made them
     if result.rows == 0:

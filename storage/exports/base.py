@@ -1,11 +1,13 @@
 """What every export format shares: the options, the committed rows with the filters, and the files.
 
-Filters (:class:`Rows`): ``drop_truncated`` drops rows that did not end on a stop (``finish_reason`` length or
-abort); ``min_reasoning_tokens`` drops rows with fewer reasoning tokens; turn rows past their conversation's
-chain end are skipped as superseded. ``min_reasoning_tokens`` and ``exclude_reasoning`` need to know where
-reasoning ends, so a job run with ``--no-reasoning-spans`` (null spans) is refused them. The rows come a batch at
-a time, dataset by dataset and in prompt_id order within one (:func:`storage.stream.committed_batches`): memory
-is bounded by the ``storage_memory_mb`` setting, not by the job.
+Filters (:class:`Rows`): ``drop_flags`` drops rows carrying any of the named quality flags (storage/flags.py:
+``truncated`` — no stop: ``finish_reason`` length or abort —, ``loop``, ``no_think_end``, ``empty_answer``,
+``tool_call_unparsed``; ``drop_truncated`` is ``drop_flags=("truncated",)``); ``min_reasoning_tokens`` drops
+rows with fewer reasoning tokens; turn rows past their conversation's chain end are skipped as superseded.
+``min_reasoning_tokens`` and ``exclude_reasoning`` need to know where reasoning ends, so a job run with
+``--no-reasoning-spans`` (null spans) is refused them. The rows come a batch at a time, dataset by dataset and in
+prompt_id order within one (:func:`storage.stream.committed_batches`): memory is bounded by the
+``storage_memory_mb`` setting, not by the job.
 
 Files (:class:`Files`): one file at ``--out``, or with ``shard_rows`` files of at most that many rows —
 ``--out X.jsonl`` → ``X-00000.jsonl``, ``X-00001.jsonl``…; an ``--out`` without the format's suffix is a
@@ -34,6 +36,8 @@ import pyarrow.parquet as pq
 
 from storage import layout, listing, stream
 from storage.exports.tool_steps import stale_steps
+from storage.flags import FLAG_READ_COLUMNS, parse_flags, table_flags
+from storage.jobstate import load_job_state, span_tokens
 from storage.schema import (
     CHAIN_END,
     CONVERSATION_ID,
@@ -52,6 +56,7 @@ from storage.schema import (
 )
 from thinkfleet.chain_end import stored_link
 from thinkfleet.settings import Settings
+from thinkfleet.tokens import SpanTokens
 from thinkfleet.turns import beyond_chain_ends
 
 #: SpecForge 0.2.0's default ``data.max_length``: longer rows are cut there without a warning.
@@ -109,6 +114,7 @@ class ExportOptions:
     # which rows
     datasets: Sequence[str] | None = None
     drop_truncated: bool = False
+    drop_flags: Sequence[str] = ()  # quality flags (storage/flags.py) whose rows are left out
     min_reasoning_tokens: int = 0
     # what they train on
     exclude_reasoning: bool = False
@@ -126,6 +132,10 @@ class ExportOptions:
     image_urls: str = "store"
 
     def __post_init__(self) -> None:
+        try:
+            parse_flags(self.drop_flags)
+        except ValueError as exc:
+            raise ExportError(f"--drop-flag: {exc}") from exc
         if self.image_urls not in IMAGE_URLS:
             raise ExportError(f"--image-urls must be one of {', '.join(IMAGE_URLS)}, got {self.image_urls!r}")
         if self.shard_rows is not None and self.shard_rows < 1:
@@ -236,12 +246,15 @@ class Rows:
         drop_truncated: bool,
         min_reasoning_tokens: int,
         skipped: dict[str, int],
+        drop_flags: Sequence[str] = (),
     ) -> None:
         self.settings, self.job, self.datasets = settings, job, list(datasets) if datasets else None
-        self.drop_truncated, self.min_reasoning_tokens, self.skipped = drop_truncated, min_reasoning_tokens, skipped
+        self.min_reasoning_tokens, self.skipped = min_reasoning_tokens, skipped
+        self.drop_flags = parse_flags([*(["truncated"] if drop_truncated else []), *drop_flags])
+        self._tokens: SpanTokens | None = None
         # A filter asked for is reported even when it drops nothing.
-        if drop_truncated:
-            skipped["truncated"] = 0
+        for flag in self.drop_flags:
+            skipped[flag] = 0
         if min_reasoning_tokens:
             skipped["short_reasoning"] = 0
         self._superseded: set[str] | None = None
@@ -326,8 +339,9 @@ class Rows:
             extra["order"] = _singles_first
             extra["order_columns"] = [CONVERSATION_ID]
         empty = True
+        read = columns + [c for c in self._filter_columns() if c not in columns]
         for table in stream.committed_batches(
-            self.loc, self.job, columns, datasets, memory_bytes=memory, batch_bytes=max(1, memory // batch_share),
+            self.loc, self.job, read, datasets, memory_bytes=memory, batch_bytes=max(1, memory // batch_share),
             **extra,  # type: ignore[arg-type]
         ):  # fmt: skip
             empty = False
@@ -341,7 +355,20 @@ class Rows:
         """(dataset, its tables) for every dataset in turn (see :meth:`committed` for ``how``)."""
         for name in self.names():
             tables = self.committed(columns, [name], **how)  # type: ignore[arg-type]
-            yield name, (self.filter(t) for t in tables) if filtered else tables
+            # The columns a filter reads beyond the format's are dropped once it ran; an unfiltered table keeps them
+            # for the format's own later call of :meth:`filter` (the text formats).
+            yield name, (self.filter(t).select(columns) for t in tables) if filtered else tables
+
+    def _filter_columns(self) -> list[str]:
+        """What :meth:`filter` reads beyond a format's columns: the flags (and, for parts written before the flag
+        columns, the ids they are computed from)."""
+        return [FINISH_REASON] if self.drop_flags == ("truncated",) else (FLAG_READ_COLUMNS if self.drop_flags else [])
+
+    def tokens(self) -> SpanTokens:
+        """The job's span tokens (its record's model profile), for flags computed from older parts' ids."""
+        if self._tokens is None:
+            self._tokens = span_tokens(load_job_state(self.settings, self.job).record)
+        return self._tokens
 
     def tables(self, columns: list[str], filtered: bool = True, **how: object) -> Iterator[pa.Table]:
         for _, tables in self.dataset_tables(columns, filtered, **how):
@@ -354,10 +381,15 @@ class Rows:
             gone = pc.is_in(table[PROMPT_ID], pa.array(sorted(superseded))).to_numpy(zero_copy_only=False)
             self.skipped["superseded"] = self.skipped.get("superseded", 0) + int(gone.sum())
             keep &= ~gone
-        if self.drop_truncated:
-            truncated = ~pc.equal(table[FINISH_REASON], "stop").to_numpy(zero_copy_only=False)
-            self.skipped["truncated"] += int(truncated.sum())
-            keep &= ~truncated
+        if self.drop_flags == ("truncated",):  # the ids of older parts are not needed for this one
+            flags = {"truncated": ~pc.equal(table[FINISH_REASON], "stop").to_numpy(zero_copy_only=False)}
+        elif self.drop_flags:
+            flags = table_flags(table, self.tokens())
+        for flag in self.drop_flags:
+            # Each row is counted under the first flag that drops it, so the counts add up to the rows left out.
+            hit = keep & flags[flag]
+            self.skipped[flag] += int(hit.sum())
+            keep &= ~hit
         if self.min_reasoning_tokens:
             need_reasoning_spans(table, "--min-reasoning-tokens")
             reasoning = table[REASONING_END].to_numpy() - table[REASONING_START].to_numpy()

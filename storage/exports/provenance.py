@@ -85,6 +85,7 @@ def sidecar(
             "options": {
                 "datasets": list(options.datasets) if options.datasets is not None else None,
                 "drop_truncated": options.drop_truncated,
+                "drop_flags": list(options.drop_flags),
                 "min_reasoning_tokens": options.min_reasoning_tokens,
                 "exclude_reasoning": options.exclude_reasoning,
                 "merge_turns": options.merge_turns,
