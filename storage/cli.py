@@ -211,12 +211,32 @@ def export(
 @click.command("report")
 @click.argument("job")
 @common_options
-@click.option("--out", "out_dir", default=None, help="Directory for report.png and report.html.")
+@click.option("--out", "out_dir", default=None, help="Directory for card.md, report.png and report.html.")
+@click.option(
+    "--gpus-per-host",
+    type=click.IntRange(min=1),
+    default=None,
+    help="GPUs per SGLang server for GPU-hours [default: tp × pp × dp from each server's recorded launch arguments].",
+)
+@click.option(
+    "--usd-per-gpu-hour",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Price one GPU-hour: the card shows the cost.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of tables.")
-def report(settings: Settings, job: str, out_dir: str | None, as_json: bool) -> None:
-    """Counts, length and reasoning distributions, finish reasons, tokens/s, per-worker totals.
+def report(
+    settings: Settings,
+    job: str,
+    out_dir: str | None,
+    gpus_per_host: int | None,
+    usd_per_gpu_hour: float | None,
+    as_json: bool,
+) -> None:
+    """Counts, length and reasoning distributions, finish reasons, tokens/s, per-worker totals, and the data card:
+    per dataset what was stored, dead-lettered, truncated or flagged, GPU-hours, tokens/s per GPU and cost.
 
-    --out also draws report.png/report.html with matplotlib: pip install 'thinkfleet[report]'.
+    --out also writes card.md and draws report.png/report.html with matplotlib: pip install 'thinkfleet[report]'.
     """
     import importlib.util
 
@@ -227,7 +247,9 @@ def report(settings: Settings, job: str, out_dir: str | None, as_json: bool) -> 
         )
     from storage.report import print_summary, report_job
 
-    summary, written = report_job(settings, job, out_dir)
+    summary, written = report_job(
+        settings, job, out_dir, gpus_per_host=gpus_per_host, usd_per_gpu_hour=usd_per_gpu_hour
+    )
     if as_json:
         _print_json({**summary, "files": written})
         return

@@ -30,6 +30,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from storage import layout, stream
+from storage.card import card_facts, card_markdown
+from storage.flags import FLAG_NAMES
 from storage.manifest import job_facts, read_provenance, server_configs
 from storage.prefix_cache import PREFIX_COLUMNS, prefix_rows, prefix_summary
 from storage.schema import (
@@ -37,9 +39,12 @@ from storage.schema import (
     CONVERSATION_ID,
     CREATED_AT,
     DATASET,
+    EMPTY_ANSWER,
     FINISH_REASON,
     HAS_THINK_END,
     LATENCY_S,
+    LOOP,
+    NO_THINK_END,
     PROMPT_ID,
     PROMPT_TOKENS,
     REASONING_END,
@@ -50,6 +55,7 @@ from storage.schema import (
     SPEC_DRAFT_TOKENS,
     SPEC_VERIFY_CT,
     TOOL_CALL_SPANS,
+    TOOL_CALL_UNPARSED,
     TURN_COUNT,
     TURN_INDEX,
     WORKER,
@@ -78,20 +84,25 @@ _COLUMNS = [
     SPEC_ACCEPTED_TOKENS,
     SPEC_DRAFT_TOKENS,
 ]
+_COLUMNS += [LOOP, NO_THINK_END, EMPTY_ANSWER, TOOL_CALL_UNPARSED]  # quality flags (the data card: storage/card.py)
 _COLUMNS += [c for c in PREFIX_COLUMNS if c not in _COLUMNS]  # --turns all: the prefix cache (storage/prefix_cache.py)
 _PERCENTILES = (50, 90, 99)
 #: Most points on the tokens/s timeline; buckets widen to stay under it.
 MAX_TIMELINE_POINTS = 120
 
 
-def report_job(settings: Settings, job: str, out_dir: str | None = None) -> tuple[dict[str, Any], list[str]]:
-    """Compute the summary; with ``out_dir``, also write report.png and report.html there."""
-    # Scalar columns only, streamed (storage/stream.py): memory ~ the job's per-prompt numbers, not its rows.
+def report_job(
+    settings: Settings,
+    job: str,
+    out_dir: str | None = None,
+    *,
+    gpus_per_host: int | None = None,
+    usd_per_gpu_hour: float | None = None,
+) -> tuple[dict[str, Any], list[str]]:
+    """Compute the summary (with the data card's facts under ``card``: storage/card.py); with ``out_dir``, also
+    write card.md, report.png and report.html there."""
     loc = layout.locate(settings.output_uri, settings.s3_endpoint_url)
-    tables = list(stream.committed_batches(loc, job, _COLUMNS, memory_bytes=stream.memory_bytes_of(settings)))
-    schema = pa.schema([SCHEMA.field(c) for c in _COLUMNS])
-    table = pa.Table.from_batches([b for t in tables for b in t.to_batches()], schema=schema).combine_chunks()
-    del tables
+    table = committed_table(settings, job)
     from storage import jobstate
 
     state = jobstate.load_job_state(settings, job, timeout_s=2.0)
@@ -99,9 +110,13 @@ def report_job(settings: Settings, job: str, out_dir: str | None = None) -> tupl
     summary = summarize(job, table, record)
     summary.update(provenance(read_provenance(loc, job), table))
     summary["prefix_cache"] = prefix_summary(table)
+    summary["card"] = card_facts(summary, table, state, gpus_per_host=gpus_per_host, usd_per_gpu_hour=usd_per_gpu_hour)
     written: list[str] = []
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
+        card_path = os.path.join(out_dir, "card.md")
+        with open(card_path, "w", encoding="utf-8") as f:
+            f.write(card_markdown(summary["card"], ["report.png"]))
         png = plot_png(summary, table)
         png_path = os.path.join(out_dir, "report.png")
         with open(png_path, "wb") as f:
@@ -109,8 +124,17 @@ def report_job(settings: Settings, job: str, out_dir: str | None = None) -> tupl
         html_path = os.path.join(out_dir, "report.html")
         with open(html_path, "w", encoding="utf-8") as f:
             f.write(to_html(summary, png))
-        written = [png_path, html_path]
+        written = [card_path, png_path, html_path]
     return summary, written
+
+
+def committed_table(settings: Settings, job: str) -> pa.Table:
+    """The committed view's scalar columns the report and card read (ids never), streamed (storage/stream.py):
+    memory ~ the job's per-prompt numbers, not its rows."""
+    loc = layout.locate(settings.output_uri, settings.s3_endpoint_url)
+    tables = list(stream.committed_batches(loc, job, _COLUMNS, memory_bytes=stream.memory_bytes_of(settings)))
+    schema = pa.schema([SCHEMA.field(c) for c in _COLUMNS])
+    return pa.Table.from_batches([b for t in tables for b in t.to_batches()], schema=schema).combine_chunks()
 
 
 def summarize(job: str, table: pa.Table, record: JobRecord | None = None) -> dict[str, Any]:
@@ -394,6 +418,30 @@ def print_summary(summary: dict[str, Any]) -> None:
     console.print(workers)
     for table in server_tables(summary):
         console.print(table)
+    card = summary.get("card")
+    if card:
+        console.print(card_table(card))
+
+
+def card_table(card: dict[str, Any]) -> Any:
+    """Rich table: per dataset what was kept, dropped, cut or flagged, and what the job cost."""
+    from rich.table import Table
+
+    table = Table(title="data card (report --out writes card.md)")
+    for col in ("dataset", "submitted", "stored", "dead", *FLAG_NAMES):
+        table.add_column(col, justify="left" if col in ("dataset", "dead") else "right")
+    for name, d in card["datasets"].items():
+        dead = ", ".join(f"{k} {v}" for k, v in sorted(d["dead"].items())) or "0"
+        flags = d.get("flags") or {}
+        table.add_row(name, "?" if d["submitted"] is None else str(d["submitted"]), str(d["stored"]), dead,
+                      *(str(flags.get(f, 0)) for f in FLAG_NAMES))  # fmt: skip
+    cost = card["cost"]
+    per_gpu = cost.get("output_tokens_per_s_per_gpu")
+    usd = f", ${cost['usd']:,.2f}" if cost.get("usd") is not None else ""
+    table.caption = f"GPU-hours {cost['gpu_hours']:.3f} (host-hours {cost['host_hours']:.3f}{usd})" + (
+        f", {per_gpu:,.1f} output tokens/s per GPU" if per_gpu is not None else ""
+    )
+    return table
 
 
 def server_tables(summary: dict[str, Any]) -> list[Any]:

@@ -42,9 +42,38 @@ def test_report_summarizes_the_job(tmp_path: Path) -> None:
     assert summary["output_length"]["max"] == 102  # 60 reasoning + </think> + 40 answer + <|im_end|>
     assert set(summary["workers"]) == {"w0", "w1"} and summary["workers"]["w0"]["rows"] == 10
     assert summary["tokens_per_s"] > 0 and sum(p["rows"] for p in summary["timeline"]) == 20
-    png, page = (Path(f) for f in files)
+    card, png, page = (Path(f) for f in files)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| ds | ? | 20 | 0 | 2 | 0 | 2 | 0 | 0 |" in card.read_text()  # truncated rows never closed reasoning
     assert "thinkfleet job job" in page.read_text() and "data:image/png;base64," in page.read_text()
+
+
+def test_the_card_counts_gpu_hours_and_cost_from_the_servers_launch_arguments(tmp_path: Path) -> None:
+    """w0 on an 8-GPU server (tp 8, its record), w1 on one with no record (1 GPU, said so): GPU-hours are each
+    server's first-to-last-row time × its GPUs, the cost at the price given; --gpus-per-host overrides both."""
+    from storage.card import card_facts
+    from storage.report import committed_table
+
+    _job(tmp_path)
+    settings = Settings(output_uri=str(tmp_path), redis_url="redis://127.0.0.1:1/0")
+    summary, _ = report_job(settings, JOB)
+    summary["servers"] = [
+        {"launch_args": {"tp_size": 8, "dp_size": 1}, "workers": [{"worker": "w0", "host": "h0", "sglang_url": "u"}]}
+    ]
+    table = committed_table(settings, JOB)
+    cost = card_facts(summary, table, None, usd_per_gpu_hour=2.5)["cost"]
+    assert [s["gpus"] for s in cost["servers"]] == [8, 1] and cost["gpus_assumed"] is True
+    assert cost["host_hours"] == 2 * 540 / 3600  # 9 minutes from first to last row, each
+    assert cost["gpu_hours"] == (8 + 1) * 540 / 3600
+    assert cost["usd"] == cost["gpu_hours"] * 2.5
+    assert cost["output_tokens_per_s_per_gpu"] == summary["output_tokens"] / (9 * 540)
+    one, eight = cost["projection_hours"]["1"], cost["projection_hours"]["8"]
+    rate = cost["output_tokens_per_s_per_server"]  # each server's tokens over its active time, averaged
+    assert one["this_job"] == summary["output_tokens"] / rate / 3600
+    assert abs(one["this_job"] - 8 * eight["this_job"]) < 1e-9 and eight["seed_job_measured"] == 57 / 8
+    assert one["seed_job"] == 88_088 * 1_416 / rate / 3600
+    forced = card_facts(summary, table, None, gpus_per_host=4)["cost"]
+    assert forced["gpu_hours"] == 4 * 1080 / 3600 and forced["gpus_assumed"] is False
 
 
 def test_report_cli_prints_tables_and_json(tmp_path: Path) -> None:
