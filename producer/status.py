@@ -31,6 +31,7 @@ from typing import Any
 import redis
 
 from producer.bounds import inflight_bounds
+from producer.image_gates import image_store_gates
 from producer.job import JobRecord
 from thinkfleet.broker.clock import RedisClock
 from thinkfleet.broker.keys import KombuKeys
@@ -143,6 +144,8 @@ class StatusReader:
             "job_file": record.job_file,  # the job file as it ran (producer submit job.yaml), else null
             "clock_warnings": clock_warnings(r, self.settings),
             "inflight_bounds": inflight_bounds(r, self.settings),  # producer/bounds.py
+            # image stores a live worker cannot read: its image prompts are handed back there (producer/image_gates.py)
+            "image_store_gates": image_store_gates(r, self.settings),
             "clock_skew_warn_s": self.settings.clock_skew_warn_s,
             # --turns all: later turns' reusable prefix and the part the servers found cached (host affinity)
             "prefix_cache": prefix_cache(counters),

@@ -123,6 +123,15 @@ def status_view(st: dict[str, Any]) -> Group:
                 style="yellow",
             )
         )
+    for g in st.get("image_store_gates") or ():  # producer/image_gates.py
+        parts.append(
+            Text(
+                f"worker {g['worker']} (host {g.get('host') or '?'}) cannot read the image store {g['store']}: "
+                f"{g.get('reason')}; its image prompts are handed back there (another host runs them, nothing is "
+                "dead-lettered): mount the store at that path (or set THINKFLEET_IMAGE_STORE_MAP) or fix permissions",
+                style="bold yellow",
+            )
+        )
     for w in st.get("clock_warnings") or ():
         offset = float(w["offset_s"])
         parts.append(

@@ -26,7 +26,7 @@ from workers.sglang import (
     Generation,
     ServerFault,
     Unanswered,
-    build_request,
+    body_pieces,
     classify_http_error,
     parse_response,
 )
@@ -42,6 +42,21 @@ PROMPT_503_S = 5.0
 #: Best effort: an /abort_request that gets no answer this soon is given up.
 ABORT_TIMEOUT_S = 5.0
 _JSON = {"Content-Type": "application/json"}
+
+
+class _Pieces(aiohttp.payload.Payload):
+    """A request body written piece by piece (workers/sglang.py ``body_pieces``), with its Content-Length."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        super().__init__(pieces, content_type="application/json")
+        self._size = sum(len(p) for p in pieces)
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return b"".join(self._value).decode(encoding, errors)
+
+    async def write(self, writer: Any) -> None:
+        for piece in self._value:
+            await writer.write(piece)
 
 
 def decode_json(payload: bytes) -> Any:
@@ -121,7 +136,8 @@ class SGLangClient:
         # orjson: the ids are most of the bytes both ways, and the stdlib json is several times slower on them.
         image_data = images.image_data if images is not None else None
         asked = images is not None and images.return_prompt_token_ids
-        body = orjson.dumps(build_request(input_ids, sampling_params, rid, image_data, asked))
+        pieces = body_pieces(input_ids, sampling_params, rid, image_data, asked)
+        body = pieces[0] if len(pieces) == 1 else _Pieces(pieces)  # an image prompt's images: not copied again
         try:
             async with asyncio.timeout(deadline_s):
                 async with self.session.post(f"{self.base_url}/generate", data=body, headers=_JSON) as resp:

@@ -87,7 +87,8 @@ class PromptPipeline:
         )
         self.claims = Claims(settings, identity, redis, ledger, committer, metrics, draining)
         #: An image prompt's images: read from the job's store once per worker, checked, sent as data: URIs.
-        self.images = ImageSender(settings)
+        #: Its stores' gates (a store this host cannot read hands its prompts back) go to the heartbeat (status).
+        self.images = ImageSender(settings, redis, identity)
 
     async def handle(self, args: Any, message_id: str | None = None) -> str:
         """A message's args → its outcome (the message is acked), or :class:`HandBack` (requeued). Nothing
@@ -204,7 +205,10 @@ class PromptPipeline:
             # reaches a commit group, where it would fail its neighbours' encode. An image prompt's answer must
             # show the prompt expanded as sent (ImageTokensMismatch: dead-lettered bad_output at once).
             vocab = output_vocab(fitted.limits)
-            gen, attempts, latency = await self.attempts.run(task, input_ids, sampling, vocab, images)
+            try:
+                gen, attempts, latency = await self.attempts.run(task, input_ids, sampling, vocab, images)
+            finally:
+                self.images.release(images)  # the request ended: its images' bytes go back to the budget
         except PermanentError as exc:
             # bad_output keeps what the server answered (exc.answer) in the dead letter.
             n = getattr(exc, "attempts", 1)

@@ -32,6 +32,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import orjson
+
 #: Sampling keys we forward to SGLang (anything else in a job record is ours).
 SAMPLING_KEYS = (
     "max_new_tokens",
@@ -147,10 +149,13 @@ class ExpectedPrompt:
 class ImagePrompt:
     """What an image prompt's request carries beside its ids, and what its answer must show."""
 
-    image_data: list[str]
+    #: One ``data:`` URI per placeholder (ASCII bytes, or str): spliced into the body as they are (:func:`body_pieces`).
+    image_data: list[bytes] | list[str]
     expected: ExpectedPrompt
     #: Ask for ``return_prompt_token_ids`` (SGLang ≥ 0.5.13): the answer's ids are checked against ``expected.ids``.
     return_prompt_token_ids: bool
+    #: Bytes of the worker's image budget this request holds (workers/images.py ``ImageSender.release``).
+    held_bytes: int = 0
 
 
 #: ``finish_reason.matched`` of a NaN / out-of-vocab sample (scheduler output processing, every version).
@@ -244,6 +249,30 @@ def build_request(
         # logprob_start_len -1 (SGLang's default): output logprobs, plus one input position (ignored).
         body.update(return_logprob=True, top_logprobs_num=int(k), logprob_start_len=-1, return_text_in_logprobs=False)
     return body
+
+
+def body_pieces(
+    input_ids: list[int],
+    sampling_params: dict[str, Any],
+    rid: str,
+    image_data: list[bytes] | list[str] | None = None,
+    return_prompt_token_ids: bool = False,
+) -> list[bytes]:
+    """:func:`build_request`'s body serialised, as pieces to write one after the other: an image prompt's ``data:``
+    URIs (ASCII, nothing to escape) are spliced in as they are, so a request holds no copy of its images beside the
+    worker's cache (a text prompt's body is one piece)."""
+    body = build_request(input_ids, sampling_params, rid, None, False)
+    if not image_data:
+        return [orjson.dumps(body)]
+    if return_prompt_token_ids:
+        body["return_prompt_token_ids"] = True
+    pieces = [orjson.dumps(body)[:-1] + b',"image_data":["']
+    for k, uri in enumerate(image_data):
+        if k:
+            pieces.append(b'","')
+        pieces.append(uri if isinstance(uri, bytes) else uri.encode("ascii"))
+    pieces.append(b'"]}')
+    return pieces
 
 
 def error_message(body: bytes) -> str:
