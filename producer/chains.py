@@ -27,11 +27,14 @@ import json
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from thinkfleet.message import PromptTask, content_hash, pack_ids
+from producer.row_media import ROW_MEDIA_COLUMNS, RebuildRefused, RowMedia, checked_hash
+from producer.sources import InputError
+from thinkfleet.message import PromptTask, pack_ids
 from thinkfleet.settings import Settings
 from thinkfleet.turns import of_conversations, split_step_id
 
@@ -60,9 +63,14 @@ def replay_candidates(stored: Iterable[str], finished: set[str], conversations: 
     return of_conversations(stored, conversations, finished)
 
 
-def plan_replay(settings: Settings, job: str, candidates: set[str], generation: str) -> ChainReplay:
+def plan_replay(
+    settings: Settings, job: str, candidates: set[str], generation: str, images: Iterable[Any] = ()
+) -> ChainReplay:
     """The settled claims and head messages that make the workers finalize ``candidates`` (stored turns, see
-    :func:`replay_candidates`) from their parts, in chain order, with the record of ``generation``."""
+    :func:`replay_candidates`) from their parts, in chain order, with the record of ``generation``. A head of an
+    image conversation carries its row's images (producer/row_media.py; ``images``: the conversations' wire
+    references, which give each image's size) and must hash to its row's content hash: a head that does not is
+    refused here (:class:`producer.sources.InputError`, naming the row), never sent to be refused by a worker."""
     if not candidates:
         return ChainReplay()
     from storage import layout
@@ -85,7 +93,9 @@ def plan_replay(settings: Settings, job: str, candidates: set[str], generation: 
     head_ids = {pid for _t, _s, pid in heads.values()}
     loc = layout.locate(settings.output_uri, settings.s3_endpoint_url)
     parts = sorted({loc.path(rows[pid]["part"]) for pid in head_ids})
-    ids = scan_parts(loc, parts, ["prompt_id", "input_ids"])
+    ids = scan_parts(loc, parts, ["prompt_id", "input_ids", "content_hash", *ROW_MEDIA_COLUMNS])
+    media = RowMedia(settings.s3_endpoint_url)
+    media.learn(images)
     found = ids.filter(pc.is_in(ids["prompt_id"], value_set=pa.array(sorted(head_ids), pa.string())))
     queued: set[str] = set()  # heads already made (a part may hold a prompt's row twice)
     for head in found.to_pylist():
@@ -95,16 +105,26 @@ def plan_replay(settings: Settings, job: str, candidates: set[str], generation: 
             continue  # another row of it (not the winner's part)
         queued.add(pid)
         prompt = list(head["input_ids"])
+        named = {**head, "dataset": row["dataset"], "row_index": row["row_index"], "revision": row["revision"]}
+        try:
+            refs = media.refs(named)
+            digest = checked_hash(named, prompt, refs)
+        except RebuildRefused as exc:
+            raise InputError(
+                f"cannot resume conversation {split_step_id(pid)[0]} from storage: {exc} (the stored turn is in part "  # type: ignore[index]
+                f"{row['part']}; remove or quarantine that part, then submit again)"
+            ) from None
         replay.heads.append(
             PromptTask(
                 job,
                 row["dataset"],
                 pid,
                 int(row["row_index"]),
-                content_hash(prompt),
+                digest,
                 pack_ids(prompt),
                 revision=int(row["revision"] or 0),
                 generation=generation,
+                media=refs,
             )
         )
     replay.heads.sort(key=lambda t: t.prompt_id)

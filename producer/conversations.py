@@ -31,7 +31,10 @@ def stage_replay(
         return ChainReplay()
     finished = existing.done | existing.dead | existing.queued
     candidates = replay_candidates(existing.stored, finished, collector.kept_conversations)
-    replay = plan_replay(settings, opts.job, candidates, collector.generation)
+    # the images of the resumed conversations, as the producer just read them: a replayed head carries its own
+    convs = collector.feed.conversations if collector.feed is not None else {}
+    images = [i for c in _conversations_of(candidates) for i in (convs.get(c) or {}).get("images") or []]
+    replay = plan_replay(settings, opts.job, candidates, collector.generation, images)
     if replay.heads:
         messages = collector.envelope.encode_many(replay.heads)
         stager.push(messages)
@@ -85,3 +88,9 @@ def write_conversations(client: redis.Redis, settings: Settings, opts: SubmitOpt
 def _turn_counts(client: redis.Redis, key: str) -> Iterator[int]:
     for _conv, raw in client.hscan_iter(key, count=1000):
         yield int(json.loads(raw)["turn_count"])
+
+
+def _conversations_of(prompt_ids: set[str]) -> set[str]:
+    from thinkfleet.turns import split_step_id
+
+    return {p[0] for pid in prompt_ids if (p := split_step_id(pid)) is not None}

@@ -50,7 +50,9 @@ import pyarrow.compute as pc
 import redis
 
 from producer.enqueue import Stager, job_priority
+from producer.row_media import ROW_MEDIA_COLUMNS, RebuildRefused, RowMedia, checked_hash
 from producer.state import StateError, SubmitLock
+from storage.schema import IMAGE_SHA256
 from thinkfleet.broker.envelope import Envelope
 from thinkfleet.cli import STATE, settings_options
 from thinkfleet.message import OVERRIDE_KEYS, PromptTask, pack_ids
@@ -68,14 +70,20 @@ _TAKE_OUT = lua("requeue")
 
 class RetryResult(list[str]):
     """The re-queued prompt ids; ``skipped``: prompt id → why it was not re-queued (a chain still running);
-    ``offered``: prompt id → the host whose list it was offered on (host affinity, see the module doc)."""
+    ``offered``: prompt id → the host whose list it was offered on (host affinity, see the module doc);
+    ``refused``: prompt id → why its stored row could not be rebuilt as submitted (producer/row_media.py)."""
 
     def __init__(
-        self, ids: list[str], skipped: dict[str, str] | None = None, offered: dict[str, str] | None = None
+        self,
+        ids: list[str],
+        skipped: dict[str, str] | None = None,
+        offered: dict[str, str] | None = None,
+        refused: dict[str, str] | None = None,
     ) -> None:
         super().__init__(ids)
         self.skipped = skipped or {}
         self.offered = offered or {}
+        self.refused = refused or {}
 
 
 #: Why a truncated turn of a conversation whose chain is still running is not re-run.
@@ -321,6 +329,7 @@ def retry_truncated(settings: Settings, job: str, max_new_tokens: int) -> list[s
                     "input_ids",
                     "finish_reason",
                     "worker",
+                    *ROW_MEDIA_COLUMNS,
                 ],
                 s3_endpoint_url=settings.s3_endpoint_url,
             )
@@ -332,21 +341,7 @@ def retry_truncated(settings: Settings, job: str, max_new_tokens: int) -> list[s
                 # previous turn's history and this turn's user message); its re-derived turns follow it there.
                 if _affine(settings):
                     hosts = {r["prompt_id"]: r["worker"] for r in rows if r.get("worker")}
-            tasks = [
-                PromptTask(
-                    job=job,
-                    dataset=row["dataset"],
-                    prompt_id=row["prompt_id"],
-                    row_index=row["row_index"],
-                    content_hash=row["content_hash"],
-                    ids_blob=pack_ids(row["input_ids"]),
-                    sample_index=row["sample_index"],
-                    revision=row["revision"] + 1,
-                    overrides={"max_new_tokens": max_new_tokens},
-                    generation=_generation(client, settings, job),
-                )
-                for row in rows
-            ]
+            tasks, refused = _rebuilt(client, settings, job, rows, max_new_tokens)
             # Not "done" until the new revision is stored (workers skip prompts in the done set); the counters
             # follow so that status and verify agree while the re-runs are in flight. The new revision is asked for
             # in the same transition: a worker's claim refuses a message of a lower one from then on, so a leftover
@@ -355,14 +350,65 @@ def retry_truncated(settings: Settings, job: str, max_new_tokens: int) -> list[s
             offered = _requeue(client, settings, job, "done", tasks, revisions, hosts)
             for pid, why in skipped.items():
                 click.echo(f"skipped {pid}: {why}", err=True)
-            return RetryResult([t.prompt_id for t in tasks], skipped, offered)
+            for why in refused.values():
+                click.echo(f"refused {why}", err=True)
+            return RetryResult([t.prompt_id for t in tasks], skipped, offered, refused)
     finally:
         client.close()
 
 
+def _rebuilt(
+    client: redis.Redis, settings: Settings, job: str, rows: list[dict], max_new_tokens: int
+) -> tuple[list[PromptTask], dict[str, str]]:
+    """The next revision's message of each truncated row, its images with it (producer/row_media.py), each checked
+    to hash to the row's content hash; rows that do not → why (named, never enqueued)."""
+    media = RowMedia(settings.s3_endpoint_url)
+    _learn_conversation_images(client, settings, job, media, rows)
+    generation = _generation(client, settings, job)
+    tasks, refused = [], {}
+    for row in rows:
+        try:
+            refs = media.refs(row)
+            digest = checked_hash(row, row["input_ids"], refs)
+        except RebuildRefused as exc:
+            refused[row["prompt_id"]] = str(exc)
+            continue
+        tasks.append(
+            PromptTask(
+                job=job,
+                dataset=row["dataset"],
+                prompt_id=row["prompt_id"],
+                row_index=row["row_index"],
+                content_hash=digest,
+                ids_blob=pack_ids(row["input_ids"]),
+                sample_index=row["sample_index"],
+                revision=row["revision"] + 1,
+                overrides={"max_new_tokens": max_new_tokens},
+                generation=generation,
+                media=refs,
+            )
+        )
+    return tasks, refused
+
+
+def _learn_conversation_images(
+    client: redis.Redis, settings: Settings, job: str, media: RowMedia, rows: Sequence[Mapping]
+) -> None:
+    """A ``--turns all`` job's conversation records hold the full reference of each image (its size): read those
+    of the image rows' conversations, so the store's files need not be read for it."""
+    from thinkfleet.turns import split_step_id
+
+    convs = sorted({p[0] for r in rows if r.get(IMAGE_SHA256) and (p := split_step_id(r["prompt_id"])) is not None})
+    for start in range(0, len(convs), CHUNK):
+        chunk = convs[start : start + CHUNK]
+        for raw in client.hmget(settings.keys.conversations(job), chunk):
+            if raw:
+                media.learn(json.loads(raw).get("images") or [])
+
+
 #: Columns of a quarantined part's rows that rebuild their message (``retry --missing``).
 _SALVAGE = ["prompt_id", "dataset", "row_index", "sample_index", "revision", "content_hash", "input_ids",
-            "sampling_params"]  # fmt: skip
+            "sampling_params", *ROW_MEDIA_COLUMNS]  # fmt: skip
 
 
 def retry_missing(settings: Settings, job: str) -> RetryResult:
@@ -434,19 +480,25 @@ def _salvaged_tasks(settings: Settings, job: str, missing: set[str], submitted: 
     if not missing:
         return []
     loc = layout.locate(settings.output_uri, settings.s3_endpoint_url)
-    rows: dict[str, dict] = {}
+    media = RowMedia(settings.s3_endpoint_url)
+    rows: dict[str, tuple[dict, tuple]] = {}
     for row in salvage(loc, job, _SALVAGE).to_pylist():
         pid = row["prompt_id"]
-        if pid not in missing or (pid in rows and rows[pid]["revision"] >= row["revision"]):
+        if pid not in missing or (pid in rows and rows[pid][0]["revision"] >= row["revision"]):
+            continue
+        try:  # an image prompt's ids hash with its images (the row's, rebuilt: producer/row_media.py)
+            refs = media.refs(row)
+        except RebuildRefused:
             continue
         wanted = submitted.get(pid) or row["content_hash"]
-        sound = content_hash(row["input_ids"]) == wanted if is_content_hash(wanted) else row["content_hash"] == wanted
+        digest = content_hash(row["input_ids"], [m.sha256 for m in refs]) if row["input_ids"] else None
+        sound = digest == wanted if is_content_hash(wanted) else row["content_hash"] == wanted
         if sound and row["input_ids"]:
-            rows[pid] = row
+            rows[pid] = (row, refs)
     with sync_client(settings.redis_url, timeout_s=BULK_TIMEOUT_S) as client:
         generation = _generation(client, settings, job)
     tasks = []
-    for pid, row in sorted(rows.items()):
+    for pid, (row, refs) in sorted(rows.items()):
         try:
             used = json.loads(row["sampling_params"]) if row["sampling_params"] else {}
         except ValueError:
@@ -467,6 +519,7 @@ def _salvaged_tasks(settings: Settings, job: str, missing: set[str], submitted: 
                 revision=row["revision"],
                 overrides=overrides,
                 generation=generation,
+                media=refs,
             )
         )
     return tasks
@@ -516,6 +569,7 @@ def retry(
         skipped = getattr(ids, "skipped", {})  # turns of conversations whose chain still runs
         offered = getattr(ids, "offered", {})  # turns offered to the host that ran their previous turn
         out = {"job": job, "requeued": len(ids), "prompt_ids": list(ids), "skipped": skipped, "offered": offered}
+        out["refused"] = getattr(ids, "refused", {})  # stored rows that do not rebuild as submitted (row_media.py)
         click.echo(json.dumps(out))
     else:
         click.echo(f"{len(ids)} {what} for job {job}")
@@ -530,6 +584,13 @@ def retry(
                 f"key (written into Redis by something without it?), e.g. {sorted(ids.skipped)[:5]}",
                 err=True,
             )
+    if getattr(ids, "refused", None):
+        click.echo(
+            f"{len(ids.refused)} stored rows were NOT re-queued: their messages cannot be rebuilt as submitted "
+            "(each named above with its fix)",
+            err=True,
+        )
+        raise SystemExit(1)
 
 
 def _generation(client: redis.Redis, settings: Settings, job: str) -> str:

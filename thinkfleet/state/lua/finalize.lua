@@ -15,7 +15,9 @@
 -- Revisions are fenced like epochs: a row of a lower revision than the one requested since (producer retry
 -- --truncated, Keys.revisions) is fenced ('revision N') whatever its claim says (our own claim on it goes). A next
 -- turn enqueued at a revision above the one requested for it (a re-derivation) raises it in the same step: a
--- leftover copy of its older message (rendered from the turn as it was) is superseded, not run.
+-- leftover copy of its older message (rendered from the turn as it was) is superseded, not run. A dropped turn's
+-- revision is raised by one in the step that drops it, for the same reason; a chain that derives it again later
+-- enqueues it at that revision at least (workers/turns.py reads it).
 -- Host affinity (thinkfleet/broker/affinity.py): with the offers ZSET after answers, the queue is the caller's own
 -- host list; a next turn is pushed onto its far end (the host list is first in, first out, so its oldest offer is
 -- the one popped and the one a sweep looks at) and its offer time recorded, on Redis's clock, in the same step.
@@ -129,6 +131,10 @@ for i = 5, #ARGV - 1, 16 do
     if ARGV[i + 8] ~= '' then
       for _, id in ipairs(cjson.decode(ARGV[i + 8])) do
         take_out(id)
+        -- its revision raised above any message of it (claim.lua raises it to each one it sees; a next turn's
+        -- enqueue to its own): a leftover copy is superseded at its claim and its run fenced, never added to done
+        local was = tonumber(redis.call('HGET', KEYS[#KEYS - 1], id) or '0')
+        redis.call('HSET', KEYS[#KEYS - 1], id, was + 1)
         -- and out of the job: no chain derives it now, so it is not pending (status, wait and the live invariant
         -- count what is submitted); a later re-run that derives it again enqueues it as new
         if redis.call('HDEL', KEYS[13], id) == 1 then
