@@ -52,6 +52,8 @@ _HELP = {
     "tool_call_share": "Share of outputs that end in a native tool call.",
     "tool_catalogue": "JSON of decodable calls in the family's native tokens (sglang_sim.tools.write_catalogue).",
     "malformed_tool_call_share": "Share of catalogue calls whose arguments are cut in half (not JSON).",
+    "loop_share": "Share of outputs (kimi) that fall into a repeated cycle of 2-8 ids until max_new_tokens.",
+    "empty_answer_share": "Share of outputs (kimi) that close their reasoning and stop with no answer.",
     "think_end": "Close the reasoning (</think>; harmony: <|end|>); --no-think-end reproduces the seed's "
     "empty-reasoning bug.",
     "fault_503_rate": "Share of /generate calls answered 503 (queue full).",

@@ -41,6 +41,10 @@ How an output is built:
    drawn by the same RNG — a real name and JSON arguments in the family's native form, a share of them malformed
    (``malformed_tool_call_share``) — instead of filler; several calls per turn as above (harmony: one, its
    ``commentary to=functions.NAME <|constrain|>json<|message|>ARGS`` after ``<|channel|>``).
+   Degenerate outputs (Kimi only; none by default, and a share of 0 draws nothing, so other outputs are unchanged):
+   ``loop_share`` of outputs fall, a few dozen reasoning ids in, into a cycle of 2–8 ids repeated to
+   ``max_new_tokens`` (no ``</think>``, no stop: a length finish); ``empty_answer_share`` close their reasoning
+   and stop at once (``[reasoning…, </think>, <|im_end|>]``). Quality flags (storage/quality.py) count both.
 6. SGLang's finish rules are then applied in its order (``schedule_batch.Req.check_finished``): length
    first (``len == max_new_tokens`` → ``{"type":"length"}``), then a token in ``stop_token_ids`` ∪ the
    model's EOS set → ``{"type":"stop","matched":id}`` with the id *included*; ``ignore_eos`` disables
@@ -163,6 +167,10 @@ class ContentConfig:
     tool_catalogue: str | None = None
     #: Share of catalogue calls whose arguments are cut in half (not JSON).
     malformed_tool_call_share: float = 0.0
+    #: Share of outputs (Kimi) that loop: a cycle of 2–8 ids repeated from early in the reasoning to the limit.
+    loop_share: float = 0.0
+    #: Share of outputs (Kimi) that close their reasoning and say nothing: ``</think>`` then the stop.
+    empty_answer_share: float = 0.0
 
     #: Every request draws its own output (as sampling at temperature > 0 without a fixed seed does): two runs of
     #: one prompt differ. Off: the output depends on (input ids, seed) only, so tests check rows byte for byte.
@@ -209,7 +217,8 @@ class ContentConfig:
         if self.tool_catalogue and self.catalogue is not None and self.catalogue.family != self.model_family:
             found = self.catalogue.family
             raise ValueError(f"tool_catalogue {self.tool_catalogue} is for {found}, not {self.model_family}")
-        for name in ("tool_call_share", "tool_call_direct_share", "malformed_tool_call_share"):
+        shares = ("tool_call_share", "tool_call_direct_share", "malformed_tool_call_share", "loop_share")
+        for name in (*shares, "empty_answer_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1]")
         if self.max_tool_calls < 1:
@@ -228,6 +237,9 @@ class Generation:
     reasoning_tokens: int
     #: Whether the natural output was a tool call (it may have been cut before the call).
     tool_call: bool = False
+    #: A degenerate output drawn by ``loop_share`` / ``empty_answer_share``: "loop", "empty_answer", else None
+    #: (an empty answer cut by ``max_new_tokens`` before its ``</think>`` is still "empty_answer" here).
+    degenerate: str | None = None
 
 
 @dataclass(frozen=True)
@@ -239,6 +251,10 @@ class _Plan:
     tool_call: bool
     #: The id that ends the natural output (without a stop on it the model decodes on).
     end_token: int = kimi.IM_END
+    #: A degenerate loop: from ``loop_start`` on, the ids repeat with this period to the end (0: no loop).
+    loop_start: int = 0
+    loop_period: int = 0
+    empty_answer: bool = False
 
 
 #: How far from the prompt's end a ``<think>`` still opens reasoning (``<think>`` then at most two ordinary ids).
@@ -321,6 +337,9 @@ def expected_generation(
     for position, token in plan.specials:
         if position < needed:
             seq[position] = token
+    if plan.loop_period and needed > plan.loop_start:  # the cycle repeats to the end (a prefix of a longer cap's)
+        cycle = seq[plan.loop_start : plan.loop_start + plan.loop_period].copy()
+        seq[plan.loop_start :] = np.resize(cycle, needed - plan.loop_start)
 
     output = seq.tolist()
     if not ignore_eos:
@@ -332,7 +351,10 @@ def expected_generation(
         finish: dict[str, Any] = {"type": "length", "length": limit}
     else:
         finish = {"type": "stop", "matched": output[-1]}
-    return Generation(output, finish, reasoning_token_count(output, config.think_end_id), plan.tool_call)
+    degenerate = "loop" if plan.loop_period else ("empty_answer" if plan.empty_answer else None)
+    return Generation(
+        output, finish, reasoning_token_count(output, config.think_end_id), plan.tool_call, degenerate=degenerate
+    )
 
 
 #: ``finish_reason.matched`` of SGLang's NaN / out-of-vocabulary path.
@@ -392,6 +414,13 @@ def _plan(rng: np.random.Generator, config: ContentConfig) -> _Plan:
     length = int(min(max(round(drawn), config.min_length_tokens), config.max_length_tokens))
     share = rng.uniform(config.reasoning_share_min, config.reasoning_share_max)
     reasoning = max(1, min(round(length * share), length - 2))
+    # Drawn only when asked for, so the outputs of a simulator without them are the same as before they existed.
+    if config.loop_share and rng.random() < config.loop_share:
+        start, period = int(rng.integers(8, 48)), int(rng.integers(2, 9))
+        return _Plan(config.max_length_tokens, [], tool_call=False, end_token=-1, loop_start=start, loop_period=period)
+    if config.empty_answer_share and rng.random() < config.empty_answer_share:
+        specials = [(reasoning, kimi.THINK_END), (reasoning + 1, kimi.IM_END)]
+        return _Plan(reasoning + 2, specials, tool_call=False, empty_answer=True)
     if rng.random() < config.tool_call_share:
         return _plan_tool_call(rng, config, reasoning)
 
