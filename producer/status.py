@@ -31,8 +31,10 @@ from typing import Any
 import redis
 
 from producer.bounds import inflight_bounds
+from producer.chain_state import ChainState, read_chain_state
 from producer.image_gates import image_store_gates
 from producer.job import JobRecord
+from producer.stalls import stalled_workers
 from thinkfleet.broker.clock import RedisClock
 from thinkfleet.broker.keys import KombuKeys
 from thinkfleet.broker.queues import queue_length
@@ -144,6 +146,8 @@ class StatusReader:
             "job_file": record.job_file,  # the job file as it ran (producer submit job.yaml), else null
             "clock_warnings": clock_warnings(r, self.settings),
             "inflight_bounds": inflight_bounds(r, self.settings),  # producer/bounds.py
+            # live workers that hold work with no progress past their bound, each with its reason (producer/stalls.py)
+            "stalled_workers": stalled_workers(r, self.settings),
             # image stores a live worker cannot read: its image prompts are handed back there (producer/image_gates.py)
             "image_store_gates": image_store_gates(r, self.settings),
             "clock_skew_warn_s": self.settings.clock_skew_warn_s,

@@ -132,6 +132,8 @@ def status_view(st: dict[str, Any]) -> Group:
                 style="bold yellow",
             )
         )
+    for w in st.get("stalled_workers") or ():  # producer/stalls.py, workers/stall.py
+        parts.append(Text(stalled_line(w), style="bold red"))
     for w in st.get("clock_warnings") or ():
         offset = float(w["offset_s"])
         parts.append(
@@ -263,6 +265,16 @@ def _check_line(checked: dict[str, Any] | None) -> str:
     return f"{head} — last full check {format_duration(checked.get('age_s'))} ago: {verdict}"
 
 
+def stalled_line(w: dict[str, Any]) -> str:
+    """One stalled worker (producer/stalls.py): who, why, and what it holds."""
+    held = f"{w.get('held') or 0} message(s) held, {w.get('commit_waiting') or 0} row(s) waiting to commit"
+    return (
+        f"worker {w['worker']} (host {w.get('host') or '?'}) STALLED: {w['reason']} ({held}; no progress for "
+        f"{float(w.get('progress_age_s') or 0):,.0f} s) — see its log; a stuck commit ends the worker by itself "
+        "(THINKFLEET_COMMIT_STUCK_EXIT_S), a storage outage waits behind its gate"
+    )
+
+
 def status_line(st: dict[str, Any]) -> str:
     """One plain line of a job's status, for ``status --watch`` into a file or a pipe (no live view there)."""
     if not st.get("exists"):
@@ -275,6 +287,7 @@ def status_line(st: dict[str, Any]) -> str:
         f"running {st['running']:,}, queued {st['queued']:,}, unaccounted {_n(lost) if lost is not None else '—'}) "
         f"{r['prompts_per_s']:.2f} prompts/s {r['output_tokens_per_s']:,.0f} tokens/s "
         f"ETA {format_duration(st['eta_s'])}"
+        + "".join(f" | {stalled_line(w)}" for w in st.get("stalled_workers") or ())
     )
 
 

@@ -9,8 +9,9 @@ worker before the row is written:
   the next step when an agentic answer calls tools, else the next turn);
 - :data:`COMPLETE`: the conversation's last answer;
 - a reason: the chain ends here — ``tool_call`` (a plain job's answer calls a tool), ``tool_mismatch``,
-  ``max_tool_steps``, ``tool_call_cut``, ``tool_error`` (thinkfleet/tool_steps.py), ``error: …`` (the next turn
-  could not be rendered).
+  ``max_tool_steps``, ``tool_call_cut``, ``tool_error`` (thinkfleet/tool_steps.py), ``render_error: …`` (the
+  job's chat template refused the next turn's history: workers/turns.py ``RenderFailed``), ``error: …`` (the next
+  turn could not be derived here: no record, a tokenizer mismatch).
 
 So storage alone says where every chain stands, across a purge or the loss of Redis (whose answer records keep a
 copy: their ``chain_end``, and an agentic record's ``next``). A chain is walked from its turn 0 along the stored
@@ -36,6 +37,9 @@ from thinkfleet.turns import split_step_id, step_id, turn_id
 CONTINUES = ""
 #: ``chain_end`` of a conversation's last answer.
 COMPLETE = "complete"
+#: The kind of reason (``render_error: <why>``) of a chain whose next turn the job's template or the message encoding
+#: refused: that conversation ends, never the worker's commit stream.
+END_RENDER_ERROR = "render_error"
 #: The reason of a row written before ``chain_end`` whose answer calls a tool and whose record is gone.
 END_UNRECORDED_CALL = "tool_call"
 #: Links a walk follows at most (a record cycle would otherwise never end).

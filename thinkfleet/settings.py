@@ -209,6 +209,19 @@ class Settings(BaseSettings):
     storage_retry_max_s: float = Field(
         30.0, gt=0, description="Longest backoff between retries of a failed Parquet commit (rows kept in memory)."
     )
+    stall_flush_intervals: int = Field(
+        4,
+        ge=1,
+        description="A worker holding rows with no commit (or prompts while its server gate is closed) for this many "
+        "flush intervals (at least 5 s) is shown stalled, with its reason, by producer status and Prometheus.",
+    )
+    commit_stuck_exit_s: float = Field(
+        900.0,
+        ge=0,
+        description="A worker whose commit stream is stuck this long (rows waiting, an attempt that does not return "
+        "or an error that is not I/O) exits with code 75 for its supervisor to restart it; 0: never. An I/O outage "
+        "is waited out behind the storage gate instead.",
+    )
     part_target_bytes: int = Field(
         64 << 20,
         ge=1 << 16,

@@ -9,9 +9,18 @@ A waiting row holds a pool thread (not a request slot), so a flush also starts e
 Slow real servers (a row every few seconds) thus get few, large parts; a fast simulator never
 starves the pool.
 
-A failed commit is retried with backoff, rows kept in memory, and ``on_storage(False, exc)`` closes
-the worker's consuming gate until a commit succeeds again (``on_storage(True, None)``). Only storage (and Redis)
-failures do: a row that cannot be encoded is split off before the write (:class:`BadRow`) and its neighbours land.
+Errors are split by kind (:func:`io_fault`, :func:`data_fault`), so that an error ends only what caused it:
+
+- an I/O error (storage: OSError, pyarrow/fsspec I/O; Redis) is retried with backoff, rows kept in memory, and
+  ``on_storage(False, exc)`` closes the worker's consuming gate until a commit succeeds again
+  (``on_storage(True, None)``) — the storage gate ``producer status`` names;
+- a row that cannot be encoded is split off before the write (:class:`BadRow`) and its neighbours land;
+- a hook (next-turn render, tool planning, serialisation) that raises anything else is a row's fault, never the
+  gate's: a data error (TypeError, ValueError, a template's error, …) at once, an unknown one after
+  :data:`UNKNOWN_ERROR_ATTEMPTS` tries, the group is committed row by row and the row whose own hooks still raise
+  ends as :class:`RowFailed` (dead-lettered ``commit_hook`` with the error's last line) while the others commit.
+
+:meth:`GroupCommitter.progress` says what waits and since when (workers/stall.py publishes it with the heartbeat).
 
 Post-commit hooks (workers/hooks.py, multi-turn chaining among them) are asked once per group, before its part is
 written, for their columns and for what the rows' finalize writes in its own Lua call (the next turn's message:
@@ -42,7 +51,11 @@ from storage.writer import PartWriter
 from thinkfleet.failpoints import failpoint
 from thinkfleet.state.ledger import Fence, Finalized, FinalRow, Ledger
 from thinkfleet.state.recent import Recent
+from workers.commit_faults import UNKNOWN_ERROR_ATTEMPTS, CommitProgress, RowFailed, data_fault, io_fault
 from workers.hooks import CommitGroup, FinalizeWrites, PostCommitHooks, StoredRow
+from workers.outcomes import crash_summary
+
+__all__ = ["BadRow", "Fenced", "GroupCommitter", "RowFailed", "StorageUnavailable"]
 
 #: How many finalized rows a worker remembers for :meth:`GroupCommitter.replay` (a few hundred bytes each).
 RECENT_FINALIZES = 20_000
@@ -92,6 +105,7 @@ class _Pending:
     final: FinalRow
     future: asyncio.Future[str] = field(repr=False)  # the part that holds the row
     size: int = 0  # row_bytes(row): what it adds to its part
+    at: float = field(default_factory=time.monotonic)  # when it was handed to the committer
 
 
 class GroupCommitter:
@@ -134,6 +148,26 @@ class GroupCommitter:
         #: (job, prompt id) → (dataset, part, final row, its fence) of the rows this process finalized last: what
         #: :meth:`replay` finalizes again when Redis lost that finalize (a rollback) along with the message.
         self._recent: Recent[tuple[str, str], tuple[str, str, FinalRow, Fence]] = Recent(RECENT_FINALIZES)
+        # What :meth:`progress` reports: the batch being committed, the last success, the failure and attempt now.
+        self._flushing: list[_Pending] = []
+        self._committed_at = time.monotonic()
+        self._failing: tuple[str, bool] | None = None
+        self._attempt_at: float | None = None
+
+    def progress(self) -> CommitProgress:
+        """What waits to commit and since when, and what the commit now fails with (workers/stall.py)."""
+        now = time.monotonic()
+        waiting = [i for i in (*self._flushing, *self._pending) if not i.future.done()]
+        oldest = min((i.at for i in waiting), default=None)
+        failing, io = self._failing or (None, False)
+        return CommitProgress(
+            len(waiting),
+            None if oldest is None else now - oldest,
+            now - self._committed_at,
+            failing,
+            io,
+            None if self._attempt_at is None else now - self._attempt_at,
+        )
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="group-commit")
@@ -170,6 +204,7 @@ class GroupCommitter:
             elif len(self._pending) >= self.early_flush_rows or self._pending_bytes >= self.part_target_bytes:
                 self._urgent.set()
             if batch:
+                self._flushing = batch
                 try:
                     await self._flush(batch)
                 except Exception as exc:
@@ -179,6 +214,8 @@ class GroupCommitter:
                     for item in batch:
                         if not item.future.done():
                             item.future.set_exception(exc)
+                finally:
+                    self._flushing, self._attempt_at = [], None
 
     def _within_target(self, items: list[_Pending]) -> int:
         """How many of ``items`` (at least one) stay within the part size target."""
@@ -196,10 +233,12 @@ class GroupCommitter:
         for (job, dataset), items in groups.items():
             await self._commit_group(job, dataset, items)
 
-    async def _commit_group(self, job: str, dataset: str, items: list[_Pending]) -> None:
+    async def _commit_group(self, job: str, dataset: str, items: list[_Pending], hook_tries: int = 0) -> None:
         """Encode → mark (the fence) → write → finalize, retried with backoff until it succeeds: finished
         generations are never thrown away while this worker lives. The part keeps its name across retries, so a
-        write that landed before an error (the ambiguous commit) is found and only finalized, not repeated."""
+        write that landed before an error (the ambiguous commit) is found and only finalized, not repeated.
+        A hook error that is not I/O is a row's (:meth:`_hooks_failed`); ``hook_tries``: what a split group's rows
+        had already tried."""
         started = time.perf_counter()
         part = self.writer.part_name(job, dataset)
         # The fences the rows run under (the finalize drops them): kept with the rows this process remembers.
@@ -211,9 +250,18 @@ class GroupCommitter:
         writes: FinalizeWrites | None = None
         failures = 0
         while True:
+            self._attempt_at = time.monotonic()
             try:
                 if not asked:
-                    writes = await self.hooks.before_write(CommitGroup(job, dataset, [i.row for i in items]))
+                    try:
+                        writes = await self.hooks.before_write(CommitGroup(job, dataset, [i.row for i in items]))
+                    except Exception as exc:
+                        if io_fault(exc):
+                            raise
+                        hook_tries += 1
+                        if await self._hooks_failed(job, dataset, items, exc, hook_tries):
+                            return  # ended, or committed row by row
+                        continue
                     asked = True
                 if encoded is None:
                     items, encoded = await self._encode(job, dataset, items)
@@ -240,6 +288,7 @@ class GroupCommitter:
                 break
             except Exception as exc:
                 failures += 1
+                self._attempt_at, self._failing = None, (crash_summary(exc), io_fault(exc))
                 self.on_storage(False, exc)
                 if self._giving_up:
                     # Draining past its grace: the rows go; their prompts go back to the queue (claims
@@ -260,6 +309,7 @@ class GroupCommitter:
                         await self._retry_now.wait()
         if failures:
             log.warning("commit of %d rows for %s/%s succeeded after %d failures", len(items), job, dataset, failures)
+        self._attempt_at, self._failing, self._committed_at = None, None, time.monotonic()
         self.on_storage(True, None)
         self.on_flush(len(items), time.perf_counter() - started)
         # A job run without reasoning spans (--no-reasoning-spans) has no </think> to miss: never alarm.
@@ -274,6 +324,41 @@ class GroupCommitter:
             if not item.future.done():
                 self._remember(job, dataset, part, item.final, fences.get(item.final.prompt_id))
                 item.future.set_result(part)
+
+    async def _hooks_failed(self, job: str, dataset: str, items: list[_Pending], exc: Exception, tries: int) -> bool:
+        """The group's hooks raised ``exc`` (not I/O) on try ``tries``: False to try again (an unknown error, within
+        :data:`UNKNOWN_ERROR_ATTEMPTS`, after a short backoff), else True once the group is dealt with — a single row
+        ends as :class:`RowFailed`, a larger group is committed row by row (each row's hooks asked alone), so only
+        the row whose own hooks raise ends and its neighbours commit. Never closes the storage gate."""
+        summary = crash_summary(exc)
+        bound = 1 if data_fault(exc) else UNKNOWN_ERROR_ATTEMPTS
+        self._failing = (summary, False)
+        if tries < bound:
+            backoff = random.uniform(0.5, 1.0) * min(self.retry_max_s, 0.5 * 2 ** (tries - 1))
+            log.error(
+                "post-commit hooks of %d rows for %s/%s failed (try %d of %d), retrying in %.1fs: %s",
+                len(items), job, dataset, tries, bound, backoff, summary,
+            )  # fmt: skip
+            self._attempt_at = None
+            await asyncio.sleep(backoff)
+            return False
+        if len(items) > 1:
+            log.error(
+                "post-commit hooks of %d rows for %s/%s failed (%s): committing them row by row to end only the row "
+                "that causes it", len(items), job, dataset, summary,
+            )  # fmt: skip
+            for item in items:
+                await self._commit_group(job, dataset, [item], tries)
+            return True
+        item = items[0]
+        log.error(
+            "row %s/%s ends: its post-commit hooks failed %d time(s): %s", job, item.final.prompt_id, tries, summary,
+            exc_info=exc,
+        )  # fmt: skip
+        if not item.future.done():
+            item.future.set_exception(RowFailed("commit_hook", summary))
+        self._failing = None
+        return True
 
     async def _encode(self, job: str, dataset: str, items: list[_Pending]) -> tuple[list[_Pending], memoryview]:
         """The rows as Parquet bytes (in a thread: encoding is CPU). A row the schema refuses is split off

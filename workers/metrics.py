@@ -85,6 +85,20 @@ class WorkerMetrics:
         self.storage_failures = Counter(
             "thinkfleet_storage_failures", "Failed commit attempts (retried with backoff)", registry=r
         )
+        # -- a stall is seen (workers/stall.py) ----------------------------------------------------------------
+        self.stalled = Gauge(
+            "thinkfleet_worker_stalled",
+            "1 while this worker holds work and makes no progress past its bound (producer status says why)",
+            registry=r,
+        )
+        self.progress_age = Gauge(
+            "thinkfleet_progress_age_seconds",
+            "Seconds since this worker last made progress (a commit succeeded or a generation completed)",
+            registry=r,
+        )
+        self.commit_waiting = Gauge(
+            "thinkfleet_commit_waiting_rows", "Rows waiting in the group committer (not yet stored)", registry=r
+        )
         self.crashes = Counter(
             "thinkfleet_crashed_deliveries", "Deliveries that ended in an unexpected exception", ["error"], registry=r
         )
@@ -149,6 +163,12 @@ class WorkerMetrics:
         self.bound.set(bound)
         self.bound_reason.state(kind if kind in REASON_KINDS else "cap")
         self.bound_moves.labels(kind).inc()
+
+    def note_progress(self, age_s: float, waiting: int, stalled: str | None) -> None:
+        """What the stall watch found (workers/stall.py)."""
+        self.progress_age.set(age_s)
+        self.commit_waiting.set(waiting)
+        self.stalled.set(int(bool(stalled)))
 
     def note_prefix(self, reusable: int | None, cached: int | None) -> None:
         """A stored later turn's reusable prefix and the server's cached tokens (both known, or not counted)."""

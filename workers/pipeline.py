@@ -37,7 +37,7 @@ from thinkfleet.state.ledger import Ledger
 from workers.admission import Admission
 from workers.attempts import HandBack, RequestAttempts
 from workers.claims import Claims, Poisoned, Run
-from workers.committer import BadRow, Fenced, GroupCommitter, StorageUnavailable
+from workers.committer import BadRow, Fenced, GroupCommitter, RowFailed, StorageUnavailable
 from workers.health import HealthGate
 from workers.hooks import Committed, PostCommitHooks
 from workers.images import ImageNotSent, ImageSender
@@ -176,6 +176,8 @@ class PromptPipeline:
             return "fenced"
         except BadRow as exc:
             return await self.outcomes.dead(task, "bad_output", f"the row cannot be stored: {exc}", 1)
+        except RowFailed as exc:  # its hooks (a next turn, a tool step) raised past their tries: it ends alone
+            return await self.outcomes.dead(task, exc.error_class, exc.reason, 1)
         except (HandBack, StorageUnavailable) as exc:
             await self.claims.release(task)
             self.metrics.handed_back.inc()

@@ -56,6 +56,7 @@ from workers.metrics import WorkerMetrics
 from workers.pipeline import PromptPipeline
 from workers.provenance import ProvenanceRecorder
 from workers.scheduler import slurm_info
+from workers.stall import StallWatch
 from workers.tool_steps import StepChainer
 from workers.turns import TurnChaining
 
@@ -234,6 +235,12 @@ class WorkerRuntime:
             **slurm_info(),
         }
         self.lease.info = info
+        # Its progress, held work and gates go with every heartbeat; a stall is shown, a stuck commit ends the worker.
+        self.stall = StallWatch(
+            self.committer, self.gate, lambda: len(self.held), info, self.metrics, s.flush_interval_s,
+            s.stall_flush_intervals, s.commit_stuck_exit_s,
+        )  # fmt: skip
+        self.stall.publish()
         # An image store this host cannot read is a closed gate the heartbeat names (producer status).
         gates = self.pipeline.images.gates
         gates.on_change = lambda: info.update(image_store_gates=gates.closed())
@@ -242,6 +249,7 @@ class WorkerRuntime:
         if not await self.lease.beat():
             raise RuntimeStartError(f"worker name {self.identity!r} was taken by {self.lease.lost} while it started")
         self.lease.start()
+        self.stall.start()
         self.affinity.start()
         if self.adaptive is not None:
             self.adaptive.start()
@@ -455,6 +463,7 @@ class WorkerRuntime:
         async def _aclose() -> None:
             self._release_task.cancel()
             self._cancel_watch.cancel()
+            await self.stall.stop()
             await self.affinity.stop()  # our host list to the shared queue, while our heartbeat still says alive
             await self.lease.stop()
             if self.adaptive is not None:

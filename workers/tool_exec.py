@@ -23,8 +23,9 @@ drew the same calls — reuses the recorded results without calling again; a reg
 runs its tools once. One that finds only another run's ``pending`` mark for its calls cannot know whether the call
 happened and ends the chain (``tool_error``) rather than call twice. An error or timeout is retried
 (``executor_retries`` more times, inside the one mark), then ends the chain with its reason (``chain_end:
-tool_error``, counted as ``tool_errors``). The outcome is kept in memory until Redis took its record: a commit
-retried after a Redis error records it rather than calling again.
+tool_error``, counted as ``tool_errors``); so does a result JSON cannot hold (:func:`json_results`: recorded as the
+error, not retried). The outcome is kept in memory until Redis took its record: a commit retried after a Redis error
+records it rather than calling again.
 Calls run with their own timeout and bounded concurrency. Timeout, retries and concurrency are the worker's settings
 (``THINKFLEET_TOOL_TIMEOUT_S``, ``_RETRIES``, ``_CONCURRENCY``; ``worker --tool-timeout-s …``): how hard a host
 may drive a tool is the host's call, like its in-flight bound.
@@ -157,6 +158,18 @@ class ToolExecutor:
         raise ToolExecError(f"executor {self.spec!r} failed: {type(last).__name__}: {last}")
 
 
+def json_results(spec: str, results: list[Any]) -> list[Any]:
+    """``results`` when JSON can hold them (strict: no NaN, which Redis' cjson refuses), else ToolExecError: the
+    chain ends ``tool_error`` at once — never a record that raises on every retry of the commit, nor a second
+    call of the executor for the same calls."""
+    try:
+        json.dumps(results, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+        why = f"{type(exc).__name__}: {exc}"
+        raise ToolExecError(f"executor {spec!r} returned a result that is not JSON: {why}") from exc
+    return results
+
+
 def calls_digest(calls: Sequence[dict[str, Any]]) -> str:
     """The identity of a run's decoded calls (names and arguments, in order): what a record answers."""
     return hashlib.sha256(json.dumps([c.get("function") for c in calls], sort_keys=True).encode()).hexdigest()[:16]
@@ -237,7 +250,7 @@ async def _call_and_record(
     outcome = executor.unrecorded.get(field)
     if outcome is None or outcome.get("epoch") != own["epoch"]:
         try:
-            outcome = {"results": await executor.run(request), **own}
+            outcome = {"results": json_results(executor.spec, await executor.run(request)), **own}
         except ToolExecError as exc:
             outcome = {"error": str(exc), **own}
         failpoint("after_tool_call", step_prompt_id)

@@ -18,7 +18,6 @@ The step's answer record carries ``next`` (what it enqueued), ``tool_results``, 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from typing import Any
@@ -123,12 +122,9 @@ async def _enqueue(
     recorded["next"] = next_id
     history = await _history(chainer, job, conv_id, pid)
     messages = for_render(step_messages(conv, [*history, recorded]))
-    try:
-        ids = await asyncio.to_thread(chainer._render, jt, messages, conv.get("tools"))
-    except Exception as exc:  # a template that cannot render this history: the chain ends, saying why
-        raise TurnError(f"{pid}: the next step does not render: {exc}") from exc
     following = await chainer.r.hget(answers_key(chainer.keys, job), next_id)
-    digest, message = await chainer.next_message(jt, job, dataset, row, conv, next_id, ids, following)
+    # a template that cannot render this history ends the chain, saying why (render_error: RenderFailed)
+    digest, message = await chainer.render_next(jt, job, dataset, row, conv, next_id, messages, following)
     # A re-run that now continues elsewhere (another next) drops what the old revision derived beyond it.
     dropped = tuple(p for p in later if p != next_id)
     signed = chainer._sign_answer(job, pid, recorded)
@@ -176,8 +172,6 @@ def _cut(jt: _JobTurns, row: dict[str, Any]) -> bool:
 
 async def _history(chainer: TurnChainer, job: str, conv_id: str, pid: str) -> list[dict[str, Any]]:
     """The answer records before ``pid`` in chain order: the walk from ``t0`` along ``next``."""
-    from workers.turns import TurnError
-
     out: list[dict[str, Any]] = []
     at = turn_id(conv_id, 0)
     key = answers_key(chainer.keys, job)

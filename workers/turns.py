@@ -62,7 +62,7 @@ import redis.asyncio as aioredis
 
 from storage.schema import CHAIN_END
 from thinkfleet.broker.affinity import HostAffinity, Placement
-from thinkfleet.chain_end import end_of
+from thinkfleet.chain_end import END_RENDER_ERROR, end_of
 from thinkfleet.keys import Keys
 from thinkfleet.message import MessageRefused, PromptTask, content_hash, pack_ids
 from thinkfleet.signing import signer_for
@@ -110,6 +110,17 @@ ROW_COLUMNS = (
 # -- the worker's side --------------------------------------------------------------------------------------
 class TurnError(Exception):
     """Turn i+1 cannot be rendered here (tokenizer mismatch, no conversation record)."""
+
+
+class RenderFailed(TurnError):
+    """Turn i+1's (or step j+1's) message cannot be built from a history the job's chat template or the message
+    encoding refuses (a system message after the first, roles that do not alternate, a value JSON cannot hold): a
+    fault of that conversation, so its chain ends ``render_error: …`` (thinkfleet/chain_end.py) — never the commit."""
+
+    def __init__(self, next_id: str, exc: BaseException) -> None:
+        from workers.outcomes import crash_summary
+
+        super().__init__(f"{next_id}: {crash_summary(exc)}")
 
 
 @dataclass(frozen=True)
@@ -314,13 +325,15 @@ class TurnChainer:
 
     async def _next_or_end(self, job: str, dataset: str, row: dict[str, Any]) -> NextTurn | None:
         """:meth:`_next`; a turn that cannot be rendered here ends its chain, saying why in its answer record
-        (a Redis error propagates: the commit is retried)."""
+        (a Redis error propagates: the commit is retried); one whose history the template refuses ends it
+        ``render_error: …`` (:class:`RenderFailed`)."""
         try:
             return await self._next(job, dataset, row)
         except TurnError as exc:
             log.error("multi-turn chain of %s/%s ends: %s", job, row["prompt_id"], exc)
             await self.r.hincrby(self.keys.counters(job), "turn_chain_errors", 1)
-            return NextTurn(row["prompt_id"], self._sign_answer(job, row["prompt_id"], {"chain_end": f"error: {exc}"}))
+            reason = f"{END_RENDER_ERROR}: {exc}" if isinstance(exc, RenderFailed) else f"error: {exc}"
+            return NextTurn(row["prompt_id"], self._sign_answer(job, row["prompt_id"], {"chain_end": reason}))
 
     def _read_row(self, job: str, dataset: str, part: str, prompt_id: str) -> dict[str, Any] | None:
         import pyarrow.compute as pc
@@ -370,9 +383,29 @@ class TurnChainer:
                     raise TurnError(f"{pid}: its recorded answer does not match its signature (not a worker's)")
         answers = [answer_message(r) for r in records] + [answer]
         messages = turn_messages(conv, answers)
-        ids = await asyncio.to_thread(self._render, jt, messages, conv.get("tools"))
-        digest, message = await self.next_message(jt, job, dataset, row, conv, next_id, ids, following)
+        digest, message = await self.render_next(jt, job, dataset, row, conv, next_id, messages, following)
         return NextTurn(row["prompt_id"], self._sign_answer(job, row["prompt_id"], recorded), next_id, digest, message)
+
+    async def render_next(
+        self,
+        jt: _JobTurns,
+        job: str,
+        dataset: str,
+        row: dict[str, Any],
+        conv: dict[str, Any],
+        next_id: str,
+        messages: list[dict[str, Any]],
+        following: bytes | None,
+    ) -> tuple[str, bytes]:
+        """:meth:`next_message` of ``messages`` rendered with the job's template: :class:`RenderFailed` when the
+        template or the message encoding refuses them (the chain ends saying why; a TurnError stays one)."""
+        try:
+            ids = await asyncio.to_thread(self._render, jt, messages, conv.get("tools"))
+            return await self.next_message(jt, job, dataset, row, conv, next_id, ids, following)
+        except TurnError:
+            raise
+        except Exception as exc:  # the user's template and data: whatever they raise is this conversation's
+            raise RenderFailed(next_id, exc) from exc
 
     async def next_message(
         self,

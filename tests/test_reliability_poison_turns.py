@@ -1,0 +1,423 @@
+"""An error ends only what caused it (issue 43, fault 3): a poison row ends itself, never its worker's commits.
+
+- A ``--turns all`` job whose chat template allows a system message only first, one conversation of which has a
+  system message after its first answer: its turn 1 cannot be rendered. That chain ends ``render_error: …``,
+  every other turn is stored, the worker keeps consuming, ``wait`` 0 and ``verify`` OK (before: the commit group
+  was retried forever and six prompts stayed "running").
+- The same for an agentic job whose executor returns a value JSON cannot hold for one conversation: that chain ends
+  ``tool_error`` with the reason, the executor is called once for it.
+- The committer itself (unit level): an unknown error in one row's hook gets :data:`UNKNOWN_ERROR_ATTEMPTS` tries,
+  then that row alone is dead-lettered with the error's last line while its group's others commit; a data error
+  ends its row at once; an I/O error is retried behind the storage gate and ends nothing.
+- A stall is seen: a worker whose storage refuses every commit while it holds prompts is shown **stalled** with its
+  reason by ``producer status --json``, and not once its commits succeed again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pyarrow.dataset as pads
+import redis
+
+from storage.reader import raw_duplicates, read_committed
+from storage.writer import PartWriter
+from testing.datasets import conversation_rows, write_jsonl
+from testing.fleet import WorkerProcess, dead_letters, exchange_paths, job_progress, wait_until
+from testing.harness import STEADY_LEASE, fast_env, isolated_settings, make_prompts, producer_cli, simulator, submit_ids
+from testing.record import Outcome, check_job, record_result
+from testing.rows import make_row
+from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
+from thinkfleet.state.ledger import Finalized
+from workers.commit_faults import UNKNOWN_ERROR_ATTEMPTS
+from workers.committer import GroupCommitter, RowFailed
+from workers.hooks import CommitGroup, FinalizeWrites, PostCommitHook, PostCommitHooks
+from workers.rows import JobFinalRow
+
+#: A chat template rule many real templates have: a system message only at the start.
+SYSTEM_FIRST = (
+    "{%- for m in messages -%}{%- if m['role'] == 'system' and not loop.first -%}"
+    "{{ raise_exception('System message must be at the beginning.') }}{%- endif -%}{%- endfor -%}"
+)
+
+
+# -- the committer, unit level ---------------------------------------------------------------------------------
+class _Ledger:
+    """The claim ledger's answers for rows nobody else holds (the fence and the Lua scripts are not under test)."""
+
+    def fence(self, job: str, prompt_id: str) -> None:
+        return None
+
+    async def mark_part(self, *args: Any) -> dict[str, str]:
+        return {}
+
+    async def finalize(self, job: str, dataset: str, rows: list[Any], *args: Any, **kwargs: Any) -> Finalized:
+        return Finalized(len(rows), False, 0, 0, {})
+
+
+class _PoisonHook(PostCommitHook):
+    """Raises ``error`` for any group holding ``poison`` (``times`` times at most; None: always)."""
+
+    name = "poison"
+
+    def __init__(self, poison: str, error: Exception, times: int | None = None) -> None:
+        self.poison, self.error, self.times = poison, error, times
+        self.raised = 0
+
+    async def before_write(self, group: CommitGroup) -> FinalizeWrites | None:
+        if any(r["prompt_id"] == self.poison for r in group.rows) and (self.times is None or self.raised < self.times):
+            self.raised += 1
+            raise self.error
+        return None
+
+
+def _commit_four(tmp_path: Path, hook: _PoisonHook) -> tuple[dict[str, Any], list[bool], list[str]]:
+    """Four rows of one group through a real committer and PartWriter: prompt id → its part or its exception; the
+    storage verdicts the committer gave; the prompt ids stored in the parts."""
+    verdicts: list[bool] = []
+    writer = PartWriter(str(tmp_path / "out"), "w1")
+
+    async def run() -> dict[str, Any]:
+        committer = GroupCommitter(
+            writer, _Ledger(), 64, 0.05, 1000, 1.0, lambda *a: None,  # type: ignore[arg-type]
+            on_storage=lambda ok, exc: verdicts.append(ok), retry_max_s=0.2, hooks=PostCommitHooks([hook]),
+        )  # fmt: skip
+        committer.start()
+        pids = [f"p-{i}" for i in range(4)]
+        rows = [make_row(pid, job="job", dataset="ds", seed=i) for i, pid in enumerate(pids)]
+        commits = [committer.commit("job", "ds", row, JobFinalRow(row["prompt_id"], 30, True, False)) for row in rows]
+        results = await asyncio.wait_for(asyncio.gather(*commits, return_exceptions=True), 60)
+        assert committer.progress().waiting == 0, "nothing is left waiting in the committer"
+        return dict(zip(pids, results, strict=True))
+
+    outcome = asyncio.run(run())
+    stored = pads.dataset(str(tmp_path / "out"), format="parquet").to_table(columns=["prompt_id"])
+    return outcome, verdicts, sorted(stored.column("prompt_id").to_pylist())
+
+
+def test_an_unknown_hook_error_gets_bounded_tries_then_only_its_row_is_dead_lettered(tmp_path: Path) -> None:
+    # Given a hook that always raises an error of no known kind for one row of a group of four.
+    hook = _PoisonHook("p-2", RuntimeError("the feature store answered nonsense\nlast line: shard 7 refused"))
+    # When the group is committed.
+    outcome, verdicts, stored = _commit_four(tmp_path, hook)
+    # Then that row alone ends, with the error's last line, after a bounded number of tries; the others are stored.
+    failed = outcome["p-2"]
+    assert isinstance(failed, RowFailed) and failed.error_class == "commit_hook", outcome
+    assert failed.reason == "RuntimeError: last line: shard 7 refused"
+    assert hook.raised == UNKNOWN_ERROR_ATTEMPTS + 1, "the group's tries, then the row's own one"
+    assert stored == ["p-0", "p-1", "p-3"]
+    assert all(isinstance(outcome[p], str) for p in ("p-0", "p-1", "p-3")), outcome
+    # And the storage gate never closed for it: a row's error is not storage's.
+    assert False not in verdicts
+
+
+def test_a_data_error_in_a_hook_ends_its_row_at_once(tmp_path: Path) -> None:
+    hook = _PoisonHook("p-1", TypeError("Object of type set is not JSON serializable"))
+    outcome, verdicts, stored = _commit_four(tmp_path, hook)
+    assert isinstance(outcome["p-1"], RowFailed) and "TypeError" in outcome["p-1"].reason
+    assert hook.raised == 2, "the group's one try, then the row's own one: a data error is not retried"
+    assert stored == ["p-0", "p-2", "p-3"] and False not in verdicts
+
+
+def test_an_io_error_in_a_hook_is_retried_behind_the_storage_gate_and_ends_nothing(tmp_path: Path) -> None:
+    hook = _PoisonHook("p-3", ConnectionError("Redis went away"), times=2)
+    outcome, verdicts, stored = _commit_four(tmp_path, hook)
+    assert stored == ["p-0", "p-1", "p-2", "p-3"] and all(isinstance(v, str) for v in outcome.values()), outcome
+    assert verdicts.count(False) == 2 and verdicts[-1] is True, "the gate closed at each failure, opened again"
+
+
+# -- a --turns all job with one conversation its template refuses ----------------------------------------------
+def _strict_tokenizer() -> Path:
+    """The Kimi test tokenizer with :data:`SYSTEM_FIRST` in front of its chat template, beside it (inside the test
+    workers' tokenizer roots); built once per content, atomically (other tests may build it at the same moment)."""
+    base = Path(build_test_tokenizer(default_test_tokenizer_dir()))
+    target = base.parent / f"{base.name}-system-first"
+    if (target / "chat_template.jinja").exists():
+        return target
+    staging = base.parent / f".{target.name}-{uuid.uuid4().hex[:8]}"
+    shutil.copytree(base, staging)
+    template = staging / "chat_template.jinja"
+    template.write_text(SYSTEM_FIRST + template.read_text())
+    try:
+        staging.rename(target)
+    except OSError:  # another test built it first
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _poison_conversation() -> dict[str, Any]:
+    """User, assistant, **system**, user, assistant: turn 0 renders, turn 1's history has a system message second."""
+    return {
+        "id": "late-system",
+        "messages": [
+            {"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "Paris."},
+            {"role": "system", "content": "From now on answer in German."},
+            {"role": "user", "content": "And of Germany?"},
+            {"role": "assistant", "content": "Berlin."},
+        ],
+    }
+
+
+def _wait_verify_status(settings: Any, job: str) -> tuple[Any, Any, dict[str, Any]]:
+    waited = producer_cli(settings, "wait", job, "--timeout", "180", "--json")
+    verified = producer_cli(settings, "verify", job, "--json")
+    status = producer_cli(settings, "status", job, "--json")
+    assert status.returncode == 0, status.stderr
+    return waited, verified, json.loads(status.stdout)
+
+
+def test_a_conversation_the_template_refuses_ends_its_chain_and_the_worker_keeps_consuming(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # Given 30 ordinary two-turn conversations and one with a system message after its first answer, submitted
+    # with --turns all and a template that allows a system message only first.
+    (tmp_path / "logs").mkdir()
+    settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    client = redis.Redis.from_url(redis_url)
+    job, conversations, turns = "late-system", 30, 2
+    tok = _strict_tokenizer()
+    rows = [*conversation_rows(conversations, turns, 10, "You are a careful assistant.", reasoning="x")]
+    rows.insert(7, _poison_conversation())  # among the others: its turn shares commit groups with theirs
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    started = time.monotonic()
+    with simulator(tmp_path / "logs", "--time-scale", "400") as sim:
+        worker = WorkerProcess("w1", fast_env(settings, sim, max_inflight=8, **STEADY_LEASE), tmp_path / "logs").start()
+        try:
+            worker.wait_ready(client, settings.keys)
+            submitted = producer_cli(
+                settings, "submit", str(data), "--job", job, "--tokenizer", str(tok), "--processes", "1",
+                "--no-progress", "--max-new-tokens", "200", "--seed", "3", "--context-length", "131072",
+                "--turns", "all", "--json",
+            )  # fmt: skip
+            assert submitted.returncode == 0, submitted.stderr
+            # When the job runs: then it finishes, and verify passes.
+            waited, verified, st = _wait_verify_status(settings, job)
+            # And the worker still consumes: a job submitted after it is stored too.
+            after = producer_cli(
+                settings, "submit", str(write_jsonl(tmp_path / "after.jsonl", rows[:3])), "--job", "after",
+                "--tokenizer", str(tok), "--processes", "1", "--no-progress", "--max-new-tokens", "50",
+                "--context-length", "131072", "--json",
+            )  # fmt: skip
+            assert after.returncode == 0, after.stderr
+            wait_until(lambda: job_progress(client, settings.keys, "after")["done"] == 3, 120, what="a later job")
+            assert worker.alive()
+        finally:
+            worker.terminate()
+    log = worker.log_path.read_text()
+    stored = {r["prompt_id"]: r for r in read_committed(settings.output_uri, job).to_pylist()}
+    answers = {k.decode(): json.loads(v) for k, v in client.hgetall(settings.keys.turn_answers(job)).items()}
+    # Every turn 0, and every turn 1 whose turn 0 goes on (the simulator's answer may call a tool: that chain ends
+    # there, ``tool_call``, as any plain --turns all chain does).
+    ended = {c for c in range(conversations) if answers.get(f"chat/c{c}/t0", {}).get("chain_end")}
+    want = {f"chat/c{c}/t0" for c in range(conversations)} | {"chat/late-system/t0"}
+    want |= {f"chat/c{c}/t1" for c in range(conversations) if c not in ended}
+    duplicated = raw_duplicates(settings.output_uri, job).column("prompt_id").to_pylist()
+    problems = []
+    if "stopped consuming" in log:
+        problems.append("the worker stopped consuming (a commit failed)")
+    end = str(answers.get("chat/late-system/t0", {}).get("chain_end") or "")
+    if not (end.startswith("render_error: ") and "System message must be at the beginning" in end):
+        problems.append(f"the refused conversation's chain end is {end!r}")
+    outcome = Outcome(
+        len(want), len(set(stored) & want), 0, sorted(want - set(stored)), duplicated, [],
+        verified.returncode == 0, waited.returncode == 0, problems,
+    )  # fmt: skip
+    record_result(
+        "a --turns all conversation the chat template refuses (system message after the first answer)",
+        outcome,
+        "31 conversations; one's turn 1 raises TemplateError in the worker's commit group",
+        [],
+        time.monotonic() - started,
+        notes="its chain ends `render_error: …`; every other turn stored; the worker keeps consuming",
+    )
+    # Then that chain ends with its reason, in the row and in Redis; every other turn is stored once.
+    assert (waited.returncode, verified.returncode) == (0, 0), (waited.stdout, verified.stdout)
+    outcome.assert_clean()
+    assert stored["chat/late-system/t0"]["chain_end"] == end
+    others = {answers[f"chat/c{c}/t0"]["chain_end"] for c in ended}
+    assert others <= {"tool_call"}, others
+    want_ends = {"render_error": 1, **({"tool_call": len(ended)} if ended else {})}
+    assert st["conversations"]["ends"] == want_ends and st["conversations"]["complete"] == conversations - len(ended)
+    assert dead_letters(client, settings.keys, job) == {}
+    assert "chat/late-system/t1" not in stored
+
+
+# -- a stall is seen ---------------------------------------------------------------------------------------------
+def _status(settings: Any, job: str) -> dict[str, Any]:
+    shown = producer_cli(settings, "status", job, "--json")
+    assert shown.returncode == 0, shown.stderr
+    return json.loads(shown.stdout)
+
+
+def test_a_worker_whose_commits_fail_while_it_holds_work_is_shown_stalled_with_its_reason(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # Given a worker running a job, whose output stops accepting writes (a file where the dataset directory was).
+    settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    client = redis.Redis.from_url(redis_url)
+    keys = settings.keys
+    started = time.monotonic()
+    with simulator(tmp_path, "--time-scale", "400") as sim:
+        env = fast_env(settings, sim, max_inflight=4, storage_retry_max_s=1, **STEADY_LEASE)
+        worker = WorkerProcess("w1", env, tmp_path).start()
+        try:
+            worker.wait_ready(client, keys)
+            job = submit_ids(settings, "stall", make_prompts(60))
+            wait_until(lambda: job_progress(client, keys, "stall")["done"] >= 5, 120, what="5 rows stored")
+            dataset_dir = Path(settings.output_uri) / "stall" / "dataset=synthetic"
+            aside = tmp_path / "aside"
+            aside.write_text("blocked")
+            exchange_paths(aside, dataset_dir)
+            # When it holds rows it cannot commit: then status shows it stalled, naming the storage error.
+            stalled: list[dict[str, Any]] = []
+
+            def shown_stalled() -> bool:
+                stalled[:] = _status(settings, "stall").get("stalled_workers") or []
+                return bool(stalled)
+
+            wait_until(shown_stalled, 120, what="the worker shown stalled")
+            text = producer_cli(settings, "status", "stall")
+            # And once storage takes writes again, the stall is gone and the job finishes clean.
+            exchange_paths(aside, dataset_dir)
+            aside.unlink()
+            wait_until(lambda: not _status(settings, "stall").get("stalled_workers"), 120, what="the stall cleared")
+            waited = producer_cli(settings, "wait", "stall", "--timeout", "180", "--json")
+            assert worker.alive()
+        finally:
+            worker.terminate()
+    outcome = check_job(settings, "stall", job.prompts, job.sampling_params)
+    record_result(
+        "a worker whose commits fail while it holds work is shown stalled by `producer status`",
+        outcome,
+        "the output's dataset directory replaced by a file until status shows the stall",
+        [],
+        time.monotonic() - started,
+        notes="`status --json` stalled_workers names the storage error; cleared once commits succeed",
+    )
+    (w,) = stalled
+    assert w["worker"] == "w1" and w["reason"].startswith("commit failing at storage"), w
+    assert (w["held"] or 0) > 0 and (w["commit_waiting"] or 0) > 0, w
+    assert w["gate"]["storage"].startswith("failing: "), w
+    shown = " ".join(text.stdout.split())  # rich wraps the text view at the terminal's width
+    assert "w1 (host" in shown and "STALLED: commit failing at storage" in shown, text.stdout
+    assert waited.returncode == 0, waited.stdout
+    outcome.assert_clean()
+
+
+# -- an executor result JSON cannot hold ---------------------------------------------------------------------------
+#: An executor that answers every call with text, except those of one conversation: a set, which JSON cannot hold.
+POISON_EXECUTOR = """
+import json
+from pathlib import Path
+
+CALLS = Path(__file__).with_suffix(".calls")
+
+
+def execute(request):
+    with CALLS.open("a") as f:
+        f.write(json.dumps([request["conversation"], request["turn"], request["step"]]) + "\\n")
+    if request["conversation"].endswith("/c3"):
+        return [{"content": {"not", "json"}} for _ in request["calls"]]
+    return [f"result {i}" for i, _ in enumerate(request["calls"])]
+"""
+
+
+def _tool_rows(n: int) -> list[dict[str, Any]]:
+    """Two user turns; turn 0 recorded with one calculator call (what the simulator's answers call from)."""
+    call = {"id": "functions.calculator:0", "type": "function",
+            "function": {"name": "calculator", "arguments": json.dumps({"expression": "240 / 80"})}}  # fmt: skip
+    return [
+        {
+            "id": f"c{c}",
+            "messages": [
+                {"role": "system", "content": "You are a careful assistant with tools."},
+                {"role": "user", "content": f"How long is trip {c}?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "functions.calculator:0", "content": f"recorded 3 ({c})"},
+                {"role": "assistant", "content": "Three hours."},
+                {"role": "user", "content": f"And back, for chat {c}?"},
+                {"role": "assistant", "content": "Three again."},
+            ],
+        }
+        for c in range(n)
+    ]
+
+
+def test_an_executor_result_that_is_not_json_ends_its_chain_and_the_worker_keeps_consuming(
+    redis_url: str, tmp_path: Path
+) -> None:
+    from producer.render import load_tokenizer
+    from sglang_sim.tools import write_catalogue
+    from workers.tool_exec import TRUSTED_ENV
+
+    # Given an agentic job (live executor) whose executor returns a set for one conversation's calls, and a
+    # simulator whose answers always call a tool.
+    (tmp_path / "logs").mkdir()
+    settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    client = redis.Redis.from_url(redis_url)
+    job, conversations = "not-json", 8
+    tok = Path(build_test_tokenizer(default_test_tokenizer_dir()))
+    catalogue = write_catalogue(tmp_path / "tools.json", load_tokenizer(str(tok)), "kimi")
+    executor_file = tmp_path / "poison_tools.py"
+    executor_file.write_text(POISON_EXECUTOR)
+    executor = f"{executor_file}:execute"
+    data = write_jsonl(tmp_path / "chat.jsonl", _tool_rows(conversations))
+    started = time.monotonic()
+    sim_args = ["--tool-catalogue", str(catalogue), "--time-scale", "400", "--tool-call-share", "1.0"]
+    with simulator(tmp_path / "logs", *sim_args) as sim:
+        env = {**fast_env(settings, sim, max_inflight=8, **STEADY_LEASE), TRUSTED_ENV: executor}
+        worker = WorkerProcess("w1", env, tmp_path / "logs").start()
+        try:
+            worker.wait_ready(client, settings.keys)
+            submitted = producer_cli(
+                settings, "submit", str(data), "--job", job, "--tokenizer", str(tok), "--processes", "1",
+                "--no-progress", "--max-new-tokens", "400", "--seed", "5", "--context-length", "131072",
+                "--turns", "all", "--tool-results", "executor", "--tool-executor", executor, "--max-tool-steps", "2",
+                "--json",
+            )  # fmt: skip
+            assert submitted.returncode == 0, submitted.stderr
+            # When the job runs: then it finishes and verify passes.
+            waited, verified, st = _wait_verify_status(settings, job)
+            assert worker.alive()
+        finally:
+            worker.terminate()
+    log = worker.log_path.read_text()
+    answers = {k.decode(): json.loads(v) for k, v in client.hgetall(settings.keys.turn_answers(job)).items()}
+    ended = {p: a for p, a in answers.items() if p.startswith("chat/c3/") and a.get("chain_end")}
+    calls = [tuple(json.loads(line)) for line in executor_file.with_suffix(".calls").read_text().splitlines()]
+    problems = []
+    if "stopped consuming" in log:
+        problems.append("the worker stopped consuming (a commit failed)")
+    if [a.get("chain_end") for a in ended.values()] != ["tool_error"]:
+        problems.append(f"c3's chain ends {ended}")
+    stored = read_committed(settings.output_uri, job).column("prompt_id").to_pylist()
+    duplicated = raw_duplicates(settings.output_uri, job).column("prompt_id").to_pylist()
+    done = {p.decode() for p in client.smembers(settings.keys.done(job))}
+    outcome = Outcome(
+        len(done), len(set(stored)), 0, sorted(done - set(stored)), duplicated, [],
+        verified.returncode == 0, waited.returncode == 0, problems,
+    )  # fmt: skip
+    record_result(
+        "an agentic executor returning a value JSON cannot hold for one conversation",
+        outcome,
+        f"{conversations} conversations, --tool-results executor; c3's results are a Python set",
+        [],
+        time.monotonic() - started,
+        notes="its chain ends `tool_error` (the executor called once for it); every other chain goes on",
+    )
+    # Then c3's chain ends tool_error with the reason, its executor called once; the others went on.
+    assert (waited.returncode, verified.returncode) == (0, 0), (waited.stdout, verified.stdout)
+    outcome.assert_clean()
+    (record,) = ended.values()
+    assert "not JSON" in record["tool_error"] and "set" in record["tool_error"], record
+    assert sum(1 for c in calls if c[0].endswith("/c3")) == 1, calls
+    assert st["conversations"]["ends"].get("tool_error") == 1, st["conversations"]
+    assert any(a.get("tool_results") for p, a in answers.items() if not p.startswith("chat/c3/")), "others went on"
+    assert dead_letters(client, settings.keys, job) == {}
