@@ -421,3 +421,38 @@ def test_an_executor_result_that_is_not_json_ends_its_chain_and_the_worker_keeps
     assert st["conversations"]["ends"].get("tool_error") == 1, st["conversations"]
     assert any(a.get("tool_results") for p, a in answers.items() if not p.startswith("chat/c3/")), "others went on"
     assert dead_letters(client, settings.keys, job) == {}
+
+
+def test_a_commit_attempt_that_never_returns_is_shown_stalled_and_ends_the_worker_for_its_supervisor(
+    tmp_path: Path,
+) -> None:
+    from workers.stall import COMMIT_STUCK_EXIT, StallWatch
+
+    class _Hang(PostCommitHook):
+        async def before_write(self, group: CommitGroup) -> FinalizeWrites | None:
+            await asyncio.Event().wait()  # a storage call that never returns
+            return None
+
+    exits: list[int] = []
+    info: dict[str, Any] = {}
+
+    async def run() -> None:
+        committer = GroupCommitter(
+            PartWriter(str(tmp_path / "out"), "w1"), _Ledger(), 64, 0.01, 1000, 1.0, lambda *a: None,  # type: ignore[arg-type]
+            hooks=PostCommitHooks([_Hang()]),
+        )  # fmt: skip
+        committer.start()
+        row = make_row("p-0", job="job", dataset="ds")
+        commit = asyncio.ensure_future(committer.commit("job", "ds", row, JobFinalRow("p-0", 30, True, False)))
+        watch = StallWatch(committer, None, lambda: 1, info, None, 0.01, 1, stuck_exit_s=1.0, exit=exits.append)
+        watch.start()
+        async with asyncio.timeout(60):
+            while not (exits and info.get("stalled")):
+                await asyncio.sleep(0.1)
+        await watch.stop()
+        commit.cancel()
+
+    asyncio.run(run())
+    assert exits[0] == COMMIT_STUCK_EXIT
+    assert info["stalled"].startswith("commit attempt running for"), info
+    assert info["held"] == 1 and info["commit_waiting"] == 1 and info["gate"]["storage"] == "ok", info

@@ -44,6 +44,12 @@ MIN_STALL_S = 5.0
 COMMIT_STUCK_EXIT = 75
 
 
+def exit_for_supervisor(code: int) -> None:
+    """Flush the logs and end the process at once (a thread blocked in a storage call cannot be joined)."""
+    logging.shutdown()
+    os._exit(code)
+
+
 def stall_reason(p: CommitProgress, held: int, gate: Any, progress_age_s: float, after_s: float) -> str | None:
     """Why a worker with this commit progress, ``held`` messages and server ``gate`` is stalled (None: it is not)."""
     if p.waiting and (p.oldest_s or 0.0) > after_s and p.since_commit_s > after_s:
@@ -78,7 +84,7 @@ class StallWatch:
     flush_interval_s: float = 30.0
     stall_flush_intervals: int = 4
     stuck_exit_s: float = 900.0
-    exit: Callable[[int], None] = os._exit
+    exit: Callable[[int], None] = exit_for_supervisor
     _task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -139,7 +145,6 @@ class StallWatch:
                         p.since_commit_s, p.waiting, p.failing or "an attempt that does not return",
                         COMMIT_STUCK_EXIT,
                     )  # fmt: skip
-                    logging.shutdown()
                     self.exit(COMMIT_STUCK_EXIT)
             except Exception as exc:  # publishing is best effort: never the reason a worker stops
                 log.warning("stall watch: %s: %s", type(exc).__name__, exc)
