@@ -201,8 +201,17 @@ def cli_env(settings: Settings) -> dict[str, str]:
     return env
 
 
-def producer_cli(settings: Settings, *args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
-    """Run the real ``producer`` CLI (``python -m producer.cli``) against ``settings``."""
+def producer_cli(
+    settings: Settings, *args: str, timeout_s: float = 120.0, in_process: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """Run the real ``producer`` CLI (``python -m producer.cli``) against ``settings``.
+
+    ``in_process``: the same command through click's runner in this process (:func:`producer_cli_in_process`), for
+    a test whose subject is not the process — a status poll, a query between steps. A new interpreter costs
+    ≈ 1.5 CPU-s of imports per call (≈ 4 with a tokenizer) on the 2-core CI box; in-process, once per test process.
+    """
+    if in_process:
+        return producer_cli_in_process(settings, *args)
     return subprocess.run(
         [sys.executable, "-m", "producer.cli", *args],
         env=cli_env(settings),
@@ -210,6 +219,24 @@ def producer_cli(settings: Settings, *args: str, timeout_s: float = 120.0) -> su
         text=True,
         timeout=timeout_s,
     )
+
+
+def producer_cli_in_process(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    """:func:`producer_cli` in this process: the same command group, arguments and ``THINKFLEET_*`` environment,
+    through click's runner; its exit code, stdout and stderr come back as a subprocess' would (an uncaught
+    exception: exit 1, its traceback on stderr, as the interpreter prints it). No timeout: pytest-timeout's is."""
+    import traceback
+
+    from click.testing import CliRunner
+
+    from producer.cli import cli
+
+    env = {k: v for k, v in cli_env(settings).items() if k.startswith("THINKFLEET_")}
+    result = CliRunner().invoke(cli, list(args), env=env, prog_name="producer")
+    stderr = result.stderr
+    if result.exc_info is not None and result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(*result.exc_info))
+    return subprocess.CompletedProcess(["producer", *args], result.exit_code, result.stdout, stderr)
 
 
 def republish(job: IdJob, prompt_ids: list[str], dataset: str = "synthetic") -> None:
