@@ -256,6 +256,8 @@ def test_hf_dataset_loads_with_every_rows_ids_spans_and_metadata(settings, job, 
     ds = datasets.load_from_disk(str(out))
     assert isinstance(ds, datasets.Dataset) and ds.num_rows == len(job)
     assert len(list(out.glob("data-*.arrow"))) == math.ceil(len(job) / 4)
+    card = (out / "README.md").read_text()  # the data card (storage/card.py) travels with the dataset
+    assert "Left out by this export's filters: nothing." in card and "### Prompts" in card and "GPU-hours" in card
     assert ds.features["input_ids"].feature.dtype == "int32"
     assert ds.features["tool_call_spans"].feature["start"].dtype == "int32"
     stored = {r["prompt_id"]: r for r in read_committed(settings.output_uri, JOB).to_pylist()}
