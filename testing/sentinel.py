@@ -331,6 +331,8 @@ class SentinelFleet:
     client: redis.Redis
     workers: list[WorkerProcess]
     tmp_path: Path
+    #: The simulator's base URL (its ``/control/stats`` counts every request: re-runs show there).
+    sim_url: str = ""
 
     def done(self, job: str) -> int:
         """Rows done in Redis now (-1 while no primary answers)."""
@@ -368,9 +370,11 @@ def sentinel_fleet(
     head_options: tuple[str, ...] = (),
     redis_options: dict[int, tuple[str, ...]] | None = None,
     clock_offsets_s: dict[int, int] | None = None,
+    worker_options: dict[str, object] | None = None,
 ) -> Iterator[SentinelFleet]:
     """A :class:`SentinelHead`, the simulator and two workers on the head's ``sentinel://`` URL, all stopped after
-    (``redis_options``, ``clock_offsets_s``: as :class:`SentinelHead` takes them)."""
+    (``redis_options``, ``clock_offsets_s``: as :class:`SentinelHead` takes them; ``worker_options``: settings of
+    the workers over testing.harness.FAST_WORKER's, e.g. ``{"lease_s": 20}``)."""
     RedisServer(tmp_path / "probe")  # fails (CI) or skips the test when redis-server is missing
     head = SentinelHead(
         tmp_path / "head", options=head_options, redis_options=redis_options, clock_offsets_s=clock_offsets_s
@@ -379,12 +383,12 @@ def sentinel_fleet(
         settings = isolated_settings(head.url(), str(tmp_path / "out"))
         client = sync_client(head.url())
         with simulator(tmp_path, "--time-scale", "60", *sim_args) as sim:
-            env = fast_env(settings, sim, max_inflight=6)
+            env = fast_env(settings, sim, **{"max_inflight": 6, **(worker_options or {})})
             workers = [WorkerProcess(f"w{i}", env, tmp_path).start() for i in (1, 2)]
             try:
                 for w in workers:
                     w.wait_ready(client, settings.keys)
-                yield SentinelFleet(head, settings, client, workers, tmp_path)
+                yield SentinelFleet(head, settings, client, workers, tmp_path, sim)
             finally:
                 for w in workers:
                     w.terminate()

@@ -28,7 +28,7 @@ import redis
 import redis.asyncio as aioredis
 from redis._parsers.base import BaseParser
 from redis.asyncio import sentinel as asentinel
-from redis.sentinel import Sentinel, SentinelConnectionPool
+from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection, SentinelManagedSSLConnection
 
 #: A command unanswered this long is a Redis that does not answer (a frozen primary: the connection is dropped, and
 #: a Sentinel URL reconnects to whichever Redis is the primary now). Longer than any stall of a loaded host (a worker
@@ -186,6 +186,64 @@ def _common(timeout_s: float | None, connect_timeout_s: float | None) -> dict[st
     }
 
 
+class _AskOnReconnect:
+    """A Sentinel-managed connection that asks the Sentinels who the primary is whenever it opens its socket again.
+    redis-py asks only in ``connect()``; a command that fails on a timeout or a connection error is retried (the
+    client's ``Retry``) through ``connect_check_health()``, which reopens the socket to the *same* address — every
+    retry of a command caught on a frozen primary went back to the frozen primary (redis-py 8.2: 20 retries of the
+    worker's state client, ≈ 2 minutes of a stalled commit after the Sentinels had promoted a replica)."""
+
+    _asking = False  # inside connect_to(): the address was just asked for
+
+    def connect_to(self, address: Any) -> Any:
+        self._asking = True
+        try:
+            return super().connect_to(address)  # type: ignore[misc]
+        finally:
+            self._asking = False
+
+    def connect_check_health(self, *args: Any, **kwargs: Any) -> Any:
+        pool = self.connection_pool  # type: ignore[attr-defined]
+        if not self._asking and not self._sock and pool.is_master:  # type: ignore[attr-defined]
+            self.host, self.port = pool.get_master_address()
+        return super().connect_check_health(*args, **kwargs)  # type: ignore[misc]
+
+
+class _AsyncAskOnReconnect:
+    """:class:`_AskOnReconnect` for asyncio connections."""
+
+    _asking = False
+
+    async def connect_to(self, address: Any) -> Any:
+        self._asking = True
+        try:
+            return await super().connect_to(address)  # type: ignore[misc]
+        finally:
+            self._asking = False
+
+    async def connect_check_health(self, *args: Any, **kwargs: Any) -> Any:
+        pool = self.connection_pool  # type: ignore[attr-defined]
+        if not self._asking and not self.is_connected and pool.is_master:  # type: ignore[attr-defined]
+            self.host, self.port = await pool.get_master_address()
+        return await super().connect_check_health(*args, **kwargs)  # type: ignore[misc]
+
+
+class SentinelConnection(_AskOnReconnect, SentinelManagedConnection):
+    """A connection to the primary of a Sentinel head that finds the primary again on every reconnect."""
+
+
+class SentinelSSLConnection(_AskOnReconnect, SentinelManagedSSLConnection):
+    """The same over TLS."""
+
+
+class _AsyncSentinelConnection(_AsyncAskOnReconnect, asentinel.SentinelManagedConnection):
+    pass
+
+
+class _AsyncSentinelSSLConnection(_AsyncAskOnReconnect, asentinel.SentinelManagedSSLConnection):
+    pass
+
+
 class _Recheck:
     """A Sentinel pool that asks the Sentinels who the primary is (at most every ``recheck_s``), not only when it
     opens a connection: a connection to a primary that was *demoted* (a failover it survived: a second failover
@@ -269,6 +327,7 @@ def sync_client(
     s = parse_sentinel(url)
     manager = Sentinel(s.sentinels, sentinel_kwargs=s.sentinel_kwargs())
     conn = {**s.connection_kwargs(), **opts}
+    conn["connection_class"] = SentinelSSLConnection if s.ssl else SentinelConnection
     if max_connections is None:
         return manager.master_for(s.master, connection_pool_class=_SentinelPool, **conn)
     pool_kwargs = {"max_connections": max_connections, "timeout": pool_wait_s}
@@ -296,6 +355,7 @@ def async_client(
     s = parse_sentinel(url)
     manager = asentinel.Sentinel(s.sentinels, sentinel_kwargs=s.sentinel_kwargs())
     conn = {**s.connection_kwargs(), **opts}
+    conn["connection_class"] = _AsyncSentinelSSLConnection if s.ssl else _AsyncSentinelConnection
     if max_connections is None:
         return manager.master_for(s.master, connection_pool_class=_AsyncSentinelPool, **conn)
     pool_kwargs = {"max_connections": max_connections, "timeout": pool_wait_s}

@@ -12,7 +12,7 @@ from kombu.transport import redis as kombu_redis
 from redis.sentinel import SentinelConnectionPool
 
 from thinkfleet.broker.transit import Channel
-from thinkfleet.redis_client import RecheckedSentinelPool
+from thinkfleet.redis_client import RecheckedSentinelPool, SentinelConnection, SentinelSSLConnection
 
 
 class SentinelChannel(Channel, kombu_redis.SentinelChannel):
@@ -30,6 +30,10 @@ class SentinelChannel(Channel, kombu_redis.SentinelChannel):
         )
     )
     sentinel_urls: list[str] | None = None
+    #: Connections that ask the Sentinels for the primary on every reconnect, a command's retries included (kombu's
+    #: and redis-py's reopen the socket to the address they had: a frozen primary's).
+    connection_class = SentinelConnection
+    connection_class_ssl = SentinelSSLConnection
 
     def _sentinel_managed_pool(self, asynchronous: bool = False) -> Any:
         client = self.connection.client
