@@ -25,6 +25,7 @@ import redis
 from testing.fleet import WorkerProcess, free_port, job_progress_or_down, wait_for_port, wait_until
 from testing.harness import cli_env, fast_env, isolated_settings, simulator
 from testing.redis_process import REDIS_SERVER, RedisProcess
+from testing.sentinel_tls import TlsFiles
 from testing.services import RedisServer
 from thinkfleet.redis_client import sync_client
 from thinkfleet.settings import Settings
@@ -132,18 +133,20 @@ class ShiftedClockRedis(RedisProcess):
 class SentinelProcess:
     """``redis-server --sentinel`` watching :data:`MASTER`."""
 
-    def __init__(self, workdir: Path, primary_port: int, quorum: int = 2) -> None:
+    def __init__(self, workdir: Path, primary_port: int, quorum: int = 2, tls: TlsFiles | None = None) -> None:
         self.workdir = workdir
         self.port = free_port()
         self.primary_port = primary_port
         self.quorum = quorum
+        self.tls = tls  # TLS only (testing/sentinel_tls.py)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> SentinelProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)
         conf = self.workdir / "sentinel.conf"
+        listen = self.tls.sentinel_conf(self.port) if self.tls else f"port {self.port}\n"
         conf.write_text(
-            f"port {self.port}\nbind 127.0.0.1\ndir {self.workdir}\nlogfile {self.workdir / 'sentinel.log'}\n"
+            f"{listen}bind 127.0.0.1\ndir {self.workdir}\nlogfile {self.workdir / 'sentinel.log'}\n"
             f"sentinel monitor {MASTER} 127.0.0.1 {self.primary_port} {self.quorum}\n"
             f"sentinel down-after-milliseconds {MASTER} {DOWN_AFTER_MS}\n"
             f"sentinel failover-timeout {MASTER} {FAILOVER_TIMEOUT_MS}\n"
@@ -160,9 +163,14 @@ class SentinelProcess:
             self.proc.kill()
             self.proc.wait(timeout=10)
 
+    def client(self, timeout_s: float = 2.0) -> redis.Redis:
+        if self.tls:
+            return self.tls.client(self.port, timeout_s)
+        return redis.Redis(port=self.port, socket_timeout=timeout_s)
+
     def primary(self) -> tuple[str, int] | None:
         try:
-            found = redis.Redis(port=self.port, socket_timeout=2).sentinel_get_master_addr_by_name(MASTER)
+            found = self.client().sentinel_get_master_addr_by_name(MASTER)
         except redis.RedisError:
             return None
         if not found:
@@ -183,11 +191,14 @@ class SentinelHead:
         options: tuple[str, ...] = (),
         redis_options: dict[int, tuple[str, ...]] | None = None,
         clock_offsets_s: dict[int, int] | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         """``options``: more redis-server flags for every Redis of the head (``--min-replicas-to-write 1``, …);
         ``redis_options``: for Redis N only (0 the first primary: ``--replica-priority 0`` is never promoted);
-        ``clock_offsets_s``: Redis N's wall clock that many seconds off the host's (:class:`ShiftedClockRedis`)."""
+        ``clock_offsets_s``: Redis N's wall clock that many seconds off the host's (:class:`ShiftedClockRedis`);
+        ``tls``: every Redis and Sentinel on TLS only (testing/sentinel_tls.py; :meth:`url` then asks for TLS)."""
         self.workdir = workdir
+        self.tls = tls
         primary_port = free_port()
         own, shifted = redis_options or {}, clock_offsets_s or {}
         # A replica's first sync starts at once (the default waits 5 s for more replicas to share one transfer).
@@ -197,14 +208,16 @@ class SentinelHead:
             extra = (*sync_now, *own.get(i, ()))
             if i:
                 extra = ("--replicaof", "127.0.0.1", str(primary_port), *extra)
-            port = primary_port if i == 0 else None
+            port = primary_port if i == 0 else free_port()
+            if tls is not None:
+                extra = (*extra, *tls.server_args(port))
             if i in shifted:
                 self.redis.append(
                     ShiftedClockRedis(workdir / f"r{i}", shifted[i], port=port, appendonly=appendonly, extra=extra)
                 )
             else:
                 self.redis.append(RedisProcess(workdir / f"r{i}", port=port, appendonly=appendonly, extra=extra))
-        self.sentinels = [SentinelProcess(workdir / f"s{i}", primary_port) for i in range(sentinels)]
+        self.sentinels = [SentinelProcess(workdir / f"s{i}", primary_port, tls=tls) for i in range(sentinels)]
 
     def start(self) -> SentinelHead:
         for r in self.redis:
@@ -222,7 +235,7 @@ class SentinelHead:
 
     def _sentinel_sees_all(self, s: SentinelProcess) -> bool:
         try:
-            client = redis.Redis(port=s.port, socket_timeout=2)
+            client = s.client()
             replicas = client.sentinel_slaves(MASTER)
             others = client.sentinel_sentinels(MASTER)
         except redis.RedisError:
@@ -239,7 +252,11 @@ class SentinelHead:
 
     def url(self, db: int = 0) -> str:
         hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
-        return f"sentinel://{hosts}/{db}?master={MASTER}"
+        return f"sentinel://{hosts}/{db}?master={MASTER}" + (self.tls.url_query() if self.tls else "")
+
+    def client_of(self, r: RedisProcess) -> redis.Redis:
+        """A client of Redis ``r`` (over TLS on a TLS head)."""
+        return self.tls.client(r.port) if self.tls else r.client()
 
     def primary_port(self) -> int | None:
         """The primary as the Sentinels' majority names it now."""
@@ -259,13 +276,13 @@ class SentinelHead:
         sent sits in its socket buffer and is read when it resumes.) Returns the replicas."""
         replicas = [r for r in self.redis if r.port != primary_port and r.proc and r.proc.poll() is None]
         for r in replicas:
-            r.client().config_set("masterauth", "not-the-password")  # its next sync is refused
-        self.process_on(primary_port).client().client_kill_filter(_type="replica")
+            self.client_of(r).config_set("masterauth", "not-the-password")  # its next sync is refused
+        self.client_of(self.process_on(primary_port)).client_kill_filter(_type="replica")
         return replicas
 
     def restore_replication(self, replicas: list[RedisProcess]) -> None:
         for r in replicas:
-            r.client().config_set("masterauth", "")
+            self.client_of(r).config_set("masterauth", "")
 
     def stable_primary(self, for_s: float = 3.0, timeout_s: float = 120) -> int:
         """Wait until every Sentinel names the same primary, and has for ``for_s`` (a loaded machine may fail over
@@ -288,7 +305,7 @@ class SentinelHead:
     def freeze(self) -> None:
         """No more failovers (the checks after a scenario must read the Redis the scenario ended on)."""
         for s in self.sentinels:
-            redis.Redis(port=s.port, socket_timeout=5).sentinel_set(MASTER, "down-after-milliseconds", 600_000)
+            s.client(5).sentinel_set(MASTER, "down-after-milliseconds", 600_000)
 
     def process_on(self, port: int) -> RedisProcess:
         return next(r for r in self.redis if r.port == port)
@@ -296,7 +313,7 @@ class SentinelHead:
     def wait_for_replicas(self, n: int, timeout_s: float = 30) -> None:
         """Until ``n`` replicas are *online* (synced and streaming; ``connected_slaves`` counts one still waiting for
         its first transfer, which holds nothing)."""
-        primary = self.redis[0].client()
+        primary = self.client_of(self.redis[0])
 
         def online() -> bool:
             info = primary.info("replication")
@@ -312,7 +329,7 @@ class SentinelHead:
             if port is None or port == old_port:
                 return False
             try:
-                return self.process_on(port).client().info("replication")["role"] == "master"
+                return self.client_of(self.process_on(port)).info("replication")["role"] == "master"
             except redis.RedisError:
                 return False
 
@@ -371,13 +388,19 @@ def sentinel_fleet(
     redis_options: dict[int, tuple[str, ...]] | None = None,
     clock_offsets_s: dict[int, int] | None = None,
     worker_options: dict[str, object] | None = None,
+    tls: bool = False,
 ) -> Iterator[SentinelFleet]:
     """A :class:`SentinelHead`, the simulator and two workers on the head's ``sentinel://`` URL, all stopped after
     (``redis_options``, ``clock_offsets_s``: as :class:`SentinelHead` takes them; ``worker_options``: settings of
-    the workers over testing.harness.FAST_WORKER's, e.g. ``{"lease_s": 20}``)."""
+    the workers over testing.harness.FAST_WORKER's, e.g. ``{"lease_s": 20}``; ``tls``: the head on TLS only, its URL
+    ``?ssl=true&sentinel_ssl=true&ssl_ca_certs=…``, testing/sentinel_tls.py)."""
     RedisServer(tmp_path / "probe")  # fails (CI) or skips the test when redis-server is missing
     head = SentinelHead(
-        tmp_path / "head", options=head_options, redis_options=redis_options, clock_offsets_s=clock_offsets_s
+        tmp_path / "head",
+        options=head_options,
+        redis_options=redis_options,
+        clock_offsets_s=clock_offsets_s,
+        tls=TlsFiles.make(tmp_path / "tls") if tls else None,
     ).start()
     try:
         settings = isolated_settings(head.url(), str(tmp_path / "out"))
