@@ -312,18 +312,27 @@ def test_a_worker_whose_commits_fail_while_it_holds_work_is_shown_stalled_with_i
 
 
 # -- an executor result JSON cannot hold ---------------------------------------------------------------------------
-#: An executor that answers every call with text, except those of one conversation: a set, which JSON cannot hold.
+#: An executor that answers every call with text, except those of the first conversation it is called for (which one
+#: depends on the simulator's sampling): a set, which JSON cannot hold. It notes each call beside itself.
 POISON_EXECUTOR = """
 import json
+import os
 from pathlib import Path
 
-CALLS = Path(__file__).with_suffix(".calls")
+HERE = Path(__file__)
 
 
 def execute(request):
-    with CALLS.open("a") as f:
-        f.write(json.dumps([request["conversation"], request["turn"], request["step"]]) + "\\n")
-    if request["conversation"].endswith("/c3"):
+    conv = request["conversation"]
+    with HERE.with_suffix(".calls").open("a") as f:
+        f.write(json.dumps([conv, request["turn"], request["step"]]) + "\\n")
+    try:  # the first conversation to get here is the poisoned one (calls run in threads: one atomic create)
+        fd = os.open(HERE.with_suffix(".poisoned"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        os.write(fd, conv.encode())
+        os.close(fd)
+    except FileExistsError:
+        pass
+    if HERE.with_suffix(".poisoned").read_text() == conv:
         return [{"content": {"not", "json"}} for _ in request["calls"]]
     return [f"result {i}" for i, _ in enumerate(request["calls"])]
 """
@@ -390,13 +399,14 @@ def test_an_executor_result_that_is_not_json_ends_its_chain_and_the_worker_keeps
             worker.terminate()
     log = worker.log_path.read_text()
     answers = {k.decode(): json.loads(v) for k, v in client.hgetall(settings.keys.turn_answers(job)).items()}
-    ended = {p: a for p, a in answers.items() if p.startswith("chat/c3/") and a.get("chain_end")}
     calls = [tuple(json.loads(line)) for line in executor_file.with_suffix(".calls").read_text().splitlines()]
+    poisoned = executor_file.with_suffix(".poisoned").read_text()
+    ended = {p: a for p, a in answers.items() if p.startswith(f"{poisoned}/") and a.get("chain_end")}
     problems = []
     if "stopped consuming" in log:
         problems.append("the worker stopped consuming (a commit failed)")
     if [a.get("chain_end") for a in ended.values()] != ["tool_error"]:
-        problems.append(f"c3's chain ends {ended}")
+        problems.append(f"{poisoned}'s chain ends {ended}")
     stored = read_committed(settings.output_uri, job).column("prompt_id").to_pylist()
     duplicated = raw_duplicates(settings.output_uri, job).column("prompt_id").to_pylist()
     done = {p.decode() for p in client.smembers(settings.keys.done(job))}
@@ -407,19 +417,19 @@ def test_an_executor_result_that_is_not_json_ends_its_chain_and_the_worker_keeps
     record_result(
         "an agentic executor returning a value JSON cannot hold for one conversation",
         outcome,
-        f"{conversations} conversations, --tool-results executor; c3's results are a Python set",
+        f"{conversations} conversations, --tool-results executor; one conversation's results are a Python set",
         [],
         time.monotonic() - started,
         notes="its chain ends `tool_error` (the executor called once for it); every other chain goes on",
     )
-    # Then c3's chain ends tool_error with the reason, its executor called once; the others went on.
+    # Then that chain ends tool_error with the reason, its executor called once; the others went on.
     assert (waited.returncode, verified.returncode) == (0, 0), (waited.stdout, verified.stdout)
     outcome.assert_clean()
     (record,) = ended.values()
     assert "not JSON" in record["tool_error"] and "set" in record["tool_error"], record
-    assert sum(1 for c in calls if c[0].endswith("/c3")) == 1, calls
+    assert sum(1 for c in calls if c[0] == poisoned) == 1, calls
     assert st["conversations"]["ends"].get("tool_error") == 1, st["conversations"]
-    assert any(a.get("tool_results") for p, a in answers.items() if not p.startswith("chat/c3/")), "others went on"
+    assert any(a.get("tool_results") for p, a in answers.items() if not p.startswith(f"{poisoned}/")), "others went on"
     assert dead_letters(client, settings.keys, job) == {}
 
 
