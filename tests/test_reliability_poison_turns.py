@@ -466,3 +466,20 @@ def test_a_commit_attempt_that_never_returns_is_shown_stalled_and_ends_the_worke
     assert exits[0] == COMMIT_STUCK_EXIT
     assert info["stalled"].startswith("commit attempt running for"), info
     assert info["held"] == 1 and info["commit_waiting"] == 1 and info["gate"]["storage"] == "ok", info
+
+
+def test_only_a_hung_or_non_io_commit_is_stuck_never_an_io_outage_or_a_first_row_after_idling() -> None:
+    from workers.commit_faults import CommitProgress
+    from workers.stall import stuck
+
+    bound = 100.0
+    # A row arriving after a long idle, its attempt just started: not stuck.
+    assert not stuck(CommitProgress(1, 0.5, 5000.0, None, False, 0.1), bound)
+    # An attempt that has not returned for longer than the bound: stuck.
+    assert stuck(CommitProgress(3, 150.0, 150.0, None, False, 120.0), bound)
+    # An I/O outage retried behind the storage gate for longer (in its backoff, or a quick attempt): not stuck.
+    assert not stuck(CommitProgress(3, 500.0, 500.0, "OSError: disk full", True, None), bound)
+    assert not stuck(CommitProgress(3, 500.0, 500.0, "OSError: disk full", True, 0.2), bound)
+    # Failing for longer with an error that is not I/O: stuck; a bound of 0: never.
+    assert stuck(CommitProgress(3, 500.0, 500.0, "RuntimeError: lua bug", False, None), bound)
+    assert not stuck(CommitProgress(3, 500.0, 500.0, "RuntimeError: lua bug", False, None), 0)

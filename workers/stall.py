@@ -65,11 +65,12 @@ def stall_reason(p: CommitProgress, held: int, gate: Any, progress_age_s: float,
 
 
 def stuck(p: CommitProgress, bound_s: float) -> bool:
-    """The commit stream is stuck past ``bound_s``: rows wait, no commit for that long, and it is not an I/O outage
-    waited out behind the storage gate (an attempt runs — hangs — or the error is not I/O)."""
-    if bound_s <= 0 or not p.waiting or p.since_commit_s <= bound_s:
+    """The commit stream is stuck past ``bound_s``: a row has waited that long with no commit meanwhile, and it is
+    not an I/O outage waited out behind the storage gate — one attempt has run (hung) that long, or the commit keeps
+    failing with an error that is not I/O."""
+    if bound_s <= 0 or not p.waiting or (p.oldest_s or 0.0) <= bound_s or p.since_commit_s <= bound_s:
         return False
-    return p.attempt_s is not None or not p.failing_io
+    return (p.attempt_s or 0.0) > bound_s or (p.failing is not None and not p.failing_io)
 
 
 @dataclass
