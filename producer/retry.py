@@ -49,6 +49,7 @@ import msgpack
 import pyarrow.compute as pc
 import redis
 
+from producer.chain_state import chain_end_ids
 from producer.enqueue import Stager, job_priority
 from producer.row_media import ROW_MEDIA_COLUMNS, RebuildRefused, RowMedia, checked_hash
 from producer.state import StateError, SubmitLock
@@ -265,14 +266,10 @@ def _chain_heads(
     """--turns all: of the truncated turn rows, the earliest of each settled conversation (the rest are
     re-derived from it); the earliest of each unsettled one → why it is skipped. Superseded rows are dropped."""
     from storage.verify_steps import unreachable_steps
-    from thinkfleet.turns import answers_key, beyond_chain_ends, split_step_id, turn_id
+    from thinkfleet.turns import beyond_chain_ends, split_step_id, turn_id
 
     keys = settings.keys
-    ends = [
-        pid.decode()
-        for pid, raw in client.hscan_iter(answers_key(keys, job), count=1000)
-        if b"chain_end" in raw and "chain_end" in json.loads(raw)
-    ]
+    ends = chain_end_ids(client, keys, job)  # the small chain-state record, not every answer (producer/chain_state.py)
     steps_of: dict[str, list[str]] = {}
     prompts: list[str] = []  # an agentic job's submitted prompts
     if b"tool_results" in (client.hget(keys.job(job), "turns") or b""):
@@ -439,11 +436,7 @@ def retry_missing(settings: Settings, job: str) -> RetryResult:
             dead = {m.decode() for m in client.hkeys(keys.dead(job))}
             stored = stored_prompt_ids(settings.output_uri, job, s3_endpoint_url=settings.s3_endpoint_url)
             missing = (set(submitted) | done) - stored - dead - flying
-            ends = [
-                pid.decode()
-                for pid, raw in client.hscan_iter(keys.turn_answers(job), count=1000)
-                if b"chain_end" in raw and "chain_end" in json.loads(raw)
-            ]
+            ends = chain_end_ids(client, keys, job)
             missing -= beyond_chain_ends(missing, ends)  # past a chain end: superseded, never re-run
             tasks = _salvaged_tasks(settings, job, missing, submitted)
             sent = {t.prompt_id for t in tasks}

@@ -31,7 +31,7 @@ from typing import Any
 import redis
 
 from producer.bounds import inflight_bounds
-from producer.chain_state import ChainState, read_chain_state
+from producer.chain_state import ended_counts, keeps_chain_state, waiting_states
 from producer.image_gates import image_store_gates
 from producer.job import JobRecord
 from producer.stalls import stalled_workers
@@ -271,9 +271,11 @@ class StatusReader:
                     "done": int(r.scard(keys.done(job))),  # every prompt of a --turns all job is a turn
                 },
             }
+        agentic = bool(meta.get("tool_results"))  # steps …/t{i}s{j}: the records name what they enqueued (next)
+        if keeps_chain_state(r, keys, job):  # the chains' counters and waiting states, not every answer
+            return self._turns_from_states(meta, counters, agentic)
         done = {m.decode() for m in r.smembers(keys.done(job))}
         dead = {k.decode() for k in r.hkeys(keys.dead(job))}
-        agentic = bool(meta.get("tool_results"))  # steps …/t{i}s{j}: the records name what they enqueued (next)
         counts = {
             conv.decode(): int(json.loads(raw)["turn_count"])
             for conv, raw in r.hscan_iter(conversations_key(keys, job), count=1000)
@@ -309,6 +311,66 @@ class StatusReader:
         total = max(len(counts), int(meta.get("conversations") or 0))
         turns_done = sum(1 for pid in done if split_turn_id(pid) is not None)
         tools = {"tool_errors": counters.get("tool_errors", 0)} if agentic else {}  # executor failures: tool_error
+        return {
+            "conversations": {
+                "total": total,
+                "complete": complete,
+                "in_progress": total - complete - chain_ended - dead_convs - stranded,
+                "cut_at_tool": int(meta.get("cut_at_tool") or 0),
+                "chain_ended": chain_ended,
+                "ends": dict(sorted(ends.items())),
+                "dead": dead_convs,
+                "stranded": stranded,
+                "stranded_ids": sorted(stranded_ids)[:UNACCOUNTED_IDS],
+                **tools,
+            },
+            "turns": {
+                "planned": int(meta.get("turns") or 0),
+                "enqueued": total + counters.get("turns_enqueued", 0),
+                "done": turns_done,
+            },
+        }
+
+    def _turns_from_states(self, meta: dict[str, Any], counters: dict[str, int], agentic: bool) -> dict[str, Any]:
+        """:meth:`_turns` (deep) from where finalize.lua counted the chains (producer/chain_state.py): complete and
+        ended from the counters, dead and stranded from the states of the chains that go on (at the end of a job,
+        only those) — the verdicts of the walk along the answer records, without reading them."""
+        from thinkfleet.turns import conversations_key, split_step_id, split_turn_id
+
+        keys, job, r = self.settings.keys, self.job, self.client
+        complete, ends = ended_counts(counters)
+        chain_ended = sum(ends.values())
+        waiting = waiting_states(r, keys, job)
+        nexts = sorted({s.next_id for s in waiting.values()})
+        dead: set[str] = set()
+        submitted: set[str] = set()
+        for start in range(0, len(nexts), 10_000):  # the successors the chains wait for: dead, submitted or not
+            chunk = nexts[start : start + 10_000]
+            with r.pipeline(transaction=False) as pipe:
+                for pid in chunk:
+                    pipe.hexists(keys.dead(job), pid)
+                pipe.hmget(keys.prompts(job), chunk)
+                *is_dead, flags = pipe.execute()
+            dead.update(pid for pid, d in zip(chunk, is_dead, strict=True) if d)
+            submitted.update(pid for pid, flag in zip(chunk, flags, strict=True) if flag is not None)
+        dead_convs = stranded = 0
+        stranded_ids: list[str] = []
+        for state in waiting.values():
+            if state.next_id in dead:
+                dead_convs += 1
+            elif state.next_id not in submitted:
+                stranded += 1
+                stranded_ids.append(state.next_id)
+        # a conversation with no finalized turn is dead when its turn 0 is (the dead letters' ids: a few)
+        heads = sorted({p[0] for k in r.hkeys(keys.dead(job)) if (p := split_step_id(k.decode())) and p[1:] == (0, 0)})
+        if heads:
+            dead_convs += sum(1 for raw in r.hmget(keys.chain_state(job), heads) if raw is None)
+        total = max(int(r.hlen(conversations_key(keys, job))), int(meta.get("conversations") or 0))
+        if agentic:  # steps are prompts too: count the turn ids among the done
+            turns_done = sum(1 for m in r.sscan_iter(keys.done(job), count=5000) if split_turn_id(m.decode()))
+        else:  # every prompt of a plain --turns all job is a turn
+            turns_done = int(r.scard(keys.done(job)))
+        tools = {"tool_errors": counters.get("tool_errors", 0)} if agentic else {}
         return {
             "conversations": {
                 "total": total,

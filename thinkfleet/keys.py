@@ -145,6 +145,17 @@ class Keys:
         """HASH turn prompt id → JSON of the model's answer as an assistant message (+ ``chain_end`` when last)."""
         return f"{self.prefix}:job:{job}:turn_answers"
 
+    def chain_state(self, job: str) -> str:
+        """HASH conversation id → its chain's last finalized link, a few bytes: JSON ``[prompt id, link]`` where link
+        is ``>{next prompt id}`` (it goes on) or ``={chain_end reason}`` (``=complete`` at its last turn), written by
+        finalize.lua with the answer record: what status, wait and retry read instead of the answers."""
+        return f"{self.prefix}:job:{job}:chain_state"
+
+    def chain_waiting(self, job: str) -> str:
+        """SET of the conversations whose chain state goes on (waits for its next prompt): with the counters'
+        ``chains_complete`` / ``chains_ended:{kind}``, where every chain stands without reading each one's state."""
+        return f"{self.prefix}:job:{job}:chain_waiting"
+
     def tool_calls(self, job: str) -> str:
         """HASH ``{step prompt id}@{revision}:{calls digest}`` → JSON of an agentic job's executor results for those
         calls of that step revision (or its ``pending`` mark while the call runs), with the ``epoch`` and ``worker``
@@ -163,7 +174,8 @@ class Keys:
                     self.prompts, self.prompt_dataset, self.done, self.dead, self.claims, self.epoch_clock,
                     self.committed_epochs, self.revisions, self.deliveries, self.counters, self.checked,
                     self.finalize_marks, self.worker_counters, self.timeline, self.alarm, self.job_state,
-                    self.parked, self.conversations, self.turn_answers, self.tool_calls,
+                    self.parked, self.conversations, self.turn_answers, self.chain_state,
+                    self.chain_waiting, self.tool_calls,
                 )
             ),
         ]  # fmt: skip

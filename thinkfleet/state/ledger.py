@@ -394,7 +394,8 @@ class Ledger:
             k.job(job),
         ]
         if any(t is not None for t in turns or []):
-            keys += [queue, k.prompts(job), k.prompt_dataset(job), answers, *([offers] if offers else [])]
+            keys += [queue, k.prompts(job), k.prompt_dataset(job), answers, k.chain_state(job), k.chain_waiting(job)]
+            keys += [offers] if offers else []
         seq, mark = self._next_mark(job)
         keys += [k.revisions(job), k.finalize_marks(job)]
         args.append(mark)

@@ -23,9 +23,15 @@
 -- the one popped and the one a sweep looks at) and its offer time recorded, on Redis's clock, in the same step.
 -- Every newly done row of a turn ≥ 1 that says how much of its prompt its previous turn's server already computed
 -- (prefix_reusable) and how much the server found cached adds both (cached capped at reusable) to the job's counters.
+-- Each answer recorded also records its conversation's chain state (Keys.chain_state: [prompt id, '>next' or
+-- '=reason']), a few bytes that retry reads instead of every answer: only a call that moves a row into done writes
+-- it, so it is the chain's last finalized link (a fenced or superseded run writes nothing). Where the chains stand
+-- is kept beside it as it changes: the counters' chains_complete and chains_ended:{kind} (the reason up to its
+-- first ':'), and the set of conversations whose chain goes on (chain_waiting): status and wait read those.
 -- KEYS: done, claims, counters, dataset_counters, worker_counters, timeline, deliveries, dead, committed_epochs,
 --       job (the record hash), and only when a row carries an answer or a next turn: queue, prompts,
---       prompt_dataset, answers, [offers]; last of all, always: revisions, finalize_marks
+--       prompt_dataset, answers, chain_state, chain_waiting, [offers]; last of all, always: revisions,
+--       finalize_marks
 -- ARGV: worker, alarm_min_rows, alarm_missing_share, dataset, then per row: prompt_id, tokens, think_end
 --       ('1' closed reasoning, '0' expected to and did not, '2' not expected to reason: not watched by the alarm),
 --       truncated, answer ('' = none), next_prompt_id ('' = none), next_content_hash, next_message,
@@ -48,6 +54,39 @@ local function take_out(id)
 end
 local flags = {}
 local fenced = {}
+-- a chain state counted in (n = 1) or out (n = -1) of where the chains stand
+local function chain_count(conv, link, n)
+  if string.sub(link, 1, 1) == '>' then
+    if n > 0 then redis.call('SADD', KEYS[16], conv) else redis.call('SREM', KEYS[16], conv) end
+    return
+  end
+  local reason = string.sub(link, 2)
+  local field = 'chains_complete'
+  if reason ~= 'complete' then field = 'chains_ended:' .. string.match(reason, '^[^:]*') end
+  redis.call('HINCRBY', KEYS[3], field, n)
+end
+-- the conversation's chain state after this answer (thinkfleet/chain_end.py's record_link, in a few bytes)
+local function chain_state(pid, answer, next_id)
+  local conv = string.match(pid, '^(.+)/t%d+s%d+$') or string.match(pid, '^(.+)/t%d+$')
+  if not conv then return end
+  local link
+  if next_id ~= '' then
+    link = '>' .. next_id
+  else
+    local rec = cjson.decode(answer)
+    if type(rec) == 'table' and rec['chain_end'] and rec['chain_end'] ~= cjson.null then
+      link = '=' .. tostring(rec['chain_end'])
+    elseif type(rec) == 'table' and type(rec['next']) == 'string' and rec['next'] ~= '' then
+      link = '>' .. rec['next']
+    else
+      link = '=complete'
+    end
+  end
+  local old = redis.call('HGET', KEYS[15], conv)
+  if old then chain_count(conv, cjson.decode(old)[2], -1) end
+  chain_count(conv, link, 1)
+  redis.call('HSET', KEYS[15], conv, cjson.encode({pid, link}))
+end
 -- nil when the row may be finalized, else what holds the prompt now (or 'ours' when this row is already it)
 local function holder(pid, e, row_e, gen, rev)
   local wanted = tonumber(redis.call('HGET', KEYS[#KEYS - 1], pid) or '0')
@@ -73,7 +112,7 @@ local function holder(pid, e, row_e, gen, rev)
 end
 -- (not for a purged job: its record is gone, and a finalize must not bring its keys back)
 if redis.call('EXISTS', KEYS[10]) == 1 then write_mark(KEYS[#KEYS], ARGV[1], ARGV[#ARGV]) end
-local offers = #KEYS == 17 and KEYS[15] or nil
+local offers = #KEYS == 19 and KEYS[17] or nil
 local offered_at = nil
 if offers then
   local t = redis.call('TIME')
@@ -105,7 +144,10 @@ for i = 5, #ARGV - 1, 16 do
       redis.call('HINCRBY', KEYS[3], 'prefix_reusable_tokens', reusable)
       redis.call('HINCRBY', KEYS[3], 'prefix_cached_tokens', math.min(cached, reusable))
     end
-    if ARGV[i + 4] ~= '' then redis.call('HSET', KEYS[14], pid, ARGV[i + 4]) end
+    if ARGV[i + 4] ~= '' then
+      redis.call('HSET', KEYS[14], pid, ARGV[i + 4])
+      chain_state(pid, ARGV[i + 4], ARGV[i + 5])
+    end
     if ARGV[i + 5] ~= '' then
       take_out(ARGV[i + 5])
       redis.call('HSET', KEYS[12], ARGV[i + 5], ARGV[i + 6])
