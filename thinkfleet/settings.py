@@ -125,6 +125,13 @@ class Settings(BaseSettings):
         "is dropped and opened again (a sentinel:// URL then finds the promoted primary); the broker's health checks "
         "run at half of it. Unset: lease_s / 3, between 2 and 20 s, so a silent primary is noticed within the lease.",
     )
+    consumer_stuck_s: float | None = Field(
+        None,
+        gt=0,
+        description="A worker whose broker consumer (kombu's event loop) makes no turn for this long exits with "
+        "status 75 for its supervisor to restart it (thinkfleet/broker/watchdog.py). Unset: two leases, at least "
+        "120 s.",
+    )
     clock_skew_warn_s: float = Field(
         5.0,
         gt=0,

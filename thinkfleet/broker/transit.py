@@ -64,6 +64,8 @@ from kombu.utils.objects import cached_property
 from thinkfleet.broker.affinity import AFFINITY, POP, affinity_options, block_timeout, pop_keys
 from thinkfleet.broker.clock import RedisClock
 from thinkfleet.broker.transit_sweep import TransitSweeper as TransitSweeper  # (its home was here)
+from thinkfleet.broker.watchdog import OPTION as WATCHDOG_OPTION
+from thinkfleet.broker.watchdog import WatchedTransport, stuck_bound_s
 from thinkfleet.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -492,7 +494,7 @@ def envelope(item: bytes) -> dict[str, Any]:
     return message
 
 
-class Transport(kombu_redis.Transport):
+class Transport(WatchedTransport, kombu_redis.Transport):
     Channel = Channel
 
 
@@ -512,6 +514,7 @@ def enable_transit(app: Celery, settings: Settings, worker: str) -> None:
     options = dict(app.conf.broker_transport_options or {})
     options.update(transit_key=settings.keys.transit(worker), transit_queue=settings.queue, delivery_holder=worker)
     options.update(affinity_options(settings, worker))  # whatever the affinity setting: a host pops its host list
+    options[WATCHDOG_OPTION] = stuck_bound_s(settings.lease_s, settings.consumer_stuck_s)  # broker/watchdog.py
     # Only worker processes pop through transit; Flower, the producer and `celery inspect` keep kombu's
     # stock redis transport (Flower's broker page only knows the stock transports).
     if str(settings.broker_url).startswith("sentinel://"):

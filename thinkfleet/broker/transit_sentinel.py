@@ -12,6 +12,7 @@ from kombu.transport import redis as kombu_redis
 from redis.sentinel import SentinelConnectionPool
 
 from thinkfleet.broker.transit import Channel
+from thinkfleet.broker.watchdog import WatchedTransport
 from thinkfleet.redis_client import RecheckedSentinelPool, SentinelConnection, SentinelSSLConnection
 
 
@@ -59,5 +60,5 @@ def rechecked(pool: Any) -> Any:
     return pool
 
 
-class SentinelTransport(kombu_redis.SentinelTransport):
+class SentinelTransport(WatchedTransport, kombu_redis.SentinelTransport):
     Channel = SentinelChannel
