@@ -483,3 +483,21 @@ def test_only_a_hung_or_non_io_commit_is_stuck_never_an_io_outage_or_a_first_row
     # Failing for longer with an error that is not I/O: stuck; a bound of 0: never.
     assert stuck(CommitProgress(3, 500.0, 500.0, "RuntimeError: lua bug", False, None), bound)
     assert not stuck(CommitProgress(3, 500.0, 500.0, "RuntimeError: lua bug", False, None), 0)
+
+
+def test_errors_are_split_by_kind_io_data_and_unknown() -> None:
+    from jinja2.exceptions import TemplateError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import ReadOnlyError, ResponseError
+
+    from workers.commit_faults import data_fault, io_fault
+
+    # I/O: storage and Redis, a failover's READONLY included — retried behind the storage gate.
+    for exc in (OSError("disk full"), FileNotFoundError("gone"), RedisConnectionError("reset"), ReadOnlyError("RO")):
+        assert io_fault(exc) and not data_fault(exc), exc
+    # A Lua script's own error is not I/O; a row's data errors (a template's refusal among them) are data faults.
+    assert not io_fault(ResponseError("ERR user_script:12: attempt to index a nil value"))
+    for exc in (TemplateError("System message must be at the beginning."), TypeError("set"), ValueError("NaN")):
+        assert data_fault(exc) and not io_fault(exc), exc
+    # Anything else is unknown: bounded tries before its row is found.
+    assert not io_fault(RuntimeError("?")) and not data_fault(RuntimeError("?"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from storage.writer import StorageNotWritable
 from workers.identity import IdentityLost
@@ -25,9 +25,17 @@ DATA_ERRORS: tuple[type[BaseException], ...] = (
 )  # fmt: skip
 
 
+#: How Redis words an error raised inside a Lua script (7: ``user_script:<line>:``, 6: ``Error running script``): the
+#: script's own, deterministic — not I/O, though it comes as a ResponseError like a failover's READONLY does.
+SCRIPT_ERROR_MARKS = ("user_script:", "Error running script")
+
+
 def io_fault(exc: BaseException) -> bool:
     """Storage or Redis I/O (or a lost worker name, which only a hand-back ends): not a row's fault, retried behind
-    the storage gate for as long as it lasts."""
+    the storage gate for as long as it lasts. A Lua script's own error is not I/O (workers/stall.py ends a commit
+    stream stuck on one)."""
+    if isinstance(exc, ResponseError) and any(m in str(exc) for m in SCRIPT_ERROR_MARKS):
+        return False
     return isinstance(exc, OSError | RedisError | StorageNotWritable | IdentityLost)
 
 
