@@ -304,3 +304,34 @@ def test_a_store_the_worker_cannot_read_closes_its_gate_without_a_dead_letter(tm
         assert sender.gates.closed() == {} and changes[-1] == {}
 
     asyncio.run(scenario())
+
+
+def test_image_hand_backs_are_counted_per_prompt_and_per_worker_in_redis(redis_url: str, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        import redis.asyncio as aioredis
+
+        from workers.image_store import HandBacks
+
+        # Given two workers' hand-back counters over one job's state
+        settings = isolated_settings(redis_url, str(tmp_path / "out"))
+        client = aioredis.Redis.from_url(redis_url)
+        one, two = HandBacks(client, settings, "w1"), HandBacks(client, settings, "w2")
+        try:
+            # When w1 finds a prompt's image missing twice and w2 once: the tries add up, the workers count once each
+            assert await one.count("j", "d/p0", "missing", "") == (1, 1)
+            assert await one.count("j", "d/p0", "missing", "") == (2, 1)
+            assert await two.count("j", "d/p0", "missing", "") == (3, 2)
+            # and an unreadable image is counted apart, on the same deliveries record as the prompt's crashes
+            assert await two.count("j", "d/p0", "unreadable", "") == (1, 1)
+            record = json.loads(await client.hget(settings.keys.deliveries("j"), "d/p0"))
+            assert (record["x"], record["im"], record["imw"], record["iu"]) == (0, 3, ["w1", "w2"], 1)
+            # Then a prompt already stored counts nothing (its next delivery finds it done), nor does another
+            # generation's run of the job
+            await client.sadd(settings.keys.done("j"), "d/p1")
+            assert await one.count("j", "d/p1", "missing", "") == (0, 0)
+            await client.hset(settings.keys.job("j"), "generation", json.dumps("g2"))
+            assert await one.count("j", "d/p0", "missing", "g1") == (0, 0)
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
