@@ -38,6 +38,7 @@ import redis.asyncio as aioredis
 
 from thinkfleet.broker.keys import KombuKeys
 from thinkfleet.broker.transit import TransitSweeper, split_delivery_tag
+from thinkfleet.broker.visibility import VISIBILITY_NOW, clock_key
 from thinkfleet.keys import Keys
 from workers.identity import acquire_name, describe_holder, earlier_life, holder_record, parse_holder
 
@@ -71,8 +72,9 @@ class HeldMessages:
         return len(self._tags)
 
 
-#: One heartbeat, atomically, on Redis's clock. KEYS: heartbeat, the workers hash, kombu's unacked_index, the
-#: holder of each unacked entry (KombuKeys.unacked_holder). ARGV: nonce, the heartbeat JSON (without ``at``; '' =
+#: One heartbeat, atomically, on Redis's clock (a jump of it re-based first: thinkfleet/broker/visibility.py). KEYS:
+#: heartbeat, the workers hash, kombu's unacked_index, the holder of each unacked entry (KombuKeys.unacked_holder),
+#: the visibility clock (visibility.clock_key). ARGV: nonce, the heartbeat JSON (without ``at``; '' =
 #: the name is lost: renew the tags only), its TTL in ms, the worker's name, its info JSON (without ``seen_at``; ''
 #: = leave the workers hash alone), a value we may overwrite though its nonce is not ours (a previous life's; '' =
 #: none), then per delivery held its kombu tag and its holder ('' = a plain kombu delivery, no holder recorded). A
@@ -80,9 +82,10 @@ class HeldMessages:
 #: still that delivery's: a delivery of ours whose message was restored and taken by another worker (our lease
 #: lapsed) must not keep that worker's entry alive after it died. Returns {1, now, ''} when written, else
 #: {0, now, found}.
-_BEAT = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+_BEAT = (
+    VISIBILITY_NOW
+    + """
+local now = visibility_now(KEYS[3], KEYS[5], tonumber(ARGV[3]) / 1000)
 for i = 7, #ARGV - 1, 2 do
   if ARGV[i + 1] == '' or redis.call('HGET', KEYS[4], ARGV[i]) == ARGV[i + 1] then
     redis.call('ZADD', KEYS[3], 'XX', now, ARGV[i])
@@ -104,6 +107,7 @@ if ARGV[5] ~= '' then
 end
 return {1, tostring(now), ''}
 """
+)
 
 #: Delete the heartbeat only while it is ours. KEYS: heartbeat; ARGV: nonce.
 _UNBEAT = """
@@ -175,7 +179,13 @@ class LeaseKeeper:
         info = "" if starting else json.dumps({**self.info, "clock_offset_s": self.clock_offset_s})
         before = time.time()
         written, now, found = await self._beat(
-            keys=[self.keys.heartbeat(self.worker), self.keys.workers, self.unacked_index_key, self.unacked_holder_key],
+            keys=[
+                self.keys.heartbeat(self.worker),
+                self.keys.workers,
+                self.unacked_index_key,
+                self.unacked_holder_key,
+                clock_key(self.unacked_index_key),
+            ],
             args=[
                 self.nonce,
                 "" if self.lost is not None else json.dumps(record),  # a lost name is never taken back

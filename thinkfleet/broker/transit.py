@@ -21,10 +21,11 @@ kombu's own, so it connects through kombu's SSL connection class with the ``brok
 this; everything else (the producer, other queues) is kombu's stock transport.
 
 The channel's ack emulation (:class:`QoS`) is kombu's on Redis's clock: a delivery is scored in
-``unacked_index`` with Redis ``TIME`` and the restore sweep compares against Redis ``TIME``
-(thinkfleet/broker/clock.py), so a worker whose host clock runs ahead cannot restore other workers' live
-messages early. (Flower, a stock-transport consumer, still sweeps on its own host's clock: run it where
-Redis runs, as the head node's compose file does.)
+``unacked_index`` with Redis ``TIME`` and the restore sweep compares against Redis ``TIME``, both read inside
+Redis after a jump of that clock is re-based (thinkfleet/broker/visibility.py), so neither a worker whose host
+clock runs ahead nor a failover to a replica whose clock does can restore other workers' live messages early.
+(Flower, a stock-transport consumer, still sweeps on its own host's clock: run it where Redis runs, as the head
+node's compose file does.)
 
 Each delivery is settled only by itself. kombu restores an expired delivery with its original delivery tag, and
 the next consumer records it under that same tag: a worker paused past its lease that came back and acked its
@@ -64,6 +65,7 @@ from kombu.utils.objects import cached_property
 from thinkfleet.broker.affinity import AFFINITY, POP, affinity_options, block_timeout, pop_keys
 from thinkfleet.broker.clock import RedisClock
 from thinkfleet.broker.transit_sweep import TransitSweeper as TransitSweeper  # (its home was here)
+from thinkfleet.broker.visibility import SCORE_DELIVERY, clock_key, visibility_now
 from thinkfleet.broker.watchdog import OPTION as WATCHDOG_OPTION
 from thinkfleet.broker.watchdog import WatchedTransport, stuck_bound_s
 from thinkfleet.settings import Settings
@@ -155,18 +157,19 @@ class Message(virtual.Message):
 
 class QoS(kombu_redis.QoS):
     """kombu's Redis ack emulation with every visibility score on Redis's clock (kombu 5.7's ``append`` and
-    ``restore_visible``, ``time()`` replaced by :meth:`Channel.redis_now`), each delivery settling only its own
+    ``restore_visible``, ``time()`` replaced by Redis ``TIME`` read in Lua, a jump of it re-based first:
+    thinkfleet/broker/visibility.py), each delivery settling only its own
     entry (see the module's docstring)."""
 
     def append(self, message: Any, delivery_tag: Any) -> None:
         delivery = message.delivery_info
         exchange, routing_key = delivery["exchange"], delivery["routing_key"]
         tag, holder = split_delivery_tag(delivery_tag)
-        now = self.channel.redis_now()
         with self.pipe_or_acquire() as pipe:  # a transaction: the entry and its holder are written together
-            pipe.zadd(self.unacked_index_key, {tag: now}).hset(
-                self.unacked_key, tag, dumps([message._raw, exchange, routing_key])
-            )
+            # Scored on Redis's clock inside Redis, across a jump of it re-based first (visibility.SCORE_DELIVERY).
+            index = self.unacked_index_key
+            pipe.eval(SCORE_DELIVERY, 2, index, clock_key(index), tag, self.visibility_timeout)
+            pipe.hset(self.unacked_key, tag, dumps([message._raw, exchange, routing_key]))
             if holder is not None:
                 pipe.hset(self.unacked_holder_key, tag, holder)
             pipe.execute()
@@ -300,7 +303,8 @@ class QoS(kombu_redis.QoS):
         if (self._vrestore_count - 1) % (interval or 1):
             return
         with self.channel.conn_or_acquire() as client:
-            ceil = self.channel.redis_now() - self.visibility_timeout
+            # Redis's time after a jump of it is re-based (visibility.py): a jump restores nothing by itself.
+            ceil = visibility_now(client, self.unacked_index_key, self.visibility_timeout) - self.visibility_timeout
             try:
                 with kombu_redis.Mutex(client, self.unacked_mutex_key, self.unacked_mutex_expire):
                     visible = client.zrange(
@@ -399,7 +403,8 @@ class Channel(kombu_redis.Channel):
     _redis_clock: RedisClock | None = None
 
     def redis_now(self) -> float:
-        """Redis's time now (:class:`thinkfleet.broker.clock.RedisClock`): what visibility scores are in."""
+        """Redis's time now, cached (:class:`thinkfleet.broker.clock.RedisClock`). Visibility scores are not taken
+        from it: they are read inside Redis, where a jump of its clock is re-based (visibility.py)."""
         if self._redis_clock is None:
             self._redis_clock = RedisClock()
         with self.conn_or_acquire() as client:

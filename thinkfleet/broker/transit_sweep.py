@@ -6,13 +6,19 @@ A sweep puts back on the queue — each message onto the list of its own priorit
 worker (no heartbeat) left in its transit list, and what its own list kept for two sweeps in a row (a reply lost with
 its connection, or a popped message waiting for a free slot: another worker may serve it now). Both may hand a
 message out twice; the claims in thinkfleet/state/ledger.py make a second delivery cost nothing.
+
+For one lease after Redis's clock jumped forward (a failover to a replica whose clock is ahead, an outage:
+thinkfleet/broker/visibility.py) a missing heartbeat proves nothing — the jump expired every live worker's too,
+until its next beat — so a sweep then leaves other workers' transit lists alone; a dead worker's list goes back
+one lease later.
 """
 
 from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from thinkfleet.broker.keys import priority_lists
+from thinkfleet.broker.keys import KombuKeys, priority_lists
+from thinkfleet.broker.visibility import heartbeats_trusted_async
 from thinkfleet.keys import Keys
 
 # Lua: the priority step a kombu message names (``"priority": N`` in its properties, at the end of the JSON;
@@ -73,11 +79,14 @@ class TransitSweeper:
         #: Where a reclaimed message goes: the list of its own ``properties.priority``.
         self._lists = priority_lists(queue)
         self._seen: set[bytes] = set()  # own transit messages at the previous sweep
+        #: Whose visibility clock tells whether a missing heartbeat means a dead worker (visibility.py).
+        self._unacked_index = KombuKeys(keys.prefix).unacked_index
 
     async def sweep(self) -> int:
         """One pass; returns how many messages went back to the queue."""
         moved = 0
         prefix = self.keys.transit("")
+        trusted: bool | None = None  # asked once per sweep, when another worker's list is found
         async for raw_key in self.r.scan_iter(match=f"{prefix}*", count=1000):
             key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
             owner = key[len(prefix) :]
@@ -87,5 +96,8 @@ class TransitSweeper:
                 if stale:
                     moved += int(await self._reclaim(keys=[key, *self._lists], args=sorted(stale)))
             elif not await self.r.exists(self.keys.heartbeat(owner)):
-                moved += int(await self._reclaim(keys=[key, *self._lists], args=[]))
+                if trusted is None:
+                    trusted = await heartbeats_trusted_async(self.r, self._unacked_index)
+                if trusted:
+                    moved += int(await self._reclaim(keys=[key, *self._lists], args=[]))
         return moved
