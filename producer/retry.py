@@ -53,7 +53,6 @@ from producer.chain_state import chain_end_ids
 from producer.enqueue import Stager, job_priority
 from producer.row_media import ROW_MEDIA_COLUMNS, RebuildRefused, RowMedia, checked_hash
 from producer.state import StateError, SubmitLock
-from storage.schema import IMAGE_SHA256
 from thinkfleet.broker.envelope import Envelope
 from thinkfleet.cli import STATE, settings_options
 from thinkfleet.message import OVERRIDE_KEYS, PromptTask, pack_ids
@@ -237,11 +236,17 @@ def retry_dead(settings: Settings, job: str, error_classes: tuple[str, ...] = ()
         with _lock(client, settings, job):
             tasks: list[PromptTask] = []
             refused: dict[str, str] = {}
+            broken: dict[str, str] = {}
             for raw in client.hvals(settings.keys.dead(job)):
                 record = json.loads(raw)
                 if error_classes and not any(record["error_class"].startswith(c) for c in error_classes):
                     continue
                 task = PromptTask.from_args(msgpack.unpackb(base64.b64decode(record["task"])))
+                mismatch = _hash_mismatch(task)
+                if mismatch:  # a worker would refuse it again: named here, not resent
+                    where = f"{task.prompt_id} (dataset {task.dataset!r} row {task.row_index})"
+                    broken[task.prompt_id] = f"{where}: {mismatch}"
+                    continue
                 if signer is not None:
                     try:
                         signer.check_task(task)
@@ -251,9 +256,31 @@ def retry_dead(settings: Settings, job: str, error_classes: tuple[str, ...] = ()
                 tasks.append(task)
             tasks.sort(key=lambda t: (t.dataset, t.row_index, t.sample_index, t.prompt_id))
             offered = _requeue(client, settings, job, "dead", tasks, hosts=_affine_hosts(settings, job, tasks))
-            return RetryResult([t.prompt_id for t in tasks], refused, offered)
+            for why in broken.values():
+                click.echo(f"refused {why}", err=True)
+            return RetryResult([t.prompt_id for t in tasks], refused, offered, broken)
     finally:
         client.close()
+
+
+def _hash_mismatch(task: PromptTask) -> str:
+    """Why a dead letter's message cannot pass a worker's content-hash check ('' when it can): its ids (and images)
+    do not hash to its ``content_hash`` — e.g. one an older ``retry --truncated`` rebuilt without its images."""
+    from thinkfleet.message import hash_id_bytes, is_content_hash, unpack_id_bytes
+
+    if not is_content_hash(task.content_hash):
+        return ""  # the worker names this one itself (bad_content_hash)
+    try:
+        actual = hash_id_bytes(unpack_id_bytes(task.ids_blob, None), [m.sha256 for m in task.media])
+    except ValueError:
+        return ""  # undecodable: the worker dead-letters it as corrupt_message, as before
+    if actual == task.content_hash:
+        return ""
+    images = f" and {len(task.media)} image(s)" if task.media else " (no images)"
+    return (
+        f"content_hash_mismatch: its ids{images} hash to {actual}, the message says {task.content_hash}: not resent "
+        "(a worker would refuse it again); re-submit the dataset (or `producer retry --truncated` its stored row)"
+    )
 
 
 def _multi_turn(client: redis.Redis, settings: Settings, job: str) -> bool:
@@ -360,7 +387,7 @@ def _rebuilt(
     """The next revision's message of each truncated row, its images with it (producer/row_media.py), each checked
     to hash to the row's content hash; rows that do not → why (named, never enqueued)."""
     media = RowMedia(settings.s3_endpoint_url)
-    _learn_conversation_images(client, settings, job, media, rows)
+    media.learn_conversations(client, settings.keys.conversations(job), rows)
     generation = _generation(client, settings, job)
     tasks, refused = [], {}
     for row in rows:
@@ -386,21 +413,6 @@ def _rebuilt(
             )
         )
     return tasks, refused
-
-
-def _learn_conversation_images(
-    client: redis.Redis, settings: Settings, job: str, media: RowMedia, rows: Sequence[Mapping]
-) -> None:
-    """A ``--turns all`` job's conversation records hold the full reference of each image (its size): read those
-    of the image rows' conversations, so the store's files need not be read for it."""
-    from thinkfleet.turns import split_step_id
-
-    convs = sorted({p[0] for r in rows if r.get(IMAGE_SHA256) and (p := split_step_id(r["prompt_id"])) is not None})
-    for start in range(0, len(convs), CHUNK):
-        chunk = convs[start : start + CHUNK]
-        for raw in client.hmget(settings.keys.conversations(job), chunk):
-            if raw:
-                media.learn(json.loads(raw).get("images") or [])
 
 
 #: Columns of a quarantined part's rows that rebuild their message (``retry --missing``).
@@ -579,8 +591,8 @@ def retry(
             )
     if getattr(ids, "refused", None):
         click.echo(
-            f"{len(ids.refused)} stored rows were NOT re-queued: their messages cannot be rebuilt as submitted "
-            "(each named above with its fix)",
+            f"{len(ids.refused)} prompts were NOT re-queued: their messages would not pass a worker's content-hash "
+            "check (each named above with its fix)",
             err=True,
         )
         raise SystemExit(1)

@@ -17,9 +17,12 @@ named with the fix, never sent to become a dead letter.
 from __future__ import annotations
 
 import io
+import json
 import posixpath
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+import redis
 
 from storage.images import MIME, read_image
 from storage.schema import IMAGE_PATHS, IMAGE_POSITIONS, IMAGE_SHA256, IMAGE_TOKENS
@@ -60,6 +63,19 @@ class RowMedia:
             except ValueError:
                 continue  # not one a producer wrote: the store's file says its size instead
             self._sizes.setdefault(ref.sha256, (ref.width, ref.height))
+
+    def learn_conversations(
+        self, client: redis.Redis, conversations_key: str, rows: Iterable[Mapping[str, Any]]
+    ) -> None:
+        """A ``--turns all`` job's conversation records hold each image's full reference: read those of the image
+        rows' conversations (``conversations_key``: ``Keys.conversations``), so no store file is read for a size."""
+        from thinkfleet.turns import split_step_id
+
+        convs = sorted({p[0] for r in rows if r.get(IMAGE_SHA256) and (p := split_step_id(r["prompt_id"]))})
+        for start in range(0, len(convs), 5000):
+            for raw in client.hmget(conversations_key, convs[start : start + 5000]):
+                if raw:
+                    self.learn(json.loads(raw).get("images") or [])
 
     def refs(self, row: Mapping[str, Any]) -> tuple[ImageRef, ...]:
         """The images of ``row``'s prompt, in placeholder order (() for a text prompt); :class:`RebuildRefused` when

@@ -180,3 +180,45 @@ def test_purge_and_the_same_submit_resume_image_conversations(redis_url: str, tm
         if row[IMAGE_SHA256]:
             _assert_images_received(row)
     _verify(settings, "vconv")
+
+
+def test_retry_of_a_dead_letter_stripped_of_its_images_is_refused_at_the_producer(
+    redis_url: str, tmp_path: Path
+) -> None:
+    import asyncio
+    import time
+
+    import redis.asyncio as aioredis
+
+    from thinkfleet.message import PromptTask, content_hash, pack_ids
+    from thinkfleet.state.job import JobRecord
+    from thinkfleet.state.ledger import Ledger
+
+    # Given a dead letter whose message lost its images (an older retry --truncated rebuilt it without them): its
+    # content hash covers the image, its message carries none
+    settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    keys, job = settings.keys, "vdead"
+    client = redis.Redis.from_url(redis_url)
+    record = JobRecord(name=job, created_at=time.time())
+    record.datasets, record.prompts = {"vision": 1}, 1
+    record.save(client, keys)
+    ids = [5, 163605, 6]
+    stripped = PromptTask(job, "vision", "vision/p0", 0, content_hash(ids, ["ab" * 32]), pack_ids(ids))
+
+    async def dead_letter() -> None:
+        r = aioredis.from_url(redis_url)
+        await r.set(keys.heartbeat("w1"), "1")
+        ledger = Ledger(r, keys, "w1")
+        await ledger.claim(job, stripped.prompt_id)
+        assert await ledger.dead_letter(stripped, "content_hash_mismatch", "the ids hash to …", attempts=0)
+        await r.aclose()
+
+    asyncio.run(dead_letter())
+    # When it is retried
+    retried = producer_cli(settings, "retry", job, "--json")
+    # Then it is refused at the producer, named with the fix, and stays a dead letter: nothing is queued
+    assert retried.returncode == 1, retried.stdout + retried.stderr
+    assert json.loads(retried.stdout)["requeued"] == 0
+    assert "vision/p0" in retried.stderr and "content_hash_mismatch" in retried.stderr and "re-submit" in retried.stderr
+    assert list(dead_letters(client, keys, job)) == ["vision/p0"]
+    assert client.llen(settings.queue) == 0
