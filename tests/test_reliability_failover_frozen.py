@@ -87,32 +87,47 @@ def test_a_job_finishes_when_its_sentinel_primary_freezes_for_good(tmp_path: Pat
     _assert_reconnected_on_transit(tmp_path)
 
 
-@pytest.mark.slow  # ≈ 2 min; CI runs the frozen-for-good case above
-def test_a_job_finishes_when_its_primary_freezes_for_three_leases_then_wakes(tmp_path: Path) -> None:
+@pytest.mark.slow  # ≈ 3 min; CI runs the frozen-for-good case above
+def test_a_primary_frozen_for_three_leases_then_woken_stops_no_job(tmp_path: Path) -> None:
     started = time.monotonic()
-    with sentinel_fleet(tmp_path, worker_options={"lease_s": LEASE_S}) as fleet:
-        job = submit_ids(fleet.settings, "thawed", make_prompts(PROMPTS))
-        waiter, wait_err = fleet.start_wait("thawed")
+    # min-replicas-to-write 1, as every deployed head (deploy/): the woken primary, still a primary in its own eyes
+    # until the Sentinels reconfigure it, refuses writes (NOREPLICAS) instead of taking ones its resync then drops.
+    options = ("--min-replicas-to-write", "1", "--min-replicas-max-lag", "2")
+    with sentinel_fleet(tmp_path, head_options=options, worker_options={"lease_s": LEASE_S}) as fleet:
+        first = submit_ids(fleet.settings, "thawed", make_prompts(PROMPTS))
         pid, new, frozen_at = _freeze_primary_mid_job(fleet, "thawed")
         promoted_s = time.monotonic() - frozen_at
-        # When the frozen primary wakes after three leases (its open connections, its stale view of the head: the
-        # Sentinels make it a replica of the promoted one),
-        time.sleep(max(0.0, 3 * LEASE_S - (time.monotonic() - frozen_at)))  # the fault's length, not a wait
-        os.kill(pid, signal.SIGCONT)
-        # Then the job finishes, each prompt once.
-        fleet.settle("thawed", PROMPTS)
+        # The job goes on while the old primary stays frozen (three leases: every lease it held has lapsed),
+        fleet.wait_done("thawed", PROMPTS, f"{PROMPTS} rows while the old primary is frozen", RESUME_WAIT_S)
         finished_s = time.monotonic() - frozen_at
+        time.sleep(max(0.0, 3 * LEASE_S - (time.monotonic() - frozen_at)))  # the fault's length, not a wait
+        # When it wakes (its old connections, its stale view of itself as the primary, until the Sentinels make it a
+        # replica of the promoted one),
+        os.kill(pid, signal.SIGCONT)
+        woken_at = time.monotonic()
+        fleet.head.stable_primary()
+        # Then a job submitted after the wake runs too, and both end with each prompt once.
+        second = submit_ids(fleet.settings, "after", make_prompts(PROMPTS // 2, seed=7))
+        waiter, wait_err = fleet.start_wait("after")
+        fleet.settle("after", PROMPTS // 2)
+        after_wake_s = time.monotonic() - woken_at
         assert waiter.wait(timeout=120) == 0, wait_err.read_text()
         fleet.stop_workers()
-        outcome = check_job(fleet.settings, "thawed", job.prompts, job.sampling_params)
-    record_result(
-        "Sentinel head: primary frozen (SIGSTOP) for three leases, then woken",
-        outcome,
-        f"primary stopped {3 * LEASE_S:.0f} s (lease {LEASE_S:.0f} s); port {new} promoted in {promoted_s:.1f} s; "
-        "the old primary woken as a replica",
-        [finished_s],
-        time.monotonic() - started,
-        workers=2,
-    )
-    outcome.assert_clean()
+        outcomes = [
+            check_job(fleet.settings, name, job.prompts, job.sampling_params)
+            for name, job in (("thawed", first), ("after", second))
+        ]
+    for outcome, what in zip(outcomes, ("during the freeze", "after the wake"), strict=True):
+        record_result(
+            f"Sentinel head: primary frozen (SIGSTOP) for three leases, then woken: the job {what}",
+            outcome,
+            f"primary stopped {3 * LEASE_S:.0f} s (lease {LEASE_S:.0f} s); port {new} promoted in {promoted_s:.1f} s; "
+            f"first job done {finished_s - promoted_s:.1f} s after the promotion; a second job submitted after the "
+            f"wake done in {after_wake_s:.1f} s",
+            [finished_s if what == "during the freeze" else after_wake_s],
+            time.monotonic() - started,
+            workers=2,
+        )
+    for outcome in outcomes:
+        outcome.assert_clean()
     _assert_reconnected_on_transit(tmp_path)
