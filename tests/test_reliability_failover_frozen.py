@@ -127,6 +127,7 @@ def test_a_primary_frozen_for_three_leases_then_woken_stops_no_job(tmp_path: Pat
             [finished_s if what == "during the freeze" else after_wake_s],
             time.monotonic() - started,
             workers=2,
+            ci=False,
         )
     for outcome in outcomes:
         outcome.assert_clean()
