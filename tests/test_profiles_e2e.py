@@ -77,7 +77,7 @@ def _run(
         worker.start()
         try:
             worker.wait_ready(client, settings.keys)
-            submitted = producer_cli(settings, *args)
+            submitted = producer_cli(settings, *args, in_process=True)  # the tokenizer loads once per process
             assert submitted.returncode == 0, submitted.stderr
             wait_until(lambda: job_progress(client, settings.keys, job)["done"] == ROWS, 180, what=f"{ROWS} rows")
         finally:
@@ -92,10 +92,11 @@ def _run(
     for row in rows:  # byte-exact: what the simulator of this family said, for this prompt and seed
         want = expected_generation(row["input_ids"], json.loads(row["sampling_params"]), config)
         assert row["output_ids"] == want.output_ids, row["prompt_id"]
-    verify = producer_cli(settings, "verify", job, "--json")  # recomputes every span with the job's profile
+    # recomputes every span with the job's profile
+    verify = producer_cli(settings, "verify", job, "--json", in_process=True)
     if not sim_flags:
         assert verify.returncode == 0 and json.loads(verify.stdout)["ok"], verify.stdout[-3000:]
-    report = producer_cli(settings, "report", job, "--json")
+    report = producer_cli(settings, "report", job, "--json", in_process=True)
     assert report.returncode == 0, report.stderr
     return {
         "rows": rows,
