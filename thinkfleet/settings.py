@@ -220,7 +220,7 @@ class Settings(BaseSettings):
         4,
         ge=1,
         description="A worker holding rows with no commit (or prompts while its server gate is closed) for this many "
-        "flush intervals (at least 5 s) is shown stalled, with its reason, by producer status and Prometheus.",
+        "flush intervals (at least 10 s) is shown stalled, with its reason, by producer status and Prometheus.",
     )
     commit_stuck_exit_s: float = Field(
         900.0,

@@ -38,8 +38,10 @@ log = logging.getLogger("thinkfleet.worker")
 #: Seconds between two publications of the progress fields (the heartbeat writes them at its own pace).
 PUBLISH_EVERY_S = 1.0
 #: A stall is called after this long at least, whatever the flush interval (a 0.2 s test interval would flag a
-#: commit that a loaded box delays by a second).
-MIN_STALL_S = 5.0
+#: first commit that loads its job's tokenizer on a loaded box).
+MIN_STALL_S = 10.0
+#: While a worker stays stalled its log says so again this often (its reason's seconds change every publication).
+STALL_LOG_EVERY_S = 60.0
 #: The exit code of a worker whose commit stream is stuck past ``commit_stuck_exit_s`` (EX_TEMPFAIL: try again).
 COMMIT_STUCK_EXIT = 75
 
@@ -129,15 +131,18 @@ class StallWatch:
 
     async def _run(self) -> None:
         reported: str | None = None
+        logged_at = float("-inf")
         while True:
             try:
                 stalled = self.publish()["stalled"]
-                if stalled != reported:  # one line per change, not one a second
-                    if stalled:
-                        log.error("worker stalled: %s", stalled)
-                    elif reported:
-                        log.warning("worker makes progress again (was stalled: %s)", reported)
-                    reported = stalled
+                now = time.monotonic()
+                # one line when it stalls, a reminder while it stays stalled, one when it moves again
+                if stalled and (not reported or now - logged_at >= STALL_LOG_EVERY_S):
+                    log.error("worker stalled: %s", stalled)
+                    logged_at = now
+                elif reported and not stalled:
+                    log.warning("worker makes progress again (was stalled: %s)", reported)
+                reported = stalled
                 p = self.committer.progress()
                 if stuck(p, self.stuck_exit_s):
                     log.critical(
