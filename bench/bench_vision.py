@@ -17,7 +17,9 @@ and text), 512×384 to 1024×768, landscape and portrait.
 2. **Worker memory** — a real ``worker`` process (testing/fleet.py) against a simulator whose decode is slow
    enough that all ``--worker-prompts`` prompts, each with its own distinct image, are in flight together
    (``max_inflight`` = the prompt count, ``inflight_mode fixed``); its RSS (``/proc``: VmRSS sampled, VmHWM for
-   the peak) over the run, against the same job text-only, and again with a small ``THINKFLEET_IMAGE_CACHE_BYTES``.
+   the peak) over the run, against the same job text-only, again with a small ``THINKFLEET_IMAGE_CACHE_BYTES``,
+   and again with that cache and a small ``THINKFLEET_IMAGE_INFLIGHT_BYTES`` (``--inflight-mib``: the byte budget
+   of the images requests hold, taken before they are read, issue 43).
    The image cache's bytes are not exported by the worker: they are what the worker's own ``ImageSender``
    holds when replayed here over the same references in queue order with the same budget.
 
@@ -228,7 +230,7 @@ def replay_cache(refs: list[ImageRef], root: str, budget: int) -> dict[str, int]
     async def run() -> int:
         total = 0
         for ref in refs:
-            total += len(await sender._uri(root, ref))  # the cache path prepare() takes for each image
+            total += len(await sender._uri(ref))  # the cache path prepare() takes for each image
         return total
 
     encoded = asyncio.run(run())
@@ -365,6 +367,7 @@ def worker_run(
     url: str,
     tok_dir: Path,
     cache_bytes: int,
+    inflight_bytes: int | None = None,
 ) -> dict[str, Any]:
     client.flushall()
     n = args.worker_prompts
@@ -382,6 +385,7 @@ def worker_run(
             inflight_mode="fixed",
             image_cache_bytes=cache_bytes,
             flush_interval_s=FLUSH_INTERVAL_S,
+            **({"image_inflight_bytes": inflight_bytes} if inflight_bytes else {}),
         )
         pid = workers[0].proc.pid  # type: ignore[union-attr]
         port = next(iter(worker_metrics_ports(client, settings.keys).values()))
@@ -432,6 +436,7 @@ def worker_run(
     busy = [s for s in ok if t_commit <= s["t"] <= t_done]
     res: dict[str, Any] = {
         "cache_budget_bytes": cache_bytes if variant != "text" else None,
+        "inflight_budget_bytes": inflight_bytes or Settings().image_inflight_bytes,
         "idle_rss_bytes": int(statistics.median(idle)),
         "peak_rss_bytes": int(max(hwm, *(s["rss"] for s in ok))),
         "median_rss_bytes": int(statistics.median(s["rss"] for s in busy)) if busy else None,
@@ -479,9 +484,14 @@ def measure_worker(
     data_img = write_jsonl(work / "worker-vision.jsonl", img_rows)
     data_txt = write_jsonl(work / "worker-text.jsonl", txt_rows)
     default_budget = Settings().image_cache_bytes
-    variants: list[tuple[str, Path, int]] = [("text", data_txt, default_budget), ("images", data_img, default_budget)]
+    variants: list[tuple[str, Path, int, int | None]] = [
+        ("text", data_txt, default_budget, None),
+        ("images", data_img, default_budget, None),
+    ]
     if args.small_cache_mib:
-        variants.append(("images_small_cache", data_img, args.small_cache_mib * MIB))
+        variants.append(("images_small_cache", data_img, args.small_cache_mib * MIB, None))
+        if args.inflight_mib:
+            variants.append(("images_budget", data_img, args.small_cache_mib * MIB, args.inflight_mib * MIB))
     out: dict[str, Any] = {
         "prompts": args.worker_prompts,
         "image_bytes_mean": round(float(np.mean([images[p[0]]["bytes"] for p in picks])), 1),
@@ -489,8 +499,8 @@ def measure_worker(
         "output_tokens": args.output_tokens,
         "default_cache_bytes": default_budget,
     }
-    for name, data, budget in variants:
-        out[name] = worker_run(name, data, args, work, client, url, tok_dir, budget)
+    for name, data, budget, inflight in variants:
+        out[name] = worker_run(name, data, args, work, client, url, tok_dir, budget, inflight)
     return out
 
 
@@ -508,6 +518,7 @@ def _plot(f: dict[str, Any], path: Path) -> None:
     w = f["worker"]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     styles = {"text": "tab:grey", "images": "tab:blue", "images_small_cache": "tab:orange"}
+    styles["images_budget"] = "tab:green"
     for name, colour in styles.items():
         if name not in w:
             continue
@@ -515,6 +526,8 @@ def _plot(f: dict[str, Any], path: Path) -> None:
         label = {"text": "text only (baseline)", "images": "1 distinct image each, cache 256 MiB"}.get(
             name, f"1 distinct image each, cache {_mib(w[name]['cache_budget_bytes'])} MiB"
         )
+        if name == "images_budget":
+            label += f", in-flight budget {_mib(w[name]['inflight_budget_bytes'])} MiB"
         ax1.plot(ts["t"], ts["rss_mib"], color=colour, lw=1.2, label=label)
         ax2.plot(ts["t"], ts["inflight"], color=colour, lw=1.2)
     ax1.set_ylabel("worker RSS (MiB)")
@@ -525,6 +538,13 @@ def _plot(f: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _command_args(config: dict[str, Any]) -> str:
+    """The run's arguments as the command line that repeats it (those a run recorded)."""
+    flags = [("prompts", "--prompts"), ("worker_prompts", "--worker-prompts"), ("repeat", "--repeat"),
+             ("small_cache_mib", "--small-cache-mib"), ("inflight_mib", "--inflight-mib")]  # fmt: skip
+    return " ".join(f"{flag} {config[key]}" for key, flag in flags if key in config)
 
 
 def markdown(f: dict[str, Any]) -> str:
@@ -560,17 +580,22 @@ def markdown(f: dict[str, Any]) -> str:
     cpu_per_image = (i["submit_cpu_ms_per_prompt"] - t["submit_cpu_ms_per_prompt"]) * n / refs
     txt, img = w["text"], w["images"]
     small = w.get("images_small_cache")
+    bounded = w.get("images_budget")
     rows_w = []
-    for d, label in ((txt, "text only (baseline)"), (img, "1 distinct image each"), (small, "1 distinct image each")):
+    labelled = ((txt, "text only (baseline)"), (img, "1 distinct image each"), (small, "1 distinct image each"),
+                (bounded, "1 distinct image each"))  # fmt: skip
+    for d, label in labelled:
         if d is None:
             continue
         cache = "–"
         if d.get("cache_budget_bytes") is not None:
             cache = f"{_mib(d['replayed_cached_bytes'])} of {_mib(d['cache_budget_bytes'])}"
+        inflight = _mib(d["inflight_budget_bytes"]) if d.get("inflight_budget_bytes") and d is not txt else "–"
         rows_w.append(
             [
                 label,
                 cache,
+                inflight,
                 _mib(d["idle_rss_bytes"]),
                 f"**{_mib(d['peak_rss_bytes'])}**",
                 _mib(d["median_rss_bytes"]),
@@ -583,6 +608,7 @@ def markdown(f: dict[str, Any]) -> str:
     wheads = [
         f"{w['prompts']:,} prompts",
         "image cache MiB (replayed) of budget",
+        "in-flight image budget MiB",
         "RSS idle MiB",
         "RSS peak MiB (VmHWM)",
         "RSS median MiB, submit → last row",
@@ -602,14 +628,23 @@ def markdown(f: dict[str, Any]) -> str:
     small_note = ""
     if small:
         small_note = f"""
-- **The cache budget does not bound that.** With a {_mib(small["cache_budget_bytes"])} MiB budget (the replayed
-  cache holds {_mib(small["replayed_cached_bytes"])} MiB) the peak is {_mib(small["peak_rss_bytes"])} MiB, the same:
-  a request in flight keeps its image's URI alive whether or not the cache still does. What the budget bounds is
+- **The cache budget alone does not bound that.** With a {_mib(small["cache_budget_bytes"])} MiB cache (the
+  replayed cache holds {_mib(small["replayed_cached_bytes"])} MiB) the peak is {_mib(small["peak_rss_bytes"])} MiB:
+  a request in flight keeps its image alive whether or not the cache still does. What the cache budget bounds is
   what the worker keeps *between* requests, and RSS cannot show that here: {f["config"]["settle_s"]:g} s after the
   last row the worker holds {_mib(img["after_rss_bytes"])} MiB with {_mib(img["cache_budget_bytes"])} MiB of
   budget and {_mib(small["after_rss_bytes"])} MiB with {_mib(small["cache_budget_bytes"])} MiB (text:
   {_mib(txt["after_rss_bytes"])} MiB). CPython and glibc do not hand every freed buffer back to the system, so RSS
   is a ceiling on what is live, not a reading of it."""
+    if small and bounded:
+        small_note += f"""
+- **The in-flight budget does.** With `THINKFLEET_IMAGE_INFLIGHT_BYTES` at {_mib(bounded["inflight_budget_bytes"])}
+  MiB (and the {_mib(bounded["cache_budget_bytes"])} MiB cache) the peak is **{_mib(bounded["peak_rss_bytes"])}
+  MiB**, {_mib(bounded["peak_rss_bytes"] - txt["peak_rss_bytes"])} MiB over text-only: at most the budget plus the
+  cache, however many prompts are in flight. Each prompt's images are charged from their files' sizes before they
+  are read, so a prompt that does not fit waits without reading anything; at most
+  {bounded["peak_inflight"]:,} requests were in flight (the text-only run: {txt["peak_inflight"]:,}), and the job
+  took {bounded["makespan_s"]:.0f} s against {img["makespan_s"]:.0f} s unbounded."""
     load = f.get("load_average_before_after", [[None], [None]])
     return f"""What it measures, in one run against a private `redis-server --save ''` (issue 33, part 6), with the
 Qwen3 test tokenizer (`testing/tokenizer.py` and its `preprocessor_config.json`: 16 px patches merged 2×2)
@@ -633,7 +668,7 @@ on average.
 
 Command (~{f.get("elapsed_min", 0):.0f} min on the 2-vCPU VM):
 
-    .venv/bin/python -m bench.bench_vision --prompts {n} --worker-prompts {w["prompts"]}
+    .venv/bin/python -m bench.bench_vision {_command_args(f["config"])}
 
 Run {f.get("date", "?")}. {code_stamp(f.get("code"))} Machine: the shared 2-vCPU dev VM, 1-minute load
 average {load[0][0]} → {load[1][0]} (other engineers' tests), so wall times carry that noise; CPU times are
@@ -668,11 +703,10 @@ Worker memory, {w["prompts"]:,} prompts in flight at once:
   ({_mib(img["peak_rss_bytes"])} MiB against {_mib(txt["peak_rss_bytes"])} MiB text-only). That is
   {extra / encoded:.1f}× the images as sent: {encoded / MIB:,.0f} MiB of `data:` URIs
   ({img["image_file_bytes"] / MIB:,.0f} MiB of files, ×4/3 for base64), and {cache_note}. Each request in flight
-  holds its image twice: the URI its `ImagePrompt` carries (the same string the cache keeps) and the orjson
-  `/generate` body that embeds it, kept until the server answers (`workers/client.py`).{small_note}
-- So a worker's image memory in flight is about 2 × `THINKFLEET_MAX_INFLIGHT` × the mean encoded image. That
-  grows with larger images (Kimi's up to ~4k-token images) and the default bound of 512, and
-  `THINKFLEET_IMAGE_CACHE_BYTES` does not cap it.
+  holds its image once: the encoded URI (the same bytes object the cache keeps), spliced into the `/generate`
+  body as it is written (`workers/sglang.py` `body_pieces`), never copied into a serialised body.{small_note}
+- So without a budget a worker's image memory in flight is about `THINKFLEET_MAX_INFLIGHT` × the mean encoded
+  image; `THINKFLEET_IMAGE_INFLIGHT_BYTES` (default 1 GiB) caps it, taken before the images are read.
 - The cache figures are replayed, not read from the worker, which exports no cache gauge: they come from the
   worker's own `ImageSender`, fed the same references in queue order with the same budget.
 - Every prompt was stored and none was dead-lettered, in every run.
@@ -719,6 +753,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "sample_s": args.sample_s,
             "settle_s": args.settle_s,
             "small_cache_mib": args.small_cache_mib,
+            "inflight_mib": args.inflight_mib,
             "tokenizer": "qwen3 test tokenizer",
             "submit_max_new_tokens": MAX_NEW_TOKENS,
             "worker_max_new_tokens": args.output_tokens,
@@ -762,6 +797,7 @@ def main() -> None:
     ap.add_argument("--per-request-tok-s", type=float, default=1.0, help="simulated decode speed of one request")
     ap.add_argument("--output-tokens", type=int, default=40, help="output tokens of every simulated answer")
     ap.add_argument("--small-cache-mib", type=int, default=32, help="a third worker run with this cache (0: skip)")
+    ap.add_argument("--inflight-mib", type=int, default=16, help="a fourth run: that cache and this in-flight budget")
     ap.add_argument("--idle-s", type=float, default=3.0, help="sample the idle worker this long before the submit")
     ap.add_argument("--settle-s", type=float, default=4.0, help="keep sampling this long after the last prompt")
     ap.add_argument("--sample-s", type=float, default=0.25, help="RSS sampling interval")
