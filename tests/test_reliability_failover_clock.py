@@ -16,10 +16,16 @@ holds — the next claim outranks every stored row.
   this test failed: a prompt re-run before the finalize marks recovered it got an epoch below its stored row). It
   runs with ``-m slow``, as the plain one does (the documented command: bench.reliability_report --run --slow; CI
   runs test_reliability_failover.py's failover).
+- A failover to a replica whose clock is :data:`AHEAD_S` ahead (issue 43): visibility is scored on Redis time, so
+  to the new primary every delivery of the fleet looked more than a lease old; the first restore sweep there put
+  them all back on the queue, ahead of the live workers' renewals (and the jump expired their heartbeats, so a
+  redelivered copy took a running claim over). The visibility clock (thinkfleet/broker/visibility.py) takes the
+  jump for what it is: no live delivery is restored, no death is charged, re-runs stay within what was in flight.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -29,15 +35,32 @@ import pytest
 from storage import reader
 from storage.schema import EPOCH, PROMPT_ID
 from testing.fleet import in_flight, wait_until
-from testing.harness import make_prompts, submit_ids
+from testing.harness import make_prompts, sim_stats, submit_ids
 from testing.record import check_job, record_result
 from testing.sentinel import CC, SentinelFleet, sentinel_fleet
+from thinkfleet.broker.visibility import clock_key, unacked_index_key
 
 #: How far the promoted replica's clock runs behind: far more than the scenario lasts, so its TIME stays below every
 #: epoch minted before the failover for the whole run.
 BEHIND_S = 300
 #: Redis 1 is the replica whose clock is behind; Redis 2 is never promoted, so the Sentinels can only pick Redis 1.
 HEAD: dict[str, Any] = {"clock_offsets_s": {1: -BEHIND_S}, "redis_options": {2: ("--replica-priority", "0")}}
+#: How far the promoted replica's clock runs ahead in the ahead case: more than a lease (:data:`AHEAD_LEASE_S`).
+AHEAD_S = 120
+#: The ahead case's lease: a heartbeat (and its renewals) every lease/4 = 7.5 s, so the restore sweeps a reconnected
+#: consumer runs every second (FAST_WORKER's reaper_interval_s) come before most workers' first renewal on the new
+#: primary, as in a real fleet (lease 60 s: renewals every 15 s, sweeps every 5 s).
+AHEAD_LEASE_S = 30
+AHEAD_HEAD: dict[str, Any] = {
+    "clock_offsets_s": {1: AHEAD_S},
+    "redis_options": {2: ("--replica-priority", "0")},
+    # A deadline no generation here reaches (the default floor, 5 s, dead-letters the longest as unanswered).
+    "worker_options": {"lease_s": AHEAD_LEASE_S, "request_timeout_floor_s": 60},
+    # Generations of 10-25 s (1024 tokens at most, 40 tok/s each): the runs in flight at the failover still run when
+    # the new primary's first restore sweeps come (each generation is one /generate call; a re-run is a second one).
+    "sim_args": ("--time-scale", "1"),
+}
+AHEAD_PROMPTS = 20
 
 # A tool, not a service: without it the scenarios skip with the reason (as tests/test_reliability_clock.py without
 # libfaketime).
@@ -150,5 +173,72 @@ def test_a_lossy_failover_to_a_replica_whose_clock_is_behind_mints_no_epoch_belo
             [recovered_s],
             time.monotonic() - started,
             workers=2,
+        )
+        outcome.assert_clean()
+
+
+def generate_calls(sim_url: str) -> dict[str, int]:
+    """/generate calls per task (a rid is ``{task id}/a{attempt}-{nonce}``): one per run, more for a re-run."""
+    calls: dict[str, int] = {}
+    for rid, n in dict(sim_stats(sim_url, rids=True)["rids"]).items():  # type: ignore[call-overload]
+        task = str(rid).rsplit("/a", 1)[0]
+        calls[task] = calls.get(task, 0) + int(n)
+    return calls
+
+
+def deaths_charged(fleet: SentinelFleet, job: str) -> dict[str, int]:
+    """Prompts charged a dead run (claim.lua's ``k``: a claim taken over from a worker whose heartbeat was gone)."""
+    records = fleet.client.hgetall(fleet.settings.keys.deliveries(job))
+    charged = {k.decode(): int(json.loads(v).get("k", 0)) for k, v in records.items()}
+    return {pid: k for pid, k in charged.items() if k}
+
+
+def test_a_failover_to_a_replica_whose_clock_is_120_s_ahead_restores_no_live_delivery(tmp_path: Path) -> None:
+    started = time.monotonic()
+    with sentinel_fleet(tmp_path, **AHEAD_HEAD) as fleet:
+        head, keys = fleet.head, fleet.settings.keys
+        ahead = head.redis[1]
+        assert ahead.client().time()[0] > time.time() + AHEAD_S - 30, "the replica's clock is not ahead"
+        job = submit_ids(fleet.settings, "ahead", make_prompts(AHEAD_PROMPTS), max_new_tokens=1024)
+        waiter, wait_err = fleet.start_wait("ahead")
+        wait_until(lambda: len(in_flight(fleet.client, keys, "ahead")) >= 10, 120, what="10 prompts in flight")
+        # When the primary is SIGKILLed mid-job and the replica whose clock is 120 s ahead is promoted: to it every
+        # delivery in flight was last renewed more than a lease (30 s) ago
+        flying = in_flight(fleet.client, keys, "ahead")
+        old = head.primary_port()
+        assert old is not None
+        killed_at = time.monotonic()
+        head.process_on(old).stop(kill=True)
+        assert head.wait_for_new_primary(old) == ahead.port
+        fleet.settle("ahead", AHEAD_PROMPTS)
+        recovered_s = time.monotonic() - killed_at
+        # Then `producer wait` returns 0 by itself, every prompt is stored once, byte-exact
+        assert waiter.wait(timeout=180) == 0, wait_err.read_text()
+        fleet.stop_workers()
+        outcome = check_job(fleet.settings, "ahead", job.prompts, job.sampling_params)
+        # and the jump was taken for one: no running claim was taken over from a live worker (no death charged), and
+        # the runs repeated are at most those in flight at the failover (+2: a message popped, not yet recorded)
+        calls = generate_calls(fleet.sim_url)
+        reruns = sum(n - 1 for n in calls.values() if n > 1)
+        charged = deaths_charged(fleet, "ahead")
+        clock_hash = fleet.client.hgetall(clock_key(unacked_index_key(fleet.settings.key_prefix)))
+        clock = {k.decode(): v.decode() for k, v in clock_hash.items()}
+        print(f"in flight {len(flying)}, runs repeated {reruns}, deaths charged {charged}, visibility clock {clock}")
+        if charged:
+            outcome.problems.append(f"live runs taken over as dead after the jump: {charged}")
+        if reruns > len(flying) + 2:
+            outcome.problems.append(f"{reruns} runs repeated, {len(flying)} were in flight at the failover: {calls}")
+        if int(clock.get("jumps", 0)) < 1:
+            outcome.problems.append(f"no jump of the clock recorded by the visibility steps: {clock}")
+        record_result(
+            "Sentinel head: a replica whose clock is 120 s ahead promoted",
+            outcome,
+            f"primary killed mid-job with {len(flying)} prompts in flight; the replica promoted (port {ahead.port}) "
+            f"runs its clock {AHEAD_S} s ahead (lease {AHEAD_LEASE_S} s)",
+            [recovered_s],
+            time.monotonic() - started,
+            workers=2,
+            notes=f"{reruns} runs repeated, 0 deaths charged: the visibility clock re-based the jump "
+            f"({float(clock.get('shifted_s', 0)):.0f} s)",
         )
         outcome.assert_clean()
