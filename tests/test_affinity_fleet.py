@@ -47,7 +47,7 @@ def _submit(settings: Settings, tmp_path: Path, job: str) -> None:
     done = producer_cli(
         settings, "submit", str(data), "--job", job, "--tokenizer", str(tok_dir), "--processes", "1",
         "--no-progress", "--max-new-tokens", "200", "--seed", "5", "--context-length", "131072", "--turns", "all",
-        "--json",
+        "--json", in_process=True,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
 
@@ -85,7 +85,7 @@ def _placement(rows: dict[tuple[str, int], dict[str, Any]]) -> tuple[int, int]:
 
 
 def _json(settings: Settings, *args: str) -> dict[str, Any]:
-    done = producer_cli(settings, *args, "--json")
+    done = producer_cli(settings, *args, "--json", in_process=True)
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(done.stdout)
 
@@ -150,7 +150,7 @@ def test_a_killed_hosts_conversations_move_on_and_nothing_is_lost(redis_url: str
         at_kill = _turn_rows(settings, job)
         waited = producer_cli(settings, "wait", job, "--timeout", "240", timeout_s=300)
         assert waited.returncode == 0, waited.stdout + waited.stderr
-        verified = producer_cli(settings, "verify", job)
+        verified = producer_cli(settings, "verify", job, in_process=True)
         assert verified.returncode == 0, verified.stdout + verified.stderr
 
     rows = _turn_rows(settings, job)

@@ -339,7 +339,7 @@ def test_executor_results_feed_the_next_step_and_it_runs_at_most_once_per_step_r
     counters = run.client.hgetall(run.settings.keys.counters(run.executor_job))
     assert int(counters.get(b"tool_errors", 0)) == len(ended)
     # producer status shows them, and every conversation is settled: complete, or ended with its reason.
-    status = producer_cli(run.settings, "status", run.executor_job, "--deep", "--json")
+    status = producer_cli(run.settings, "status", run.executor_job, "--deep", "--json", in_process=True)
     assert status.returncode == 0, status.stderr
     convs = json.loads(status.stdout)["conversations"]
     assert convs["tool_errors"] == len(ended)
@@ -353,7 +353,7 @@ def test_verify_passes_and_the_messages_export_carries_the_fed_tool_messages(
     from storage.verify import verify_job
 
     run = agentic_job
-    verified = producer_cli(run.settings, "verify", run.job, "--json")
+    verified = producer_cli(run.settings, "verify", run.job, "--json", in_process=True)
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert json.loads(verified.stdout)["step_prompt_mismatch"] == []
     out = tmp_path / "m.jsonl"
@@ -482,7 +482,7 @@ def test_retry_truncated_of_a_step_rederives_the_steps_after_it(agentic_job: Age
         return all(rows[pid]["revision"] >= 1 for pid in rerun)
 
     wait_until(settled, 180, what="the re-run steps and the steps re-derived after them")
-    verified = producer_cli(run.settings, "verify", SHORT_JOB, "--json")
+    verified = producer_cli(run.settings, "verify", SHORT_JOB, "--json", in_process=True)
     report = json.loads(verified.stdout)
     assert verified.returncode == 0 and report["step_prompt_mismatch"] == [], verified.stdout
     # Then each conversation is one chain again, re-derived from the new answers: every step after a re-run one is
