@@ -123,7 +123,7 @@ class Settings(BaseSettings):
         gt=0,
         description="How long a Redis command — the broker's included — waits for its reply before its connection "
         "is dropped and opened again (a sentinel:// URL then finds the promoted primary); the broker's health checks "
-        "run at half of it. Unset: lease_s / 3, between 2 and 20 s, so a silent primary is noticed within the lease.",
+        "run at half of it. Unset: lease_s / 3, between 5 and 20 s, so a silent primary is noticed within the lease.",
     )
     consumer_stuck_s: float | None = Field(
         None,
