@@ -16,13 +16,25 @@ from pathlib import Path
 from testing.fleet import WorkerProcess, wait_until
 from testing.harness import fast_env, isolated_settings, simulator
 from testing.services import RedisServer
-from thinkfleet.broker.watchdog import CONSUMER_STUCK_EXIT, MIN_STUCK_S, stuck_bound_s
+from thinkfleet.broker.watchdog import CONSUMER_STUCK_EXIT, MIN_STUCK_S, ConsumerWatchdog, stuck_bound_s
 
 
 def test_the_stuck_bound_is_two_leases_and_never_short() -> None:
     assert stuck_bound_s(4) == MIN_STUCK_S
     assert stuck_bound_s(600) == 1200
     assert stuck_bound_s(60, configured_s=30) == 30
+
+
+def test_only_an_armed_loop_that_stopped_turning_is_stuck() -> None:
+    watchdog = ConsumerWatchdog()
+    assert watchdog.stuck_for() is None  # never armed: a process that is not a consuming worker
+    watchdog.bound_s, watchdog._last = 30.0, time.monotonic() - 31  # armed, last turn 31 s ago
+    assert (watchdog.stuck_for() or 0) >= 31
+    watchdog.tick()
+    assert watchdog.stuck_for() is None
+    watchdog._last = time.monotonic() - 31
+    watchdog.disarm()  # Celery closed the connection to reconnect: the loop is not running
+    assert watchdog.stuck_for() is None
 
 
 def test_a_worker_whose_consumer_is_stuck_exits_for_its_supervisor(tmp_path: Path) -> None:

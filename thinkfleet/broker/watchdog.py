@@ -8,7 +8,8 @@ anyway — a bug, a library's own wait, a lock that is never released — the wo
 heartbeats (the state clients run on another thread) and consume nothing: the silent stall of issue 43.
 
 So the hub stamps every turn of its loop (it turns at least once a second when idle), and a thread checks the stamp:
-past :func:`stuck_bound_s` without a turn while the loop runs, the worker logs why and exits with
+past :func:`stuck_bound_s` without a turn while the loop runs (the process itself running: a paused or starved
+process restarts the count), the worker logs why and exits with
 :data:`CONSUMER_STUCK_EXIT`. Compose (``restart: unless-stopped``), Kubernetes and the Slurm scripts restart it; its
 deliveries come back after the lease as a dead worker's do, and the claims make a second run cost nothing. Time
 outside the loop — Celery reconnecting to a broker that is down, a warm shutdown draining — is not watched: a
@@ -33,6 +34,8 @@ CONSUMER_STUCK_EXIT = 75
 MIN_STUCK_S = 120.0
 #: How often the watchdog looks at the stamp.
 CHECK_EVERY_S = 1.0
+#: A look this much later than due means the process itself did not run (paused or starved): no verdict on the loop.
+PAUSE_S = 5.0
 #: The transport option (thinkfleet/broker/transit.py ``enable_transit``) that arms it, in seconds.
 OPTION = "consumer_stuck_s"
 
@@ -80,8 +83,15 @@ class ConsumerWatchdog:
             return waited if waited > self.bound_s else None
 
     def _watch(self) -> None:
+        checked = time.monotonic()
         while True:
             time.sleep(CHECK_EVERY_S)
+            now = time.monotonic()
+            if now - checked > CHECK_EVERY_S + PAUSE_S:
+                # This thread overslept: the whole process was paused (SIGSTOP, a frozen VM) or starved, not the loop
+                # alone. The loop gets a whole bound from now (a worker paused past its lease resumes as one).
+                self.tick()
+            checked = now
             waited = self.stuck_for()
             if waited is not None:
                 self._exit(waited)
