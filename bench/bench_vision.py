@@ -374,7 +374,7 @@ def worker_run(
     out_dir = work / f"out-{variant}"
     settings = bench_settings(url, str(out_dir)).with_overrides(max_inflight=n)
     job = f"mem-{variant}"
-    sim = SimulatorProcess(*sim_flags(args, tok_dir)).start()
+    sim = SimulatorProcess(*sim_flags(args, tok_dir)).start(timeout_s=180)  # a loaded box starts it slowly
     workers = []
     try:
         workers = start_workers(
