@@ -33,6 +33,7 @@ import collections
 import hashlib
 import logging
 import posixpath
+import time
 from collections.abc import Callable
 
 import pyarrow.fs as pafs
@@ -98,8 +99,10 @@ class ImageSender:
         redis: aioredis.Redis | None = None,
         identity: str = "",
         on_gate: Callable[[], None] = lambda: None,
+        draining: Callable[[], bool] = lambda: False,
     ) -> None:
         self.settings = settings
+        self._draining = draining  # a backoff ends early on a drain: the prompt goes back at once
         self.budget_bytes = settings.image_cache_bytes
         #: Encoded data: URIs (ASCII bytes, spliced into request bodies as they are) by sha256, least recent first.
         self._cache: collections.OrderedDict[str, bytes] = collections.OrderedDict()
@@ -169,7 +172,7 @@ class ImageSender:
         wait = backoff_s(64, self.settings.image_backoff_max_s)  # the cap: a store comes back in minutes, not ms
         log.info("%s/%s: image store %s closed here (%s): handed back in %.1fs", task.job, task.prompt_id, root,
                  reason, wait)  # fmt: skip
-        await asyncio.sleep(wait)
+        await self._wait(wait)
         raise HandBack()
 
     async def _unread(self, task: PromptTask, job: JobSpec, root: str, unread: _Unread) -> Exception:
@@ -203,8 +206,14 @@ class ImageSender:
         log.warning("%s/%s: image %s %s (%s: %s): handed back in %.1fs (try %d of %d)", task.job, task.prompt_id, uri,
                     "missing" if missing else "unreadable", type(exc).__name__, exc, wait, tries,
                     s.image_handback_max)  # fmt: skip
-        await asyncio.sleep(wait)
+        await self._wait(wait)
         return HandBack()
+
+    async def _wait(self, seconds: float) -> None:
+        """A hand-back's backoff, cut short by a drain (SIGTERM: the worker gives its prompts back now)."""
+        deadline = time.monotonic() + seconds
+        while not self._draining() and (left := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, 0.5))
 
     async def _encoded_sizes(self, media: tuple[ImageRef, ...]) -> int:
         """The encoded bytes of a prompt's images: a cached one's own size, else from its file's size (a stat; an

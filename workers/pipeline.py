@@ -88,7 +88,7 @@ class PromptPipeline:
         self.claims = Claims(settings, identity, redis, ledger, committer, metrics, draining)
         #: An image prompt's images: read from the job's store once per worker, checked, sent as data: URIs.
         #: Its stores' gates (a store this host cannot read hands its prompts back) go to the heartbeat (status).
-        self.images = ImageSender(settings, redis, identity)
+        self.images = ImageSender(settings, redis, identity, draining=draining)
 
     async def handle(self, args: Any, message_id: str | None = None) -> str:
         """A message's args → its outcome (the message is acked), or :class:`HandBack` (requeued). Nothing
