@@ -55,6 +55,7 @@ class CgroupMeter:
         """A fresh cgroup holding this process, or None where no writable CPU hierarchy is mounted."""
         name = f"{CGROUP_PREFIX}{os.getpid()}"
         for _, parent, usage_file in _cpu_hierarchies():
+            _remove_stale(parent)
             path = parent / name
             try:
                 path.mkdir(exist_ok=True)
@@ -83,6 +84,17 @@ class CgroupMeter:
             self.path.rmdir()
         except OSError:
             pass
+
+
+def _remove_stale(parent: Path) -> None:
+    """Remove the empty cgroups of profiled runs that were killed before they could (their process is gone)."""
+    for stale in parent.glob(f"{CGROUP_PREFIX}*"):
+        pid = stale.name[len(CGROUP_PREFIX) :]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            try:
+                stale.rmdir()  # refused while a process is still inside: then it stays
+            except OSError:
+                pass
 
 
 def _cpu_hierarchies() -> list[tuple[str, Path, str]]:
