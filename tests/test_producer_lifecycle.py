@@ -58,7 +58,7 @@ def _stop(sim: SimulatorProcess, workers: list[WorkerProcess]) -> None:
 
 
 def _jobs(settings: Settings) -> dict[str, dict[str, object]]:
-    out = producer_cli(settings, "jobs", "--json")
+    out = producer_cli(settings, "jobs", "--json", in_process=True)
     assert out.returncode == 0, out.stderr
     return {j["job"]: j for j in json.loads(out.stdout)}
 
@@ -84,7 +84,7 @@ def test_pause_holds_and_resume_finishes_clean(redis_url: str, tmp_path: Path) -
                 wait_until(lambda: in_flight(client, settings.keys, "pz"), 60, what="prompts in flight")
                 assert _stored(client, settings, "pz") == 0
                 assert _jobs(settings)["pz"]["state"] == "active"
-                out = producer_cli(settings, "pause", "pz")
+                out = producer_cli(settings, "pause", "pz", in_process=True)
                 assert out.returncode == 0, out.stderr
             finally:
                 post_json(f"{sim.url}/control/stall", {"seconds": 0})
@@ -109,9 +109,9 @@ def test_pause_holds_and_resume_finishes_clean(redis_url: str, tmp_path: Path) -
             )
             listed = _jobs(settings)["pz"]
             assert listed["state"] == "paused" and listed["done"] == held and listed["total"] == N_PROMPTS
-            status = json.loads(producer_cli(settings, "status", "pz", "--json").stdout)
+            status = json.loads(producer_cli(settings, "status", "pz", "--json", in_process=True).stdout)
             assert status["state"] == "paused" and status["unaccounted"] == 0
-            out = producer_cli(settings, "resume", "pz")
+            out = producer_cli(settings, "resume", "pz", in_process=True)
             assert out.returncode == 0, out.stderr
             wait_until(lambda: _stored(client, settings, "pz") == N_PROMPTS, 120, what="job finished after resume")
         watch.assert_held()
@@ -146,7 +146,7 @@ def test_cancel_second_job_stops_it_and_first_finishes(redis_url: str, tmp_path:
             submit_ids(settings, "ja", a_prompts, **SAMPLING)
             wait_until(lambda: in_flight(client, settings.keys, "jb"), 60, what="job B generating")
             aborted_before = int(sim_stats(sim.url)["aborted"])
-            out = producer_cli(settings, "cancel", "jb")
+            out = producer_cli(settings, "cancel", "jb", in_process=True)
             assert out.returncode == 0, out.stderr
             cancelled_at = time.monotonic()
             # B's generation stops within a few seconds: no claim left, its requests aborted on the server.
@@ -175,8 +175,8 @@ def test_cancel_second_job_stops_it_and_first_finishes(redis_url: str, tmp_path:
         outcome_a.assert_clean()
         outcome_b.assert_clean()
         # The cancelled prompts revive: resume, then retry them.
-        assert producer_cli(settings, "resume", "jb").returncode == 0
-        out = producer_cli(settings, "retry", "jb", "--error-class", "cancelled")
+        assert producer_cli(settings, "resume", "jb", in_process=True).returncode == 0
+        out = producer_cli(settings, "retry", "jb", "--error-class", "cancelled", in_process=True)
         assert out.returncode == 0, out.stderr
         wait_until(lambda: _stored(client, settings, "jb") == N_PROMPTS, 180, what="job B revived")
     finally:
@@ -191,9 +191,9 @@ def test_purge_refuses_while_running_then_removes_every_key(redis_url: str, tmp_
     try:
         submit_ids(settings, "pg", prompts, **SAMPLING)
         wait_until(lambda: in_flight(client, settings.keys, "pg"), 60, what="generating")
-        out = producer_cli(settings, "purge", "pg")
+        out = producer_cli(settings, "purge", "pg", in_process=True)
         assert out.returncode != 0 and "queued" in out.stderr
-        out = producer_cli(settings, "purge", "pg", "--force")
+        out = producer_cli(settings, "purge", "pg", "--force", in_process=True)
         assert out.returncode == 0, out.stderr
         assert not list(client.scan_iter(match=f"{settings.key_prefix}:job:pg*"))
         assert not client.sismember(settings.keys.jobs, "pg")

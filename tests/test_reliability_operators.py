@@ -74,7 +74,7 @@ def test_cancel_with_a_killed_workers_claims_parked_dead_letters_every_prompt_an
         victim.wait_ready(client, keys)
         job = submit_ids(settings, "cx", make_prompts(n, seed=21), max_new_tokens=64)
         wait_until(lambda: not victim.alive(), 120, 0.05, what="the victim killed at after_claim")
-        assert producer_cli(settings, "pause", "cx").returncode == 0
+        assert producer_cli(settings, "pause", "cx", in_process=True).returncode == 0
         held = in_flight(client, keys, "cx", "victim")
         assert held, "the dead worker holds claims"
         other.start().wait_ready(client, keys)
@@ -89,7 +89,7 @@ def test_cancel_with_a_killed_workers_claims_parked_dead_letters_every_prompt_an
         assert in_flight(client, keys, "cx", "victim") == held, "the dead worker's claims are still there"
         assert job_progress(client, keys, "cx")["done"] == 0
         # When the job is cancelled.
-        out = producer_cli(settings, "cancel", "cx")
+        out = producer_cli(settings, "cancel", "cx", in_process=True)
         assert out.returncode == 0, out.stderr
         reported = int(re.search(r"cancelled: (\d+) queued", out.stdout).group(1))
         # Then every prompt is dead-lettered `cancelled`, and the count cancel reported is the dead letters.
@@ -99,11 +99,11 @@ def test_cancel_with_a_killed_workers_claims_parked_dead_letters_every_prompt_an
         assert reported == len(dead) == n
         assert not client.llen(keys.parked("cx"))
         # And resume + retry --error-class cancelled revives every one of them.
-        assert producer_cli(settings, "resume", "cx").returncode == 0
-        retry = producer_cli(settings, "retry", "cx", "--error-class", "cancelled")
+        assert producer_cli(settings, "resume", "cx", in_process=True).returncode == 0
+        retry = producer_cli(settings, "retry", "cx", "--error-class", "cancelled", in_process=True)
         assert retry.returncode == 0, retry.stderr
         wait_until(lambda: job_progress(client, keys, "cx")["done"] == n, 180, what="every prompt stored")
-        waited = producer_cli(settings, "wait", "cx", "--timeout", "60")
+        waited = producer_cli(settings, "wait", "cx", "--timeout", "60", in_process=True)
         assert waited.returncode == 0, waited.stdout + waited.stderr
     finally:
         victim.kill()
@@ -151,8 +151,10 @@ def test_a_revision_0_run_paused_across_a_truncated_retry_is_fenced_and_revision
         other.terminate()
         # When the operator pauses the job (so that no revision-1 message runs before the zombie is back) and
         # re-runs the truncated rows as revision 1 with a larger budget.
-        assert producer_cli(settings, "pause", "rv").returncode == 0
-        retry = producer_cli(settings, "retry", "rv", "--truncated", "--max-new-tokens", "64", "--json")
+        assert producer_cli(settings, "pause", "rv", in_process=True).returncode == 0
+        retry = producer_cli(
+            settings, "retry", "rv", "--truncated", "--max-new-tokens", "64", "--json", in_process=True
+        )
         assert retry.returncode == 0, retry.stderr
         rerun = set(json.loads(retry.stdout)["prompt_ids"])
         assert rerun & held, "a prompt the zombie holds is re-run"
@@ -166,10 +168,10 @@ def test_a_revision_0_run_paused_across_a_truncated_retry_is_fenced_and_revision
 
         wait_until(zombie_settled, 120, what="the zombie's late rows fenced or finalized")
         # Then a second worker (and the zombie) run the revision-1 messages once the job is resumed.
-        assert producer_cli(settings, "resume", "rv").returncode == 0
+        assert producer_cli(settings, "resume", "rv", in_process=True).returncode == 0
         second.start().wait_ready(client, keys)
         wait_until(lambda: job_progress(client, keys, "rv")["done"] == n, 180, what="revision 1 stored")
-        waited = producer_cli(settings, "wait", "rv", "--timeout", "60")
+        waited = producer_cli(settings, "wait", "rv", "--timeout", "60", in_process=True)
         assert waited.returncode == 0, waited.stdout + waited.stderr
     finally:
         zombie.cont()
@@ -217,7 +219,9 @@ def test_an_older_revisions_committed_part_is_not_finalized_for_the_requested_re
         job = submit_ids(settings, "orv", make_prompts(n, seed=23), max_new_tokens=8)
         wait_until(lambda: job_progress(client, keys, "orv")["done"] == n, 120, what="revision 0 stored")
         first.terminate()
-        retry = producer_cli(settings, "retry", "orv", "--truncated", "--max-new-tokens", "64", "--json")
+        retry = producer_cli(
+            settings, "retry", "orv", "--truncated", "--max-new-tokens", "64", "--json", in_process=True
+        )
         assert retry.returncode == 0, retry.stderr
         rerun = set(json.loads(retry.stdout)["prompt_ids"])
         assert rerun, "outputs were cut at 8 tokens"
@@ -232,7 +236,7 @@ def test_an_older_revisions_committed_part_is_not_finalized_for_the_requested_re
         # When a worker takes the revision-1 messages.
         second.start().wait_ready(client, keys)
         wait_until(lambda: job_progress(client, keys, "orv")["done"] == n, 120, what="revision 1 stored")
-        waited = producer_cli(settings, "wait", "orv", "--timeout", "60")
+        waited = producer_cli(settings, "wait", "orv", "--timeout", "60", in_process=True)
         assert waited.returncode == 0, waited.stdout + waited.stderr
     finally:
         first.kill()
