@@ -1,11 +1,10 @@
-"""Redis's clock for synchronous callers (kombu's consumer thread): ``TIME`` read at most every few seconds and
-carried forward on the monotonic clock in between.
+"""Redis's clock for synchronous callers that want an estimate of it (``producer status``): ``TIME`` read at most
+every few seconds and carried forward on the monotonic clock in between (immune to the host's clock being
+stepped; drift over a few seconds is negligible), so a caller pays no round trip per reading.
 
-Visibility scores (thinkfleet/broker/visibility.py) must come from one clock for every host, or a host whose
-clock runs ahead restores live workers' messages early. Redis ``TIME`` is that clock; reading it on every
-delivery would add a round trip per message, so a :class:`RedisClock` reads it once per ``resync_s`` and adds
-the monotonic time elapsed since (immune to the host's clock being stepped; drift over a few seconds is
-negligible). The worker's asyncio side reads ``TIME`` inside its Lua calls instead (workers/lease.py).
+Visibility scores are not taken from it: a delivery's score, a renewal and a restore sweep read ``TIME`` inside
+their own Lua call (thinkfleet/broker/visibility.py), where a jump of Redis's clock since the last such step — a
+failover to a replica whose clock differs — is re-based atomically; a cached reading could straddle a failover.
 """
 
 from __future__ import annotations

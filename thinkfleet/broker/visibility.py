@@ -19,8 +19,8 @@ of the last such step (``at``; there is one at least every lease/4 while a worke
 ``unacked_index`` moves forward by it, so a delivery ages by at most half a lease across it; a jump back of more
 than that moves every score back by the whole jump, so a delivery ages by nothing (else a dead worker's messages
 would wait out the jump). A gap with no jump (an outage: nobody could renew) counts the same way. The rule and
-its bound for a dead worker's messages (they come back at most the gap beyond half a lease later) are in
-docs/reliability.md.
+its bound (a dead worker's messages come back later by at most the real time between steps that were further
+apart than that) are in docs/reliability.md.
 """
 
 from __future__ import annotations
