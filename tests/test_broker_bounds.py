@@ -13,6 +13,7 @@ import ssl
 import pytest
 from redis.sentinel import SentinelConnectionPool
 
+from testing.services import RedisServer
 from thinkfleet.broker.celery_app import make_app
 from thinkfleet.broker.transit import SENTINEL_TRANSPORT, enable_transit
 from thinkfleet.broker.transit_sentinel import SentinelChannel, rechecked
@@ -22,6 +23,7 @@ from thinkfleet.redis_client import (
     RecheckedSentinelPool,
     command_timeout_s,
     parse_sentinel,
+    sync_client,
 )
 from thinkfleet.settings import Settings
 
@@ -87,3 +89,14 @@ def test_sentinel_ssl_speaks_tls_to_the_sentinels_with_the_same_files() -> None:
     assert "ssl" not in parse_sentinel(f"{HEAD}&ssl=true").sentinel_kwargs()  # the Sentinels stay plaintext
     options = make_app(Settings(redis_url=url)).conf.broker_transport_options
     assert options["sentinel_kwargs"]["ssl"] is True
+
+
+def test_a_unix_socket_url_opens_with_the_timeouts_and_no_tcp_keepalive(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    socket_path = tmp_path / "redis.sock"
+    server = RedisServer(tmp_path / "redis", extra=("--unixsocket", str(socket_path))).start()
+    try:
+        client = sync_client(f"unix://{socket_path}")
+        assert client.ping()
+        assert client.connection_pool.connection_kwargs["socket_timeout"] == SOCKET_TIMEOUT_S
+    finally:
+        server.stop()

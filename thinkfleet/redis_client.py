@@ -187,6 +187,13 @@ def _common(timeout_s: float | None, connect_timeout_s: float | None) -> dict[st
     }
 
 
+def _for_url(url: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """``opts`` less what ``url``'s connection class refuses: a ``unix://`` socket has no TCP keepalive."""
+    if url.startswith("unix://"):
+        return {k: v for k, v in opts.items() if not k.startswith("socket_keepalive")}
+    return opts
+
+
 class _AskOnReconnect:
     """A Sentinel-managed connection that asks the Sentinels who the primary is whenever it opens its socket again.
     redis-py asks only in ``connect()``; a command that fails on a timeout or a connection error is retried (the
@@ -319,7 +326,7 @@ def sync_client(
 ) -> redis.Redis:
     """A redis-py client for ``url``. ``max_connections`` with ``pool_wait_s``: a pool that waits that long for a
     free connection instead of refusing one."""
-    opts = {**_common(timeout_s, connect_timeout_s), **kwargs}
+    opts = _for_url(url, {**_common(timeout_s, connect_timeout_s), **kwargs})
     if not is_sentinel(url):
         if max_connections is None:
             return redis.Redis.from_url(url, **opts)
@@ -345,7 +352,7 @@ def async_client(
     **kwargs: Any,
 ) -> aioredis.Redis:
     """An asyncio redis-py client for ``url`` (as :func:`sync_client`)."""
-    opts = {**_common(timeout_s, connect_timeout_s), **kwargs}
+    opts = _for_url(url, {**_common(timeout_s, connect_timeout_s), **kwargs})
     if not is_sentinel(url):
         if max_connections is None:
             return aioredis.from_url(url, **opts)
