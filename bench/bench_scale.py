@@ -574,8 +574,10 @@ def main() -> None:
     )
     ap.add_argument("--answer-bytes", type=int, default=10_000, help="Bytes of each answer record (--turns-...).")
     args = ap.parse_args()
-    if args.turns_conversations or (args.from_json and args.from_json.name == TURNS_JSON):
-        turns_main(args)
+    if args.turns_conversations or (args.from_json and args.from_json.name == "scale_turns.json"):
+        from bench import scale_turns
+
+        scale_turns.main(args, _run_cli)
         return
     if args.from_json:
         figures = json.loads(args.from_json.read_text())
@@ -583,35 +585,6 @@ def main() -> None:
         figures = measure(args)
         write_json(args.out, figures)
     update_section("bench_scale", "Scale: status, wait and submit at 88k and 1M prompts", markdown(figures))
-
-
-#: Where ``--turns-conversations`` saves its figures.
-TURNS_JSON = "scale_turns.json"
-
-
-def turns_main(args: argparse.Namespace) -> None:
-    """``--turns-conversations N``: status at the end of a --turns all job (bench/scale_turns.py)."""
-    from bench import scale_turns
-
-    if args.from_json:
-        figures = json.loads(args.from_json.read_text())
-    else:
-        with tempfile.TemporaryDirectory(prefix="bench-scale-turns-") as tmp:
-            server = RedisProcess(Path(tmp)).start()
-            try:
-                settings = Settings(redis_url=server.url(0), output_uri=str(Path(tmp) / "out"), key_prefix="bs",
-                                    queue="bsq")  # fmt: skip
-                print(f"[{args.turns_conversations:,} conversations] building the finished job …", flush=True)
-                figures = scale_turns.measure(settings, args.turns_conversations, args.answer_bytes, _run_cli)
-            finally:
-                server.stop(kill=True)
-        figures["code"] = code_version()
-        print(json.dumps(figures, indent=1), flush=True)
-        write_json(RESULTS / TURNS_JSON, figures)
-    command = f"`.venv/bin/python -m bench.bench_scale --turns-conversations {figures['conversations']}`"
-    body = "\n\n".join([f"{command} — {scale_turns.__doc__.split(chr(10), 2)[2].strip()}",
-                         scale_turns.markdown(figures), code_stamp(figures.get("code"))])  # fmt: skip
-    update_section("bench_scale_turns", "Scale: status at the end of a --turns all job", body)
 
 
 if __name__ == "__main__":

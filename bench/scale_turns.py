@@ -13,17 +13,22 @@ conversation: ``MEMORY USAGE`` of the chain-state hash and of the answers hash, 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import tempfile
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import redis
 import redis.asyncio as aioredis
 
-from bench.report import table
+from bench.harness import RESULTS, code_version, write_json
+from bench.report import code_stamp, table, update_section
+from testing.redis_process import RedisProcess
 from thinkfleet.settings import Settings
 from thinkfleet.state.job import JobRecord
 from thinkfleet.state.ledger import FinalRow, Ledger
@@ -184,3 +189,30 @@ def markdown(r: dict[str, Any]) -> str:
         "--json` subprocess, interpreter start and imports included (most of it when status reads the chain state; "
         "this 2-core box was shared with other test runs, so its wall time carries their load).",
     ])  # fmt: skip
+
+
+#: Where ``--turns-conversations`` saves its figures.
+TURNS_JSON = "scale_turns.json"
+
+
+def main(args: argparse.Namespace, run_cli: Any) -> None:
+    """``bench_scale --turns-conversations N`` (``run_cli``: bench_scale's timed ``producer`` subprocess)."""
+    if args.from_json:
+        figures = json.loads(args.from_json.read_text())
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench-scale-turns-") as tmp:
+            server = RedisProcess(Path(tmp)).start()
+            try:
+                settings = Settings(redis_url=server.url(0), output_uri=str(Path(tmp) / "out"), key_prefix="bs",
+                                    queue="bsq")  # fmt: skip
+                print(f"[{args.turns_conversations:,} conversations] building the finished job …", flush=True)
+                figures = measure(settings, args.turns_conversations, args.answer_bytes, run_cli)
+            finally:
+                server.stop(kill=True)
+        figures["code"] = code_version()
+        print(json.dumps(figures, indent=1), flush=True)
+        write_json(RESULTS / TURNS_JSON, figures)
+    command = f"`.venv/bin/python -m bench.bench_scale --turns-conversations {figures['conversations']}`"
+    body = "\n\n".join([f"{command} — {__doc__.split(chr(10), 2)[2].strip()}",
+                         markdown(figures), code_stamp(figures.get("code"))])  # fmt: skip
+    update_section("bench_scale_turns", "Scale: status at the end of a --turns all job", body)

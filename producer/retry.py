@@ -51,7 +51,7 @@ import redis
 
 from producer.chain_state import chain_end_ids
 from producer.enqueue import Stager, job_priority
-from producer.row_media import ROW_MEDIA_COLUMNS, RebuildRefused, RowMedia, checked_hash
+from producer.row_media import ROW_MEDIA_COLUMNS, RebuildRefused, RowMedia, checked_hash, message_hash_problem
 from producer.state import StateError, SubmitLock
 from thinkfleet.broker.envelope import Envelope
 from thinkfleet.cli import STATE, settings_options
@@ -242,7 +242,7 @@ def retry_dead(settings: Settings, job: str, error_classes: tuple[str, ...] = ()
                 if error_classes and not any(record["error_class"].startswith(c) for c in error_classes):
                     continue
                 task = PromptTask.from_args(msgpack.unpackb(base64.b64decode(record["task"])))
-                mismatch = _hash_mismatch(task)
+                mismatch = message_hash_problem(task)
                 if mismatch:  # a worker would refuse it again: named here, not resent
                     where = f"{task.prompt_id} (dataset {task.dataset!r} row {task.row_index})"
                     broken[task.prompt_id] = f"{where}: {mismatch}"
@@ -261,26 +261,6 @@ def retry_dead(settings: Settings, job: str, error_classes: tuple[str, ...] = ()
             return RetryResult([t.prompt_id for t in tasks], refused, offered, broken)
     finally:
         client.close()
-
-
-def _hash_mismatch(task: PromptTask) -> str:
-    """Why a dead letter's message cannot pass a worker's content-hash check ('' when it can): its ids (and images)
-    do not hash to its ``content_hash`` — e.g. one an older ``retry --truncated`` rebuilt without its images."""
-    from thinkfleet.message import hash_id_bytes, is_content_hash, unpack_id_bytes
-
-    if not is_content_hash(task.content_hash):
-        return ""  # the worker names this one itself (bad_content_hash)
-    try:
-        actual = hash_id_bytes(unpack_id_bytes(task.ids_blob, None), [m.sha256 for m in task.media])
-    except ValueError:
-        return ""  # undecodable: the worker dead-letters it as corrupt_message, as before
-    if actual == task.content_hash:
-        return ""
-    images = f" and {len(task.media)} image(s)" if task.media else " (no images)"
-    return (
-        f"content_hash_mismatch: its ids{images} hash to {actual}, the message says {task.content_hash}: not resent "
-        "(a worker would refuse it again); re-submit the dataset (or `producer retry --truncated` its stored row)"
-    )
 
 
 def _multi_turn(client: redis.Redis, settings: Settings, job: str) -> bool:

@@ -26,7 +26,7 @@ import redis
 
 from storage.images import MIME, read_image
 from storage.schema import IMAGE_PATHS, IMAGE_POSITIONS, IMAGE_SHA256, IMAGE_TOKENS
-from thinkfleet.message import content_hash
+from thinkfleet.message import PromptTask, content_hash, hash_id_bytes, is_content_hash, unpack_id_bytes
 from thinkfleet.vision import ImageRef
 
 #: The row columns a rebuilt message's images come from.
@@ -139,3 +139,21 @@ def checked_hash(row: Mapping[str, Any], ids: Any, media: tuple[ImageRef, ...]) 
             "to regenerate the prompt"
         )
     return digest
+
+
+def message_hash_problem(task: PromptTask) -> str:
+    """Why a dead letter's message cannot pass a worker's content-hash check ('' when it can): its ids (and images)
+    do not hash to its ``content_hash`` — e.g. one an older ``retry --truncated`` rebuilt without its images."""
+    if not is_content_hash(task.content_hash):
+        return ""  # the worker names this one itself (bad_content_hash)
+    try:
+        actual = hash_id_bytes(unpack_id_bytes(task.ids_blob, None), [m.sha256 for m in task.media])
+    except ValueError:
+        return ""  # undecodable: the worker dead-letters it as corrupt_message, as before
+    if actual == task.content_hash:
+        return ""
+    images = f" and {len(task.media)} image(s)" if task.media else " (no images)"
+    return (
+        f"content_hash_mismatch: its ids{images} hash to {actual}, the message says {task.content_hash}: not resent "
+        "(a worker would refuse it again); re-submit the dataset (or `producer retry --truncated` its stored row)"
+    )
