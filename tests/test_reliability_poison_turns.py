@@ -501,3 +501,27 @@ def test_errors_are_split_by_kind_io_data_and_unknown() -> None:
         assert data_fault(exc) and not io_fault(exc), exc
     # Anything else is unknown: bounded tries before its row is found.
     assert not io_fault(RuntimeError("?")) and not data_fault(RuntimeError("?"))
+
+
+def test_the_stall_reason_names_what_holds_the_worker() -> None:
+    from types import SimpleNamespace
+
+    from workers.commit_faults import CommitProgress
+    from workers.stall import stall_reason
+
+    after = 10.0
+    open_gate = SimpleNamespace(healthy=True, state="ready", detail="")
+    closed = SimpleNamespace(healthy=False, state="unhealthy", detail="/health_generate: 503")
+    io = CommitProgress(4, 30.0, 30.0, "OSError: [Errno 28] No space left on device", True, None)
+    assert stall_reason(io, 4, open_gate, 30.0, after) == (
+        "commit failing at storage for 30 s: OSError: [Errno 28] No space left on device"
+    )
+    lua = CommitProgress(4, 30.0, 30.0, "ResponseError: ERR user_script:1: boom", False, None)
+    assert stall_reason(lua, 4, open_gate, 30.0, after).startswith("commit failing with an error that is not I/O")
+    idle = CommitProgress(0, None, 500.0, None, False, None)
+    # Holding prompts while the server gate is closed, for longer than the bound: stalled, naming the gate.
+    assert stall_reason(idle, 3, closed, 30.0, after) == "server unhealthy for 30 s: /health_generate: 503"
+    # Not stalled: nothing held, progress within the bound, or a long generation with the server healthy.
+    assert stall_reason(idle, 0, closed, 30.0, after) is None
+    assert stall_reason(idle, 3, closed, 5.0, after) is None
+    assert stall_reason(idle, 3, open_gate, 500.0, after) is None
