@@ -9,13 +9,19 @@ processes). Scores are then placed relative to ``at``, as the old primary wrote 
 
 from __future__ import annotations
 
-import redis
+import asyncio
 
+import redis
+import redis.asyncio as aioredis
+
+from testing.harness import isolated_settings
+from thinkfleet.broker.transit_sweep import TransitSweeper
 from thinkfleet.broker.visibility import (
     SCORE_DELIVERY,
     clock_key,
     heartbeats_trusted,
     jump_margin_s,
+    unacked_index_key,
     visibility_now,
 )
 
@@ -118,3 +124,28 @@ def test_heartbeats_are_trusted_again_a_lease_after_the_jump(redis_client: redis
     assert heartbeats_trusted(redis_client, INDEX)
     redis_client.hset(CLOCK, "heartbeats_from", repr(_now(redis_client) + LEASE_S))
     assert not heartbeats_trusted(redis_client, INDEX)
+
+
+def test_a_transit_sweep_leaves_a_missing_heartbeat_alone_for_a_lease_after_a_jump(redis_url: str) -> None:
+    # Given another worker's transit list with no heartbeat beside it (after a jump forward: expired by the jump,
+    # not by the worker's death, until its next beat)
+    settings = isolated_settings(redis_url, "/unused")
+    keys, client = settings.keys, redis.Redis.from_url(redis_url)
+    index = unacked_index_key(settings.key_prefix)
+    client.rpush(keys.transit("other"), b'{"properties": {"priority": 0}}')
+    client.hset(clock_key(index), "heartbeats_from", repr(_now(client) + LEASE_S))
+
+    async def sweep() -> int:
+        r = aioredis.from_url(redis_url)
+        try:
+            return await TransitSweeper(r, keys, "me", settings.queue).sweep()
+        finally:
+            await r.aclose()
+
+    # When a live worker sweeps within that lease, then the list stays where it is
+    assert asyncio.run(sweep()) == 0
+    assert client.llen(keys.transit("other")) == 1
+    # and once the lease after the jump has passed, a missing heartbeat is a dead worker's again: it goes back
+    client.hset(clock_key(index), "heartbeats_from", repr(_now(client) - 0.1))
+    assert asyncio.run(sweep()) == 1
+    assert client.llen(keys.transit("other")) == 0
