@@ -20,7 +20,11 @@ holds — the next claim outranks every stored row.
   to the new primary every delivery of the fleet looked more than a lease old; the first restore sweep there put
   them all back on the queue, ahead of the live workers' renewals (and the jump expired their heartbeats, so a
   redelivered copy took a running claim over). The visibility clock (thinkfleet/broker/visibility.py) takes the
-  jump for what it is: no live delivery is restored, no death is charged, re-runs stay within what was in flight.
+  jump for what it is: no death is charged, re-runs stay within what was in flight (0 measured), and the jump is
+  recorded as re-based. It runs in CI (≈ 36 s of CPU, 2 min wall). Whether a sweep on the new primary comes before
+  the workers' first renewals there is a race (here the renewals often win, and the old code passed this job too,
+  minus the recorded jump); the deterministic check of the rule on a promoted replica — which the old code failed,
+  restoring every delivery — is tests/test_visibility_promoted_ahead.py.
 """
 
 from __future__ import annotations
