@@ -23,6 +23,11 @@ import uuid
 #: its rows (storage/exports/provenance.py): not what old and new code must agree on.
 PROVENANCE_FIELDS = ("servers", "job_facts", "unreadable_provenance", "speculative")
 PROVENANCE_FILES = ("provenance.json", "README.md")
+#: What later versions added beside what old and new code must agree on: the quality flags (schema 12, issue 46) —
+#: verify's and the card's counts of them, and the columns a compaction writes them into (tests/test_quality_flags.py
+#: and tests/test_data_card_e2e.py check those).
+ADDED_FIELDS = ("quality_flags", "card")
+ADDED_COLUMNS = ("loop", "loop_period", "no_think_end", "empty_answer", "tool_call_unparsed")
 
 
 def _digests(root: str) -> dict[str, str]:
@@ -59,7 +64,7 @@ def run(cmd: str, uri: str, job: str, out: str, settings: object | None = None) 
 
         report = verify_job(settings, job).to_dict()  # type: ignore[arg-type]
         # Empty fields left out: a later version's report adds fields (a new check), empty on a job it does not fit.
-        shown = {k: v for k, v in report.items() if v not in ([], {}, None)}
+        shown = {k: v for k, v in report.items() if v not in ([], {}, None) and k not in ADDED_FIELDS}
         result["digest"] = hashlib.sha256(json.dumps(shown, sort_keys=True, default=str).encode()).hexdigest()
         result["committed"] = report["committed"]
         result["stored_rows"] = report["stored_rows"]
@@ -68,7 +73,7 @@ def run(cmd: str, uri: str, job: str, out: str, settings: object | None = None) 
 
         summary, _ = report_job(settings, job)  # type: ignore[arg-type]
         # The numbers must agree; what a later version says of who made the rows (provenance) is left out.
-        shown = {k: v for k, v in summary.items() if k not in PROVENANCE_FIELDS}
+        shown = {k: v for k, v in summary.items() if k not in PROVENANCE_FIELDS and k not in ADDED_FIELDS}
         result["digest"] = hashlib.sha256(json.dumps(shown, sort_keys=True, default=str).encode()).hexdigest()
         result["rows"] = summary["rows"]
     elif cmd.startswith("export-"):
@@ -104,6 +109,7 @@ def run(cmd: str, uri: str, job: str, out: str, settings: object | None = None) 
         table = pq.read_table(os.path.join(uri, job)).drop_columns(["dataset"]).replace_schema_metadata(None)
         table = table.take(pc.sort_indices(table, [("prompt_id", "ascending")]))
         table = table.select([c for c in table.column_names if table[c].null_count < table.num_rows])
+        table = table.drop_columns([c for c in ADDED_COLUMNS if c in table.column_names])
         result["digest"] = _table_digest(table)
         return result
     else:
