@@ -662,9 +662,9 @@ on average.
 - **Worker memory**: a real `worker` process runs against a simulator slow enough that all {w["prompts"]:,}
   prompts, each with **its own distinct image** (mean {w["image_bytes_mean"] / 1e3:.0f} kB), are in flight
   together (`THINKFLEET_MAX_INFLIGHT={w["prompts"]}`, `inflight_mode fixed`; every answer {w["output_tokens"]}
-  tokens at {w["per_request_tok_s"]:g} tok/s). The baseline is the same job text-only, and a third run repeats
-  the image job with a small image cache. RSS comes from `/proc` (VmRSS sampled every {f["config"]["sample_s"]:g}
-  s, VmHWM for the peak).
+  tokens at {w["per_request_tok_s"]:g} tok/s). The baseline is the same job text-only, a third run repeats
+  the image job with a small image cache, and a fourth adds a small in-flight image budget. RSS comes from
+  `/proc` (VmRSS sampled every {f["config"]["sample_s"]:g} s, VmHWM for the peak).
 
 Command (~{f.get("elapsed_min", 0):.0f} min on the 2-vCPU VM):
 
@@ -704,7 +704,8 @@ Worker memory, {w["prompts"]:,} prompts in flight at once:
   {extra / encoded:.1f}× the images as sent: {encoded / MIB:,.0f} MiB of `data:` URIs
   ({img["image_file_bytes"] / MIB:,.0f} MiB of files, ×4/3 for base64), and {cache_note}. Each request in flight
   holds its image once: the encoded URI (the same bytes object the cache keeps), spliced into the `/generate`
-  body as it is written (`workers/sglang.py` `body_pieces`), never copied into a serialised body.{small_note}
+  body as it is written (`workers/sglang.py` `body_pieces`), never copied into a serialised body. (Before issue
+  43 each request also held an orjson body embedding it: 2.0× the encoded images, +243 MiB with 1,000.){small_note}
 - So without a budget a worker's image memory in flight is about `THINKFLEET_MAX_INFLIGHT` × the mean encoded
   image; `THINKFLEET_IMAGE_INFLIGHT_BYTES` (default 1 GiB) caps it, taken before the images are read.
 - The cache figures are replayed, not read from the worker, which exports no cache gauge: they come from the
