@@ -148,8 +148,7 @@ class StatusReader:
             "inflight_bounds": inflight_bounds(r, self.settings),  # producer/bounds.py
             # live workers that hold work with no progress past their bound, each with its reason (producer/stalls.py)
             "stalled_workers": stalled_workers(r, self.settings),
-            # image stores a live worker cannot read: its image prompts are handed back there (producer/image_gates.py)
-            "image_store_gates": image_store_gates(r, self.settings),
+            "image_store_gates": image_store_gates(r, self.settings),  # stores a live worker cannot read (its gates)
             "clock_skew_warn_s": self.settings.clock_skew_warn_s,
             # --turns all: later turns' reusable prefix and the part the servers found cached (host affinity)
             "prefix_cache": prefix_cache(counters),
