@@ -14,13 +14,15 @@ import pytest
 from redis.sentinel import SentinelConnectionPool
 
 from testing.services import RedisServer
-from thinkfleet.broker.celery_app import make_app
+from thinkfleet.broker.celery_app import PUBLISHER_SENTINEL_TRANSPORT, make_app
 from thinkfleet.broker.transit import SENTINEL_TRANSPORT, enable_transit
-from thinkfleet.broker.transit_sentinel import SentinelChannel, rechecked
+from thinkfleet.broker.transit_sentinel import PublisherTransport, SentinelChannel, rechecked
 from thinkfleet.redis_client import (
     MIN_SOCKET_TIMEOUT_S,
     SOCKET_TIMEOUT_S,
     RecheckedSentinelPool,
+    SentinelConnection,
+    SentinelSSLConnection,
     command_timeout_s,
     parse_sentinel,
     sync_client,
@@ -100,3 +102,15 @@ def test_a_unix_socket_url_opens_with_the_timeouts_and_no_tcp_keepalive(tmp_path
         assert client.connection_pool.connection_kwargs["socket_timeout"] == SOCKET_TIMEOUT_S
     finally:
         server.stop()
+
+
+def test_every_other_process_on_a_sentinel_head_gets_connections_that_ask_again() -> None:
+    # The producer's publisher, Flower and `celery inspect` keep kombu's stock channel (no transit pop), with the
+    # worker's Sentinel connections: a reconnect asks the Sentinels, and the pool is the rechecking one.
+    app = make_app(Settings(redis_url=HEAD))
+    assert app.conf.broker_transport == PUBLISHER_SENTINEL_TRANSPORT
+    transport = app.connection_for_write().transport
+    assert isinstance(transport, PublisherTransport)
+    assert transport.Channel.connection_class is SentinelConnection
+    assert transport.Channel.connection_class_ssl is SentinelSSLConnection
+    assert make_app(Settings(redis_url="redis://127.0.0.1:6379/0")).conf.broker_transport is None

@@ -35,6 +35,10 @@ from thinkfleet.redis_client import (
 )
 from thinkfleet.settings import Settings, load_settings
 
+#: The transport of every process on a ``sentinel://`` head that does not consume through transit (a worker's is
+#: thinkfleet/broker/transit.py's ``SENTINEL_TRANSPORT``).
+PUBLISHER_SENTINEL_TRANSPORT = "thinkfleet.broker.transit_sentinel:PublisherTransport"
+
 
 def broker_transport_options(settings: Settings) -> dict[str, Any]:
     options: dict[str, Any] = dict(kombu_transport_options(settings.key_prefix, settings.visibility_timeout_s))
@@ -118,6 +122,8 @@ def configure(app: Celery, settings: Settings) -> Celery:
     broker_url, sentinel_options = kombu_broker(settings.broker_url or settings.redis_url)
     transport.update(sentinel_options)
     is_amqp = bool(settings.broker_url and settings.broker_url.startswith(("amqp", "pyamqp")))
+    if sentinel_options:  # kombu's stock Sentinel transport with our connections (a worker's is transit's)
+        app.conf.broker_transport = PUBLISHER_SENTINEL_TRANSPORT
     app.conf.update(
         broker_url=broker_url,
         broker_transport_options=transport,

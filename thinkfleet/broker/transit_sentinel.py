@@ -62,3 +62,21 @@ def rechecked(pool: Any) -> Any:
 
 class SentinelTransport(WatchedTransport, kombu_redis.SentinelTransport):
     Channel = SentinelChannel
+
+
+class PublisherChannel(kombu_redis.SentinelChannel):
+    """kombu's stock Sentinel channel — for every process that does not consume through transit: the producer's
+    publisher, Flower, ``celery inspect`` — with the same connections as :class:`SentinelChannel`: each reconnect
+    asks the Sentinels, and the pool drops connections to a primary that was failed over. kombu's own kept a pooled
+    publisher connection on a frozen primary, which once woken (a primary in its own eyes until the Sentinels
+    reconfigure it) took the next publish and lost it in its resync."""
+
+    connection_class = SentinelConnection
+    connection_class_ssl = SentinelSSLConnection
+
+    def _sentinel_managed_pool(self, asynchronous: bool = False) -> Any:
+        return rechecked(super()._sentinel_managed_pool(asynchronous))
+
+
+class PublisherTransport(kombu_redis.SentinelTransport):
+    Channel = PublisherChannel
