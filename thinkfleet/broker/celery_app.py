@@ -12,6 +12,10 @@ this one with the task registered. Choices, each answering a known Celery-on-Red
   of what they hold (workers/lease.py → visibility.py), and kombu's own sweep — run every
   ``reaper_interval_s`` instead of the 100 s default — restores a dead worker's messages.
 - No result backend: results go to Parquet.
+- Every connection kombu opens has a socket and connect timeout, TCP keepalive and a health check, a third of the
+  lease at most (:func:`broker_timeouts`); on a ``sentinel://`` head each reconnect asks the Sentinels
+  (thinkfleet/broker/transit_sentinel.py), and ``?ssl=true`` gives the broker TLS as the state clients
+  (:func:`broker_ssl`). A frozen primary costs the Sentinels' down-after plus about one timeout (issue 43).
 """
 
 from __future__ import annotations
