@@ -80,6 +80,7 @@ def test_retried_turns_go_to_the_host_that_ran_their_previous_turn(redis_url: st
             settings, "submit", str(data), "--job", job, "--tokenizer",
             str(build_test_tokenizer(default_test_tokenizer_dir())), "--processes", "1", "--no-progress",
             "--max-new-tokens", "64", "--seed", "5", "--context-length", "131072", "--turns", "all", "--json",
+            in_process=True,
         )  # fmt: skip
         assert submitted.returncode == 0, submitted.stderr
 
@@ -95,7 +96,7 @@ def test_retried_turns_go_to_the_host_that_ran_their_previous_turn(redis_url: st
         for sim in sims:  # the hosts' servers are sound again
             requests.post(f"{sim.url}/control/faults", json={"bad_output_rate": 0.0}, timeout=10).raise_for_status()
 
-        retried = producer_cli(settings, "retry", job, "--json")
+        retried = producer_cli(settings, "retry", job, "--json", in_process=True)
         assert retried.returncode == 0, retried.stderr
         out = json.loads(retried.stdout)
         assert sorted(out["prompt_ids"]) == sorted(dead)
@@ -107,7 +108,7 @@ def test_retried_turns_go_to_the_host_that_ran_their_previous_turn(redis_url: st
             return p["dead"] == 0 and p["done"] == p["submitted"]
 
         wait_until(finished, 240, what="every retried turn and its chain done")
-        verified = producer_cli(settings, "verify", job)
+        verified = producer_cli(settings, "verify", job, in_process=True)
         assert verified.returncode == 0, verified.stdout + verified.stderr
 
     rows = _rows(settings, job)

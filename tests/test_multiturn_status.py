@@ -187,7 +187,7 @@ def test_retry_of_a_dead_lettered_turn_requeues_it_and_the_chain_goes_on(redis_u
     submitted = producer_cli(
         settings, "submit", str(data), "--job", job, "--tokenizer", str(tok_dir), "--processes", "1",
         "--no-progress", "--max-new-tokens", str(budget), "--seed", "3", "--context-length", "131072",
-        "--turns", "all", "--json",
+        "--turns", "all", "--json", in_process=True,
     )  # fmt: skip
     assert submitted.returncode == 0, submitted.stderr
     record = JobRecord.load(client, k, job)
@@ -216,7 +216,7 @@ def test_retry_of_a_dead_lettered_turn_requeues_it_and_the_chain_goes_on(redis_u
         wait_until(lambda: worker.gate_closures() > closed, 30, what="the worker saw the server go")
         sim.args = ["--time-scale", "400"]
         sim.start()
-        retry = producer_cli(settings, "retry", job, "--json")
+        retry = producer_cli(settings, "retry", job, "--json", in_process=True)
         assert retry.returncode == 0, retry.stderr
         assert json.loads(retry.stdout)["prompt_ids"] == ["chat/c0/t1"]
         wait_until(lambda: job_progress(client, k, job)["done"] == 3, 120, what="the chain finished")

@@ -479,14 +479,14 @@ def test_one_job_file_runs_to_completion_on_two_hosts_with_each_dataset_budget(
         # keep their own),
         submitted = producer_cli(
             settings, "submit", str(job_file), "--tokenizer", tok_dir, "--max-new-tokens", "1024",
-            "--context-length", "16384", "--processes", "1", "--no-progress", "--json",
+            "--context-length", "16384", "--processes", "1", "--no-progress", "--json", in_process=True,
         )  # fmt: skip
         assert submitted.returncode == 0, submitted.stderr
         total = sum(EXAMPLE_PROMPTS.values())
         assert json.loads(submitted.stdout)["enqueued"] == total
         wait_until(lambda: job_progress(client, settings.keys, "k25-eagle3")["done"] == total, 240, what="every row")
-        waited = producer_cli(settings, "wait", "k25-eagle3", "--timeout", "60", "--json")
-        verified = producer_cli(settings, "verify", "k25-eagle3", "--json")
+        waited = producer_cli(settings, "wait", "k25-eagle3", "--timeout", "60", "--json", in_process=True)
+        verified = producer_cli(settings, "verify", "k25-eagle3", "--json", in_process=True)
         rows = read_committed(settings.output_uri, "k25-eagle3").to_pylist()
     finally:
         for w in workers:

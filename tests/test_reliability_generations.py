@@ -58,7 +58,7 @@ def test_purge_and_resubmit_under_a_running_worker_never_mixes_generations(redis
             _old_job, old_tasks = _submit(settings, job_name, "gen1", max_new_tokens=64)
             wait_until(lambda: worker.stopped(), 120, 0.05, what="the worker stopped mid-generation")
             # When the job is purged and submitted anew with budget 32, then the worker resumes.
-            purged = producer_cli(settings, "purge", job_name, "--force")
+            purged = producer_cli(settings, "purge", job_name, "--force", in_process=True)
             assert purged.returncode == 0, purged.stdout + purged.stderr
             new_job, _ = _submit(settings, job_name, "gen2", max_new_tokens=32)
             assert worker.proc is not None
@@ -89,8 +89,8 @@ def test_purge_and_resubmit_under_a_running_worker_never_mixes_generations(redis
     # And the skipped stray copy was counted where `producer status` shows it (never acked unseen).
     skipped = int(client.hget(keys.counters(job_name), "stale_generation") or 0)
     assert skipped >= 1, "a skipped message of the purged generation is counted"
-    status = producer_cli(settings, "status", job_name, "--json")
+    status = producer_cli(settings, "status", job_name, "--json", in_process=True)
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["stale_generation"] == skipped
-    text = producer_cli(settings, "status", job_name)
+    text = producer_cli(settings, "status", job_name, in_process=True)
     assert "earlier generation of this job" in text.stdout, text.stdout
