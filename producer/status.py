@@ -34,6 +34,7 @@ from producer.bounds import inflight_bounds
 from producer.chain_state import ended_counts, keeps_chain_state, waiting_states
 from producer.image_gates import image_store_gates
 from producer.job import JobRecord
+from producer.quality_live import flag_alarm, flags_so_far, job_flags
 from producer.stalls import stalled_workers
 from thinkfleet.broker.clock import RedisClock
 from thinkfleet.broker.keys import KombuKeys
@@ -105,6 +106,7 @@ class StatusReader:
         tok_s = rates["output_tokens_per_s"]
         eta = remaining * mean_out / tok_s if remaining and mean_out and tok_s else (0.0 if not remaining else None)
         alarm_raw = r.get(keys.alarm(job))
+        flags = flags_so_far(r, keys, job, sorted(record.datasets))  # producer/quality_live.py
         raw_state = r.get(keys.job_state(job))  # producer pause/cancel (thinkfleet/state/lifecycle.py)
         state = raw_state.decode() if raw_state else ("finished" if finished else "active")
         checked = last_check(r, keys, job)
@@ -131,6 +133,10 @@ class StatusReader:
             "mean_output_tokens": None if mean_out is None else round(mean_out, 1),
             "eta_s": None if eta is None else round(eta, 1),
             "alarm": _json_or_text(alarm_raw),
+            # rows finalized so far with each quality flag, per dataset, and the alarm on degenerate output
+            "quality_flags": flags,
+            "quality_flags_total": job_flags(counters),
+            "flag_alarm": flag_alarm(job_flags(counters), totals["done"], self.settings),
             "queue_length": queue_length(r, self.settings.queue),
             # messages on the broker a full scan would read (all jobs'; null: not a Redis broker)
             "broker_messages": messages,

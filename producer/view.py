@@ -99,6 +99,10 @@ def status_view(st: dict[str, Any]) -> Group:
                 border_style="red",
             )
         )
+    if st.get("flag_alarm") is not None:  # producer/quality_live.py
+        parts.append(
+            Panel(Text(f"FLAG ALARM: {st['flag_alarm']['message']}", style="bold white on red"), border_style="red")
+        )
     if st.get("nondeterministic_seeds"):
         parts.append(
             Text(
@@ -171,6 +175,10 @@ def status_view(st: dict[str, Any]) -> Group:
         *cells(st, "[bold]"),
     )
     parts.append(table)
+    for name, flags in (st.get("quality_flags") or {}).items():  # rows flagged so far (producer/quality_live.py)
+        if any(flags.values()):
+            shown = ", ".join(f"{flag.replace('_', ' ')} {n:,}" for flag, n in flags.items() if n)
+            parts.append(Text(f"{name}: flagged so far — {shown} (docs/storage.md#quality-flags)", style="dim"))
     if st.get("unaccounted"):
         ids = st.get("unaccounted_ids") or []
         more = st["unaccounted"] - len(ids)

@@ -28,10 +28,13 @@ every reader (``verify``, ``report``, the exports' ``--drop-flag``) counts the s
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from storage.spans import Spans
 from thinkfleet.tokens import SpanTokens
 
 #: The longest repeated cycle looked for, in ids (issue 46: 1–64).
@@ -138,3 +141,39 @@ def _ids_at(values: np.ndarray, positions: np.ndarray) -> np.ndarray:
     ok = (positions >= 0) & (positions < len(values))
     out[ok] = values[positions[ok]]
     return out
+
+
+def row_flags(output_ids: list[int] | np.ndarray, spans: Spans, opens: bool, tokens: SpanTokens) -> dict[str, Any]:
+    """One row's flag columns (``loop``, ``loop_period``, ``no_think_end``, ``empty_answer``, ``tool_call_unparsed``)
+    from its ids and spans, as :func:`storage.schema.rows_to_table` stores them: what a worker puts in its row dict."""
+    values = np.asarray(output_ids, dtype=np.int64)
+    calls = spans.tool_call_spans
+    flags = compute_flags(
+        values,
+        np.array([0, len(values)], dtype=np.int64),
+        opens=np.array([opens]),
+        reasoning_start=np.array([spans.reasoning_start]),
+        reasoning_end=np.array([spans.reasoning_end]),
+        has_think_end=np.array([spans.has_think_end]),
+        answer_start=np.array([spans.answer_start]),
+        answer_end=np.array([spans.answer_end]),
+        tool_call_offsets=np.array([0, len(calls)]),
+        tool_call_ends=np.array([end for _, end in calls], dtype=np.int64),
+        has_stop=np.array([spans.stop_token is not None]),
+        tokens=tokens,
+    )
+    period = int(flags.loop_period[0])
+    recorded = tokens.reasoning_spans
+    return {
+        "loop": period > 0,
+        "loop_period": period or None,
+        "no_think_end": bool(flags.no_think_end[0]) if recorded else None,
+        "empty_answer": bool(flags.empty_answer[0]) if recorded else None,
+        "tool_call_unparsed": bool(flags.tool_call_unparsed[0]),
+    }
+
+
+def raised(columns: Mapping[str, Any], truncated: bool) -> tuple[str, ...]:
+    """The names of the flags a row carries (``truncated`` first), from its flag columns (null ones: not raised)."""
+    names = ("loop", "no_think_end", "empty_answer", "tool_call_unparsed")
+    return (("truncated",) if truncated else ()) + tuple(name for name in names if columns.get(name))

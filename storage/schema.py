@@ -352,7 +352,7 @@ def rows_to_table(
     columns[INPUT_IDS] = pa.ListArray.from_arrays(in_offsets, in_values, type=TOKEN_IDS)
     columns[OUTPUT_IDS] = pa.ListArray.from_arrays(out_offsets, out_values, type=TOKEN_IDS)
     columns.update(_span_columns(rows, in_values, in_offsets, out_values, out_offsets, tokens))
-    columns.update(_quality_columns(columns, in_values, in_offsets, out_values, out_offsets, tokens))
+    columns.update(_quality_columns(rows, columns, in_values, in_offsets, out_values, out_offsets, tokens))
     if not tokens.reasoning_spans:
         for name in REASONING_SPAN_COLUMNS:
             columns[name] = pa.nulls(n, columns[name].type)
@@ -496,6 +496,7 @@ def _span_columns(
 
 
 def _quality_columns(
+    rows: Sequence[Mapping[str, Any]],
     columns: Mapping[str, pa.Array],
     in_values: np.ndarray,
     in_offsets: np.ndarray,
@@ -503,7 +504,11 @@ def _quality_columns(
     out_offsets: np.ndarray,
     tokens: SpanTokens,
 ) -> dict[str, pa.Array]:
-    """The quality flag columns (storage/quality.py) of rows whose span columns are built."""
+    """The quality flag columns (storage/quality.py) of rows whose span columns are built: as the rows give them
+    when every row does (a worker's rows: storage.quality.row_flags), else computed here for the whole batch."""
+    if rows and all(all(c in r for c in QUALITY_COLUMNS) for r in rows):
+        kinds = {LOOP_PERIOD: pa.int32()}
+        return {c: pa.array([r[c] for r in rows], kinds.get(c, pa.bool_())) for c in QUALITY_COLUMNS}
 
     def ints(name: str) -> np.ndarray:
         return columns[name].fill_null(0).to_numpy(zero_copy_only=False)

@@ -301,6 +301,8 @@ class PromptPipeline:
         epoch = int(row.get("epoch") or 0)
         counts = int(row["completion_tokens"]), bool(row["has_think_end"])
         final = final_row(task, job, *counts, truncated, opens, epoch, revision)
+        # (its quality flags are not read back: status's live flag counts leave out a recovered orphan; verify, the
+        # report and the card count it from storage)
         finalized = await self.committer.finalize_orphan(task.job, task.dataset, part, final)
         if task.prompt_id in finalized.fenced:
             raise Fenced(finalized.fenced[task.prompt_id])

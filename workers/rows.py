@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
+from storage.quality import raised, row_flags
 from storage.schema import (
     EXPANDED_INPUT_IDS,
     IMAGE_PATHS,
@@ -67,6 +68,7 @@ def build_row(
         **_span_keywords(job.tokens),
     )
     seed = sampling_params.get("sampling_seed")
+    flags = row_flags(gen.output_ids, spans, opens, job.tokens)  # storage/quality.py: stored, and counted live
     row = {
         "job": task.job,
         "dataset": task.dataset,
@@ -122,9 +124,11 @@ def build_row(
         **image_columns(task),
         # the prompt as the server expanded it (SGLang >= 0.5.13, checked against the ids sent); null otherwise
         EXPANDED_INPUT_IDS: gen.prompt_token_ids,
+        **flags,
     }
     truncated = gen.finish_type == "length"
     final = final_row(task, job, gen.completion_tokens, spans.has_think_end, truncated, opens, epoch)
+    final = replace(final, flags=raised(flags, gen.finish_type != "stop"))
     if task.prefix_reusable is not None:  # the job's prefix-cache counters (finalize.lua)
         final = replace(final, prefix_reusable=task.prefix_reusable, cached_tokens=gen.cached_tokens)
     return row, final

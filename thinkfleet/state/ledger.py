@@ -110,6 +110,14 @@ class FinalRow:
     #: server already computed) and the cached tokens the server reported; None = unknown (not counted).
     prefix_reusable: int | None = None
     cached_tokens: int | None = None
+    #: The row's quality flags (storage/quality.py: ``truncated``, ``loop``, …), counted per dataset as rows are
+    #: finalized so ``producer status`` shows them live.
+    flags: tuple[str, ...] = ()
+
+    @property
+    def truncated_arg(self) -> str:
+        """finalize.lua's per-row ``truncated`` argument: '1' or '0', then ':' and the flags when the row has any."""
+        return f"{int(self.truncated)}:{','.join(self.flags)}" if self.flags else str(int(self.truncated))
 
     @property
     def think_flag(self) -> int:
@@ -371,7 +379,7 @@ class Ledger:
         given = fences or {}
         args: list[Any] = [self.worker, alarm_min_rows, alarm_share, dataset]
         for row, turn in zip(rows, turns or [None] * len(rows), strict=True):
-            args += [row.prompt_id, row.completion_tokens, row.think_flag, int(row.truncated)]
+            args += [row.prompt_id, row.completion_tokens, row.think_flag, row.truncated_arg]
             if turn is None:
                 args += ["", "", "", "", ""]
             else:

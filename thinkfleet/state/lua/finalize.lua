@@ -34,7 +34,8 @@
 --       finalize_marks
 -- ARGV: worker, alarm_min_rows, alarm_missing_share, dataset, then per row: prompt_id, tokens, think_end
 --       ('1' closed reasoning, '0' expected to and did not, '2' not expected to reason: not watched by the alarm),
---       truncated, answer ('' = none), next_prompt_id ('' = none), next_content_hash, next_message,
+--       truncated ('1' or '0', then ':' and the row's quality flags, comma-separated, when it has any:
+--       counted per dataset as 'flag:NAME'), answer ('' = none), next_prompt_id ('' = none), next_content_hash, next_message,
 --       drop (JSON list of turn prompt ids, '' = none), the claim's epoch, the row's own epoch (an orphan's part
 --       row was written under an earlier claim), the generation of the job record it ran for ('' = not recorded),
 --       the row's revision, the next turn's revision (its message's; 0 = none), the row's prefix_reusable tokens
@@ -46,6 +47,7 @@
 --   call that moves a row into done pushes its next turn, so a retried or replayed finalize of it offers nothing
 --   and counts nothing.
 local new_rows, tokens, think, trunc, expected, offered = 0, 0, 0, 0, 0, 0
+local flag_counts = {}
 local undone, undead = 0, 0
 local function take_out(id)
   undone = undone + redis.call('SREM', KEYS[1], id)
@@ -137,7 +139,9 @@ for i = 5, #ARGV - 1, 16 do
       expected = expected + 1
       flags[#flags + 1] = f
     end
-    trunc = trunc + tonumber(ARGV[i + 3])
+    local cut, quality = string.match(ARGV[i + 3], '^(%d):?(.*)$')
+    trunc = trunc + tonumber(cut)
+    for name in string.gmatch(quality, '[^,]+') do flag_counts[name] = (flag_counts[name] or 0) + 1 end
     local reusable, cached = tonumber(ARGV[i + 14]), tonumber(ARGV[i + 15])
     if reusable and cached then
       redis.call('HINCRBY', KEYS[3], 'prefix_turns', 1)
@@ -206,6 +210,10 @@ redis.call('HINCRBY', KEYS[3], 'think_end', think)
 redis.call('HINCRBY', KEYS[3], 'missing_think_end', expected - think)
 redis.call('HINCRBY', KEYS[3], 'expected_think_end', expected)
 redis.call('HINCRBY', KEYS[3], 'truncated', trunc)
+for name, n in pairs(flag_counts) do
+  redis.call('HINCRBY', KEYS[3], 'flag:' .. name, n)
+  redis.call('HINCRBY', KEYS[4], 'flag:' .. name, n)
+end
 redis.call('HINCRBY', KEYS[4], 'done', new_rows - undone)
 redis.call('HINCRBY', KEYS[4], 'output_tokens', tokens)
 redis.call('HINCRBY', KEYS[5], ARGV[1], tokens)
