@@ -4,6 +4,8 @@
 #
 #   bash scripts/ci_profile.sh                      the whole suite (what CI runs)
 #   bash scripts/ci_profile.sh tests/test_x.py …    a subset (any pytest arguments)
+#   bash scripts/ci_profile.sh --report             only the page, from the rows already in $THINKFLEET_CPU_PROFILE
+#                                                   (a run that was cut short: each test's row is written as it ends)
 #
 # CPU-seconds, not wall time: the 2-core CI box is CPU-bound for the whole run, so a test's cost is the CPU it and
 # every process it starts use. The raw rows (one JSON line per test) stay in $THINKFLEET_CPU_PROFILE
@@ -13,11 +15,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 profile=${THINKFLEET_CPU_PROFILE:-/tmp/thinkfleet-cpu-profile.jsonl}
 out=${OUT:-docs/ci-profile.md}
-rm -f "$profile"
-started=$(date +%s)
 rc=0
-THINKFLEET_CPU_PROFILE="$profile" bash scripts/test.sh -p testing.cpu_profile "$@" || rc=$?
-wall=$(($(date +%s) - started))
+if [ "${1:-}" = --report ]; then
+  measured="from the rows of a run that may have been cut short"
+else
+  rm -f "$profile"
+  started=$(date +%s)
+  THINKFLEET_CPU_PROFILE="$profile" bash scripts/test.sh -p testing.cpu_profile "$@" || rc=$?
+  measured="pytest rc $rc, $(($(date +%s) - started)) s of wall time"
+fi
 {
   cat <<'EOF'
 # Where the suite's CPU goes
@@ -32,9 +38,9 @@ means little on a loaded box. CPU that a test causes in processes it did not sta
 not counted.
 
 EOF
-  echo "## Measured $(date -u +%F) ($(nproc) cores, pytest rc $rc, ${wall} s of wall time)"
+  echo "## Measured $(date -u +%F) ($(nproc) cores, $measured)"
   echo
-  echo "Command: \`bash scripts/ci_profile.sh${*:+ $*}\`"
+  [ "${1:-}" = --report ] || echo "Command: \`bash scripts/ci_profile.sh${*:+ $*}\`"
   echo
   .venv/bin/python -m testing.cpu_profile report "$profile"
 } >"$out"

@@ -77,6 +77,11 @@ class CgroupMeter:
         fields = dict(line.split() for line in text.splitlines())  # cgroup v2 cpu.stat
         return int(fields["usage_usec"]) / 1e6
 
+    def others(self) -> int:
+        """Processes in the cgroup besides this one: after a test, what it (or one before it) left running, whose
+        CPU the next tests are charged."""
+        return sum(1 for line in (self.path / "cgroup.procs").read_text().split() if line != str(os.getpid()))
+
     def close(self) -> None:
         """Back to the parent cgroup; the empty cgroup is removed (one a process left behind stays, harmless)."""
         try:
@@ -177,15 +182,16 @@ class CpuProfile:
         yield
         cpu_s = self.meter.cpu_s() - cpu0
         self.in_tests_s += cpu_s
-        self._write(
-            {
-                "nodeid": item.nodeid,
-                "file": item.nodeid.split("::", 1)[0],
-                "cpu_s": round(cpu_s, 3),
-                "wall_s": round(time.monotonic() - wall0, 3),
-                "method": self.meter.method,
-            }
-        )
+        row: dict[str, object] = {
+            "nodeid": item.nodeid,
+            "file": item.nodeid.split("::", 1)[0],
+            "cpu_s": round(cpu_s, 3),
+            "wall_s": round(time.monotonic() - wall0, 3),
+            "method": self.meter.method,
+        }
+        if isinstance(self.meter, CgroupMeter):
+            row["left_running"] = self.meter.others()
+        self._write(row)
 
     def pytest_sessionfinish(self) -> None:
         outside = self.meter.cpu_s() - self.started_cpu_s - self.in_tests_s
@@ -234,6 +240,15 @@ def report(rows: list[dict[str, object]], top: int = 20, top_tests: int = 15) ->
         lines.append(
             f"| {i} | `{name}` | {len(rs)} | {cpu:.1f} | {100 * cpu / total:.1f} % | {cpu / len(rs):.1f} | {wall:.0f} |"
         )
+    leaky = [r for r in tests if r.get("left_running")]
+    if leaky:
+        first = leaky[0]
+        lines += [
+            "",
+            f"{len(leaky)} tests ended with processes of the run still alive (module or session fixtures, or a leak: "
+            f"their CPU is charged to the tests after them); the first: `{first['nodeid']}` "
+            f"({first['left_running']}).",
+        ]
     lines += ["", "| test | CPU-s | wall-s |", "|------|------:|------:|"]
     for r in sorted(tests, key=lambda r: -float(r["cpu_s"]))[:top_tests]:  # type: ignore[arg-type]
         lines.append(f"| `{r['nodeid']}` | {float(r['cpu_s']):.1f} | {float(r['wall_s']):.0f} |")  # type: ignore[arg-type]
