@@ -222,3 +222,48 @@ def test_retry_of_a_dead_letter_stripped_of_its_images_is_refused_at_the_produce
     assert "vision/p0" in retried.stderr and "content_hash_mismatch" in retried.stderr and "re-submit" in retried.stderr
     assert list(dead_letters(client, keys, job)) == ["vision/p0"]
     assert client.llen(settings.queue) == 0
+
+
+@pytest.mark.timeout(400)
+def test_redis_lost_and_the_same_submit_resume_image_conversations(tmp_path: Path, tok: Path) -> None:
+    from testing.services import RedisServer
+
+    # Given image conversations (--turns all) run to the end, then Redis lost entirely (an empty one in its place)
+    (tmp_path / "logs").mkdir()
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        settings = isolated_settings(server.url(), str(tmp_path / "out"), alarm_min_rows=2)
+        client = redis.Redis.from_url(server.url())
+        data = _image_conversations(tmp_path / "chat.jsonl")
+        args = _submit_args(data, "vlost", tok, "--max-new-tokens", "120", "--turns", "all")
+        total = CONVERSATIONS * TURNS
+        with simulator(tmp_path / "logs", *SIM_ARGS, "--tokenizer", str(tok)) as sim:
+            worker = WorkerProcess("w1", fast_env(settings, sim, max_inflight=4), tmp_path / "logs").start()
+            try:
+                submitted = producer_cli(settings, *args)
+                assert submitted.returncode == 0, submitted.stderr
+                _wait(settings, "vlost")
+                before = {r["prompt_id"]: r for r in read_committed(settings.output_uri, "vlost").to_pylist()}
+                assert len(before) == total
+                server.stop(kill=True)
+                server.start()
+                worker.wait_ready(client, settings.keys)
+                # When the same submit runs again (each conversation's head replayed from its stored row)
+                again = producer_cli(settings, *args, "--json")
+                assert again.returncode == 0, again.stdout + again.stderr
+                assert json.loads(again.stdout)["resumed"] == CONVERSATIONS
+                _wait(settings, "vlost")
+            finally:
+                worker.terminate()
+        # Then every turn is stored once as before, none dead, and verify passes
+        assert dead_letters(client, settings.keys, "vlost") == {}
+        after = {r["prompt_id"]: r for r in read_committed(settings.output_uri, "vlost").to_pylist()}
+        assert sorted(after) == sorted(before)
+        for pid, row in after.items():
+            assert row[IMAGE_SHA256] == before[pid][IMAGE_SHA256], pid
+            if row[IMAGE_SHA256]:
+                _assert_images_received(row)
+        assert job_progress(client, settings.keys, "vlost")["done"] == total
+        _verify(settings, "vlost")
+    finally:
+        server.stop()
