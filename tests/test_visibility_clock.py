@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import redis
 import redis.asyncio as aioredis
 
@@ -46,7 +47,7 @@ def _expired(client: redis.Redis, now: float) -> set[str]:
 
 
 def test_a_jump_forward_of_120_s_restores_no_live_delivery_and_still_restores_a_dead_one(
-    redis_client: redis.Redis,
+    redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Given the last visibility step 120 s ago on Redis's clock (the clock jumped forward since), a live delivery
     # renewed 1 s before it and a dead worker's delivery already past its lease then
@@ -64,6 +65,8 @@ def test_a_jump_forward_of_120_s_restores_no_live_delivery_and_still_restores_a_
     assert int(redis_client.hget(CLOCK, "jumps")) == 1
     assert not heartbeats_trusted(redis_client, INDEX)
     assert float(redis_client.hget(CLOCK, "at")) >= now - 1
+    # and the step that re-based says so in its log, for the operator
+    assert "2 delivery score(s) moved by +" in caplog.text
 
 
 def test_an_ordinary_step_moves_no_score(redis_client: redis.Redis) -> None:

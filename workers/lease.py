@@ -38,7 +38,7 @@ import redis.asyncio as aioredis
 
 from thinkfleet.broker.keys import KombuKeys
 from thinkfleet.broker.transit import TransitSweeper, split_delivery_tag
-from thinkfleet.broker.visibility import VISIBILITY_NOW, clock_key
+from thinkfleet.broker.visibility import VISIBILITY_NOW, clock_key, note_rebase
 from thinkfleet.keys import Keys
 from workers.identity import acquire_name, describe_holder, earlier_life, holder_record, parse_holder
 
@@ -80,22 +80,23 @@ class HeldMessages:
 #: none), then per delivery held its kombu tag and its holder ('' = a plain kombu delivery, no holder recorded). A
 #: tag is re-scored whatever the heartbeat holds (it is this process's own delivery), but only while its entry is
 #: still that delivery's: a delivery of ours whose message was restored and taken by another worker (our lease
-#: lapsed) must not keep that worker's entry alive after it died. Returns {1, now, ''} when written, else
-#: {0, now, found}.
+#: lapsed) must not keep that worker's entry alive after it died. Returns {1, now, '', shift, moved} when written,
+#: else {0, now, found, shift, moved} (shift, moved: the visibility step's re-base, visibility.VISIBILITY_NOW).
 _BEAT = (
     VISIBILITY_NOW
     + """
-local now = visibility_now(KEYS[3], KEYS[5], tonumber(ARGV[3]) / 1000)
+local now, shift, moved = visibility_now(KEYS[3], KEYS[5], tonumber(ARGV[3]) / 1000)
+local jumped = {tostring(shift), moved}
 for i = 7, #ARGV - 1, 2 do
   if ARGV[i + 1] == '' or redis.call('HGET', KEYS[4], ARGV[i]) == ARGV[i + 1] then
     redis.call('ZADD', KEYS[3], 'XX', now, ARGV[i])
   end
 end
 local cur = redis.call('GET', KEYS[1])
-if ARGV[2] == '' then return {0, tostring(now), cur or ''} end
+if ARGV[2] == '' then return {0, tostring(now), cur or '', unpack(jumped)} end
 if cur and cur ~= ARGV[6] then
   local ok, v = pcall(cjson.decode, cur)
-  if not ok or type(v) ~= 'table' or v['nonce'] ~= ARGV[1] then return {0, tostring(now), cur} end
+  if not ok or type(v) ~= 'table' or v['nonce'] ~= ARGV[1] then return {0, tostring(now), cur, unpack(jumped)} end
 end
 local hb = cjson.decode(ARGV[2])
 hb['at'] = now
@@ -105,7 +106,7 @@ if ARGV[5] ~= '' then
   info['seen_at'] = now
   redis.call('HSET', KEYS[2], ARGV[4], cjson.encode(info))
 end
-return {1, tostring(now), ''}
+return {1, tostring(now), '', unpack(jumped)}
 """
 )
 
@@ -178,7 +179,7 @@ class LeaseKeeper:
             record["starting"] = True  # held, not yet serving (demo/fleet.py waits past it)
         info = "" if starting else json.dumps({**self.info, "clock_offset_s": self.clock_offset_s})
         before = time.time()
-        written, now, found = await self._beat(
+        written, now, found, shift, moved = await self._beat(
             keys=[
                 self.keys.heartbeat(self.worker),
                 self.keys.workers,
@@ -197,6 +198,7 @@ class LeaseKeeper:
             ],
         )
         after = time.time()
+        note_rebase(float(shift), int(moved))
         self._redis_now = float(now)
         self._note_clock((before + after) / 2 - self._redis_now)
         return bool(int(written)), (found or None) if not int(written) else None

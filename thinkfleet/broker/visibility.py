@@ -25,9 +25,12 @@ apart than that) are in docs/reliability.md.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from thinkfleet.broker.keys import KombuKeys
+
+log = logging.getLogger(__name__)
 
 #: The share of the lease that Redis's clock may move between two visibility steps before the rest counts as a
 #: jump (not time that passed). Below 3/4: a live delivery is renewed at least every lease/4, so it is at most
@@ -37,25 +40,27 @@ from thinkfleet.broker.keys import KombuKeys
 JUMP_FRACTION = 0.5
 
 #: Lua: ``visibility_now(index, clock, lease)`` — Redis ``TIME`` now (seconds), after re-basing every score of the
-#: ``index`` ZSET across a jump of the clock since the last visibility step (see the module's docstring). The clock
+#: ``index`` ZSET across a jump of the clock since the last visibility step (see the module's docstring); then the
+#: shift applied (0: none) and how many scores it moved (a caller that takes one value gets ``now``). The clock
 #: HASH ``clock`` holds ``at`` (the last step's time), ``jumps`` (how many were absorbed), ``shifted_s`` (the last
 #: re-base), ``jumped_at`` and ``heartbeats_from`` (until then a missing heartbeat proves nothing: the jump expired
 #: the live ones too; see :func:`heartbeats_trusted`).
 VISIBILITY_NOW = f"""
 local function visibility_now(index, clock, lease)
+  local entries = {{}}
+  local shift = 0
   local t = redis.call('TIME')
   local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
   local last = tonumber(redis.call('HGET', clock, 'at'))
   local margin = lease * {JUMP_FRACTION}
   if last then
-    local shift = 0
     if now - last > margin then
       shift = now - last - margin
     elseif last - now > margin then
       shift = now - last
     end
     if shift ~= 0 then
-      local entries = redis.call('ZRANGE', index, 0, -1, 'WITHSCORES')
+      entries = redis.call('ZRANGE', index, 0, -1, 'WITHSCORES')
       for i = 1, #entries, 2 do
         redis.call('ZADD', index, tonumber(entries[i + 1]) + shift, entries[i])
       end
@@ -65,13 +70,17 @@ local function visibility_now(index, clock, lease)
     end
   end
   redis.call('HSET', clock, 'at', now)
-  return now
+  return now, shift, #entries / 2
 end
 """
 
-#: Redis's time after the visibility step, as a string (a Lua number reply would lose the fraction).
-#: KEYS: unacked_index, the clock hash. ARGV: the lease (seconds).
-_NOW = VISIBILITY_NOW + "return tostring(visibility_now(KEYS[1], KEYS[2], tonumber(ARGV[1])))\n"
+#: Redis's time after the visibility step and the shift it applied, as strings (a Lua number reply would lose the
+#: fraction), and how many scores it moved. KEYS: unacked_index, the clock hash. ARGV: the lease (seconds).
+_NOW = (
+    VISIBILITY_NOW
+    + "local now, shift, n = visibility_now(KEYS[1], KEYS[2], tonumber(ARGV[1]))\n"
+    + "return {tostring(now), tostring(shift), n}\n"
+)
 
 #: Score one delivery at Redis's time (kombu's ``QoS.append``). KEYS: unacked_index, the clock hash. ARGV: the
 #: delivery tag, the lease (seconds).
@@ -108,7 +117,20 @@ def jump_margin_s(lease_s: float) -> float:
 
 def visibility_now(client: Any, unacked_index: str, lease_s: float) -> float:
     """Redis's time (seconds) after the visibility step (a re-base if the clock jumped); ``client`` synchronous."""
-    return float(client.eval(_NOW, 2, unacked_index, clock_key(unacked_index), lease_s))
+    now, shift, moved = client.eval(_NOW, 2, unacked_index, clock_key(unacked_index), lease_s)
+    note_rebase(float(shift), int(moved))
+    return float(now)
+
+
+def note_rebase(shift_s: float, moved: int) -> None:
+    """Log a re-base this process's visibility step made (one line per jump: only the first step after it moves)."""
+    if not shift_s:
+        return
+    log.warning(
+        "Redis's clock moved %+.1f s more than half a lease since the last visibility step (a failover to a replica "
+        "whose clock differs, or an outage): %d delivery score(s) moved by %+.1f s, so none is restored for the jump",
+        shift_s, moved, shift_s,
+    )  # fmt: skip
 
 
 def heartbeats_trusted(client: Any, unacked_index: str) -> bool:
