@@ -432,6 +432,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def measure_heartbeat(client: redis.Redis, settings: Settings, held: int = 128, beats: int = 200) -> dict[str, Any]:
     """What one host costs Redis whatever its prompt rate: its heartbeat (workers/lease.py's script, which also
     re-scores every delivery it holds), ``held`` deliveries, every ``lease_s / 4`` seconds."""
+    from thinkfleet.broker.visibility import clock_key
     from workers.lease import _BEAT
 
     kk = KombuKeys(settings.key_prefix)
@@ -440,8 +441,10 @@ def measure_heartbeat(client: redis.Redis, settings: Settings, held: int = 128, 
     beat = client.register_script(_BEAT)
     info = json.dumps({"host": "bench", "pid": 1})
     hb = json.dumps({"nonce": "n1", "host": "bench"})
-    keys = [settings.keys.heartbeat("bench"), settings.keys.workers, kk.unacked_index]
-    beat(keys=keys, args=["n1", hb, 60_000, "bench", info, "", *tags])
+    keys = [settings.keys.heartbeat("bench"), settings.keys.workers, kk.unacked_index, kk.unacked_holder]
+    keys.append(clock_key(kk.unacked_index))  # the visibility clock (thinkfleet/broker/visibility.py)
+    held_args = [part for tag in tags for part in (tag, "")]  # per delivery: its tag, no holder recorded
+    beat(keys=keys, args=["n1", hb, 60_000, "bench", info, "", *held_args])
 
     def evalsha_usec() -> int:  # the script's own time (its commands are counted once more on their own lines)
         return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("usec", 0))
@@ -450,7 +453,7 @@ def measure_heartbeat(client: redis.Redis, settings: Settings, held: int = 128, 
     for _ in range(5):
         usec0 = evalsha_usec()
         for _ in range(beats // 5):
-            beat(keys=keys, args=["n1", hb, 60_000, "bench", info, "", *tags])
+            beat(keys=keys, args=["n1", hb, 60_000, "bench", info, "", *held_args])
         rounds.append((evalsha_usec() - usec0) / (beats // 5))
     per_beat_us = min(rounds)
     interval_s = max(0.2, settings.lease_s / 4)
