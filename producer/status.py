@@ -23,7 +23,6 @@ Rates come from the timeline ZSET workers append to at every group commit ("ts:r
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +31,7 @@ import redis
 
 from producer.bounds import inflight_bounds
 from producer.chain_state import ended_counts, keeps_chain_state, waiting_states
+from producer.clocks import clock_warnings
 from producer.image_gates import image_store_gates
 from producer.job import JobRecord
 from producer.quality_live import flag_alarm, flags_so_far, job_flags
@@ -483,28 +483,6 @@ def broker_messages(broker: redis.Redis, settings: Settings, job: str) -> int:
         p.hlen(KombuKeys(settings.key_prefix).unacked)
         parked, unacked = p.execute()
     return queue_length(broker, settings.queue) + int(parked) + int(unacked)
-
-
-def clock_warnings(client: redis.Redis, settings: Settings) -> list[dict[str, Any]]:
-    """Live workers (their heartbeats, workers/lease.py) whose host clock is off Redis's by more than
-    ``clock_skew_warn_s``: {worker, host, pid, offset_s} (offset = host − Redis, measured at each beat)."""
-    prefix = settings.keys.heartbeat("")
-    out = []
-    for raw_key in client.scan_iter(match=f"{_glob_escape(prefix)}*", count=1000):
-        key = raw_key.decode(errors="replace")
-        beat = _json_or_text(client.get(raw_key))
-        if not isinstance(beat, dict):
-            continue
-        offset = beat.get("clock_offset_s")
-        if isinstance(offset, int | float) and abs(offset) > settings.clock_skew_warn_s:
-            worker = key[len(prefix) :]
-            out.append({"worker": worker, "host": beat.get("host"), "pid": beat.get("pid"), "offset_s": offset})
-    return sorted(out, key=lambda w: str(w["worker"]))
-
-
-def _glob_escape(text: str) -> str:
-    """``text`` matched literally in a Redis SCAN pattern."""
-    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
 def _json_or_text(raw: bytes | None) -> Any:

@@ -49,6 +49,9 @@ How an output is built:
    first (``len == max_new_tokens`` → ``{"type":"length"}``), then a token in ``stop_token_ids`` ∪ the
    model's EOS set → ``{"type":"stop","matched":id}`` with the id *included*; ``ignore_eos`` disables
    every token-based stop and decodes on to ``max_new_tokens``.
+
+One file because the outputs are one deterministic draw: every family's plan takes its random numbers from the same
+generator in one order, which tests reproduce id for id; split, that order would live in two places.
 """
 
 from __future__ import annotations

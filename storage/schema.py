@@ -8,6 +8,9 @@ text here: the ids are the product.
 :func:`rows_to_table` turns the worker's row dicts into an Arrow table column by column (no
 ``Table.from_pylist``): token ids go into one flat int32 buffer plus offsets, and spans are computed
 for the whole batch at once when the rows don't carry them.
+
+One file because the Parquet schema lives in exactly one module (the house's rule): the column names, their types,
+the version history and the one function that builds a table of them change together, column by column.
 """
 
 from __future__ import annotations
