@@ -63,9 +63,8 @@ def store_file(out: Path, data: bytes) -> Path:
 
 
 def image_env(settings: Settings, sim: str, **extra: object) -> dict[str, str]:
-    return fast_env(
-        settings, sim, max_inflight=4, image_handback_max=HANDBACK_MAX, image_backoff_max_s=BACKOFF_MAX_S, **extra
-    )
+    values: dict[str, object] = {"image_handback_max": HANDBACK_MAX, "image_backoff_max_s": BACKOFF_MAX_S, **extra}
+    return fast_env(settings, sim, max_inflight=4, **values)
 
 
 def outcome_of(settings: Settings, job: str, total: int, expected_dead: int) -> Outcome:
@@ -335,3 +334,76 @@ def test_image_hand_backs_are_counted_per_prompt_and_per_worker_in_redis(redis_u
             await client.aclose()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.timeout(360)
+def test_an_image_missing_on_one_host_is_read_on_another_and_missing_on_every_host_is_dead_lettered(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # Given an image job, a worker "partial" whose copy of the store (THINKFLEET_IMAGE_STORE_MAP) lacks images i0 and
+    # i1, and the store itself lacking i1: i0 can be read on one host only, i1 on none
+    started = time.monotonic()
+    (tmp_path / "logs").mkdir()
+    settings = isolated_settings(redis_url, str(tmp_path / "out"), alarm_min_rows=2)
+    client = redis.Redis.from_url(redis_url)
+    keys = settings.keys
+    tok = build_test_tokenizer(default_test_tokenizer_dir())
+    images = image_dataset(tmp_path / "data.jsonl")
+    submit(settings, tmp_path / "data.jsonl", tok, "miss")
+    root = store_file(tmp_path / "out", images["i0"]).parent.parent
+    copy = tmp_path / "copy" / "_images"
+    shutil.copytree(root, copy)
+    for key in ("i0", "i1"):
+        store_file(tmp_path / "copy", images[key]).unlink()
+    store_file(tmp_path / "out", images["i1"]).unlink()
+    total = TEXT_ROWS + IMAGE_ROWS
+    # (many tries allowed: here the bound that ends i1 is the distinct workers, THINKFLEET_IMAGE_MISSING_WORKERS=2)
+    env = {"image_handback_max": 1000, "image_missing_workers": 2}
+    with simulator(tmp_path / "logs", "--time-scale", "400", "--tokenizer", str(tok)) as sim:
+        partial = WorkerProcess(
+            "partial", image_env(settings, sim, image_store_map=f"{root}={copy}", **env), tmp_path / "logs"
+        ).start()
+        seeing = WorkerProcess("seeing", image_env(settings, sim, **env), tmp_path / "logs")
+        try:
+            # When the partial worker runs alone first, and finds both images missing
+            def missed(key: str) -> bool:
+                return f"data/{key}: image" in partial.log_path.read_text()
+
+            wait_until(
+                lambda: missed("i0") and missed("i1"), 120, what="i0 and i1 missing on partial", explain=partial.tail
+            )
+            assert dead_letters(client, keys, "miss") == {}, "one worker's miss dead-letters nothing"
+            # and a worker whose store has i0 (not i1) joins
+            seeing.start()
+            wait = producer_cli(settings, "wait", "miss", "--timeout", "180", "--interval", "0.5")
+            dead = dead_letters(client, keys, "miss")
+        finally:
+            for w in (partial, seeing):
+                if w.starts:
+                    w.terminate()
+    outcome = outcome_of(settings, "miss", total, 1)
+    outcome.verify_ok = True  # verify fails on i1's missing file, checked below: the dead letter's own cause
+    outcome.problems = [p for p in outcome.problems if not p.startswith("producer verify failed")]
+    record_result(
+        "an image missing on one of two hosts, and one missing on both",
+        outcome,
+        "one worker's store copy lacks 2 images; the store itself lacks 1 of them",
+        [],
+        time.monotonic() - started,
+        workers=2,
+        notes="the other host read the first; the second dead-lettered image_missing once 2 workers found it missing",
+    )
+    # Then i0 was stored by the seeing worker, and i1 dead-lettered image_missing once both workers found it missing
+    assert wait.returncode == 0, wait.stdout + wait.stderr + partial.tail() + seeing.tail()
+    assert list(dead) == ["data/i1"], dead
+    text = json.dumps(dead["data/i1"])
+    assert "image_missing" in text and "by 2 worker(s)" in text and "producer retry" in text
+    assert job_progress(client, keys, "miss")["done"] == total - 1
+    report = json.loads(producer_cli(settings, "verify", "miss", "--json").stdout)
+    assert [p.split(" (prompt ")[0] for p in report["image_problems"]] == [str(store_file_path(root, images["i1"]))]
+    outcome.assert_clean()
+
+
+def store_file_path(root: Path, data: bytes) -> Path:
+    sha = hashlib.sha256(data).hexdigest()
+    return root / sha[:2] / f"{sha}.png"
