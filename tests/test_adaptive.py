@@ -474,7 +474,7 @@ def test_an_auto_worker_bounds_itself_by_the_server_and_starts_again_after_its_r
         # And producer status shows it per worker (producer/bounds.py reads what the heartbeat publishes)
         shown = inflight_bounds(client, settings)[worker.name]
         assert shown["mode"] == "auto" and shown["cap"] == 40 and shown["reason"]
-        status = producer_cli(settings, "status", "auto")
+        status = producer_cli(settings, "status", "auto", in_process=True)
         assert status.returncode == 0 and "in-flight bound per worker" in status.stdout, status.stdout + status.stderr
         # When the server restarts with 3 slots
         sim.kill()

@@ -198,7 +198,7 @@ def test_an_agentic_job_runs_through_its_tool_calls_byte_exact(family: str, requ
     # A step after results holds them as the family renders tool results.
     after = next(r for r in rows.values() if r["step_index"] >= 1)
     assert RESULT_RENDERING[family] in tok.decode(after["input_ids"])
-    verified = producer_cli(run.settings, "verify", run.job, "--json")
+    verified = producer_cli(run.settings, "verify", run.job, "--json", in_process=True)
     assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr
     assert json.loads(verified.stdout)["step_prompt_mismatch"] == []
 

@@ -360,7 +360,9 @@ def test_bad_output_ids_are_dead_lettered_and_never_stall_their_neighbours(
             if kind == "vocab":  # the server reports none: the job record's (config.json's) bounds the ids
                 client.hset(settings.keys.job("bad"), "vocab_size", json.dumps(VOCAB))
             publish(settings, tasks)
-            waited = producer_cli(settings, "wait", "bad", "--timeout", "150", "--interval", "0.5", "--json")
+            waited = producer_cli(
+                settings, "wait", "bad", "--timeout", "150", "--interval", "0.5", "--json", in_process=True
+            )
             storage_failures = _worker_metric(client, settings, "w1", "thinkfleet_storage_failures_total")
             stats = sim_stats(sim)
         finally:

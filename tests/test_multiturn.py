@@ -82,6 +82,7 @@ def run_multiturn_job(redis_url: str, tmp_path: Path, job: str = "multi") -> Mul
                 settings, "submit", str(data), "--job", job, "--tokenizer", str(tok_dir), "--processes", "1",
                 "--no-progress", "--max-new-tokens", "300", "--seed", "3", "--context-length", "131072",
                 "--turns", "all", "--json",
+                in_process=True,
             )  # fmt: skip
             assert submitted.returncode == 0, submitted.stderr
             wait_until(lambda: job_progress(client, settings.keys, job)["done"] == total, 180, what=f"{total} turns")

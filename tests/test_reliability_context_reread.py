@@ -62,7 +62,7 @@ def test_retry_after_a_restart_with_a_longer_context_inside_one_health_interval_
         sim.kill()
         sim.args = ["--time-scale", "400"]
         sim.start()
-        retry = producer_cli(settings, "retry", "reread", "--json")
+        retry = producer_cli(settings, "retry", "reread", "--json", in_process=True)
         assert retry.returncode == 0, retry.stderr
         assert set(json.loads(retry.stdout)["prompt_ids"]) == long_ids
         # Then every retried prompt is stored: the worker read the context again before dead-lettering.

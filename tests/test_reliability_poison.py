@@ -53,7 +53,9 @@ def test_poison_prompts_are_dead_lettered_with_reasons_and_retried_on_request(re
         wait_until(lambda: worker.gate_closures() > closed, 30, what="the worker saw the server go")
         sim.args = ["--time-scale", "400"]
         sim.start()
-        retry = producer_cli(settings, "retry", "poison", "--error-class", "context_overflow", "--json")
+        retry = producer_cli(
+            settings, "retry", "poison", "--error-class", "context_overflow", "--json", in_process=True
+        )
         assert retry.returncode == 0, retry.stderr
         assert json.loads(retry.stdout)["prompt_ids"] == ["too-long"]
         wait_until(lambda: job_progress(client, keys, "poison")["done"] == 7, 120, what="the retried prompt stored")
@@ -89,7 +91,9 @@ def test_truncated_rows_rerun_with_a_larger_budget_replace_the_old_ones(redis_ur
         job = submit_ids(settings, "budget", make_prompts(20), max_new_tokens=64)
         wait_until(lambda: job_progress(client, keys, "budget")["done"] == 20, 120, what="20 rows")
         # When the truncated rows are re-run with 2,048 new tokens.
-        retry = producer_cli(settings, "retry", "budget", "--truncated", "--max-new-tokens", "2048", "--json")
+        retry = producer_cli(
+            settings, "retry", "budget", "--truncated", "--max-new-tokens", "2048", "--json", in_process=True
+        )
         assert retry.returncode == 0, retry.stderr
         rerun = set(json.loads(retry.stdout)["prompt_ids"])
         assert len(rerun) >= 10, "most outputs were cut at 64 tokens"

@@ -248,13 +248,13 @@ def test_purge_refuses_while_a_submit_or_retry_holds_the_jobs_lock_and_deletes_n
     with SubmitLock(client, settings, "pl") as held:
         before = sorted(client.scan_iter(match=f"{keys.job('pl')}*"))
         # When the operator purges the job meanwhile.
-        out = producer_cli(settings, "purge", "pl")
+        out = producer_cli(settings, "purge", "pl", in_process=True)
         # Then purge refuses, naming the lock, and deletes nothing: not the record, not the submit's lock.
         assert out.returncode != 0 and "another submit of job 'pl' holds its lock" in out.stderr, out
         assert sorted(client.scan_iter(match=f"{keys.job('pl')}*")) == before
         assert client.get(keys.submit_lock("pl")).decode() == held.token
     # And once the submit is over, purge goes ahead and leaves no key of the job, its lock included.
-    out = producer_cli(settings, "purge", "pl")
+    out = producer_cli(settings, "purge", "pl", in_process=True)
     assert out.returncode == 0, out
     assert not list(client.scan_iter(match=f"{keys.job('pl')}*"))
     assert not client.sismember(keys.jobs, "pl")

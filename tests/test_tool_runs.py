@@ -152,6 +152,7 @@ def killed_run(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFacto
                 settings, "submit", str(data), "--job", job, "--tokenizer", str(tok_dir), "--processes", "1",
                 "--no-progress", "--max-new-tokens", "300", "--context-length", "131072", "--turns", "all",
                 "--tool-results", "executor", "--tool-executor", spec, "--max-tool-steps", "6", "--json",
+                in_process=True,
             )  # fmt: skip
             assert submitted.returncode == 0, submitted.stderr
             # The zombie alone, until its first executor call is under way (its pending mark recorded); then it is

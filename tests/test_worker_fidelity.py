@@ -400,7 +400,7 @@ def test_nan_stops_are_retried_and_never_stored(redis_url: str, workdir: Path, v
     assert all(r[DETERMINISTIC] is False for r in rows.values())
     assert client.hget(settings.keys.counters("nan"), "nondeterministic_seeds") == b"1"
     assert worker.log_path.read_text().count("NONDETERMINISTIC SEEDS") == 1, "one loud warning per job"
-    status = json.loads(producer_cli(settings, "status", "nan", "--json").stdout)
+    status = json.loads(producer_cli(settings, "status", "nan", "--json", in_process=True).stdout)
     assert status["nondeterministic_seeds"] == 1
 
 
