@@ -106,7 +106,7 @@ def test_a_worker_paused_past_its_lease_with_rows_waiting_to_commit_stores_nothi
     invariant.assert_held()
     _committed_epochs_match(client, settings, job_name)
     assert zombie.log_path.read_text(errors="replace").count("fenced:") >= 1
-    status = producer_cli(settings, "status", job_name, "--json")
+    status = producer_cli(settings, "status", job_name, "--json", in_process=True)
     assert json.loads(status.stdout)["fenced"] >= 1, "producer status says runs were fenced"
 
 
@@ -161,7 +161,7 @@ def test_a_pause_between_the_claim_check_and_the_part_write_is_fenced_in_storage
     _committed_epochs_match(client, settings, job_name)
     # And producer compact removes the fenced rows, keeping the committed view as it was.
     before = reader.read_committed(settings.output_uri, job_name, columns=[PROMPT_ID, EPOCH])
-    result = producer_cli(settings, "compact", job_name)
+    result = producer_cli(settings, "compact", job_name, in_process=True)
     assert result.returncode == 0, result.stdout + result.stderr
     after_keys = reader.read_keys(settings.output_uri, job_name)
     assert reader.fenced_rows(after_keys).num_rows == 0
@@ -205,6 +205,7 @@ def test_a_paused_turn_of_a_multi_turn_job_never_changes_what_the_next_turn_was_
             submitted = producer_cli(
                 settings, "submit", str(data), "--job", job_name, "--tokenizer", str(tok_dir), "--processes", "1",
                 "--no-progress", "--max-new-tokens", "200", "--context-length", "131072", "--turns", "all", "--json",
+                in_process=True,
             )  # fmt: skip
             assert submitted.returncode == 0, submitted.stderr
             # Given the zombie stopped between its claim check and its part write.
@@ -224,7 +225,7 @@ def test_a_paused_turn_of_a_multi_turn_job_never_changes_what_the_next_turn_was_
             other.kill()
     fenced = reader.fenced_rows(reader.read_keys(settings.output_uri, job_name))
     assert fenced.num_rows >= 1 and set(fenced["worker"].to_pylist()) == {"zombie"}
-    verify = producer_cli(settings, "verify", job_name, "--json")
+    verify = producer_cli(settings, "verify", job_name, "--json", in_process=True)
     assert verify.returncode == 0, verify.stdout + verify.stderr
     record = JobRecord.load(client, keys, job_name)
     assert record is not None
@@ -254,7 +255,7 @@ def test_a_paused_turn_of_a_multi_turn_job_never_changes_what_the_next_turn_was_
 
     # Then every stored turn's prompt renders the committed previous turns — before compact and after it.
     assert mismatches() == []
-    compacted = producer_cli(settings, "compact", job_name)
+    compacted = producer_cli(settings, "compact", job_name, in_process=True)
     assert compacted.returncode == 0, compacted.stdout + compacted.stderr
     assert reader.fenced_rows(reader.read_keys(settings.output_uri, job_name)).num_rows == 0
     assert mismatches() == []
