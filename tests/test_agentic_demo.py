@@ -103,7 +103,7 @@ def test_the_demos_agentic_sample_runs_the_example_executor_end_to_end(
     assert not [a for a in answers.values() if a.get("chain_end")], "no chain ended early"
 
     # And: verify passes again from outside the demo, every step re-rendered from its history
-    verified = producer_cli(settings, "verify", job, "--json")
+    verified = producer_cli(settings, "verify", job, "--json", in_process=True)
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert json.loads(verified.stdout)["step_prompt_mismatch"] == []
     # And: the messages export the demo wrote carries the executed tool messages

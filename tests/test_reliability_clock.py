@@ -87,11 +87,11 @@ def test_a_worker_45_s_ahead_restores_no_live_message_early_and_status_warns(red
         # And A said so at start, and producer status warns about it.
         log_a = a.log_path.read_text(errors="replace")
         assert f"this host's clock is {AHEAD_S}." in log_a and "ahead of Redis's" in log_a, log_a[-3000:]
-        status = producer_cli(settings, "status", "skew", "--json")
+        status = producer_cli(settings, "status", "skew", "--json", in_process=True)
         warnings = {w["worker"]: w for w in json.loads(status.stdout)["clock_warnings"]}
         assert set(warnings) == {"a-ahead"}, warnings
         assert AHEAD_S - 5 < warnings["a-ahead"]["offset_s"] < AHEAD_S + 5
-        text = producer_cli(settings, "status", "skew").stdout
+        text = producer_cli(settings, "status", "skew", in_process=True).stdout
         assert "a-ahead" in text and "ahead of Redis" in " ".join(text.split()), text
 
         # When B dies, its messages come back no earlier than one visibility timeout after its last renewal.

@@ -132,7 +132,7 @@ def test_password_protected_redis_works_and_the_password_never_reaches_a_log(pas
         finally:
             worker.terminate()
     outcome = check_job(settings, "auth", job.prompts, job.sampling_params)
-    status = producer_cli(settings, "status", "auth")
+    status = producer_cli(settings, "status", "auth", in_process=True)
     log = worker.log_path.read_text(errors="replace")
     record_result(
         "Redis with requirepass (redis://:password@)",
