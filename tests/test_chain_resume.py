@@ -39,7 +39,7 @@ TOTAL = CONVERSATIONS * TURNS
 #: Fields of a verify report that say nothing is wrong.
 OK_FIELDS = {
     "job", "submitted_source", "submitted", "stored_rows", "committed", "thinking_rows", "think_end_rows",
-    "reasoning_spans", "per_dataset", "notes", "superseded",
+    "reasoning_spans", "per_dataset", "notes", "superseded", "quality_flags",
 }  # fmt: skip
 #: Stop the first run once this many turns are stored: about half, so chains stand at turn 0 and turn 1.
 HALF = TOTAL // 2
