@@ -51,8 +51,8 @@ class MatrixResults:
             return
         target = Path(path)
         text = target.read_text() if target.exists() else ""
-        block = re.search(re.escape(BEGIN) + r"\n(.*?)\n" + re.escape(END), text, re.S)
-        table = f"{BEGIN}\n{self.table(_parse(block.group(1)) if block else None)}\n{END}"
+        block = re.search(re.escape(BEGIN) + r"(.*?)" + re.escape(END), text, re.S)
+        table = f"{BEGIN}\n{self.table(_parse(block.group(1).strip()) if block else None)}\n{END}"
         text = text[: block.start()] + table + text[block.end() :] if block else f"{text.rstrip()}\n\n{table}\n"
         target.write_text(text)
 
