@@ -20,6 +20,7 @@ MATRIX_HEADING, BODY_HEADING = "## Every job kind × every operator command", "#
 class MatrixResults:
     def __init__(self) -> None:
         self.cells: dict[tuple[str, str], str] = {}
+        self.bugs: dict[tuple[str, str], str] = {}
         self.kinds: list[str] = []
         self.commands: list[str] = []
 
@@ -28,6 +29,8 @@ class MatrixResults:
         """Record how the cell's block ends: pass, a known bug (it failed as expected) or FAIL."""
         self.kinds += [kind] if kind not in self.kinds else []
         self.commands += [command] if command not in self.commands else []
+        if known_bug:
+            self.bugs[kind, command] = known_bug
         try:
             yield
         except BaseException:
@@ -37,12 +40,15 @@ class MatrixResults:
 
     def table(self, previous: dict[tuple[str, str], str] | None = None) -> str:
         cells = {**(previous or {}), **self.cells}
-        kinds = list(dict.fromkeys([*self.kinds, *(k for k, _ in cells)]))
-        commands = list(dict.fromkeys([*self.commands, *(c for _, c in cells)]))
+        kinds = list(dict.fromkeys([*(k for k, _ in previous or {}), *self.kinds]))  # the table's order first
+        commands = list(dict.fromkeys([*(c for _, c in previous or {}), *self.commands]))
         lines = ["| kind \\ command | " + " | ".join(f"`{c}`" for c in commands) + " |"]
         lines.append("|---|" + "---|" * len(commands))
         for kind in kinds:
             lines.append(f"| {kind} | " + " | ".join(cells.get((kind, c), "—") for c in commands) + " |")
+        if self.bugs:
+            lines += ["", "Known bugs (strict xfail until fixed):", ""]
+            lines += [f"- {kind} × `{command}`: {why}" for (kind, command), why in self.bugs.items()]
         return "\n".join(lines)
 
     def write(self, path: str | None) -> None:
@@ -52,17 +58,27 @@ class MatrixResults:
         target = Path(path)
         text = target.read_text() if target.exists() else ""
         block = re.search(re.escape(BEGIN) + r"(.*?)" + re.escape(END), text, re.S)
-        table = f"{BEGIN}\n{self.table(_parse(block.group(1).strip()) if block else None)}\n{END}"
+        previous = block.group(1).strip() if block else ""
+        for cell, why in _parse_bugs(previous).items():  # a cell this run did not reach keeps its note
+            if cell not in self.cells:
+                self.bugs.setdefault(cell, why)
+        table = f"{BEGIN}\n{self.table(_parse(previous))}\n{END}"
         text = text[: block.start()] + table + text[block.end() :] if block else f"{text.rstrip()}\n\n{table}\n"
         target.write_text(text)
 
 
 def _parse(table: str) -> dict[tuple[str, str], str]:
-    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines() if line.strip()]
+    lines = [line for line in table.splitlines() if line.startswith("|")]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines]
     if len(rows) < 2:
         return {}
     commands = [c.strip("`") for c in rows[0][1:]]
     return {(r[0], c): v for r in rows[2:] for c, v in zip(commands, r[1:], strict=False) if v != "—"}
+
+
+def _parse_bugs(table: str) -> dict[tuple[str, str], str]:
+    found = (re.match(r"- (\S+) × `([^`]+)`: (.*)", line) for line in table.splitlines())
+    return {(m.group(1), m.group(2)): m.group(3) for m in found if m}
 
 
 def keep_block(rendered: str, path: Path) -> str:
