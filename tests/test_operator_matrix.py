@@ -237,13 +237,18 @@ def retry_dead(cell: Cell) -> None:
         _faults(cell.fleet, bad_output_rate=0.0)
     dead = cell.dead()
     assert dead and {d["error_class"] for d in dead.values()} <= ACTIONABLE, dead
-    hashes = {pid: msgpack.unpackb(base64.b64decode(d["task"]))[4] for pid, d in dead.items()}
     out = cell.cli("retry", cell.job, "--json")
     assert out.returncode == 0 and json.loads(out.stdout)["requeued"] == len(dead), out.stdout + out.stderr
     assert cell.wait() == 0, cell.tail()
+    _assert_rerun_as_dead_lettered(cell, dead)
+
+
+def _assert_rerun_as_dead_lettered(cell: Cell, dead: dict[str, dict[str, Any]]) -> None:
+    """Each re-run's inputs are its dead letter's: the content hash (ids and images) its message carried."""
     rows = cell.rows()
-    for pid, want in hashes.items():  # the re-run's inputs are the dead letter's (its content hash)
-        assert rows[pid]["content_hash"] == want, pid
+    for pid, record in dead.items():
+        args = msgpack.unpackb(base64.b64decode(record["task"]))  # PromptTask.to_args(): content_hash is 5th
+        assert rows[pid]["content_hash"] == args[4], f"{pid}: re-run with other inputs than its dead letter's"
 
 
 def retry_truncated(cell: Cell) -> None:
@@ -269,6 +274,7 @@ def retry_missing(cell: Cell) -> None:
     assert failed.returncode == 1, "verify passed with a damaged part"
     lost = set(cell.before) - set(cell.rows())
     assert lost, "the damaged part held no committed row"
+    assert cell.wait() != 0, "wait exited 0 while verify fails (a quarantined part's rows are not stored)"
     out = cell.cli("retry", cell.job, "--missing", "--json")
     assert out.returncode == 0, out.stdout + out.stderr
     result = json.loads(out.stdout)
@@ -317,6 +323,7 @@ def cancel_resume(cell: Cell) -> None:
     out = cell.cli("retry", cell.job, "--error-class", "cancelled", "--json")
     assert out.returncode == 0 and json.loads(out.stdout)["requeued"] == len(dead), out.stdout + out.stderr
     assert cell.wait() == 0, cell.tail()
+    _assert_rerun_as_dead_lettered(cell, dead)
 
 
 def pause_resume(cell: Cell) -> None:
