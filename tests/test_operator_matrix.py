@@ -362,6 +362,12 @@ def compact_export(cell: Cell) -> None:
         assert result["rows"] == _export_count(dest), f"export {fmt}: {result}"
         assert result["rows"] + sum(result["skipped"].values()) == len(after), f"export {fmt}: {result}, {len(after)}"
     assert set(cell.rows()) == set(after), "rows were committed after wait exited 0"
+    # The token export is the committed rows byte for byte: prompt + output, keyed by prompt id.
+    eagle3 = [json.loads(line) for line in (cell.fleet.tmp / f"{cell.job}-eagle3.jsonl").read_text().splitlines()]
+    for record in eagle3:
+        row = after[record["id"]]
+        assert record["input_ids"] == [*row["input_ids"], *row["output_ids"]], record["id"]
+        assert record["prompt_len"] == len(row["input_ids"]), record["id"]
 
 
 def _export_count(dest: Path) -> int:
