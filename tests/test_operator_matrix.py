@@ -35,7 +35,7 @@ import requests
 from producer.render import load_tokenizer
 from sglang_sim.tools import write_catalogue
 from storage.reader import read_committed
-from storage.schema import EXPANDED_INPUT_IDS, IMAGE_POSITIONS, IMAGE_SHA256, IMAGE_TOKENS
+from storage.schema import EXPANDED_INPUT_IDS, IMAGE_POSITIONS, IMAGE_SHA256, IMAGE_TOKENS, OUTPUT_LOGPROBS
 from testing.datasets import agentic_rows, chat_rows, conversation_rows, write_jsonl
 from testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
 from testing.harness import STEADY_LEASE, fast_env, isolated_settings, producer_cli, simulator
@@ -136,13 +136,20 @@ class Kind:
     rows: Callable[[], list[dict[str, Any]]]
     flags: tuple[str, ...] = ()
     turns: bool = False
+    #: What every stored row of the kind carries, re-runs included (their messages rebuilt from storage).
+    row_check: Callable[[dict[str, Any]], None] | None = None
+
+
+def _has_logprobs(row: dict[str, Any]) -> None:
+    logprobs = row[OUTPUT_LOGPROBS]
+    assert logprobs is not None and len(logprobs) == len(row["output_ids"]), f"{row['prompt_id']}: no logprobs"
 
 
 AGENTIC = ("--turns", "all", "--max-tool-steps", "3")
 KINDS = [
     Kind("single", lambda: chat_rows(4, words=20)),
     Kind("samples", lambda: chat_rows(3, words=20), ("--samples", "2")),
-    Kind("logprobs", lambda: chat_rows(4, words=20), ("--logprobs", "3")),
+    Kind("logprobs", lambda: chat_rows(4, words=20), ("--logprobs", "3"), row_check=_has_logprobs),
     Kind("turns", lambda: conversation_rows(3, 2, 20, "You are terse."), ("--turns", "all"), turns=True),
     Kind(
         "agentic_replay",
@@ -423,6 +430,8 @@ def assert_invariant(cell: Cell) -> None:
         assert row["revision"] == latest, f"{pid}: stored at revision {row['revision']}, the latest is {latest}"
         if row[IMAGE_SHA256]:
             _images_received(row)
+        if cell.kind.row_check is not None:
+            cell.kind.row_check(row)
     for pid in cell.rerun & set(live):
         assert rows[pid]["revision"] > cell.before[pid]["revision"], f"{pid} was not re-run"
     # A re-run's inputs are the original's: its ids (a later turn's follow from a re-run earlier answer), its
