@@ -32,7 +32,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for_port(port: int, timeout_s: float = 15.0) -> None:
+def wait_for_port(port: int, timeout_s: float = 60.0) -> None:
+    """Until something accepts connections on ``port``. The bound is generous: a start that takes 15 s on a busy
+    2-core box is slow, not failed (the caller returns as soon as it listens)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -102,7 +104,7 @@ class WorkerProcess:
         self.starts += 1
         return self
 
-    def wait_ready(self, client: redis.Redis, keys: Keys, timeout_s: float = 60.0) -> WorkerProcess:
+    def wait_ready(self, client: redis.Redis, keys: Keys, timeout_s: float = 180.0) -> WorkerProcess:
         """Until this run's heartbeat is in Redis (its runtime started and Celery is consuming) — not the
         one a previous run under the same name left behind."""
         deadline = time.monotonic() + timeout_s

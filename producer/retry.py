@@ -42,7 +42,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Iterator, Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import click
 import msgpack
@@ -333,6 +333,7 @@ def retry_truncated(settings: Settings, job: str, max_new_tokens: int) -> list[s
                     "input_ids",
                     "finish_reason",
                     "worker",
+                    "sampling_params",
                     *ROW_MEDIA_COLUMNS,
                 ],
                 s3_endpoint_url=settings.s3_endpoint_url,
@@ -361,6 +362,17 @@ def retry_truncated(settings: Settings, job: str, max_new_tokens: int) -> list[s
         client.close()
 
 
+def row_overrides(row: dict[str, Any]) -> dict[str, Any]:
+    """The per-message keys (:data:`OVERRIDE_KEYS`: a sample's seed, a revision's budget) of the sampling a stored
+    row was generated with; {} when its ``sampling_params`` do not parse."""
+    try:
+        used = json.loads(row.get("sampling_params") or "{}")
+    except ValueError:
+        return {}
+    used = used if isinstance(used, dict) else {}
+    return {k: used[k] for k in sorted(OVERRIDE_KEYS) if used.get(k) is not None}
+
+
 def _rebuilt(
     client: redis.Redis, settings: Settings, job: str, rows: list[dict], max_new_tokens: int
 ) -> tuple[list[PromptTask], dict[str, str]]:
@@ -387,7 +399,9 @@ def _rebuilt(
                 ids_blob=pack_ids(row["input_ids"]),
                 sample_index=row["sample_index"],
                 revision=row["revision"] + 1,
-                overrides={"max_new_tokens": max_new_tokens},
+                # The row's own per-message keys (its sample's seed: --samples N) with the new budget; without them
+                # sample k's re-run would draw sample 0's seed and repeat its answer on a deterministic server.
+                overrides={**row_overrides(row), "max_new_tokens": max_new_tokens},
                 generation=generation,
                 media=refs,
             )

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -36,7 +37,18 @@ def simulator(log_dir: Path, *args: str) -> Iterator[str]:
         [sys.executable, "-m", "sglang_sim.cli", "--port", str(port), *args], stdout=log, stderr=subprocess.STDOUT
     )
     try:
-        wait_for_port(port, 30)
+        # Until it listens (a start that loads a tokenizer and a tool catalogue took > 30 s on a loaded 2-core box);
+        # a simulator that exited fails at once, naming its log.
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                wait_for_port(port, 1)
+                break
+            except TimeoutError:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"sglang-sim exited with {proc.returncode}: see {log.name}") from None
+                if time.monotonic() > deadline:
+                    raise
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.kill()

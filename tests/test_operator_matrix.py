@@ -453,12 +453,8 @@ def assert_invariant(cell: Cell) -> None:
 
 # -- the matrix ------------------------------------------------------------------------------------------------
 #: Cells that find a bug in code this module does not own: (kind, command) → the reason (strict xfail).
-KNOWN_BUGS: dict[tuple[str, str], str] = {
-    ("samples", "retry_truncated"): (
-        "producer/retry.py _rebuilt: the re-run's overrides are {max_new_tokens} only, so sample k > 0 loses its "
-        "sampling_seed override (seed + k) and re-runs with sample 0's seed"
-    ),
-}
+#: (samples × retry_truncated was one: the re-run lost sample k's seed; fixed in producer/retry.py row_overrides.)
+KNOWN_BUGS: dict[tuple[str, str], str] = {}
 
 
 def _cells() -> Iterator[Any]:
