@@ -314,7 +314,9 @@ def test_the_replay_plan_claims_every_unfinalized_stored_turn_and_enqueues_each_
 
     def row(pid: str, seed: int, revision: int = 0) -> dict:
         conv, _, _ = pid.rpartition("/t")
-        return make_row(pid, dataset="chat", job="mt", seed=seed, conversation_id=conv, revision=revision)
+        made = make_row(pid, dataset="chat", job="mt", seed=seed, conversation_id=conv, revision=revision)
+        # the hash of its ids, as a submit stores it: a replayed turn is checked against it before it is enqueued
+        return {**made, "content_hash": content_hash(made["input_ids"])}
 
     stored = ["chat/c0/t0", "chat/c0/t0s1", "chat/c0/t0s2", "chat/c0/t1", "chat/c1/t0", "chat/c1/t1", "chat/c2/t0"]
     writer = PartWriter(str(tmp_path / "out"), "w1")

@@ -33,6 +33,7 @@ from testing.harness import (
 )
 from testing.record import check_job, record_result
 from thinkfleet.keys import Keys
+from thinkfleet.message import content_hash
 from thinkfleet.settings import Settings
 from thinkfleet.state.invariant import queued_prompt_ids
 from thinkfleet.state.invariant import unacked_prompt_ids as running_prompt_ids
@@ -304,7 +305,7 @@ def test_truncated_retry_interrupted_before_its_commit_changes_nothing(
             "row_index": i,
             "sample_index": 0,
             "revision": 0,
-            "content_hash": f"h-{pid}",
+            "content_hash": content_hash(ids),  # retry checks a rebuilt message against it
             "input_ids": ids,
             "finish_reason": "length" if i % 2 == 0 else "stop",
         }
