@@ -41,7 +41,7 @@ def test_every_kombu_connection_times_out_well_within_the_lease(lease_s: float) 
     assert timeout == max(MIN_SOCKET_TIMEOUT_S, min(SOCKET_TIMEOUT_S, lease_s / 3))
     assert timeout <= lease_s / 3 or timeout == MIN_SOCKET_TIMEOUT_S
     assert 0 < options["socket_connect_timeout"] <= timeout
-    assert options["socket_keepalive"] is True and options["socket_keepalive_options"]
+    assert options["socket_keepalive"] is True and options["tcp_keepalive"]  # the probes, as text (Flower's stats)
     assert 1 <= options["health_check_interval"] <= timeout
     # The result backend's options are the same object Celery reads for the broker.
     assert app.conf.result_backend_transport_options["socket_timeout"] == timeout
@@ -62,7 +62,7 @@ def test_the_worker_s_sentinel_channel_takes_the_bounds_for_its_connections() ->
     # Then its channel reads every bound from the transport options (kombu copies only the names its channel
     # lists into the connection parameters of the pop's and the commands' connections),
     assert app.conf.broker_transport == SENTINEL_TRANSPORT
-    bounds = ("socket_timeout", "socket_connect_timeout", "socket_keepalive", "socket_keepalive_options")
+    bounds = ("socket_timeout", "socket_connect_timeout", "socket_keepalive", "tcp_keepalive")
     for name in (*bounds, "health_check_interval"):
         assert name in SentinelChannel.from_transport_options, name
     # with the values derived from the lease (30 s: 10 s, health checks every 5 s).

@@ -175,6 +175,24 @@ def keepalive_options(timeout_s: float | None) -> dict[int, int]:
     return {socket.TCP_KEEPIDLE: idle, socket.TCP_KEEPINTVL: max(1, idle // 3), socket.TCP_KEEPCNT: 3}
 
 
+#: The kombu transport option carrying :func:`keepalive_options` with string keys: Celery's ``stats`` reply holds the
+#: transport options, and Flower refuses a reply whose map has int keys (msgpack's strict_map_key), so the probes
+#: travel as text and the channels (thinkfleet/broker/transit.py) turn them back into redis-py's option.
+KOMBU_KEEPALIVE_OPTION = "tcp_keepalive"
+
+
+def kombu_keepalive(timeout_s: float | None) -> dict[str, int]:
+    """:func:`keepalive_options` as :data:`KOMBU_KEEPALIVE_OPTION`'s value (string keys)."""
+    return {str(k): v for k, v in keepalive_options(timeout_s).items()}
+
+
+def with_kombu_keepalive(params: dict[str, Any], option: dict[str, int] | None) -> dict[str, Any]:
+    """A kombu channel's connection parameters with the probes of :data:`KOMBU_KEEPALIVE_OPTION` (int keys again)."""
+    if option and params.get("socket_keepalive"):
+        params["socket_keepalive_options"] = {int(k): int(v) for k, v in option.items()}
+    return params
+
+
 def _common(timeout_s: float | None, connect_timeout_s: float | None) -> dict[str, Any]:
     return {
         "socket_timeout": timeout_s,

@@ -31,10 +31,11 @@ from thinkfleet.broker.keys import PRIORITY_SEP, PRIORITY_STEPS, kombu_transport
 from thinkfleet.message import TASK_NAME, PromptTask
 from thinkfleet.redis_client import (
     CONNECT_TIMEOUT_S,
+    KOMBU_KEEPALIVE_OPTION,
     command_timeout_s,
     is_sentinel,
-    keepalive_options,
     kombu_broker,
+    kombu_keepalive,
     parse_sentinel,
 )
 from thinkfleet.settings import Settings, load_settings
@@ -78,7 +79,7 @@ def broker_timeouts(settings: Settings) -> dict[str, Any]:
         "socket_timeout": timeout,
         "socket_connect_timeout": min(CONNECT_TIMEOUT_S, timeout),
         "socket_keepalive": True,
-        "socket_keepalive_options": keepalive_options(timeout),
+        KOMBU_KEEPALIVE_OPTION: kombu_keepalive(timeout),  # (the channels set socket_keepalive_options from it)
         "health_check_interval": max(1, int(timeout / 2)),
     }
 

@@ -68,6 +68,7 @@ from thinkfleet.broker.transit_sweep import TransitSweeper as TransitSweeper  # 
 from thinkfleet.broker.visibility import SCORE_DELIVERY, clock_key, visibility_now
 from thinkfleet.broker.watchdog import OPTION as WATCHDOG_OPTION
 from thinkfleet.broker.watchdog import WatchedTransport, stuck_bound_s
+from thinkfleet.redis_client import KOMBU_KEEPALIVE_OPTION, with_kombu_keepalive
 from thinkfleet.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -355,7 +356,13 @@ class Channel(kombu_redis.Channel):
         "affinity_offers",
         "affinity_idle_ms",
         "affinity_block",
+        KOMBU_KEEPALIVE_OPTION,
     )
+    tcp_keepalive: dict[str, int] | None = None
+
+    def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
+        return with_kombu_keepalive(super()._connparams(asynchronous), self.tcp_keepalive)
+
     #: HASH kombu delivery tag → the holder of the delivery recorded in ``unacked_key`` (KombuKeys.unacked_holder).
     _unacked_holder_key: str | None = None
     #: Who this channel's deliveries are held by (the worker's name; unset: host:pid).

@@ -13,7 +13,13 @@ from redis.sentinel import SentinelConnectionPool
 
 from thinkfleet.broker.transit import Channel
 from thinkfleet.broker.watchdog import WatchedTransport
-from thinkfleet.redis_client import RecheckedSentinelPool, SentinelConnection, SentinelSSLConnection
+from thinkfleet.redis_client import (
+    KOMBU_KEEPALIVE_OPTION,
+    RecheckedSentinelPool,
+    SentinelConnection,
+    SentinelSSLConnection,
+    with_kombu_keepalive,
+)
 
 
 class SentinelChannel(Channel, kombu_redis.SentinelChannel):
@@ -73,6 +79,11 @@ class PublisherChannel(kombu_redis.SentinelChannel):
 
     connection_class = SentinelConnection
     connection_class_ssl = SentinelSSLConnection
+    from_transport_options = (*kombu_redis.SentinelChannel.from_transport_options, KOMBU_KEEPALIVE_OPTION)
+    tcp_keepalive: dict[str, int] | None = None
+
+    def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
+        return with_kombu_keepalive(super()._connparams(asynchronous), self.tcp_keepalive)
 
     def _sentinel_managed_pool(self, asynchronous: bool = False) -> Any:
         return rechecked(super()._sentinel_managed_pool(asynchronous))
