@@ -14,6 +14,8 @@ send a turn elsewhere), fractions keep a margin, and waits poll with long deadli
 from __future__ import annotations
 
 import json
+import os
+import signal
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -129,6 +131,15 @@ def test_later_turns_run_on_the_host_that_has_their_prefix_cached(redis_url: str
     assert not list(client.scan_iter(match=host_glob(settings.queue))), "no message left on a host list"
 
 
+def _orphaned(rows: dict, worker: str) -> list[tuple[str, int]]:
+    """(conversation, turn) whose last stored turn is ``worker``'s, goes on (chain_end "") and has no next turn."""
+    return [
+        (conv, t)
+        for (conv, t), r in rows.items()
+        if r["worker"] == worker and r["chain_end"] == "" and (conv, t + 1) not in rows
+    ]
+
+
 def test_a_killed_hosts_conversations_move_on_and_nothing_is_lost(redis_url: str, tmp_path: Path) -> None:
     settings = isolated_settings(redis_url, str(tmp_path / "out"))
     client = redis.Redis.from_url(redis_url)
@@ -141,13 +152,26 @@ def test_a_killed_hosts_conversations_move_on_and_nothing_is_lost(redis_url: str
         # turns held, in transit or offered on its host list
         doomed = workers[-1]
 
-        def mid_run() -> bool:
-            stored_by_doomed = client.hget(settings.keys.worker_counters(job), doomed.name)
-            return job_progress(client, settings.keys, job)["done"] >= total // 4 and bool(stored_by_doomed)
+        at_kill: dict = {}
 
-        wait_until(mid_run, 240, what="a quarter of the turns, some on the doomed host")
+        def mid_chain() -> bool:
+            """A quarter of the turns stored, and the doomed host's last stored turn of some conversation waiting on
+            its next one — looked at with the host frozen (SIGSTOP), so it cannot finish that turn meanwhile; when it
+            has none yet, it goes on and is looked at again (on a busy box a fixed moment missed it)."""
+            stored_by_doomed = client.hget(settings.keys.worker_counters(job), doomed.name)
+            if job_progress(client, settings.keys, job)["done"] < total // 4 or not stored_by_doomed:
+                return False
+            assert doomed.proc is not None
+            os.kill(doomed.proc.pid, signal.SIGSTOP)
+            rows = _turn_rows(settings, job)
+            if _orphaned(rows, doomed.name):
+                at_kill.update(rows)
+                return True
+            doomed.cont()
+            return False
+
+        wait_until(mid_chain, 240, interval_s=0.5, what="the doomed host mid-chain")
         doomed.kill()
-        at_kill = _turn_rows(settings, job)
         waited = producer_cli(settings, "wait", job, "--timeout", "240", timeout_s=300)
         assert waited.returncode == 0, waited.stdout + waited.stderr
         verified = producer_cli(settings, "verify", job, in_process=True)
@@ -156,11 +180,7 @@ def test_a_killed_hosts_conversations_move_on_and_nothing_is_lost(redis_url: str
     rows = _turn_rows(settings, job)
     # The dead host's conversations went on elsewhere: each whose last stored turn at the kill was the dead host's and
     # goes on (chain_end "") has its next turn stored, by a live host.
-    orphaned = [
-        (conv, t)
-        for (conv, t), r in at_kill.items()
-        if r["worker"] == doomed.name and r["chain_end"] == "" and (conv, t + 1) not in at_kill
-    ]
+    orphaned = _orphaned(at_kill, doomed.name)
     assert orphaned, "the killed host held conversations mid-chain"
     for conv, t in orphaned:
         assert rows[(conv, t + 1)]["worker"] != doomed.name
