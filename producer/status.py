@@ -107,6 +107,7 @@ class StatusReader:
         eta = remaining * mean_out / tok_s if remaining and mean_out and tok_s else (0.0 if not remaining else None)
         alarm_raw = r.get(keys.alarm(job))
         flags = flags_so_far(r, keys, job, sorted(record.datasets))  # producer/quality_live.py
+        flagged = job_flags(counters)
         raw_state = r.get(keys.job_state(job))  # producer pause/cancel (thinkfleet/state/lifecycle.py)
         state = raw_state.decode() if raw_state else ("finished" if finished else "active")
         checked = last_check(r, keys, job)
@@ -135,8 +136,8 @@ class StatusReader:
             "alarm": _json_or_text(alarm_raw),
             # rows finalized so far with each quality flag, per dataset, and the alarm on degenerate output
             "quality_flags": flags,
-            "quality_flags_total": job_flags(counters),
-            "flag_alarm": flag_alarm(job_flags(counters), totals["done"], self.settings),
+            "quality_flags_total": flagged,
+            "flag_alarm": flag_alarm(flagged, totals["done"], self.settings),
             "queue_length": queue_length(r, self.settings.queue),
             # messages on the broker a full scan would read (all jobs'; null: not a Redis broker)
             "broker_messages": messages,
