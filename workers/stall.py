@@ -132,6 +132,8 @@ class StallWatch:
     async def _run(self) -> None:
         reported: str | None = None
         logged_at = float("-inf")
+        # For the worker's life, a turn every PUBLISH_EVERY_S (an error costs one turn, never the watch); its
+        # escalations are the stalled state status shows and the exit past commit_stuck_exit_s (docs/reliability.md).
         while True:
             try:
                 stalled = self.publish()["stalled"]

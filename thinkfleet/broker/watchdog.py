@@ -84,6 +84,7 @@ class ConsumerWatchdog:
 
     def _watch(self) -> None:
         checked = time.monotonic()
+        # For the life of the process, a turn every CHECK_EVERY_S; its escalation is the exit (docs/reliability.md).
         while True:
             time.sleep(CHECK_EVERY_S)
             now = time.monotonic()
