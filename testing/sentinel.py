@@ -230,8 +230,29 @@ class SentinelHead:
             lambda: all(s.primary() == first for s in self.sentinels), 60, what="every Sentinel naming the primary"
         )
         # Each Sentinel has found the replicas and the other Sentinels before any failover is asked of them.
-        wait_until(lambda: all(self._sentinel_sees_all(s) for s in self.sentinels), 60, what="the Sentinels seeing all")
+        # Discovery runs on the Sentinels' own timers (hello every 2 s, INFO every 10 s), slower on a loaded box: the
+        # bound is generous, and a miss names what each Sentinel saw and the tail of its log.
+        wait_until(
+            lambda: all(self._sentinel_sees_all(s) for s in self.sentinels),
+            180,
+            what="the Sentinels seeing all",
+            explain=self._discovery_report,
+        )
         return self
+
+    def _discovery_report(self) -> str:
+        lines = []
+        for s in self.sentinels:
+            try:
+                client = s.client()
+                seen = f"replicas {len(client.sentinel_slaves(MASTER))}, sentinels {len(client.sentinel_sentinels(MASTER))}"
+            except redis.RedisError as exc:
+                seen = f"unreadable ({exc!r})"
+            log = s.workdir / "sentinel.log"
+            tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else ["(no log)"]
+            alive = "alive" if s.proc and s.proc.poll() is None else "exited"
+            lines.append(f"Sentinel :{s.port} ({alive}): {seen}\n  " + "\n  ".join(tail))
+        return "\n".join(lines)
 
     def _sentinel_sees_all(self, s: SentinelProcess) -> bool:
         try:

@@ -100,12 +100,11 @@ async def keep_in_flight(
 
 def test_throughput_grows_with_concurrency_up_to_the_decode_capacity() -> None:
     rng = random.Random(2)
-    # Long requests, so the client's turnaround between two requests is a small share of each.
-    params = {"max_new_tokens": 4000, "ignore_eos": True}
+    # Requests that outlast the window: none finishes inside it, so exactly `concurrency` run for all of it. (A client's
+    # turnaround between two requests is wall time, which the time scale turns into simulated seconds with a request
+    # fewer in flight; with 4,000-token requests a loaded box measured 26.6 tok/s for one where 40 run.)
+    params = {"max_new_tokens": 100_000, "ignore_eos": True}
     measured: dict[int, float] = {}
-    # time_scale 40, not 200: the client's turnaround between two requests is wall time, which the scale turns into
-    # simulated seconds with a request fewer in flight — on a loaded box at 200 it cost a quarter of the 4-request
-    # window (measured 92 tok/s where 4 × 40 run); at 40 it is a few percent.
     with SimulatorThread(time_scale=40) as sim:
         for concurrency in (1, 4, 16, 64):
 
@@ -116,6 +115,7 @@ def test_throughput_grows_with_concurrency_up_to_the_decode_capacity() -> None:
                 start = await asyncio.to_thread(stats, sim.url)
                 await wait_until(lambda: stats(sim.url)["sim_time_s"] > start["sim_time_s"] + 150)
                 end = await asyncio.to_thread(stats, sim.url)
+                assert (start["running"], end["running"]) == (concurrency, concurrency), (start, end)
                 stop.set()
                 await asyncio.to_thread(requests.post, f"{sim.url}/abort_request", json={"abort_all": True})
                 await client
