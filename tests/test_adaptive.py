@@ -457,10 +457,16 @@ def test_an_auto_worker_bounds_itself_by_the_server_and_starts_again_after_its_r
         metrics_port = int(info()["metrics_port"])
         worker_settings = settings.with_overrides(max_inflight=40)  # the worker's cap: its commit headroom is 10
 
+        bounds_seen: list[int] = []
+
         def held_and_prefetch() -> tuple[float, int]:
+            # The bound is re-decided every 0.5 s and the worker drains to a lower one rather than handing messages
+            # back: held is compared with the prefetch of the highest bound seen so far, not the one of this instant
+            # (a loaded box sampled a drain in progress).
+            bounds_seen.append(int(info()["inflight_bound"]))
             text = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
             lines = [line for line in text.splitlines() if line.startswith("thinkfleet_held_messages ")]
-            prefetch = prefetch_for(int(info()["inflight_bound"]), worker_settings)
+            prefetch = prefetch_for(max(bounds_seen), worker_settings)
             return (float(lines[0].split()[1]) if lines else -1.0), prefetch
 
         # (the messages reserved before the first decision drain first)
@@ -471,6 +477,7 @@ def test_an_auto_worker_bounds_itself_by_the_server_and_starts_again_after_its_r
             time.sleep(0.1)
         assert len(samples) >= 3, "the queue ran dry before the prefetch could be watched"
         assert all(held <= prefetch for held, prefetch in samples), samples  # without it: up to 39 of 50 held
+        assert prefetch_for(max(bounds_seen), worker_settings) < prefetch_for(40, worker_settings), bounds_seen
         # And producer status shows it per worker (producer/bounds.py reads what the heartbeat publishes)
         shown = inflight_bounds(client, settings)[worker.name]
         assert shown["mode"] == "auto" and shown["cap"] == 40 and shown["reason"]
