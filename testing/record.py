@@ -241,7 +241,7 @@ def code_version() -> str:
     lists anything; computed once per process (``bench/reliability_report.py --run`` passes its own)."""
     global _VERSION
     if _VERSION is None:
-        _VERSION = os.environ.get(VERSION_ENV) or git_version(Path(__file__).resolve().parents[2])
+        _VERSION = os.environ.get(VERSION_ENV) or git_version(Path(__file__).resolve().parents[1])
     return _VERSION
 
 
