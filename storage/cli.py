@@ -94,7 +94,42 @@ def verify(settings: Settings, job: str, as_json: bool, live: bool) -> None:
     help="Local path or s3://bucket/key [./JOB-FORMAT.jsonl|.parquet, hf: ./JOB-hf]. "
     "With --shard-rows: X.jsonl → X-00000.jsonl…, or a directory of part-00000.*.",
 )
-@click.option("--shard-rows", type=click.IntRange(min=1), default=None, help="At most N rows per output file.")
+@click.option(
+    "--shard-rows",
+    type=click.IntRange(min=1),
+    default=None,
+    help="At most N rows per output file [--follow: 1000].",
+)
+@click.option(
+    "--follow",
+    is_flag=True,
+    help="While the job runs: write each committed row once, as it commits, into rolling shards in the --out "
+    "directory (each closed atomically, with its cursor); a restart goes on where the last closed shard ends. "
+    "Ends when the job is finished (producer wait's condition) or after --until-idle. docs/exports.md: "
+    "Training while generating.",
+)
+@click.option(
+    "--reader",
+    default=None,
+    metavar="NAME",
+    help="--follow: register as reader NAME, so the job's log is kept until this reader has it in a closed shard.",
+)
+@click.option(
+    "--until-idle",
+    "until_idle_s",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="S",
+    help="--follow: also end after S seconds with no new row.",
+)
+@click.option(
+    "--shard-seconds",
+    "shard_s",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="S",
+    help="--follow: close a shard at most S seconds after its first row [5]; also whenever the feed is idle.",
+)
 @click.option("--drop-truncated", is_flag=True, help="Leave out rows that did not end on a stop (length, abort).")
 @click.option(
     "--drop-flag",
@@ -164,15 +199,33 @@ def export(
     image_urls: str,
     datasets: tuple[str, ...],
     as_json: bool,
+    follow: bool,
+    reader: str | None,
+    until_idle_s: float | None,
+    shard_s: float | None,
 ) -> None:
     """Export the committed rows of JOB as training data.
 
     Token formats keep the stored ids exactly; the text formats decode the generated turn from them with
     the job's tokenizer (local files only; one that ships its own code is refused unless
     --trust-remote-code is given) and take the conversation before it from the submit manifest.
+    With --follow, while the job runs: rolling shards, each row once (docs/exports.md).
     """
     from storage.exports import ExportError, export_job
 
+    if follow:
+        _follow(settings, job, fmt, out, as_json, reader, until_idle_s, shard_s, shard_rows, **{
+            "datasets": list(datasets) or None, "drop_truncated": drop_truncated,
+            "drop_flags": tuple(f for f in drop_flags.split(",") if f.strip()),
+            "min_reasoning_tokens": min_reasoning_tokens, "exclude_reasoning": exclude_reasoning,
+            "merge_turns": merge_turns, "max_length": max_length, "tokenizer": tokenizer,
+            "trust_remote_code": trust_remote_code, "push_to_hub": push_to_hub, "image_urls": image_urls,
+        })  # fmt: skip
+        return
+    given = [name for name, v in (("--reader", reader), ("--until-idle", until_idle_s), ("--shard-seconds", shard_s))
+             if v is not None]  # fmt: skip
+    if given:
+        raise click.UsageError(f"{', '.join(given)} go with --follow")
     try:
         result = export_job(
             settings,
@@ -206,6 +259,37 @@ def export(
         click.echo(f"  pushed to the Hub: {result.pushed_to}")
     for warning in result.warnings:
         click.echo(f"warning: {warning}", err=True)
+
+
+def _follow(
+    settings: Settings,
+    job: str,
+    fmt: str,
+    out: str | None,
+    as_json: bool,
+    reader: str | None,
+    until_idle_s: float | None,
+    shard_s: float | None,
+    shard_rows: int | None,
+    **options: Any,
+) -> None:
+    """``export --follow``: rolling shards until the job is finished or idle; one summary line on stderr."""
+    from storage.exports import ExportError, ExportOptions
+    from storage.follow import DEFAULT_SHARD_ROWS, DEFAULT_SHARD_S, FollowOptions, follow_job
+
+    how = FollowOptions(
+        reader=reader,
+        until_idle_s=until_idle_s,
+        shard_rows=shard_rows or DEFAULT_SHARD_ROWS,
+        shard_s=DEFAULT_SHARD_S if shard_s is None else shard_s,
+    )
+    try:
+        result = follow_job(settings, job, fmt, out, ExportOptions(**options), how)
+    except ExportError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        _print_json(asdict(result))
+    click.echo(result.summary(), err=True)
 
 
 @click.command("report")
