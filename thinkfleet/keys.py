@@ -162,6 +162,30 @@ class Keys:
         of the run that made them: the idempotency record of workers/tool_exec.py (state/lua/tool_calls.lua)."""
         return f"{self.prefix}:job:{job}:tool_calls"
 
+    def committed_revisions(self, job: str) -> str:
+        """HASH prompt_id → revision of the row ``finalize`` made the prompt's committed one, written only for a
+        revision above 0 (absent = 0: most rows cost nothing here): with ``committed_epochs``, what a later revision's
+        feed entry names as the row it replaces."""
+        return f"{self.prefix}:job:{job}:committed_revisions"
+
+    def feed(self, job: str) -> str:
+        """STREAM: the job's commit log, one entry per row ``finalize`` moved into done, in finalize order (fields
+        ``prompt_id``, ``revision``, ``epoch``, ``part`` (its URI), ``row`` (index in the part) and, for a later row of
+        a prompt, ``replaces`` = ``revision:epoch``). Capped at ``feed_max_len`` (approximate MAXLEN) and trimmed
+        behind the slowest registered reader (storage/feed.py)."""
+        return f"{self.prefix}:job:{job}:feed"
+
+    def feed_log(self, job: str) -> str:
+        """HASH beside the ``feed`` stream, made with its first entry: ``id`` → the log's incarnation (Redis time in
+        µs). A lost log (Redis restarted empty, a FLUSH, a DEL) gets a new one, which a reader's cursor no longer
+        names: it is rebuilt from storage."""
+        return f"{self.prefix}:job:{job}:feed:log"
+
+    def feed_readers(self, job: str) -> str:
+        """HASH reader name → the last ``feed`` entry id it committed as durably handled (storage/feed.py commit):
+        the log is trimmed behind the lowest."""
+        return f"{self.prefix}:job:{job}:feed:readers"
+
     def job_fixed(self, job: str) -> list[str]:
         """The job's record and every per-job key whose name depends on the job alone (``producer purge``'s one Lua
         step, state/lua/purge.lua; the rest — per-dataset counters, check tokens, staging — go by ``job_glob``). Not
@@ -175,7 +199,8 @@ class Keys:
                     self.committed_epochs, self.revisions, self.deliveries, self.counters, self.checked,
                     self.finalize_marks, self.worker_counters, self.timeline, self.alarm, self.job_state,
                     self.parked, self.conversations, self.turn_answers, self.chain_state,
-                    self.chain_waiting, self.tool_calls,
+                    self.chain_waiting, self.tool_calls, self.committed_revisions, self.feed, self.feed_log,
+                    self.feed_readers,
                 )
             ),
         ]  # fmt: skip

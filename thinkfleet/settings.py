@@ -243,6 +243,14 @@ class Settings(BaseSettings):
         "least a quarter; a larger job spills sorted runs to local temp files.",
     )
 
+    # -- the commit log a trainer follows (storage/feed.py, producer export --follow) -----------------
+    feed_max_len: int = Field(
+        200_000,
+        ge=0,
+        description="Worker: the job's commit log keeps about this many entries at most (a few hundred bytes each), "
+        "whoever reads it; a reader it outran is rebuilt from storage. 0: no cap (trimmed only behind the readers).",
+    )
+
     # -- reasoning alarm ----------------------------------------------------------------------------
     alarm_min_rows: int = Field(100, ge=1, description="Rows observed before the alarm may fire.")
     alarm_missing_share: float = Field(

@@ -41,11 +41,12 @@ import random
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
 
+from storage import quarantine
 from storage.layout import confine_part
 from storage.writer import PartWriter
 from thinkfleet.failpoints import failpoint
@@ -281,6 +282,10 @@ class GroupCommitter:
                 written = True
                 failpoint("after_part_write")
                 if finalized is None:
+                    # each row's place, for the commit log entry its finalize appends (storage/feed.py): the items
+                    # are the part's rows in order
+                    for n, item in enumerate(items):
+                        item.final = replace(item.final, part=part, row_index=n)
                     finalized = await self._finalize(job, dataset, [i.final for i in items], writes)
                     if finalized.fenced:
                         items = self._fenced(job, items, finalized.fenced)
@@ -437,8 +442,27 @@ class GroupCommitter:
         if loc is not None:
             confine_part(loc, job, part, dataset)  # PartPathRefused: nothing outside the job is read
         writes = await self.hooks.before_orphan_finalize(StoredRow(job, dataset, part, final.prompt_id))
+        if final.part != part or final.row_index < 0:  # the commit log names the row's place (storage/feed.py)
+            final = replace(final, part=part, row_index=await asyncio.to_thread(self._row_in_part, part, final))
         fences = {final.prompt_id: fence} if fence is not None else None
         return await self._finalize(job, dataset, [final], writes, fences)
+
+    def _row_in_part(self, part: str, final: FinalRow) -> int:
+        """The index of ``final``'s row (its prompt id, at its epoch when known) in ``part``; -1 when it cannot be
+        told (compacted since, damaged, unreadable): the commit log's reader then finds it by prompt id."""
+        loc = getattr(self.writer, "loc", None)
+        if loc is None:
+            return -1
+        try:
+            table = quarantine.read_checked(loc, loc.path(part), ["prompt_id", "epoch"])
+        except Exception:  # gone or unreadable: the index is a hint, the finalize must not wait on it
+            return -1
+        if table is None:
+            return -1
+        for n, (pid, epoch) in enumerate(zip(table["prompt_id"].to_pylist(), table["epoch"].to_pylist(), strict=True)):
+            if pid == final.prompt_id and (not final.epoch or (epoch or 0) == final.epoch):
+                return n
+        return -1
 
     def _remember(self, job: str, dataset: str, part: str, final: FinalRow, fence: Fence | None) -> None:
         if fence is None:

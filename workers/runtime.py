@@ -136,7 +136,9 @@ class WorkerRuntime:
             probe_timeout_s=s.preflight_timeout_s,
             health_probe_timeout_s=s.health_probe_timeout_s,
         )
-        self.ledger = GuardedLedger(self.redis, s.keys, self.identity, s.max_deliveries, s.waitaof_ms, s.wait_replicas)
+        self.ledger = GuardedLedger(
+            self.redis, s.keys, self.identity, s.max_deliveries, s.waitaof_ms, s.wait_replicas, s.feed_max_len
+        )
         await self._hold_name()  # before anything under the name is touched: exit 78 if a live twin holds it
         abandoned = await self.ledger.abandon_claims()  # before this life claims anything
         if abandoned:

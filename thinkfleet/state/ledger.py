@@ -113,6 +113,10 @@ class FinalRow:
     #: The row's quality flags (storage/quality.py: ``truncated``, ``loop``, …), counted per dataset as rows are
     #: finalized so ``producer status`` shows them live.
     flags: tuple[str, ...] = ()
+    #: Where the stored row is: its part's URI and its index in the part (-1: not known), named by the commit log's
+    #: entry finalize appends for it (Keys.feed, storage/feed.py reads the row from there).
+    part: str = ""
+    row_index: int = -1
 
     @property
     def truncated_arg(self) -> str:
@@ -148,6 +152,9 @@ class Finalized(NamedTuple):
     offered: int = 0
 
 
+#: The commit log's cap, entries (the ``feed_max_len`` setting's default): a job nobody reads keeps at most about this
+#: many (a few hundred bytes each); a reader the cap outran is rebuilt from storage (storage/feed.py).
+DEFAULT_FEED_MAX_LEN = 200_000
 #: dead_letter.lua's answer for a job whose record is gone or of another generation (purged).
 PURGED = -2
 #: dead_letter.lua: the message is of a lower revision than the one asked for since (nothing written).
@@ -188,8 +195,11 @@ class Ledger:
         max_deliveries: int = 3,
         waitaof_ms: int = 0,
         wait_replicas: int = 0,
+        feed_max_len: int = DEFAULT_FEED_MAX_LEN,
     ) -> None:
         self.r = client
+        #: The commit log's approximate cap, entries (finalize.lua; the ``feed_max_len`` setting; 0: none).
+        self.feed_max_len = feed_max_len
         self.keys = keys
         self.worker = worker
         self.max_deliveries = max_deliveries
@@ -388,7 +398,7 @@ class Ledger:
             epoch, generation, _ = given.get(row.prompt_id) or self._fence(job, row.prompt_id)
             next_revision = message_revision(turn.next_message) if turn is not None and turn.next_prompt_id else 0
             args += [epoch, str(row.epoch) if row.epoch else epoch, generation, int(row.revision), next_revision]
-            args += [_count_arg(row.prefix_reusable), _count_arg(row.cached_tokens)]
+            args += [_count_arg(row.prefix_reusable), _count_arg(row.cached_tokens), row.part, int(row.row_index)]
         keys = [
             k.done(job),
             k.claims(job),
@@ -405,8 +415,8 @@ class Ledger:
             keys += [queue, k.prompts(job), k.prompt_dataset(job), answers, k.chain_state(job), k.chain_waiting(job)]
             keys += [offers] if offers else []
         seq, mark = self._next_mark(job)
-        keys += [k.revisions(job), k.finalize_marks(job)]
-        args.append(mark)
+        keys += [k.revisions(job), k.finalize_marks(job), k.feed(job), k.feed_log(job), k.committed_revisions(job)]
+        args += [int(self.feed_max_len), mark]
         new, fire, seen, miss, flat, offered = await self._finalize_durably(keys, args)
         self._marked[job] = max(self._marked.get(job, 0), seq)
         fenced = _pairs(flat)

@@ -28,10 +28,16 @@
 -- it, so it is the chain's last finalized link (a fenced or superseded run writes nothing). Where the chains stand
 -- is kept beside it as it changes: the counters' chains_complete and chains_ended:{kind} (the reason up to its
 -- first ':'), and the set of conversations whose chain goes on (chain_waiting): status and wait read those.
+-- The commit log (Keys.feed, storage/feed.py): each row moved into done appends one entry in the same step —
+-- prompt_id, revision, epoch, the part's URI and the row's index in it, and when the prompt had a committed row
+-- before (a later revision: producer retry --truncated), 'replaces' = that row's 'revision:epoch'
+-- (committed_revisions keeps a committed row's revision when it is above 0) — capped at about feed_max_len entries
+-- (MAXLEN ~: a job nobody reads stays bounded). The log's incarnation (Keys.feed_log 'id', Redis time in µs) is
+-- made with its first entry: a log lost with Redis gets a new one, which readers' cursors no longer name.
 -- KEYS: done, claims, counters, dataset_counters, worker_counters, timeline, deliveries, dead, committed_epochs,
 --       job (the record hash), and only when a row carries an answer or a next turn: queue, prompts,
 --       prompt_dataset, answers, chain_state, chain_waiting, [offers]; last of all, always: revisions,
---       finalize_marks
+--       finalize_marks, feed, feed_log, committed_revisions
 -- ARGV: worker, alarm_min_rows, alarm_missing_share, dataset, then per row: prompt_id, tokens, think_end
 --       ('1' closed reasoning, '0' expected to and did not, '2' not expected to reason: not watched by the alarm),
 --       truncated ('1' or '0', then ':' and the row's quality flags, comma-separated, when it has any:
@@ -39,13 +45,18 @@
 --       drop (JSON list of turn prompt ids, '' = none), the claim's epoch, the row's own epoch (an orphan's part
 --       row was written under an earlier claim), the generation of the job record it ran for ('' = not recorded),
 --       the row's revision, the next turn's revision (its message's; 0 = none), the row's prefix_reusable tokens
---       ('' = unknown), its cached tokens ('' = not reported);
---       last of all, always: the caller's finalize mark ('nonce:seq:prev', _mark.lua's write_mark: a
+--       ('' = unknown), its cached tokens ('' = not reported), the URI of the part holding the row, the row's index
+--       in it ('-1' = not known: the feed finds it by prompt id);
+--       last of all, always: the feed's MAXLEN (0 = no cap), the caller's finalize mark ('nonce:seq:prev', _mark.lua's write_mark: a
 --       worker that later finds an older mark there knows Redis lost finalizes of its own, Ledger.lost_finalizes)
 -- Returns {new rows, alarm fires, alarm rows seen, of them missing, {fenced prompt_id, holder, ...}, next turns
 --   offered on the host list by this call} — the last is what the worker counts as offered (AFFINITY): only the
 --   call that moves a row into done pushes its next turn, so a retried or replayed finalize of it offers nothing
 --   and counts nothing.
+local last = #KEYS - 3
+local REVISIONS, MARKS = KEYS[last - 1], KEYS[last]
+local FEED, FEED_LOG, COMMITTED_REVISIONS = KEYS[last + 1], KEYS[last + 2], KEYS[last + 3]
+local feed_max_len = tonumber(ARGV[#ARGV - 1]) or 0
 local new_rows, tokens, think, trunc, expected, offered = 0, 0, 0, 0, 0, 0
 local flag_counts = {}
 local undone, undead = 0, 0
@@ -91,7 +102,7 @@ local function chain_state(pid, answer, next_id)
 end
 -- nil when the row may be finalized, else what holds the prompt now (or 'ours' when this row is already it)
 local function holder(pid, e, row_e, gen, rev)
-  local wanted = tonumber(redis.call('HGET', KEYS[#KEYS - 1], pid) or '0')
+  local wanted = tonumber(redis.call('HGET', REVISIONS, pid) or '0')
   local cur = redis.call('HGET', KEYS[2], pid)
   if (tonumber(rev) or 0) < wanted then
     -- our own claim goes with it (as mark_part.lua): the new revision's run must not wait on it
@@ -113,14 +124,33 @@ local function holder(pid, e, row_e, gen, rev)
   return nil
 end
 -- (not for a purged job: its record is gone, and a finalize must not bring its keys back)
-if redis.call('EXISTS', KEYS[10]) == 1 then write_mark(KEYS[#KEYS], ARGV[1], ARGV[#ARGV]) end
-local offers = #KEYS == 19 and KEYS[17] or nil
+if redis.call('EXISTS', KEYS[10]) == 1 then write_mark(MARKS, ARGV[1], ARGV[#ARGV]) end
+local offers = #KEYS == 22 and KEYS[17] or nil
+-- one entry of the commit log for a row just moved into done (see the top)
+local function append(pid, rev, epoch, part, row)
+  if redis.call('EXISTS', FEED_LOG) == 0 then
+    local t = redis.call('TIME')
+    redis.call('HSET', FEED_LOG, 'id', string.format('%d%06d', t[1], t[2]))
+  end
+  local entry = {'prompt_id', pid, 'revision', rev, 'epoch', epoch, 'part', part, 'row', row}
+  local was = redis.call('HGET', KEYS[9], pid)
+  if was and was ~= epoch then
+    entry[#entry + 1] = 'replaces'
+    entry[#entry + 1] = (redis.call('HGET', COMMITTED_REVISIONS, pid) or '0') .. ':' .. was
+  end
+  if (tonumber(rev) or 0) > 0 then redis.call('HSET', COMMITTED_REVISIONS, pid, rev) end
+  if feed_max_len > 0 then
+    redis.call('XADD', FEED, 'MAXLEN', '~', feed_max_len, '*', unpack(entry))
+  else
+    redis.call('XADD', FEED, '*', unpack(entry))
+  end
+end
 local offered_at = nil
 if offers then
   local t = redis.call('TIME')
   offered_at = tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
-for i = 5, #ARGV - 1, 16 do
+for i = 5, #ARGV - 2, 18 do
   local pid = ARGV[i]
   local held = holder(pid, ARGV[i + 9], ARGV[i + 10], ARGV[i + 11], ARGV[i + 12])
   if held and held ~= 'ours' then
@@ -130,6 +160,7 @@ for i = 5, #ARGV - 1, 16 do
     redis.call('HDEL', KEYS[2], pid)
     redis.call('HDEL', KEYS[7], pid)
     if redis.call('SADD', KEYS[1], pid) == 1 then
+    append(pid, ARGV[i + 12], ARGV[i + 10], ARGV[i + 16], ARGV[i + 17])
     redis.call('HSET', KEYS[9], pid, ARGV[i + 10])
     new_rows = new_rows + 1
     tokens = tokens + tonumber(ARGV[i + 1])
@@ -169,8 +200,8 @@ for i = 5, #ARGV - 1, 16 do
         redis.call('RPUSH', KEYS[11], ARGV[i + 7])
       end
       local nrev = tonumber(ARGV[i + 13]) or 0
-      if nrev > tonumber(redis.call('HGET', KEYS[#KEYS - 1], ARGV[i + 5]) or '0') then
-        redis.call('HSET', KEYS[#KEYS - 1], ARGV[i + 5], nrev)
+      if nrev > tonumber(redis.call('HGET', REVISIONS, ARGV[i + 5]) or '0') then
+        redis.call('HSET', REVISIONS, ARGV[i + 5], nrev)
       end
       redis.call('HINCRBY', KEYS[3], 'turns_enqueued', 1)
     end
@@ -179,8 +210,8 @@ for i = 5, #ARGV - 1, 16 do
         take_out(id)
         -- its revision raised above any message of it (claim.lua raises it to each one it sees; a next turn's
         -- enqueue to its own): a leftover copy is superseded at its claim and its run fenced, never added to done
-        local was = tonumber(redis.call('HGET', KEYS[#KEYS - 1], id) or '0')
-        redis.call('HSET', KEYS[#KEYS - 1], id, was + 1)
+        local was = tonumber(redis.call('HGET', REVISIONS, id) or '0')
+        redis.call('HSET', REVISIONS, id, was + 1)
         -- and out of the job: no chain derives it now, so it is not pending (status, wait and the live invariant
         -- count what is submitted); a later re-run that derives it again enqueues it as new
         if redis.call('HDEL', KEYS[13], id) == 1 then

@@ -1,0 +1,395 @@
+"""The feed: each committed row of a running job, once, in the order Redis committed them — for a trainer that reads
+while the fleet generates (``producer export --follow``, storage/follow.py).
+
+Where the order comes from: ``finalize`` (thinkfleet/state/lua/finalize.lua) appends one entry to the job's commit
+log (``Keys.feed``, a Redis stream) for every row it moves into done, in the same atomic step — the prompt, the
+row's revision and epoch, the part's URI and the row's index in it, and for a later row of a prompt (``producer
+retry --truncated``) the ``revision:epoch`` of the row it replaces. A fenced or superseded row is never finalized,
+so it is never in the log. The row itself is read from the part the entry names (the committed view when that part
+was compacted away).
+
+Where a reader stands: a :class:`Cursor` — the log's incarnation and the last entry given. The caller keeps it with
+its output and, once that output is durable, records it with :func:`commit`, which trims the log behind the
+slowest registered reader (``Keys.feed_readers``); ``feed_max_len`` caps the log whoever reads it.
+
+When the log cannot say what came after a cursor — the log was lost (Redis restarted empty, a FLUSH: a new
+incarnation), trimmed past it, or rolled back behind it (a restored snapshot) — or the reader starts with no cursor,
+the reader is *rebuilt* from storage: the committed view (storage/stream.py, bounded memory) less what ``given()``
+says the caller already holds, each row that differs as a replacement, then the live log from where it stood
+before the view was read (a row committed meanwhile arrives once: within one :func:`follow` call nothing is given
+twice at the same or a lower (revision, epoch)). While Redis still knows which row of a prompt it finalized
+(``committed_epochs``), the rebuild gives only that row: a row written but not finalized yet arrives with its
+log entry.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import redis
+
+from storage import layout, quarantine, reader, stream
+from storage.schema import EPOCH, PROMPT_ID, REVISION, SCHEMA
+from thinkfleet.redis_client import sync_client
+from thinkfleet.settings import Settings
+from thinkfleet.state.scripts import lua
+
+log = logging.getLogger("thinkfleet.feed")
+
+#: A cursor's ``seq`` before the first entry.
+START = "0-0"
+#: A cursor's ``log`` for "the log that comes next, from its start" (a rebuild found no log: none was written since).
+NEXT_LOG = ""
+#: A cursor's ``log`` that names no log (the middle of a rebuild): a reader restarted with it is rebuilt again.
+REBUILDING = "rebuilding"
+#: Rows of the committed view :func:`follow` reads at once in a rebuild (then handed on ``max_rows`` at a time).
+REBUILD_BATCH_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Cursor:
+    log: str  # the log's incarnation id (a new one when the log was lost and started again)
+    seq: str = START  # last entry given ("0-0" = none)
+
+    def to_json(self) -> str:
+        return json.dumps({"log": self.log, "seq": self.seq})
+
+    @classmethod
+    def from_json(cls, text: str) -> Cursor:
+        doc = json.loads(text)
+        return cls(str(doc["log"]), str(doc.get("seq") or START))
+
+
+@dataclass(frozen=True)
+class FeedEvent:
+    seq: str  # the log entry's id (Redis stream id "ms-n"); "" for a row a rebuild read from storage
+    prompt_id: str
+    revision: int
+    epoch: int
+    replaces: tuple[int, int] | None  # (revision, epoch) of the row of this prompt given before, else None
+
+
+@dataclass
+class FeedBatch:
+    events: list[FeedEvent]  # in log order (a rebuild's: prompt_id order)
+    table: pa.Table  # the rows, storage.schema.SCHEMA columns, one per event, same order
+    cursor: Cursor  # the position after this batch (give it to commit() once the output is durable)
+
+
+class FeedError(RuntimeError):
+    """The log names a row that storage holds nowhere (its part gone or damaged, and not in the committed view)."""
+
+
+def entry_id(seq: str) -> tuple[int, int]:
+    """A stream id ``ms-n`` as a pair that orders like the stream does."""
+    ms, _, n = seq.partition("-")
+    return int(ms or 0), int(n or 0)
+
+
+def _client(settings: Settings) -> redis.Redis:
+    return sync_client(settings.redis_url)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass
+class _Look:
+    """One atomic read of the log: its incarnation, how far it was trimmed and written, and the entries after a
+    position."""
+
+    log: str | None  # None: no log (never written, or lost)
+    max_deleted: str  # the highest id trimmed away ("0-0": none)
+    last: str  # the highest id ever written
+    entries: list[tuple[str, dict[str, str]]]
+
+    def stale(self, pos: Cursor | None) -> bool:
+        """Can the log not say what came after ``pos``? (None: a reader with no cursor is always rebuilt.)"""
+        if pos is None or pos.log == REBUILDING:
+            return True
+        if pos.log == NEXT_LOG:  # the log that came next, from its start: stale only if it lost entries already
+            return self.log is not None and entry_id(self.max_deleted) > (0, 0)
+        if self.log != pos.log:
+            return True
+        return entry_id(self.max_deleted) > entry_id(pos.seq) or entry_id(pos.seq) > entry_id(self.last)
+
+
+def _look(r: redis.Redis, settings: Settings, job: str, after: str, count: int) -> _Look:
+    keys = settings.keys
+    with r.pipeline(transaction=True) as p:
+        p.hget(keys.feed_log(job), "id")
+        p.xinfo_stream(keys.feed(job))
+        p.xrange(keys.feed(job), min=f"({after}" if after != START else "-", count=count)
+        raw_log, info, entries = p.execute(raise_on_error=False)
+    for result in (raw_log, entries):
+        if isinstance(result, Exception):
+            raise result
+    if isinstance(info, Exception):  # no stream: nothing written since the log (if any) was lost
+        info = {}
+    return _Look(
+        None if raw_log is None else _text(raw_log),
+        _text(info.get("max-deleted-entry-id") or START),
+        _text(info.get("last-generated-id") or START),
+        [(_text(i), {_text(k): _text(v) for k, v in fields.items()}) for i, fields in entries],
+    )
+
+
+def follow(
+    settings: Settings,
+    job: str,
+    cursor: Cursor | None = None,
+    *,
+    reader: str | None = None,
+    given: Callable[[], Mapping[str, tuple[int, int]]] | None = None,
+    max_rows: int = 512,
+    block_s: float = 1.0,
+) -> Iterator[FeedBatch | None]:
+    """Yields batches of committed rows after `cursor` (None = from the start), and None each time the log has
+    nothing new for block_s (so the caller can check its end conditions: job finished, idle time). A reader whose
+    cursor is from another incarnation of the log, or was trimmed away, is rebuilt from storage: the committed view
+    minus what `given()` says it already holds (prompt_id -> (revision, epoch)), as replacement events where the
+    committed row differs, then the live log from its current end. `reader` registers the name so trimming waits
+    for it (its position is what commit() recorded).
+
+    A batch may hold no events: the end of a rebuild that found nothing new moves the cursor. Redis errors are
+    raised (start again from the last cursor)."""
+    r = _client(settings)
+    keys = settings.keys
+    # What the caller holds: given() at the start, then every row yielded here. A log entry at or below it is not
+    # given again (a finalize Redis lost and a worker made again appends its row twice).
+    held: dict[str, tuple[int, int]] = {pid: (int(a), int(b)) for pid, (a, b) in (given() if given else {}).items()}
+    authoritative = given is not None  # `held` knows what the caller had before (else the log's `replaces` tells)
+    if reader:
+        live = cursor is not None and cursor.log not in (NEXT_LOG, REBUILDING)
+        r.hsetnx(keys.feed_readers(job), reader, cursor.seq if live and cursor else START)
+    pos = cursor
+    parts = _Parts(settings, job)
+    while True:
+        look = _look(r, settings, job, pos.seq if pos is not None and pos.log != REBUILDING else START, max_rows)
+        if look.stale(pos):
+            pos = yield from _rebuild(r, settings, job, pos, held, max_rows)
+            authoritative = True
+            continue
+        assert pos is not None
+        if pos.log == NEXT_LOG and look.log is not None:
+            pos = Cursor(look.log, pos.seq)
+        if not look.entries:
+            # wait for an entry after pos (XREAD BLOCK also waits for the stream to be made), then read it atomically
+            got = r.xread({keys.feed(job): pos.seq}, count=1, block=max(1, int(block_s * 1000)))
+            if not got:
+                yield None
+            continue
+        batch = _live_batch(look.entries, pos.log, parts, held, authoritative)
+        pos = batch.cursor
+        if batch.events:
+            yield batch
+
+
+def _live_batch(
+    entries: list[tuple[str, dict[str, str]]],
+    incarnation: str,
+    parts: _Parts,
+    held: dict[str, tuple[int, int]],
+    authoritative: bool,
+) -> FeedBatch:
+    events: list[FeedEvent] = []
+    places: list[tuple[str, int]] = []
+    for seq, f in entries:
+        pid, rev, epoch = f["prompt_id"], int(f.get("revision") or 0), int(f.get("epoch") or 0)
+        before = held.get(pid)
+        if before is not None and (rev, epoch) <= before:
+            continue  # given already (or a later row of it was)
+        if before is not None or authoritative:
+            replaces = before
+        else:
+            rev_was, _, epoch_was = f.get("replaces", "").partition(":")
+            replaces = (int(rev_was), int(epoch_was)) if epoch_was else None
+        events.append(FeedEvent(seq, pid, rev, epoch, replaces))
+        places.append((f.get("part", ""), int(f.get("row") or -1)))
+        held[pid] = (rev, epoch)
+    table = parts.rows(events, places)
+    return FeedBatch(events, table, Cursor(incarnation, entries[-1][0]))
+
+
+class _Parts:
+    """Reads the rows log entries name from their parts (the last part read is kept: a group commit's rows come
+    together), falling back to the committed view for a part compacted away."""
+
+    def __init__(self, settings: Settings, job: str) -> None:
+        self.settings = settings
+        self.job = job
+        self.loc = layout.locate(settings.output_uri, settings.s3_endpoint_url)
+        self._cached: tuple[str, pa.Table | None] | None = None
+
+    def _part(self, uri: str) -> pa.Table | None:
+        """The part's rows, or None when it is gone (compacted) or damaged (quarantined by the read)."""
+        if self._cached is not None and self._cached[0] == uri:
+            return self._cached[1]
+        table: pa.Table | None = None
+        if uri:
+            try:
+                table = quarantine.read_checked(self.loc, self.loc.path(uri))
+            except (quarantine.PartVanished, FileNotFoundError):
+                table = None
+        self._cached = (uri, table)
+        return table
+
+    def rows(self, events: list[FeedEvent], places: list[tuple[str, int]]) -> pa.Table:
+        slices: list[pa.Table] = []
+        missing: list[int] = []
+        for n, (event, (uri, row)) in enumerate(zip(events, places, strict=True)):
+            part = self._part(uri)
+            found = _find(part, event, row) if part is not None else None
+            if found is None:
+                missing.append(n)
+                slices.append(pa.table({}))  # filled from the committed view below
+            else:
+                slices.append(part.slice(found, 1))  # type: ignore[union-attr]
+        if missing:
+            view = self._committed([events[n].prompt_id for n in missing])
+            for n in missing:
+                e = events[n]
+                row = _find(view, e, -1)
+                if row is None:
+                    raise FeedError(
+                        f"{self.job}/{e.prompt_id} (revision {e.revision}, epoch {e.epoch}) is committed in part "
+                        f"{places[n][0]!r} row {places[n][1]}, which storage does not hold, nor the committed view: "
+                        f"run `producer verify {self.job}`"
+                    )
+                slices[n] = view.slice(row, 1)
+        if not slices:
+            return SCHEMA.empty_table()
+        return pa.concat_tables([s.select(SCHEMA.names).cast(SCHEMA) for s in slices])
+
+    def _committed(self, prompt_ids: list[str]) -> pa.Table:
+        view = reader.read_committed(self.settings.output_uri, self.job, s3_endpoint_url=self.settings.s3_endpoint_url)
+        return view.filter(pc.is_in(view[PROMPT_ID], value_set=pa.array(prompt_ids, pa.string())))
+
+
+def _find(table: pa.Table, event: FeedEvent, row: int) -> int | None:
+    """The index of ``event``'s row in ``table`` (``row`` first, when it is that row), else None."""
+
+    def at(n: int) -> bool:
+        return (
+            table[PROMPT_ID][n].as_py() == event.prompt_id
+            and int(table[REVISION][n].as_py() or 0) == event.revision
+            and int(table[EPOCH][n].as_py() or 0) == event.epoch
+        )
+
+    if 0 <= row < table.num_rows and at(row):
+        return row
+    for n in pc.indices_nonzero(pc.equal(table[PROMPT_ID], event.prompt_id)).to_pylist():
+        if at(n):
+            return int(n)
+    return None
+
+
+def _rebuild(
+    r: redis.Redis,
+    settings: Settings,
+    job: str,
+    pos: Cursor | None,
+    held: dict[str, tuple[int, int]],
+    max_rows: int,
+) -> Iterator[FeedBatch]:
+    """The committed view less what is held, as batches; returns the cursor the live log goes on from (its end
+    before the view was read: a row committed meanwhile is in the log after it, and given once)."""
+    keys = settings.keys
+    end = _look(r, settings, job, START, 1)
+    resume = Cursor(end.log, end.last) if end.log is not None else Cursor(NEXT_LOG, START)
+    # Until the last batch, the caller's cursor stays one that is rebuilt again (what it wrote meanwhile is given()).
+    waiting = Cursor(REBUILDING, START)
+    known = bool(r.exists(keys.committed_epochs(job)))  # Redis still knows which row of each prompt it finalized
+    log.info("feed of %s: rebuilding from storage (cursor %s, log now %s)", job, pos, end.log)
+    loc = layout.locate(settings.output_uri, settings.s3_endpoint_url)
+    pending: tuple[list[FeedEvent], pa.Table] | None = None
+    started = time.monotonic()
+    given_n = 0
+    if _has_storage(settings, job):
+        for table in stream.committed_batches(
+            loc, job, SCHEMA.names, memory_bytes=stream.memory_bytes_of(settings), batch_bytes=REBUILD_BATCH_BYTES
+        ):
+            table = _keep(r, keys.committed_epochs(job), table, held, known)
+            for start in range(0, table.num_rows, max_rows):
+                chunk = table.slice(start, max_rows)
+                events = _rebuilt_events(chunk, held)
+                if pending is not None:
+                    yield FeedBatch(pending[0], pending[1], waiting)
+                pending = (events, chunk.select(SCHEMA.names).cast(SCHEMA))
+                given_n += len(events)
+    log.info("feed of %s: rebuilt %d row(s) from storage in %.1f s", job, given_n, time.monotonic() - started)
+    if pending is not None:
+        yield FeedBatch(pending[0], pending[1], resume)
+    else:
+        yield FeedBatch([], SCHEMA.empty_table(), resume)
+    return resume
+
+
+def _has_storage(settings: Settings, job: str) -> bool:
+    from storage.listing import job_has_storage
+
+    return job_has_storage(settings.output_uri, job, settings.s3_endpoint_url)
+
+
+def _keep(
+    r: redis.Redis, committed_epochs: str, table: pa.Table, held: dict[str, tuple[int, int]], known: bool
+) -> pa.Table:
+    """Of a batch of the committed view: the rows the caller does not hold at that (revision, epoch) or above, and
+    (while Redis ``known``s) only rows Redis finalized — a row written and not finalized yet comes with its entry."""
+    pids = table[PROMPT_ID].to_pylist()
+    revs = [int(v or 0) for v in table[REVISION].to_pylist()]
+    eps = [int(v or 0) for v in table[EPOCH].to_pylist()]
+    recorded = r.hmget(committed_epochs, pids) if known and pids else [None] * len(pids)
+    mask = []
+    for pid, rev, ep, rec in zip(pids, revs, eps, recorded, strict=True):
+        before = held.get(pid)
+        fresh = before is None or (rev, ep) > before
+        finalized = not known or (rec is not None and int(rec) == ep)
+        mask.append(fresh and finalized)
+    return table.filter(pa.array(mask, pa.bool_()))
+
+
+def _rebuilt_events(chunk: pa.Table, held: dict[str, tuple[int, int]]) -> list[FeedEvent]:
+    events = []
+    for pid, rev, ep in zip(
+        chunk[PROMPT_ID].to_pylist(), chunk[REVISION].to_pylist(), chunk[EPOCH].to_pylist(), strict=True
+    ):
+        row = (int(rev or 0), int(ep or 0))
+        events.append(FeedEvent("", pid, row[0], row[1], held.get(pid)))
+        held[pid] = row
+    return events
+
+
+def commit(settings: Settings, job: str, reader: str, cursor: Cursor) -> None:
+    """Record `reader`'s position in Redis (after the caller made its output durable) and trim the log behind the
+    slowest registered reader."""
+    r = _client(settings)
+    keys = settings.keys
+    script = r.register_script(lua("feed_commit"))
+    script(keys=[keys.feed_readers(job), keys.feed(job), keys.feed_log(job)], args=[reader, cursor.log, cursor.seq])
+
+
+def forget(settings: Settings, job: str, reader: str) -> bool:
+    """Unregister `reader` (it reads no more): the log is no longer kept for it. True when it was registered."""
+    return bool(_client(settings).hdel(settings.keys.feed_readers(job), reader))
+
+
+def finished(settings: Settings, job: str) -> bool:
+    """producer wait's end condition for the job (re-use producer's own function; do not re-derive it): every prompt
+    stored or dead-lettered by the counters (``StatusReader.read``'s ``finished``), and for a ``--turns all`` job no
+    stored chain stopped before a turn nobody enqueued (``confirm_chains``, as ``wait`` asks storage)."""
+    from producer.status import StatusReader, confirm_chains
+
+    client = _client(settings)
+    st = StatusReader(client, settings, job).read()
+    if not st.get("finished"):
+        return False
+    return not (st.get("conversations") and confirm_chains(settings, job, client))

@@ -1,0 +1,26 @@
+-- A reader of the job's commit log (storage/feed.py commit) records how far its output is durable, and the log is
+-- trimmed behind the slowest registered reader: every entry below the lowest position goes (XTRIM MINID, exact:
+-- the entry at the lowest position itself stays, which costs one entry). A position of another incarnation of the
+-- log (the reader's cursor names a log that was lost since) means nothing here: it is recorded as '0-0', which
+-- holds the whole log until that reader commits a position of this one.
+-- KEYS: feed_readers, feed, feed_log
+-- ARGV: reader, the cursor's log id, the cursor's seq
+-- Returns the entries trimmed.
+local function id_of(s)
+  local ms, n = string.match(s, '^(%d+)-(%d+)$')
+  return tonumber(ms) or 0, tonumber(n) or 0
+end
+local function below(a, b)
+  local am, an = id_of(a)
+  local bm, bn = id_of(b)
+  return am < bm or (am == bm and an < bn)
+end
+local pos = ARGV[3]
+if redis.call('HGET', KEYS[3], 'id') ~= ARGV[2] then pos = '0-0' end
+redis.call('HSET', KEYS[1], ARGV[1], pos)
+local low = nil
+for _, v in ipairs(redis.call('HVALS', KEYS[1])) do
+  if low == nil or below(v, low) then low = v end
+end
+if low == nil or low == '0-0' or redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+return redis.call('XTRIM', KEYS[2], 'MINID', low)
