@@ -212,7 +212,8 @@ def test_retry_truncated_rows_arrive_as_replacements(fleet: Fleet, tmp_path: Pat
     assert f"{len(rerun)} replacements" in summary, summary
     after = applied_lines(out)
     assert after == export_lines(fleet.settings, job, tmp_path)
-    changed = {json.loads(line)["id"] for line in after if before.get(json.loads(line)["id"]) != line}
+    ids = {json.loads(line)["id"]: line for line in after}
+    changed = {pid for pid, line in before.items() if ids[pid] != line}
     assert changed <= rerun and changed, "the re-run rows are the new ones"
     assert not given_twice(out)
 
