@@ -107,7 +107,7 @@ class _Look:
     position."""
 
     log: str | None  # None: no log (never written, or lost)
-    max_deleted: str  # the highest id trimmed away ("0-0": none)
+    trimmed: str  # the highest id trimmed away ("0-0": none)
     last: str  # the highest id ever written
     entries: list[tuple[str, dict[str, str]]]
 
@@ -116,27 +116,28 @@ class _Look:
         if pos is None or pos.log == REBUILDING:
             return True
         if pos.log == NEXT_LOG:  # the log that came next, from its start: stale only if it lost entries already
-            return self.log is not None and entry_id(self.max_deleted) > (0, 0)
+            return self.log is not None and entry_id(self.trimmed) > (0, 0)
         if self.log != pos.log:
             return True
-        return entry_id(self.max_deleted) > entry_id(pos.seq) or entry_id(pos.seq) > entry_id(self.last)
+        return entry_id(self.trimmed) > entry_id(pos.seq) or entry_id(pos.seq) > entry_id(self.last)
 
 
 def _look(r: redis.Redis, settings: Settings, job: str, after: str, count: int) -> _Look:
     keys = settings.keys
     with r.pipeline(transaction=True) as p:
-        p.hget(keys.feed_log(job), "id")
+        p.hgetall(keys.feed_log(job))
         p.xinfo_stream(keys.feed(job))
         p.xrange(keys.feed(job), min=f"({after}" if after != START else "-", count=count)
-        raw_log, info, entries = p.execute(raise_on_error=False)
-    for result in (raw_log, entries):
+        record, info, entries = p.execute(raise_on_error=False)
+    for result in (record, entries):
         if isinstance(result, Exception):
             raise result
     if isinstance(info, Exception):  # no stream: nothing written since the log (if any) was lost
         info = {}
+    record = {_text(k): _text(v) for k, v in record.items()}
     return _Look(
-        None if raw_log is None else _text(raw_log),
-        _text(info.get("max-deleted-entry-id") or START),
+        record.get("id"),
+        record.get("trimmed", START),
         _text(info.get("last-generated-id") or START),
         [(_text(i), {_text(k): _text(v) for k, v in fields.items()}) for i, fields in entries],
     )

@@ -171,14 +171,15 @@ class Keys:
     def feed(self, job: str) -> str:
         """STREAM: the job's commit log, one entry per row ``finalize`` moved into done, in finalize order (fields
         ``prompt_id``, ``revision``, ``epoch``, ``part`` (its URI), ``row`` (index in the part) and, for a later row of
-        a prompt, ``replaces`` = ``revision:epoch``). Capped at ``feed_max_len`` (approximate MAXLEN) and trimmed
-        behind the slowest registered reader (storage/feed.py)."""
+        a prompt, ``replaces`` = ``revision:epoch``). Capped at about ``feed_max_len`` entries and trimmed behind the
+        slowest registered reader (storage/feed.py)."""
         return f"{self.prefix}:job:{job}:feed"
 
     def feed_log(self, job: str) -> str:
         """HASH beside the ``feed`` stream, made with its first entry: ``id`` → the log's incarnation (Redis time in
-        µs). A lost log (Redis restarted empty, a FLUSH, a DEL) gets a new one, which a reader's cursor no longer
-        names: it is rebuilt from storage."""
+        µs; a lost log — Redis restarted empty, a FLUSH, a DEL — gets a new one, which a reader's cursor no longer
+        names: it is rebuilt from storage), ``trimmed`` → the highest entry id trimmed away (a reader below it lost
+        entries: rebuilt too)."""
         return f"{self.prefix}:job:{job}:feed:log"
 
     def feed_readers(self, job: str) -> str:

@@ -5,7 +5,7 @@
 -- holds the whole log until that reader commits a position of this one.
 -- KEYS: feed_readers, feed, feed_log
 -- ARGV: reader, the cursor's log id, the cursor's seq
--- Returns the entries trimmed.
+-- Returns the entries trimmed; the highest of them goes into feed_log's 'trimmed'.
 local function id_of(s)
   local ms, n = string.match(s, '^(%d+)-(%d+)$')
   return tonumber(ms) or 0, tonumber(n) or 0
@@ -22,5 +22,10 @@ local low = nil
 for _, v in ipairs(redis.call('HVALS', KEYS[1])) do
   if low == nil or below(v, low) then low = v end
 end
-if low == nil or low == '0-0' or redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+if low == nil or low == '0-0' then return 0 end
+-- the highest entry that goes, kept in the log's record ('trimmed': a stream's own max-deleted-entry-id does not
+-- count trims), where a reader whose position is below it finds it lost entries
+local last = redis.call('XREVRANGE', KEYS[2], '(' .. low, '-', 'COUNT', 1)
+if #last == 0 then return 0 end
+redis.call('HSET', KEYS[3], 'trimmed', last[1][1])
 return redis.call('XTRIM', KEYS[2], 'MINID', low)

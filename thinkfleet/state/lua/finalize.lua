@@ -32,7 +32,7 @@
 -- prompt_id, revision, epoch, the part's URI and the row's index in it, and when the prompt had a committed row
 -- before (a later revision: producer retry --truncated), 'replaces' = that row's 'revision:epoch'
 -- (committed_revisions keeps a committed row's revision when it is above 0) — capped at about feed_max_len entries
--- (MAXLEN ~: a job nobody reads stays bounded). The log's incarnation (Keys.feed_log 'id', Redis time in µs) is
+-- (a job nobody reads stays bounded; Keys.feed_log 'trimmed' names the highest entry trimmed). The log's incarnation (Keys.feed_log 'id', Redis time in µs) is
 -- made with its first entry: a log lost with Redis gets a new one, which readers' cursors no longer name.
 -- KEYS: done, claims, counters, dataset_counters, worker_counters, timeline, deliveries, dead, committed_epochs,
 --       job (the record hash), and only when a row carries an answer or a next turn: queue, prompts,
@@ -128,9 +128,10 @@ if redis.call('EXISTS', KEYS[10]) == 1 then write_mark(MARKS, ARGV[1], ARGV[#ARG
 local offers = #KEYS == 22 and KEYS[17] or nil
 -- one entry of the commit log for a row just moved into done (see the top)
 local function append(pid, rev, epoch, part, row)
-  if redis.call('EXISTS', FEED_LOG) == 0 then
+  if redis.call('HEXISTS', FEED_LOG, 'id') == 0 then
     local t = redis.call('TIME')
     redis.call('HSET', FEED_LOG, 'id', string.format('%d%06d', t[1], t[2]))
+    redis.call('HDEL', FEED_LOG, 'trimmed')
   end
   local entry = {'prompt_id', pid, 'revision', rev, 'epoch', epoch, 'part', part, 'row', row}
   local was = redis.call('HGET', KEYS[9], pid)
@@ -139,11 +140,18 @@ local function append(pid, rev, epoch, part, row)
     entry[#entry + 1] = (redis.call('HGET', COMMITTED_REVISIONS, pid) or '0') .. ':' .. was
   end
   if (tonumber(rev) or 0) > 0 then redis.call('HSET', COMMITTED_REVISIONS, pid, rev) end
-  if feed_max_len > 0 then
-    redis.call('XADD', FEED, 'MAXLEN', '~', feed_max_len, '*', unpack(entry))
-  else
-    redis.call('XADD', FEED, '*', unpack(entry))
-  end
+  redis.call('XADD', FEED, '*', unpack(entry))
+end
+-- past the cap and a tenth of it (at most 100 entries more), the oldest entries go down to the cap, and the log's
+-- record keeps the highest id trimmed ('trimmed'): a reader whose position is below it lost entries (a stream's own
+-- max-deleted-entry-id does not count trims)
+local function cap_feed()
+  if feed_max_len <= 0 then return end
+  local over = redis.call('XLEN', FEED) - feed_max_len
+  if over <= math.max(1, math.min(100, math.floor(feed_max_len / 10))) then return end
+  local gone = redis.call('XRANGE', FEED, '-', '+', 'COUNT', over)
+  redis.call('HSET', FEED_LOG, 'trimmed', gone[#gone][1])
+  redis.call('XTRIM', FEED, 'MAXLEN', feed_max_len)
 end
 local offered_at = nil
 if offers then
@@ -231,6 +239,7 @@ for n = 2, #fenced, 2 do
 end
 if counted > 0 then redis.call('HINCRBY', KEYS[3], 'fenced', counted) end
 if new_rows == 0 then return {0, 0, 0, 0, fenced, 0} end
+cap_feed()
 if undead > 0 then
   redis.call('HINCRBY', KEYS[3], 'dead', -undead)
   redis.call('HINCRBY', KEYS[4], 'dead', -undead)
