@@ -67,7 +67,8 @@ def feed_samples(
             if until_idle_s is not None and now - last_new >= until_idle_s:
                 return
             continue
-        if not batch.events:
+        if not batch.events:  # (the end of a rebuild that found nothing new: the cursor moves on)
+            yield [], batch.cursor
             continue
         last_new = now
         table = last_per_prompt(batch.table.select(SCHEMA.names))

@@ -251,3 +251,54 @@ def test_a_restart_removes_what_a_kill_left_half_written(tmp_path: Path) -> None
     assert sorted(os.listdir(out)) == [STATE_DIR, "shard-000001.jsonl"]
     assert os.listdir(out / STATE_DIR) == ["000001.json"]
     assert ShardDir(str(out), "j", "specforge", ".jsonl").given() == {"p1": (0, 0)}
+
+
+#: The adapter's check, run in the consumers' venv (torch, SpecForge) with this checkout's own dependencies after its
+#: packages (redis and the rest): the samples as lists, SpecForge's collator's batch shapes, the state to resume at.
+ADAPTER_CHECK = """
+import json, sys
+sys.path.append(sys.argv[2])
+from specforge.data.utils import DataCollatorWithPadding
+from storage.torch_feed import FeedDataset
+from thinkfleet.settings import Settings
+
+data = FeedDataset(Settings(), sys.argv[1], reader="torch", max_length=4096)
+samples = list(data)
+batch = DataCollatorWithPadding()(samples[:4])
+print(json.dumps({
+    "samples": [{k: s[k][0].tolist() for k in ("input_ids", "loss_mask", "attention_mask")} for s in samples],
+    "shapes": {k: list(v.shape) for k, v in batch.items() if v is not None},
+    "lengths": [s["input_ids"].shape[1] for s in samples[:4]],
+    "state": data.state_dict(),
+}))
+"""
+
+
+def test_torch_adapter_yields_the_specforge_records_as_specforge_collates_them(fleet: Fleet, tmp_path: Path) -> None:
+    from test_consumers import consumers_python
+
+    import storage.torch_feed as torch_feed
+
+    # Given a finished job of 12 prompts.
+    job = "follow-torch"
+    fleet.run(job, make_prompts(12, seed=14))
+    wait_until(lambda: fleet.done(job) == 12, 180, what="12 rows")
+    want = [json.loads(line) for line in export_lines(fleet.settings, job, tmp_path)]
+    # When its feed is read without torch (the records), and through FeedDataset in the consumers' venv.
+    records = [r for batch, _ in torch_feed.feed_samples(fleet.settings, job) for r in batch]
+    site = next((REPO / ".venv" / "lib").glob("python3*/site-packages"))
+    env = {**cli_env(fleet.settings), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [str(consumers_python()), "-W", "ignore", "-c", ADAPTER_CHECK, job, str(site)],
+        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    # Then both are the specforge export's records, each once; the samples are [1, L] tensors SpecForge's collator
+    # pads into (4, longest) batches; the state names where the feed stood.
+    assert sorted(records, key=lambda r: r["id"]) == sorted(want, key=lambda r: r["id"])
+    by_ids = sorted((s["input_ids"], s["loss_mask"]) for s in seen["samples"])
+    assert by_ids == sorted((r["input_ids"], r["loss_mask"]) for r in want)
+    assert all(s["attention_mask"] == [1] * len(s["input_ids"]) for s in seen["samples"])
+    assert seen["shapes"] == {k: [4, max(seen["lengths"])] for k in ("input_ids", "attention_mask", "loss_mask")}
+    assert seen["state"]["job"] == job and seen["state"]["cursor"]["seq"] != "0-0"
