@@ -18,8 +18,8 @@ the reader is *rebuilt* from storage: the committed view (storage/stream.py, bou
 says the caller already holds, each row that differs as a replacement, then the live log from where it stood
 before the view was read (a row committed meanwhile arrives once: within one :func:`follow` call nothing is given
 twice at the same or a lower (revision, epoch)). While Redis still knows which row of a prompt it finalized
-(``committed_epochs``), the rebuild gives only that row: a row written but not finalized yet arrives with its
-log entry.
+(``committed_epochs``), the rebuild gives only that row (or, for a prompt ``producer submit`` marked done again from
+storage after a Redis loss, the stored one): a row written but not finalized yet arrives with its log entry.
 """
 
 from __future__ import annotations
@@ -318,7 +318,7 @@ def _rebuild(
         for table in stream.committed_batches(
             loc, job, SCHEMA.names, memory_bytes=stream.memory_bytes_of(settings), batch_bytes=REBUILD_BATCH_BYTES
         ):
-            table = _keep(r, keys.committed_epochs(job), table, held, known)
+            table = _keep(r, settings, job, table, held, known)
             for start in range(0, table.num_rows, max_rows):
                 chunk = table.slice(start, max_rows)
                 events = _rebuilt_events(chunk, held)
@@ -341,19 +341,27 @@ def _has_storage(settings: Settings, job: str) -> bool:
 
 
 def _keep(
-    r: redis.Redis, committed_epochs: str, table: pa.Table, held: dict[str, tuple[int, int]], known: bool
+    r: redis.Redis, settings: Settings, job: str, table: pa.Table, held: dict[str, tuple[int, int]], known: bool
 ) -> pa.Table:
     """Of a batch of the committed view: the rows the caller does not hold at that (revision, epoch) or above, and
-    (while Redis ``known``s) only rows Redis finalized — a row written and not finalized yet comes with its entry."""
+    (while Redis ``known``s which row of each prompt it finalized) only the row it finalized — or, for a prompt done
+    with no finalize recorded (``producer submit`` refilled it from storage after a Redis loss), the stored one. A row
+    written and not finalized yet comes with its log entry."""
     pids = table[PROMPT_ID].to_pylist()
     revs = [int(v or 0) for v in table[REVISION].to_pylist()]
     eps = [int(v or 0) for v in table[EPOCH].to_pylist()]
-    recorded = r.hmget(committed_epochs, pids) if known and pids else [None] * len(pids)
+    recorded: list[Any] = [None] * len(pids)
+    done: list[Any] = [True] * len(pids)
+    if known and pids:
+        with r.pipeline(transaction=False) as p:
+            p.hmget(settings.keys.committed_epochs(job), pids)
+            p.smismember(settings.keys.done(job), pids)
+            recorded, done = p.execute()
     mask = []
-    for pid, rev, ep, rec in zip(pids, revs, eps, recorded, strict=True):
+    for pid, rev, ep, rec, is_done in zip(pids, revs, eps, recorded, done, strict=True):
         before = held.get(pid)
         fresh = before is None or (rev, ep) > before
-        finalized = not known or (rec is not None and int(rec) == ep)
+        finalized = int(rec) == ep if rec is not None else bool(is_done)
         mask.append(fresh and finalized)
     return table.filter(pa.array(mask, pa.bool_()))
 

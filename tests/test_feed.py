@@ -32,7 +32,7 @@ from testing.harness import fast_env, isolated_settings, make_prompts, producer_
 from testing.rows import make_row
 from thinkfleet.keys import Keys
 from thinkfleet.settings import Settings
-from thinkfleet.state.ledger import FinalRow, Ledger
+from thinkfleet.state.ledger import Fence, FinalRow, Ledger
 from workers.committer import GroupCommitter
 
 #: Generous: the box is often 100 % busy.
@@ -212,28 +212,42 @@ class _Committer:
         self.feed_max_len = feed_max_len
         self.stored = 0
 
-    def commit(self, n: int) -> list[str]:
+    def commit(self, n: int, finalize: bool = True) -> list[str]:
+        """``n`` new rows in one part, finalized (or only written: :meth:`finalize_written` finalizes them)."""
         pids = [f"p-{self.stored + i:05d}" for i in range(n)]
         self.stored += n
 
         async def run() -> None:
-            client = aioredis.from_url(self.settings.redis_url)
-            ledger = Ledger(client, self.settings.keys, "w1", feed_max_len=self.feed_max_len)
+            ledger = self._ledger()
             epochs = [(await ledger.claim(self.job, pid)).epoch for pid in pids]
             rows = [
-                make_row(pid, job=self.job, epoch=e, seed=i)
-                for i, (pid, e) in enumerate(zip(pids, epochs, strict=True))
+                make_row(p, job=self.job, epoch=e, seed=i) for i, (p, e) in enumerate(zip(pids, epochs, strict=True))
             ]
             part = self.writer.write(self.job, "ds", rows)
-            finals = [
+            self.written = [
                 FinalRow(p, 10, True, False, epoch=e, part=part, row_index=i)
                 for i, (p, e) in enumerate(zip(pids, epochs, strict=True))
             ]
-            assert (await ledger.finalize(self.job, "ds", finals, 100, 0.95)).new == n
-            await client.aclose()
+            if finalize:
+                assert (await ledger.finalize(self.job, "ds", self.written, 100, 0.95)).new == n
+            await ledger.r.aclose()
 
         asyncio.run(run())
         return pids
+
+    def finalize_written(self) -> None:
+        async def run() -> None:
+            ledger = self._ledger()
+            for row in self.written:  # under the claims the writing run held
+                ledger.held[(self.job, row.prompt_id)] = Fence(str(row.epoch))
+            assert (await ledger.finalize(self.job, "ds", self.written, 100, 0.95)).new == len(self.written)
+            await ledger.r.aclose()
+
+        asyncio.run(run())
+
+    def _ledger(self) -> Ledger:
+        client = aioredis.from_url(self.settings.redis_url)
+        return Ledger(client, self.settings.keys, "w1", feed_max_len=self.feed_max_len)
 
 
 def _drain(settings: Settings, job: str, cursor: feed.Cursor | None, batches: int | None = None, **kwargs: object):
@@ -401,3 +415,25 @@ def test_purge_deletes_the_log_and_its_readers(redis_url: str, tmp_path: Path) -
         client.exists(keys.feed("pg"), keys.feed_log("pg"), keys.feed_readers("pg"), keys.committed_revisions("pg"))
         == 0
     )
+
+
+def test_a_rebuild_gives_finalized_rows_and_those_refilled_from_storage_never_a_row_not_finalized_yet(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # Given 10 finalized rows, 5 of them done with no finalize recorded (producer submit refilled them from storage
+    # after a Redis loss), and 4 rows written whose finalize has not come yet.
+    settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    keys = settings.keys
+    client = redis.Redis.from_url(redis_url)
+    job = _Committer(settings, "rb")
+    finalized = job.commit(10)
+    client.hdel(keys.committed_epochs("rb"), *finalized[:5])
+    pending = job.commit(4, finalize=False)
+    # When a reader starts afresh (rebuilt from storage).
+    rebuilt = _drain(settings, "rb", None)
+    # Then it gets the 10 done rows, not the 4 in flight.
+    assert sorted(e.prompt_id for b in rebuilt for e in b.events) == finalized
+    # And the 4 arrive from the log once finalized, once each.
+    job.finalize_written()
+    later = _drain(settings, "rb", rebuilt[-1].cursor)
+    assert [e.prompt_id for b in later for e in b.events] == pending
