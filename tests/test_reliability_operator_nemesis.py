@@ -4,7 +4,9 @@ and ``retry --error-class cancelled``, ``purge --force`` and the same ``producer
 all while two workers run one job submitted with the real producer: single prompts, and ``--turns all``
 conversations (each turn i+1 must be rendered from the committed turn i: testing/chains.py) whose every request
 draws its own answer (``--sample-per-request``: a re-run of turn i answers otherwise, so turn i+1 rendered from any
-run but the committed one shows). Every command goes through the ``producer`` CLI, as an operator types it.
+run but the committed one shows). Every command goes through the ``producer`` CLI's command group, as an operator
+types it, in this process (click's runner: what it races is the worker processes, through Redis and storage);
+``producer wait`` runs as a process of its own.
 The CI seed's ``--turns all`` and agentic runs are in files of their own (…_turns.py, …_agentic.py): the suite's
 processes share the three.
 
@@ -45,8 +47,9 @@ from thinkfleet.turns import beyond_chain_ends
 from workers.tool_exec import TRUSTED_ENV
 
 OPERATIONS = ("pause_resume", "cancel_retry", "purge_resubmit", "compact", "kill", "retry_truncated", "rollback")
-#: Simulated seconds per wall second: slow enough that the job still runs when the operator acts (each command is a
-#: CLI process of a second or more; at 40 the whole job was stored before the first one, and acted on nothing).
+#: Simulated seconds per wall second: slow enough that the job still runs when the operator acts (a worker restart,
+#: as kill and cancel take, lasts 10-15 s on the loaded CI box; at 16 the whole job was stored before the last command,
+#: the cancel, with the commands in this process; at 40, with a CLI process each, before the first).
 TIME_SCALE = "8"
 #: The agentic run: the example executor answers every call (docs/examples/agentic/tools.py), and the simulator's
 #: answers call its tools often, briefly (as tests/test_agentic_replay.py's).
@@ -85,17 +88,18 @@ def _stored(client: redis.Redis, settings: Settings) -> int:
         return -1
 
 
-def _cli(settings: Settings, *args: str, timeout_s: float = 180.0, in_process: bool = False) -> str:
-    """Run one operator command; it must succeed (an operator's command that fails is a finding)."""
-    result = producer_cli(settings, *args, timeout_s=timeout_s, in_process=in_process)
+def _cli(settings: Settings, *args: str) -> str:
+    """Run one operator command through the ``producer`` command group, in this process (click's runner: the same
+    code against the same Redis and storage while the worker processes run; a new interpreter per command cost
+    ≈ 1.5-4 CPU-s on the 2-core CI box and raced nothing more). It must succeed (one that fails is a finding)."""
+    result = producer_cli(settings, *args, in_process=True)
     assert result.returncode == 0, f"producer {' '.join(args)} exited {result.returncode}:\n{result.stderr[-3000:]}"
     return result.stdout
 
 
 def _nothing_runs(settings: Settings) -> bool:
-    # the test's own wait, polled every half second, not an operator's command: in this process (a new interpreter
-    # per poll kept a core busy on the 2-core CI box)
-    st = json.loads(_cli(settings, "status", JOB, "--json", "--deep", in_process=True))
+    # the test's own wait, polled every half second, not an operator's command
+    st = json.loads(_cli(settings, "status", JOB, "--json", "--deep"))
     return st.get("queued") == 0 and st.get("running") == 0
 
 
@@ -189,7 +193,7 @@ def run_operators(
 
 def _check_turns(settings: Settings, data: Path, tok_dir: Path, record: JobRecord, total: int) -> Outcome:
     """check_job for a ``--turns all`` job: verify, status and storage agree, and every chain is whole and exact."""
-    verify = producer_cli(settings, "verify", JOB, "--json")
+    verify = producer_cli(settings, "verify", JOB, "--json", in_process=True)
     problems = [] if verify.returncode == 0 else [f"producer verify failed: {verify.stdout[-3000:]}"]
     rows = {r["prompt_id"]: r for r in read_committed(settings.output_uri, JOB).to_pylist()}
     # A turn past its conversation's chain end is superseded (a retry of an earlier turn ended the chain there):
@@ -213,7 +217,7 @@ def _check_steps(settings: Settings) -> Outcome:
     """check_job for an agentic job: verify passes (every chain whole: at its end or a recorded reason), no step is
     stored twice, and status counts what storage holds on the current chains — a step no current chain reaches (a
     re-run took another path) and a turn past a chain end are superseded, as the exports and verify say."""
-    verify = producer_cli(settings, "verify", JOB, "--json")
+    verify = producer_cli(settings, "verify", JOB, "--json", in_process=True)
     problems = [] if verify.returncode == 0 else [f"producer verify failed: {verify.stdout[-3000:]}"]
     rows = {r["prompt_id"]: r for r in read_committed(settings.output_uri, JOB).to_pylist()}
     dups = raw_duplicates(settings.output_uri, JOB)
