@@ -302,3 +302,26 @@ def test_torch_adapter_yields_the_specforge_records_as_specforge_collates_them(f
     assert all(s["attention_mask"] == [1] * len(s["input_ids"]) for s in seen["samples"])
     assert seen["shapes"] == {k: [4, max(seen["lengths"])] for k in ("input_ids", "attention_mask", "loss_mask")}
     assert seen["state"]["job"] == job and seen["state"]["cursor"]["seq"] != "0-0"
+
+
+def test_eagle3_follow_writes_parquet_shards_that_read_as_the_export(fleet: Fleet, tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    # Given a finished job of 8 prompts.
+    job = "follow-eagle3"
+    fleet.run(job, make_prompts(8, seed=15))
+    wait_until(lambda: fleet.done(job) == 8, 180, what="8 rows")
+    # When it is followed as eagle3 (in this process: its exit is not the point) in shards of 3 rows.
+    out = tmp_path / "shards"
+    args = ("export", job, "--follow", "--format", "eagle3", "--out", str(out), "--shard-rows", "3", "--json")
+    done = producer_cli(fleet.settings, *args, in_process=True)
+    assert done.returncode == 0, done.stderr
+    # Then it wrote Parquet shards of at most 3 rows, no hidden file, its provenance, and they read as the export.
+    assert json.loads(done.stdout)["rows"] == 8
+    shards = sorted(out.glob("shard-*.parquet"))
+    assert len(shards) >= 3 and all(pq.read_metadata(p).num_rows <= 3 for p in shards)
+    assert (out / "_provenance.json").exists()
+    whole = tmp_path / "export.parquet"
+    assert producer_cli(fleet.settings, "export", job, "--out", str(whole), in_process=True).returncode == 0
+    followed_rows = sorted(pq.read_table(out).to_pylist(), key=lambda r: r["id"])
+    assert followed_rows == sorted(pq.read_table(whole).to_pylist(), key=lambda r: r["id"])
