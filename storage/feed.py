@@ -169,8 +169,7 @@ def follow(
     held: dict[str, tuple[int, int]] = {pid: (int(a), int(b)) for pid, (a, b) in (given() if given else {}).items()}
     authoritative = given is not None  # `held` knows what the caller had before (else the log's `replaces` tells)
     if reader:
-        live = cursor is not None and cursor.log not in (NEXT_LOG, REBUILDING)
-        r.hsetnx(keys.feed_readers(job), reader, cursor.seq if live and cursor else START)
+        _position(r, settings, job, reader, cursor or Cursor(NEXT_LOG), "register")
     pos = cursor
     parts = _Parts(settings, job)
     while True:
@@ -380,10 +379,20 @@ def _rebuilt_events(chunk: pa.Table, held: dict[str, tuple[int, int]]) -> list[F
 def commit(settings: Settings, job: str, reader: str, cursor: Cursor) -> None:
     """Record `reader`'s position in Redis (after the caller made its output durable) and trim the log behind the
     slowest registered reader."""
-    r = _client(settings)
+    _position(_client(settings), settings, job, reader, cursor, "commit")
+
+
+def _position(r: redis.Redis, settings: Settings, job: str, reader: str, cursor: Cursor, mode: str) -> int:
+    """feed_commit.lua: register ``reader`` at ``cursor`` (mode ``register``: only when it is not registered yet), or
+    record it there and trim the log behind the slowest reader (``commit``). Returns the entries trimmed."""
     keys = settings.keys
     script = r.register_script(lua("feed_commit"))
-    script(keys=[keys.feed_readers(job), keys.feed(job), keys.feed_log(job)], args=[reader, cursor.log, cursor.seq])
+    return int(
+        script(
+            keys=[keys.feed_readers(job), keys.feed(job), keys.feed_log(job), keys.job(job)],
+            args=[reader, cursor.log, cursor.seq, mode],
+        )
+    )
 
 
 def forget(settings: Settings, job: str, reader: str) -> bool:

@@ -211,6 +211,8 @@ class _Committer:
         self.writer = PartWriter(settings.output_uri, "w1")
         self.feed_max_len = feed_max_len
         self.stored = 0
+        # the job's record (a purged job's has gone: nothing of the log is written for it then)
+        redis.Redis.from_url(settings.redis_url).hset(settings.keys.job(job), "name", json.dumps(job))
 
     def commit(self, n: int, finalize: bool = True) -> list[str]:
         """``n`` new rows in one part, finalized (or only written: :meth:`finalize_written` finalizes them)."""
@@ -410,11 +412,11 @@ def test_purge_deletes_the_log_and_its_readers(redis_url: str, tmp_path: Path) -
     # When the job is purged.
     purged = producer_cli(settings, "purge", "pg", "--force", in_process=True)
     assert purged.returncode == 0, purged.stderr
-    # Then none of the log's keys is left.
-    assert (
-        client.exists(keys.feed("pg"), keys.feed_log("pg"), keys.feed_readers("pg"), keys.committed_revisions("pg"))
-        == 0
-    )
+    # Then none of the log's keys is left, and a reader's late commit brings none back.
+    log_keys = (keys.feed("pg"), keys.feed_log("pg"), keys.feed_readers("pg"), keys.committed_revisions("pg"))
+    assert client.exists(*log_keys) == 0
+    feed.commit(settings, "pg", "trainer", feed.Cursor("gone", "1-0"))
+    assert client.exists(*log_keys) == 0
 
 
 def test_a_rebuild_gives_finalized_rows_and_those_refilled_from_storage_never_a_row_not_finalized_yet(
