@@ -269,6 +269,7 @@ class Follower:
         self.settings, self.job, self.exporter, self.opts = settings, job, exporter, follow
         self.dir = ShardDir(out, job, exporter.name, exporter.suffix)
         self.result = FollowResult(out=self.dir.root, format=exporter.name, job=job)
+        self._given: dict[str, tuple[int, int]] | None = None  # the sidecars' rows, read once, then kept up to date
         self._pending: list[Any] = []  # FeedBatch objects not yet in a closed shard
         self._pending_rows = 0
         self._pending_since: float | None = None
@@ -300,14 +301,27 @@ class Follower:
                 log.warning("Redis does not answer (%s): following again in %.0f s", exc, REDIS_RETRY_S)
                 time.sleep(REDIS_RETRY_S)
 
+    def given(self) -> dict[str, tuple[int, int]]:
+        """What the closed shards hold (:meth:`ShardDir.given`): read from the sidecars once, then kept up to date."""
+        if self._given is None:
+            self._given = self.dir.given()
+        return dict(self._given)
+
     def _follow(self) -> str:
         from storage import feed
+        from thinkfleet.redis_client import sync_client
 
         opts = self.opts
+        with sync_client(self.settings.redis_url) as client:
+            if not client.exists(self.settings.keys.job(self.job)):
+                raise ExportError(
+                    f"job {self.job!r} has no record in Redis: --follow reads a submitted job's commit log "
+                    "(export a finished or purged job's stored rows without --follow)"
+                )
         last_new = time.monotonic()
         finished_seen = False
         batches = feed.follow(
-            self.settings, self.job, self.cursor, reader=opts.reader, given=self.dir.given,
+            self.settings, self.job, self.cursor, reader=opts.reader, given=self.given,
             max_rows=min(FEED_BATCH_ROWS, opts.shard_rows), block_s=opts.poll_s,
         )  # fmt: skip
         for batch in batches:
@@ -369,6 +383,8 @@ class Follower:
 
         self.dir.close(n, write, sidecar)
         self.next, self.cursor = n + 1, cursor
+        if self._given is not None:
+            self._given.update((e.prompt_id, (e.revision, e.epoch)) for e in events)
         self._count(part, events, replaces)
         if self.opts.reader:
             feed.commit(self.settings, self.job, self.opts.reader, cursor)

@@ -325,3 +325,10 @@ def test_eagle3_follow_writes_parquet_shards_that_read_as_the_export(fleet: Flee
     assert producer_cli(fleet.settings, "export", job, "--out", str(whole), in_process=True).returncode == 0
     followed_rows = sorted(pq.read_table(out).to_pylist(), key=lambda r: r["id"])
     assert followed_rows == sorted(pq.read_table(whole).to_pylist(), key=lambda r: r["id"])
+
+
+def test_following_a_job_with_no_record_says_so(fleet: Fleet, tmp_path: Path) -> None:
+    done = producer_cli(
+        fleet.settings, "export", "no-such-job", "--follow", "--out", str(tmp_path / "shards"), in_process=True
+    )
+    assert done.returncode == 1 and "has no record in Redis" in done.stderr, done.stderr
