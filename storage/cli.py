@@ -287,6 +287,10 @@ def _follow(
         result = follow_job(settings, job, fmt, out, ExportOptions(**options), how)
     except ExportError as exc:
         raise click.ClickException(str(exc)) from exc
+    except KeyboardInterrupt:
+        # Whatever it was doing, the closed shards are whole and the half-written one is cleaned at the next start.
+        click.echo("interrupted: the closed shards stay; the same command goes on after the last one", err=True)
+        raise SystemExit(130) from None
     if as_json:
         _print_json(asdict(result))
     click.echo(result.summary(), err=True)
