@@ -274,6 +274,7 @@ class Follower:
         self._pending_rows = 0
         self._pending_since: float | None = None
         self._started = time.monotonic()
+        self._down_since: float | None = None  # when Redis stopped answering (None: it answers)
 
     def run(self) -> FollowResult:
         from storage import feed
@@ -282,7 +283,6 @@ class Follower:
         self.result.resumed_from = last
         self.next = last + 1
         self.cursor = feed.Cursor.from_json(json.dumps(doc["cursor"])) if doc else None
-        down_since: float | None = None
         while True:
             try:
                 self.result.ended = self._follow()
@@ -292,8 +292,8 @@ class Follower:
                 # committed past the last closed shard), or a rebuild gives them again.
                 self._pending, self._pending_rows, self._pending_since = [], 0, None
                 now = time.monotonic()
-                down_since = down_since or now
-                if now - down_since > REDIS_DOWN_MAX_S:
+                self._down_since = self._down_since or now
+                if now - self._down_since > REDIS_DOWN_MAX_S:
                     raise ExportError(
                         f"Redis at {self.settings.redis_url} did not answer for {REDIS_DOWN_MAX_S:.0f} s ({exc}); "
                         f"shards up to {self.next - 1} are closed: run the same command again to go on"
@@ -326,6 +326,7 @@ class Follower:
         )  # fmt: skip
         for batch in batches:
             now = time.monotonic()
+            self._down_since = None  # the feed answered
             if batch is None:  # nothing new for a poll: close what is held, then the end conditions
                 if self._pending:
                     self._close()
