@@ -5,6 +5,7 @@ the tool calls the simulator emitted — checked here by reading the ids, not wi
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,10 @@ from sglang_sim.content import ContentConfig, expected_generation
 from storage.reader import read_committed
 from storage.verify import verify_job
 from testing.datasets import chat_rows, write_jsonl
-from testing.fleet import WorkerProcess, dead_letters, job_progress, wait_until
-from testing.harness import fast_env, isolated_settings, producer_cli, simulator
+from testing.fleet import dead_letters, job_progress, stuck_report, wait_until
+from testing.harness import isolated_settings, producer_cli
+from testing.module_fleet import FleetPool
+from testing.services import RedisServer
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet.profiles import PROFILES
 from thinkfleet.state.job import JobRecord
@@ -59,29 +62,47 @@ def _dataset(path: Path) -> Path:
     return write_jsonl(path, rows)
 
 
+@pytest.fixture(scope="module")
+def fleets(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetPool]:
+    """One simulator per model family (and one that never closes reasoning), each with one worker, started when a
+    test first needs it and shared by the module's jobs (each test submits its own)."""
+    pool = FleetPool(redis_server.url(0), tmp_path_factory.mktemp("profiles"))
+    yield pool
+    pool.close()
+
+
 def _run(
-    tmp_path: Path, redis_url: str, family: str, sim_family: str, job: str, *flags: str, sim_flags: tuple[str, ...] = ()
+    tmp_path: Path,
+    fleets: FleetPool,
+    family: str,
+    sim_family: str,
+    job: str,
+    *flags: str,
+    sim_flags: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Submit with the real CLI, run one worker against ``sglang-sim --model-family sim_family``, and return
+    """Submit with the real CLI to a worker of ``sglang-sim --model-family sim_family``, and return
     {rows, record, client, settings, submit, report, verify}; verify must pass unless ``sim_flags`` are given."""
-    (tmp_path / "logs").mkdir(exist_ok=True)
-    settings = isolated_settings(redis_url, str(tmp_path / "out"), alarm_min_rows=5)  # as the worker's (fast_env)
-    client = redis.Redis.from_url(redis_url)
+    sim_args = ("--time-scale", "1000", "--model-family", sim_family, "--tool-call-share", TOOL_SHARE, *sim_flags)
+    fleet = fleets.get(
+        "-".join((sim_family, *sim_flags)),
+        sim_args,
+        settings={"alarm_min_rows": 5},  # as the worker's
+        max_inflight=8,
+        alarm_min_rows=5,
+    )
+    settings, client = fleet.settings, fleet.client
     tok = build_test_tokenizer(default_test_tokenizer_dir(family=family), family=family)
     data = _dataset(tmp_path / "alpha.jsonl")
     args = ("submit", str(data), "--job", job, "--tokenizer", str(tok), "--processes", "1", "--no-progress")
     args += ("--max-new-tokens", "6000", "--seed", "5", "--context-length", "131072", "--json", *flags)
-    sim_args = ("--time-scale", "400", "--model-family", sim_family, "--tool-call-share", TOOL_SHARE, *sim_flags)
-    with simulator(tmp_path / "logs", *sim_args) as sim:
-        worker = WorkerProcess("w1", fast_env(settings, sim, max_inflight=8, alarm_min_rows=5), tmp_path / "logs")
-        worker.start()
-        try:
-            worker.wait_ready(client, settings.keys)
-            submitted = producer_cli(settings, *args, in_process=True)  # the tokenizer loads once per process
-            assert submitted.returncode == 0, submitted.stderr
-            wait_until(lambda: job_progress(client, settings.keys, job)["done"] == ROWS, 180, what=f"{ROWS} rows")
-        finally:
-            worker.terminate()
+    submitted = producer_cli(settings, *args, in_process=True)  # the tokenizer loads once per process
+    assert submitted.returncode == 0, submitted.stderr
+    wait_until(
+        lambda: job_progress(client, settings.keys, job)["done"] == ROWS,
+        180,
+        what=f"{ROWS} rows",
+        explain=lambda: stuck_report(client, settings, job, fleet.workers),
+    )
     assert dead_letters(client, settings.keys, job) == {}
     record = JobRecord.load(client, settings.keys, job)
     assert record is not None
@@ -114,8 +135,8 @@ def _calls(row: dict[str, Any]) -> list[tuple[int, int]]:
 
 
 @pytest.mark.timeout(400)
-def test_a_qwen3_job_runs_end_to_end_with_its_own_markers(tmp_path: Path, redis_url: str) -> None:
-    got = _run(tmp_path, redis_url, "qwen3", "qwen3", "qwen")
+def test_a_qwen3_job_runs_end_to_end_with_its_own_markers(tmp_path: Path, fleets: FleetPool) -> None:
+    got = _run(tmp_path, fleets, "qwen3", "qwen3", "qwen")
     record = got["record"]
     assert record.model_family == "qwen3" and record.reasoning_spans
     assert record.chat_template_kwargs == {"enable_thinking": True}
@@ -151,11 +172,11 @@ def test_a_qwen3_job_runs_end_to_end_with_its_own_markers(tmp_path: Path, redis_
 
 @pytest.mark.timeout(400)
 def test_a_qwen3_thinking_2507_job_whose_prompt_opens_reasoning_spans_it_from_the_first_output_id(
-    tmp_path: Path, redis_url: str
+    tmp_path: Path, fleets: FleetPool
 ) -> None:
     """The template ends the prompt with ``<think>\\n``: the model (the simulator) starts inside reasoning and
     emits no ``<think>``; the row's reasoning is output_ids[0:</think>], and the alarm counts these rows."""
-    got = _run(tmp_path, redis_url, "qwen3-thinking", "qwen3", "qwenthink")
+    got = _run(tmp_path, fleets, "qwen3-thinking", "qwen3", "qwenthink")
     record = got["record"]
     assert record.model_family == "qwen3" and record.reasoning_spans
     newline = record.markers["\n"]  # submit read the whitespace id from the tokenizer
@@ -173,11 +194,11 @@ def test_a_qwen3_thinking_2507_job_whose_prompt_opens_reasoning_spans_it_from_th
 
 @pytest.mark.timeout(400)
 def test_a_deepseek_r1_job_spans_reasoning_from_the_first_output_id_and_its_tool_call_section(
-    tmp_path: Path, redis_url: str
+    tmp_path: Path, fleets: FleetPool
 ) -> None:
     """R1-0528's template ends the prompt with ``<think>\\n``: the output starts inside reasoning, closes it with
     ``</think>``, then answers or calls tools in ``<｜tool▁calls▁begin｜>`` sections, and ends with EOS."""
-    got = _run(tmp_path, redis_url, "deepseek", "deepseek", "dsr1")
+    got = _run(tmp_path, fleets, "deepseek", "deepseek", "dsr1")
     record = got["record"]
     assert record.model_family == "deepseek" and record.reasoning_spans
     assert {role: getattr(record, role) for role in DS} == DS
@@ -213,11 +234,11 @@ def test_a_deepseek_r1_job_spans_reasoning_from_the_first_output_id_and_its_tool
 
 @pytest.mark.timeout(400)
 def test_a_qwen3_thinking_job_whose_outputs_never_close_reasoning_fails_verify_with_the_alarm(
-    tmp_path: Path, redis_url: str
+    tmp_path: Path, fleets: FleetPool
 ) -> None:
     """Qwen3's prompt does not open reasoning (the model opens ``<think>`` itself), so the prompt cannot tell the
     alarm these rows should reason; the job's ``enable_thinking`` does."""
-    got = _run(tmp_path, redis_url, "qwen3", "qwen3", "qwenlost", sim_flags=("--no-think-end",))
+    got = _run(tmp_path, fleets, "qwen3", "qwen3", "qwenlost", sim_flags=("--no-think-end",))
     assert all(END_THINK not in row["output_ids"] for row in got["rows"])
     verify = verify_job(got["settings"], "qwenlost")  # in process: the settings' alarm_min_rows (5) apply
     assert verify.reasoning_alarm and not verify.ok
@@ -230,9 +251,9 @@ def test_a_qwen3_thinking_job_whose_outputs_never_close_reasoning_fails_verify_w
 
 
 @pytest.mark.timeout(400)
-def test_a_qwen3_job_with_thinking_off_has_no_reasoning_and_no_alarm(tmp_path: Path, redis_url: str) -> None:
+def test_a_qwen3_job_with_thinking_off_has_no_reasoning_and_no_alarm(tmp_path: Path, fleets: FleetPool) -> None:
     kwargs = json.dumps({"enable_thinking": False})
-    got = _run(tmp_path, redis_url, "qwen3", "qwen3", "qwennothink", "--chat-template-kwargs", kwargs)
+    got = _run(tmp_path, fleets, "qwen3", "qwen3", "qwennothink", "--chat-template-kwargs", kwargs)
     assert got["record"].chat_template_kwargs == {"enable_thinking": False}
     for row in got["rows"]:  # the prompt closed an empty reasoning block: the model answers at once
         assert END_THINK in row["input_ids"][-3:]
@@ -248,8 +269,8 @@ def test_a_qwen3_job_with_thinking_off_has_no_reasoning_and_no_alarm(tmp_path: P
 
 
 @pytest.mark.timeout(400)
-def test_a_harmony_job_runs_end_to_end_with_channel_spans(tmp_path: Path, redis_url: str) -> None:
-    got = _run(tmp_path, redis_url, "harmony", "harmony", "gptoss")
+def test_a_harmony_job_runs_end_to_end_with_channel_spans(tmp_path: Path, fleets: FleetPool) -> None:
+    got = _run(tmp_path, fleets, "harmony", "harmony", "gptoss")
     record = got["record"]
     assert record.model_family == "harmony" and record.reasoning_spans
     assert record.chat_template_kwargs == {"reasoning_effort": "medium"}
@@ -290,18 +311,20 @@ def test_a_harmony_job_runs_end_to_end_with_channel_spans(tmp_path: Path, redis_
 
 @pytest.mark.timeout(400)
 def test_a_tokenizer_without_reasoning_markers_is_refused_then_runs_without_reasoning_spans(
-    tmp_path: Path, redis_url: str
+    tmp_path: Path, redis_url: str, fleets: FleetPool
 ) -> None:
     settings = isolated_settings(redis_url, str(tmp_path / "out"))
     tok = build_test_tokenizer(default_test_tokenizer_dir(family="plain"), family="plain")
     data = _dataset(tmp_path / "alpha.jsonl")
-    refused = producer_cli(settings, "submit", str(data), "--job", "plain", "--tokenizer", str(tok), "--no-progress")
+    refused = producer_cli(
+        settings, "submit", str(data), "--job", "plain", "--tokenizer", str(tok), "--no-progress", in_process=True
+    )
     assert refused.returncode == 1
     assert "'<think>'" in refused.stderr and "--no-reasoning-spans" in refused.stderr
     assert redis.Redis.from_url(redis_url).llen(settings.queue) == 0
 
     # The model (Qwen-shaped ids) does think; the job asked for no reasoning spans: none, and no alarm.
-    got = _run(tmp_path, redis_url, "plain", "qwen3", "plain", "--no-reasoning-spans")
+    got = _run(tmp_path, fleets, "plain", "qwen3", "plain", "--no-reasoning-spans")
     record = got["record"]
     assert record.model_family == "qwen3" and record.reasoning_spans is False
     assert record.think_start_id is None and record.think_end_id is None
