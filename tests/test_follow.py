@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,22 +168,35 @@ def fleet(
 
 # -- the tests --------------------------------------------------------------------------------------------------
 def test_follower_killed_mid_job_resumes_with_no_row_missing_or_repeated(fleet: Fleet, tmp_path: Path) -> None:
-    # Given a job of 60 prompts of which only the first half is published yet, and a follower in small shards.
+    # Given a job of 100 prompts of which only 30 are published yet, and a follower in small shards.
     job = "follow-kill"
-    rest = fleet.run(job, make_prompts(60, seed=11), publish=30)
+    rest = fleet.run(job, make_prompts(100, seed=11), publish=30)
     out = tmp_path / "shards"
     how = ("--reader", "r1", "--shard-rows", "8", "--shard-seconds", "0.2")
     first = start_follower(fleet.settings, job, out, *how)
-    # When it is SIGKILLed once it closed shards of the first half, the rest is published, and it is started again.
-    wait_until(lambda: fleet.done(job) == 30 and closed(out) >= 4, 180, what="the first half in closed shards")
+    # When it is SIGKILLed once it closed shards of those 30 (waiting on the feed), the rest is published,
+    wait_until(lambda: fleet.done(job) == 30 and closed(out) >= 4, 180, what="the first 30 in closed shards")
     first.kill()
     send_tasks(fleet.settings, rest)  # type: ignore[arg-type]
-    again = start_follower(fleet.settings, job, out, *how, name="again")
-    summary = again.finish()
+    # and it is started and SIGKILLed twice more while rows flow: each time at a random instant after it closed a
+    # shard (any instant must do: a kill mid-write leaves a hidden file or a sidecar with no shard, which the next
+    # start removes),
+    rng = random.Random(7)
+    for i in range(2):
+        follower = start_follower(fleet.settings, job, out, *how, name=f"k{i}")
+        before = closed(out)
+        closes = lambda f=follower, n=before: closed(out) > n or f.proc.poll() is not None  # noqa: E731
+        wait_until(closes, 180, what="a shard closed")
+        time.sleep(rng.uniform(0, 0.3))
+        follower.kill()
+    # and once more, to the end.
+    summary = start_follower(fleet.settings, job, out, *how, name="last").finish()
     # Then it ended because the job finished, and its output is the committed view: no row missing, none twice.
     assert "ended: job finished" in summary and "resumed after shard" in summary, summary
     assert not given_twice(out)
-    assert applied_lines(out) == export_lines(fleet.settings, job, tmp_path)
+    lines = applied_lines(out)
+    assert len(lines) == 100
+    assert lines == export_lines(fleet.settings, job, tmp_path)
     assert not [e for e in os.listdir(out) if e.startswith(".")], "a hidden leftover stayed"
 
 
