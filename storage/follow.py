@@ -332,14 +332,14 @@ class Follower:
                     self._close()
                 if finished_seen:
                     return "job finished"
-                # Finished now means every row is in the log; one more idle poll drains what came since.
+                # Finished now means every row is in the log: one more idle poll with nothing new, and all is read.
                 finished_seen = feed.finished(self.settings, self.job)
                 if opts.until_idle_s is not None and now - last_new >= opts.until_idle_s:
                     return f"idle {opts.until_idle_s:g}s"
                 continue
             if not batch.events:
                 continue
-            last_new = now
+            last_new, finished_seen = now, False  # (rows came since: finished is asked again at the next idle poll)
             if self._pending_rows + len(batch.events) > opts.shard_rows:
                 self._close()
             self._pending.append(batch)
