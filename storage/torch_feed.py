@@ -70,7 +70,7 @@ def feed_samples(
         if not batch.events:  # (the end of a rebuild that found nothing new: the cursor moves on)
             yield [], batch.cursor
             continue
-        last_new = now
+        last_new, finished_seen = now, False
         table = last_per_prompt(batch.table.select(SCHEMA.names))
         if share[1] > 1:
             mine = [zlib.crc32(pid.encode()) % share[1] == share[0] for pid in table["prompt_id"].to_pylist()]
