@@ -35,9 +35,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import redis
 
-from storage import layout, quarantine, reader, stream
+from storage import layout, listing, quarantine, reader, stream
 from storage.schema import EPOCH, PROMPT_ID, REVISION, SCHEMA
-from thinkfleet.redis_client import sync_client
+from thinkfleet.redis_client import SOCKET_TIMEOUT_S, sync_client
 from thinkfleet.settings import Settings
 from thinkfleet.state.scripts import lua
 
@@ -93,8 +93,9 @@ def entry_id(seq: str) -> tuple[int, int]:
     return int(ms or 0), int(n or 0)
 
 
-def _client(settings: Settings) -> redis.Redis:
-    return sync_client(settings.redis_url)
+def _client(settings: Settings, block_s: float = 0.0) -> redis.Redis:
+    """A client whose reads outwait a blocking read of ``block_s``."""
+    return sync_client(settings.redis_url, timeout_s=max(SOCKET_TIMEOUT_S, block_s + SOCKET_TIMEOUT_S))
 
 
 def _text(value: Any) -> str:
@@ -162,35 +163,38 @@ def follow(
 
     A batch may hold no events: the end of a rebuild that found nothing new moves the cursor. Redis errors are
     raised (start again from the last cursor)."""
-    r = _client(settings)
+    r = _client(settings, block_s)
     keys = settings.keys
     # What the caller holds: given() at the start, then every row yielded here. A log entry at or below it is not
     # given again (a finalize Redis lost and a worker made again appends its row twice).
     held: dict[str, tuple[int, int]] = {pid: (int(a), int(b)) for pid, (a, b) in (given() if given else {}).items()}
     authoritative = given is not None  # `held` knows what the caller had before (else the log's `replaces` tells)
-    if reader:
-        _position(r, settings, job, reader, cursor or Cursor(NEXT_LOG), "register")
-    pos = cursor
-    parts = _Parts(settings, job)
-    while True:
-        look = _look(r, settings, job, pos.seq if pos is not None and pos.log != REBUILDING else START, max_rows)
-        if look.stale(pos):
-            pos = yield from _rebuild(r, settings, job, pos, held, max_rows)
-            authoritative = True
-            continue
-        assert pos is not None
-        if pos.log == NEXT_LOG and look.log is not None:
-            pos = Cursor(look.log, pos.seq)
-        if not look.entries:
-            # wait for an entry after pos (XREAD BLOCK also waits for the stream to be made), then read it atomically
-            got = r.xread({keys.feed(job): pos.seq}, count=1, block=max(1, int(block_s * 1000)))
-            if not got:
-                yield None
-            continue
-        batch = _live_batch(look.entries, pos.log, parts, held, authoritative)
-        pos = batch.cursor
-        if batch.events:
-            yield batch
+    try:
+        if reader:
+            _position(r, settings, job, reader, cursor or Cursor(NEXT_LOG), "register")
+        pos = cursor
+        parts = _Parts(settings, job)
+        while True:
+            look = _look(r, settings, job, pos.seq if pos is not None and pos.log != REBUILDING else START, max_rows)
+            if look.stale(pos):
+                pos = yield from _rebuild(r, settings, job, pos, held, max_rows)
+                authoritative = True
+                continue
+            assert pos is not None
+            if pos.log == NEXT_LOG and look.log is not None:
+                pos = Cursor(look.log, pos.seq)
+            if not look.entries:
+                # wait for an entry after pos (XREAD BLOCK waits for the stream to be made too), then read it atomically
+                got = r.xread({keys.feed(job): pos.seq}, count=1, block=max(1, int(block_s * 1000)))
+                if not got:
+                    yield None
+                continue
+            batch = _live_batch(look.entries, pos.log, parts, held, authoritative)
+            pos = batch.cursor
+            if batch.events:
+                yield batch
+    finally:
+        r.close()
 
 
 def _live_batch(
@@ -334,9 +338,7 @@ def _rebuild(
 
 
 def _has_storage(settings: Settings, job: str) -> bool:
-    from storage.listing import job_has_storage
-
-    return job_has_storage(settings.output_uri, job, settings.s3_endpoint_url)
+    return listing.job_has_storage(settings.output_uri, job, settings.s3_endpoint_url)
 
 
 def _keep(
@@ -379,7 +381,8 @@ def _rebuilt_events(chunk: pa.Table, held: dict[str, tuple[int, int]]) -> list[F
 def commit(settings: Settings, job: str, reader: str, cursor: Cursor) -> None:
     """Record `reader`'s position in Redis (after the caller made its output durable) and trim the log behind the
     slowest registered reader."""
-    _position(_client(settings), settings, job, reader, cursor, "commit")
+    with _client(settings) as r:
+        _position(r, settings, job, reader, cursor, "commit")
 
 
 def _position(r: redis.Redis, settings: Settings, job: str, reader: str, cursor: Cursor, mode: str) -> int:
@@ -397,7 +400,8 @@ def _position(r: redis.Redis, settings: Settings, job: str, reader: str, cursor:
 
 def forget(settings: Settings, job: str, reader: str) -> bool:
     """Unregister `reader` (it reads no more): the log is no longer kept for it. True when it was registered."""
-    return bool(_client(settings).hdel(settings.keys.feed_readers(job), reader))
+    with _client(settings) as r:
+        return bool(r.hdel(settings.keys.feed_readers(job), reader))
 
 
 def finished(settings: Settings, job: str) -> bool:
@@ -406,8 +410,8 @@ def finished(settings: Settings, job: str) -> bool:
     stored chain stopped before a turn nobody enqueued (``confirm_chains``, as ``wait`` asks storage)."""
     from producer.status import StatusReader, confirm_chains
 
-    client = _client(settings)
-    st = StatusReader(client, settings, job).read()
-    if not st.get("finished"):
-        return False
-    return not (st.get("conversations") and confirm_chains(settings, job, client))
+    with _client(settings) as client:
+        st = StatusReader(client, settings, job).read()
+        if not st.get("finished"):
+            return False
+        return not (st.get("conversations") and confirm_chains(settings, job, client))

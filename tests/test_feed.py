@@ -324,6 +324,26 @@ def test_a_reader_whose_log_was_lost_is_rebuilt_from_storage_less_what_it_holds(
     assert [e.prompt_id for b in more for e in b.events] == ["p-00040", "p-00041", "p-00042"]
 
 
+def test_a_reader_ahead_of_the_log_is_rebuilt(redis_url: str, tmp_path: Path) -> None:
+    # Given a reader that took 12 of 20 rows, and a Redis rolled back behind its cursor (a snapshot restored: the
+    # log's last entry is below the reader's position).
+    settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    job = _Committer(settings, "rr")
+    job.commit(20)
+    log_id = _log_id(settings, "rr")
+    head = _drain(settings, "rr", feed.Cursor(log_id, feed.START), batches=3, max_rows=4)
+    held = _held(head)
+    ahead = feed.Cursor(log_id, "99999999999999-0")
+    # When it goes on from a position the log never reached, telling what it holds.
+    rest = _drain(settings, "rr", ahead, given=lambda: held)
+    # Then it is rebuilt from storage: the other 8 rows, once each, and its cursor is the log's end.
+    assert sorted(e.prompt_id for b in rest for e in b.events) == sorted(
+        set(f"p-{i:05d}" for i in range(20)) - set(held)
+    )
+    last = redis.Redis.from_url(redis_url).xrevrange(settings.keys.feed("rr"), count=1)[0][0].decode()
+    assert rest[-1].cursor == feed.Cursor(log_id, last)
+
+
 def test_a_reader_trimmed_away_is_rebuilt_and_trimming_waits_for_the_slowest_reader(
     redis_url: str, tmp_path: Path
 ) -> None:
