@@ -289,6 +289,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.timeout(1800)  # the consumers' venv is built first where it is missing (minutes), as test_consumers'
 def test_torch_adapter_yields_the_specforge_records_as_specforge_collates_them(fleet: Fleet, tmp_path: Path) -> None:
     from test_consumers import consumers_python
 
