@@ -197,6 +197,32 @@ def follow(
         r.close()
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """One log entry, read."""
+
+    seq: str
+    prompt_id: str
+    revision: int
+    epoch: int
+    replaces: tuple[int, int] | None  # what the log says the row replaces
+    part: str
+    row: int  # -1: not known
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.revision, self.epoch
+
+    @classmethod
+    def of(cls, seq: str, f: dict[str, str]) -> _Entry:
+        rev_was, _, epoch_was = f.get("replaces", "").partition(":")
+        replaces = (int(rev_was), int(epoch_was)) if epoch_was else None
+        row = int(f["row"]) if f.get("row") else -1
+        return cls(
+            seq, f["prompt_id"], int(f.get("revision") or 0), int(f.get("epoch") or 0), replaces, f.get("part", ""), row
+        )
+
+
 def _live_batch(
     entries: list[tuple[str, dict[str, str]]],
     incarnation: str,
@@ -204,22 +230,22 @@ def _live_batch(
     held: dict[str, tuple[int, int]],
     authoritative: bool,
 ) -> FeedBatch:
-    events: list[FeedEvent] = []
-    places: list[tuple[str, int]] = []
+    # the entries not given yet (a row given already, or one of a prompt given at a higher (revision, epoch), is not)
+    fresh: list[_Entry] = []
+    seen: dict[str, tuple[int, int]] = {}
     for seq, f in entries:
-        pid, rev, epoch = f["prompt_id"], int(f.get("revision") or 0), int(f.get("epoch") or 0)
-        before = held.get(pid)
-        if before is not None and (rev, epoch) <= before:
-            continue  # given already (or a later row of it was)
-        if before is not None or authoritative:
-            replaces = before
-        else:
-            rev_was, _, epoch_was = f.get("replaces", "").partition(":")
-            replaces = (int(rev_was), int(epoch_was)) if epoch_was else None
-        events.append(FeedEvent(seq, pid, rev, epoch, replaces))
-        places.append((f.get("part", ""), int(f.get("row") or -1)))
-        held[pid] = (rev, epoch)
-    table = parts.rows(events, places)
+        e = _Entry.of(seq, f)
+        before = seen.get(e.prompt_id) or held.get(e.prompt_id)
+        if before is None or e.key > before:
+            fresh.append(e)
+            seen[e.prompt_id] = e.key
+    kept, table = parts.rows(fresh)
+    events: list[FeedEvent] = []
+    for e in kept:
+        before = held.get(e.prompt_id)
+        replaces = before if before is not None or authoritative else e.replaces
+        events.append(FeedEvent(e.seq, e.prompt_id, e.revision, e.epoch, replaces))
+        held[e.prompt_id] = e.key
     return FeedBatch(events, table, Cursor(incarnation, entries[-1][0]))
 
 
@@ -246,39 +272,57 @@ class _Parts:
         self._cached = (uri, table)
         return table
 
-    def rows(self, events: list[FeedEvent], places: list[tuple[str, int]]) -> pa.Table:
-        slices: list[pa.Table] = []
-        missing: list[int] = []
-        for n, (event, (uri, row)) in enumerate(zip(events, places, strict=True)):
-            part = self._part(uri)
-            found = _find(part, event, row) if part is not None else None
-            if found is None:
-                missing.append(n)
-                slices.append(pa.table({}))  # filled from the committed view below
-            else:
-                slices.append(part.slice(found, 1))  # type: ignore[union-attr]
-        if missing:
-            view = self._committed([events[n].prompt_id for n in missing])
-            for n in missing:
-                e = events[n]
-                row = _find(view, e, -1)
-                if row is None:
-                    raise FeedError(
-                        f"{self.job}/{e.prompt_id} (revision {e.revision}, epoch {e.epoch}) is committed in part "
-                        f"{places[n][0]!r} row {places[n][1]}, which storage does not hold, nor the committed view: "
-                        f"run `producer verify {self.job}`"
-                    )
-                slices[n] = view.slice(row, 1)
-        if not slices:
-            return SCHEMA.empty_table()
-        return pa.concat_tables([s.select(SCHEMA.names).cast(SCHEMA) for s in slices])
+    def rows(self, entries: list[_Entry]) -> tuple[list[_Entry], pa.Table]:
+        """The entries whose rows storage holds, and those rows in their order. An entry whose part is gone and whose
+        row the committed view no longer holds because a later row of its prompt won there (a compaction keeps only
+        the winners) is left out: that later row's entry comes after it."""
+        found: list[tuple[pa.Table, int] | None] = []
+        for e in entries:
+            part = self._part(e.part)
+            n = _find(part, e, e.row) if part is not None else None
+            found.append(None if n is None else (part, n))  # type: ignore[arg-type]
+        if any(f is None for f in found):
+            view = self._committed([e.prompt_id for e, f in zip(entries, found, strict=True) if f is None])
+            for i, e in enumerate(entries):
+                if found[i] is None:
+                    found[i] = self._in_view(view, e)
+        kept = [e for e, f in zip(entries, found, strict=True) if f is not None]
+        # runs of rows from one table, taken at once
+        runs: list[pa.Table] = []
+        run_table: pa.Table | None = None
+        run_rows: list[int] = []
+        for f in found:
+            if f is None:
+                continue
+            if run_table is not f[0] and run_rows:
+                runs.append(run_table.take(run_rows))  # type: ignore[union-attr]
+                run_rows = []
+            run_table = f[0]
+            run_rows.append(f[1])
+        if run_rows:
+            runs.append(run_table.take(run_rows))  # type: ignore[union-attr]
+        if not runs:
+            return kept, SCHEMA.empty_table()
+        return kept, pa.concat_tables([t.select(SCHEMA.names).cast(SCHEMA) for t in runs])
+
+    def _in_view(self, view: pa.Table, e: _Entry) -> tuple[pa.Table, int] | None:
+        n = _find(view, e, -1)
+        if n is not None:
+            return view, n
+        rows = pc.indices_nonzero(pc.equal(view[PROMPT_ID], e.prompt_id)).to_pylist()
+        if rows and (int(view[REVISION][rows[0]].as_py() or 0), int(view[EPOCH][rows[0]].as_py() or 0)) > e.key:
+            return None  # superseded since, and compacted away
+        raise FeedError(
+            f"{self.job}/{e.prompt_id} (revision {e.revision}, epoch {e.epoch}) is committed in part {e.part!r} row "
+            f"{e.row}, which storage does not hold, nor the committed view: run `producer verify {self.job}`"
+        )
 
     def _committed(self, prompt_ids: list[str]) -> pa.Table:
         view = reader.read_committed(self.settings.output_uri, self.job, s3_endpoint_url=self.settings.s3_endpoint_url)
         return view.filter(pc.is_in(view[PROMPT_ID], value_set=pa.array(prompt_ids, pa.string())))
 
 
-def _find(table: pa.Table, event: FeedEvent, row: int) -> int | None:
+def _find(table: pa.Table, event: _Entry, row: int) -> int | None:
     """The index of ``event``'s row in ``table`` (``row`` first, when it is that row), else None."""
 
     def at(n: int) -> bool:

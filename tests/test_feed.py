@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 
 from sglang_sim.testing import SimulatorProcess
 from storage import feed, reader
+from storage.compact import compact_job
 from storage.schema import EPOCH, PROMPT_ID, REVISION, SCHEMA
 from storage.writer import PartWriter
 from testing.fleet import WorkerProcess, job_progress, wait_until
@@ -214,24 +215,31 @@ class _Committer:
         # the job's record (a purged job's has gone: nothing of the log is written for it then)
         redis.Redis.from_url(settings.redis_url).hset(settings.keys.job(job), "name", json.dumps(job))
 
-    def commit(self, n: int, finalize: bool = True) -> list[str]:
-        """``n`` new rows in one part, finalized (or only written: :meth:`finalize_written` finalizes them)."""
-        pids = [f"p-{self.stored + i:05d}" for i in range(n)]
-        self.stored += n
+    def commit(self, n: int, finalize: bool = True, revise: list[str] | None = None) -> list[str]:
+        """``n`` new rows in one part, finalized (or only written: :meth:`finalize_written` finalizes them); or with
+        ``revise``, a revision-1 row of each of those prompts (as ``producer retry --truncated`` re-runs them)."""
+        client = redis.Redis.from_url(self.settings.redis_url)
+        if revise:
+            pids, revision = revise, 1
+            client.srem(self.settings.keys.done(self.job), *pids)  # re-queued: out of done, as requeue.lua does
+        else:
+            pids, revision = [f"p-{self.stored + i:05d}" for i in range(n)], 0
+            self.stored += n
 
         async def run() -> None:
             ledger = self._ledger()
-            epochs = [(await ledger.claim(self.job, pid)).epoch for pid in pids]
+            epochs = [(await ledger.claim(self.job, pid, revision=revision)).epoch for pid in pids]
             rows = [
-                make_row(p, job=self.job, epoch=e, seed=i) for i, (p, e) in enumerate(zip(pids, epochs, strict=True))
+                make_row(p, job=self.job, epoch=e, revision=revision, seed=i)
+                for i, (p, e) in enumerate(zip(pids, epochs, strict=True))
             ]
             part = self.writer.write(self.job, "ds", rows)
             self.written = [
-                FinalRow(p, 10, True, False, epoch=e, part=part, row_index=i)
+                FinalRow(p, 10, True, False, epoch=e, revision=revision, part=part, row_index=i)
                 for i, (p, e) in enumerate(zip(pids, epochs, strict=True))
             ]
             if finalize:
-                assert (await ledger.finalize(self.job, "ds", self.written, 100, 0.95)).new == n
+                assert (await ledger.finalize(self.job, "ds", self.written, 100, 0.95)).new == len(pids)
             await ledger.r.aclose()
 
         asyncio.run(run())
@@ -459,3 +467,27 @@ def test_a_rebuild_gives_finalized_rows_and_those_refilled_from_storage_never_a_
     job.finalize_written()
     later = _drain(settings, "rb", rebuilt[-1].cursor)
     assert [e.prompt_id for b in later for e in b.events] == pending
+
+
+def test_rows_whose_parts_were_compacted_come_from_the_committed_view_and_a_superseded_one_not_at_all(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # Given 10 rows, 3 of them re-run as revision 1, and the job compacted (its parts replaced by one file holding
+    # the committed view: the 3 revision-0 rows are gone from storage).
+    settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    job = _Committer(settings, "cp")
+    pids = job.commit(10)
+    job.commit(0, revise=pids[:3])
+    compact_job(settings, "cp")
+    named = {f["part"] for _, f in _entries(redis.Redis.from_url(redis_url), settings.keys, "cp")}
+    assert len(named) == 2 and not any(Path(p).exists() for p in named), "both parts replaced"
+    # When a reader goes through the log from its start.
+    batches = _drain(settings, "cp", feed.Cursor(_log_id(settings, "cp")), max_rows=4)
+    events = [e for b in batches for e in b.events]
+    # Then it gets the committed view, each row once, and the revision-1 rows name the revision-0 rows they replace.
+    view = reader.read_committed(settings.output_uri, "cp")
+    assert sorted((e.prompt_id, e.revision) for e in events) == sorted(
+        zip(view[PROMPT_ID].to_pylist(), view[REVISION].to_pylist(), strict=True)
+    )
+    assert {e.prompt_id for e in events if e.replaces is not None} == set(pids[:3])
+    assert pa.concat_tables([b.table for b in batches]).sort_by(PROMPT_ID).equals(view.sort_by(PROMPT_ID))
