@@ -111,12 +111,13 @@ class Follower:
 def test_rows_a_worker_commits_are_in_the_log_once_each_and_a_truncated_retry_arrives_as_replacements(
     redis_url: str, tmp_path: Path, sim: SimulatorProcess
 ) -> None:
-    # Given a real worker, and a follower started before the job's first commit; every row is cut at 8 tokens.
+    # Given a real worker whose log is capped at 45 entries, and a follower started before the job's first commit;
+    # every row is cut at 8 tokens.
     n = 30
     settings = isolated_settings(redis_url, str(tmp_path / "out"))
     client = redis.Redis.from_url(redis_url)
     keys = settings.keys
-    worker = WorkerProcess("w1", fast_env(settings, sim.url, max_inflight=8), tmp_path).start()
+    worker = WorkerProcess("w1", fast_env(settings, sim.url, max_inflight=8, feed_max_len=45), tmp_path).start()
     try:
         worker.wait_ready(client, keys)
         follower = Follower(settings, "fj").start()
@@ -152,13 +153,16 @@ def test_rows_a_worker_commits_are_in_the_log_once_each_and_a_truncated_retry_ar
         assert retry.returncode == 0, retry.stderr
         rerun = set(json.loads(retry.stdout)["prompt_ids"])
         assert len(rerun) == n, "every row was cut at 8 tokens"
-        wait_until(lambda: client.xlen(keys.feed("fj")) == 2 * n, WAIT_S, what="every revision-1 row committed")
+        revised = keys.committed_revisions("fj")  # written in the step that appends the row's entry
+        wait_until(lambda: client.hlen(revised) == n, WAIT_S, what="every revision-1 row committed")
         again = Follower(settings, "fj", cursor).start()
         again.join()
     finally:
         worker.terminate()
     # Then each revision-1 row arrives once, naming the revision-0 row it replaces, in the log and in the feed.
-    later = _entries(client, keys, "fj")[n:]
+    # (the cap cut the oldest entries, which the follower had passed: 45 to 49 of the 60 are left)
+    assert 45 <= client.xlen(keys.feed("fj")) <= 49
+    later = [(i, f) for i, f in _entries(client, keys, "fj") if f["revision"] == "1"]
     assert {f["prompt_id"]: f["replaces"] for _, f in later} == {p: f"0:{e}" for p, (_, e) in first.items()}
     now = _committed(settings, "fj")
     assert {e.prompt_id: (e.revision, e.epoch) for e in again.events} == now
