@@ -32,8 +32,9 @@
 -- prompt_id, revision, epoch, the part's URI and the row's index in it, and when the prompt had a committed row
 -- before (a later revision: producer retry --truncated), 'replaces' = that row's 'revision:epoch'
 -- (committed_revisions keeps a committed row's revision when it is above 0) — capped at about feed_max_len entries
--- (a job nobody reads stays bounded; Keys.feed_log 'trimmed' names the highest entry trimmed). The log's incarnation (Keys.feed_log 'id', Redis time in µs) is
--- made with its first entry: a log lost with Redis gets a new one, which readers' cursors no longer name.
+-- (a job nobody reads stays bounded; Keys.feed_log 'trimmed' names the highest entry trimmed). The log's
+-- incarnation (Keys.feed_log 'id', Redis time in µs) is made with its first entry: a log lost with Redis gets a new
+-- one, which readers' cursors no longer name.
 -- KEYS: done, claims, counters, dataset_counters, worker_counters, timeline, deliveries, dead, committed_epochs,
 --       job (the record hash), and only when a row carries an answer or a next turn: queue, prompts,
 --       prompt_dataset, answers, chain_state, chain_waiting, [offers]; last of all, always: revisions,
@@ -47,8 +48,9 @@
 --       the row's revision, the next turn's revision (its message's; 0 = none), the row's prefix_reusable tokens
 --       ('' = unknown), its cached tokens ('' = not reported), the URI of the part holding the row, the row's index
 --       in it ('-1' = not known: the feed finds it by prompt id);
---       last of all, always: the feed's MAXLEN (0 = no cap), the caller's finalize mark ('nonce:seq:prev', _mark.lua's write_mark: a
---       worker that later finds an older mark there knows Redis lost finalizes of its own, Ledger.lost_finalizes)
+--       last of all, always: the feed's cap in entries (0 = none), the caller's finalize mark ('nonce:seq:prev',
+--       _mark.lua's write_mark: a worker that later finds an older mark there knows Redis lost finalizes of its own,
+--       Ledger.lost_finalizes)
 -- Returns {new rows, alarm fires, alarm rows seen, of them missing, {fenced prompt_id, holder, ...}, next turns
 --   offered on the host list by this call} — the last is what the worker counts as offered (AFFINITY): only the
 --   call that moves a row into done pushes its next turn, so a retried or replayed finalize of it offers nothing
