@@ -11,7 +11,8 @@ States of one prompt of a job (keys in :mod:`thinkfleet.keys`)::
    claim held by a live worker (its heartbeat key exists) makes a redelivered copy wait for that run;
    a claim left by a dead worker is taken over (``stale``); each run counts one *delivery*.
 2. ``mark_part`` — just before a part is written, each claim records the part's path.
-3. ``finalize`` — after the part is committed, the prompts join ``done`` and their claims go.
+3. ``finalize`` — after the part is committed, the prompts join ``done`` and their claims go; each row that joins
+   appends an entry naming its part and row to the job's commit log (``Keys.feed``, read by storage/feed.py).
 4. ``release`` — a clean hand-back (server down, draining, storage down): the claim goes (or, naming a
    part, stays ownerless and *settled*); ``crashed`` — an unexpected exception — does the same and
    counts the exception against the prompt (``x``, exactly attributed).
