@@ -5,8 +5,9 @@ all while two workers run one job submitted with the real producer: single promp
 conversations (each turn i+1 must be rendered from the committed turn i: testing/chains.py) whose every request
 draws its own answer (``--sample-per-request``: a re-run of turn i answers otherwise, so turn i+1 rendered from any
 run but the committed one shows). Every command goes through the ``producer`` CLI's command group, as an operator
-types it, in this process (click's runner: what it races is the worker processes, through Redis and storage);
-``producer wait`` runs as a process of its own.
+types it, in this process (click's runner: what it races is the worker processes, through Redis and storage) —
+the agentic run's as processes of their own, spaced as before (…_agentic.py says why); ``producer wait`` runs as a
+process of its own.
 The CI seed's ``--turns all`` and agentic runs are in files of their own (…_turns.py, …_agentic.py): the suite's
 processes share the three.
 
@@ -25,6 +26,7 @@ import random
 import time
 from dataclasses import dataclass
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -88,11 +90,12 @@ def _stored(client: redis.Redis, settings: Settings) -> int:
         return -1
 
 
-def _cli(settings: Settings, *args: str) -> str:
+def _cli(settings: Settings, *args: str, process: bool = False) -> str:
     """Run one operator command through the ``producer`` command group, in this process (click's runner: the same
-    code against the same Redis and storage while the worker processes run; a new interpreter per command cost
-    ≈ 1.5-4 CPU-s on the 2-core CI box and raced nothing more). It must succeed (one that fails is a finding)."""
-    result = producer_cli(settings, *args, in_process=True)
+    code against the same Redis and storage while the worker processes run; a new interpreter per command costs
+    ≈ 1.5-4 CPU-s on the 2-core CI box) or, ``process``, as a CLI process of its own (a second or more each, which
+    spaces the commands out). It must succeed (one that fails is a finding)."""
+    result = producer_cli(settings, *args, timeout_s=180.0, in_process=not process)
     assert result.returncode == 0, f"producer {' '.join(args)} exited {result.returncode}:\n{result.stderr[-3000:]}"
     return result.stdout
 
@@ -104,10 +107,18 @@ def _nothing_runs(settings: Settings) -> bool:
 
 
 def run_operators(
-    tmp_path: Path, tok_dir: Path, seed: int, units: int, operations: int, turns: int = 0, agentic: bool = False
+    tmp_path: Path,
+    tok_dir: Path,
+    seed: int,
+    units: int,
+    operations: int,
+    turns: int = 0,
+    agentic: bool = False,
+    processes: bool = False,
 ) -> None:
     """``units`` prompts (``turns`` = 0) or conversations of ``turns`` user turns each (``--turns all``); ``agentic``:
-    conversations that call tools, run step by step with the example executor (``--tool-results executor``)."""
+    conversations that call tools, run step by step with the example executor (``--tool-results executor``);
+    ``processes``: the submit and every operator command a CLI process of its own (see :func:`_cli`)."""
     plan = schedule(seed, operations)
     server = RedisServer(tmp_path / "redis").start()
     settings = isolated_settings(server.url(), str(tmp_path / "out"))
@@ -144,10 +155,10 @@ def run_operators(
             try:
                 for w in workers:
                     w.wait_ready(client, settings.keys)
-                assert json.loads(_cli(settings, *submit))["enqueued"] == units
+                assert json.loads(_cli(settings, *submit, process=processes))["enqueued"] == units
                 for op in plan:
                     wait_until(lambda o=op: _stored(client, settings) >= o.at * total, 300, 0.2, what=str(op))
-                    _operate(op, settings, client, workers, submit, server)
+                    _operate(op, settings, client, workers, submit, server, processes)
                     done.append(f"{op.kind}@{op.at:.2f}")
                 # Then `producer wait` says finished: every prompt stored or dead-lettered…
                 waited = producer_cli(settings, "wait", JOB, "--timeout", "400", "--json", timeout_s=450)
@@ -240,29 +251,31 @@ def _operate(
     workers: list[WorkerProcess],
     submit: tuple[str, ...],
     server: RedisServer,
+    processes: bool,
 ) -> None:
+    cli = partial(_cli, settings, process=processes)
     if op.kind == "pause_resume":
-        _cli(settings, "pause", JOB)
+        cli("pause", JOB)
         time.sleep(1.0)  # the pause itself: workers park what they pop, in-flight generations finish
-        _cli(settings, "resume", JOB)
+        cli("resume", JOB)
     elif op.kind == "cancel_retry":
         # A host dies and the operator cancels while its claims are still held (its prompts parked), then takes
         # the documented way back: wait until nothing of the job runs, resume, revive the cancelled prompts.
         worker = workers[op.target]
         worker.kill()
-        _cli(settings, "cancel", JOB)
+        cli("cancel", JOB)
         wait_until(lambda: _nothing_runs(settings), 120, 0.5, what="the cancelled job quiet")
         worker.start()
         worker.wait_ready(client, settings.keys)
-        _cli(settings, "resume", JOB)
-        _cli(settings, "retry", JOB, "--error-class", "cancelled")
+        cli("resume", JOB)
+        cli("retry", JOB, "--error-class", "cancelled")
     elif op.kind == "purge_resubmit":
-        _cli(settings, "purge", JOB, "--force")
-        _cli(settings, *submit)
+        cli("purge", JOB, "--force")
+        cli(*submit)
     elif op.kind == "compact":
-        _cli(settings, "compact", JOB, "--dataset", DATASET)
+        cli("compact", JOB, "--dataset", DATASET)
     elif op.kind == "retry_truncated":
-        _cli(settings, "retry", JOB, "--truncated", "--max-new-tokens", str(RETRY_BUDGET))
+        cli("retry", JOB, "--truncated", "--max-new-tokens", str(RETRY_BUDGET))
     elif op.kind == "rollback":
         # A snapshot, the job going on past it (rows stored, finalized, acked), then Redis killed and back from
         # that snapshot: the writes since are lost (a head without AOF, or a promoted replica that lagged).
@@ -273,7 +286,7 @@ def _operate(
             time.sleep(0.1)
         client.bgsave()
         wait_until(lambda: client.lastsave() != before, 60, 0.1, what="the snapshot written")
-        total = json.loads(_cli(settings, "status", JOB, "--json"))["total"]
+        total = json.loads(cli("status", JOB, "--json"))["total"]
         past = min(total, stored + 2)
         wait_until(lambda: _stored(client, settings) >= past, 120, 0.1, what="rows past the snapshot")
         server.stop(kill=True)
