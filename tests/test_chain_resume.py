@@ -34,7 +34,8 @@ from thinkfleet.settings import Settings
 from thinkfleet.state.job import JobRecord
 from thinkfleet.turns import plan_conversation, turn_messages
 
-CONVERSATIONS, TURNS = 40, 3
+#: Enough conversations that stopping at about half leaves some at each of their turns.
+CONVERSATIONS, TURNS = 20, 3
 TOTAL = CONVERSATIONS * TURNS
 #: Fields of a verify report that say nothing is wrong.
 OK_FIELDS = {
@@ -79,10 +80,10 @@ def _stranded_before(settings: Settings, job: str) -> set[str]:
 
 
 def _resubmit_and_finish(settings: Settings, args: tuple[str, ...], job: str) -> dict:
-    again = producer_cli(settings, *args)
+    again = producer_cli(settings, *args, in_process=True)
     assert again.returncode == 0, again.stdout + again.stderr
     report = json.loads(again.stdout)
-    waited = producer_cli(settings, "wait", job, "--timeout", "150", "--interval", "0.5", "--json", timeout_s=170)
+    waited = producer_cli(settings, "wait", job, "--timeout", "150", "--interval", "0.5", "--json", in_process=True)
     assert waited.returncode == 0, f"wait exited {waited.returncode}: {waited.stdout[-2000:]} {waited.stderr}"
     return {"report": report, "wait": json.loads(waited.stdout.strip().splitlines()[-1])}
 
@@ -122,7 +123,7 @@ def _assert_every_chain_complete(settings: Settings, client: redis.Redis, job: s
     assert set(rows) == expected, f"stored past a chain end: {sorted(set(rows) - expected)[:5]}"
     report = verify_job(settings, job)
     assert report.ok, report.to_dict()
-    status = producer_cli(settings, "status", job, "--json", "--deep")
+    status = producer_cli(settings, "status", job, "--json", "--deep", in_process=True)
     assert status.returncode == 0, status.stderr
     st = json.loads(status.stdout)
     assert st["finished"] and st["unaccounted"] == 0 and st["done"] == st["total"] == len(expected), status.stdout
@@ -143,7 +144,7 @@ def test_purge_force_and_the_same_submit_resume_every_conversation(
         first = WorkerProcess("w1", env, tmp_path).start()
         try:
             first.wait_ready(client, settings.keys)
-            submitted = producer_cli(settings, *args)
+            submitted = producer_cli(settings, *args, in_process=True)
             assert submitted.returncode == 0, submitted.stderr
             wait_until(lambda: _progress(client, settings, job) >= HALF, 240, 0.05, what=f"{HALF} turns stored")
         finally:
@@ -151,7 +152,7 @@ def test_purge_force_and_the_same_submit_resume_every_conversation(
         stranded = _stranded_before(settings, job)
         assert stranded, "some conversations stand between their first and last turn"
         # When the job is purged (--force: its queued turns are cancelled first) and submitted again.
-        purged = producer_cli(settings, "purge", job, "--force")
+        purged = producer_cli(settings, "purge", job, "--force", in_process=True)
         assert purged.returncode == 0, purged.stdout + purged.stderr
         # (And one conversation's turn 1 is stored with other content than its turn 0 renders — as a turn 1 derived
         # from an answer that is no longer the committed one: it must be generated again, never finalized.)
@@ -197,12 +198,12 @@ def test_purge_force_and_resubmit_with_a_worker_kept_running(redis_url: str, tmp
         worker = WorkerProcess("w1", fast_env(settings, sim, max_inflight=4), tmp_path).start()
         try:
             worker.wait_ready(client, settings.keys)
-            submitted = producer_cli(settings, *args)
+            submitted = producer_cli(settings, *args, in_process=True)
             assert submitted.returncode == 0, submitted.stderr
             wait_until(lambda: _progress(client, settings, job) >= HALF, 240, 0.05, what=f"{HALF} turns stored")
             # When the job is purged under the running worker (which has cached its record and tokenizer) and
             # submitted again: a new generation.
-            purged = producer_cli(settings, "purge", job, "--force")
+            purged = producer_cli(settings, "purge", job, "--force", in_process=True)
             assert purged.returncode == 0, purged.stdout + purged.stderr
             done = _resubmit_and_finish(settings, args, job)
         finally:
@@ -223,7 +224,7 @@ def test_redis_lost_entirely_and_the_same_submit_resume_every_conversation(tmp_p
             worker = WorkerProcess("w1", fast_env(settings, sim, max_inflight=4), tmp_path).start()
             try:
                 worker.wait_ready(client, settings.keys)
-                submitted = producer_cli(settings, *args)
+                submitted = producer_cli(settings, *args, in_process=True)
                 assert submitted.returncode == 0, submitted.stderr
                 wait_until(lambda: _progress(client, settings, job) >= HALF, 240, 0.05, what=f"{HALF} turns stored")
                 # When Redis is lost entirely (killed, an empty one in its place), the worker kept running…
@@ -275,12 +276,12 @@ def test_purge_force_and_resubmit_resume_agentic_step_chains(redis_url: str, tmp
         first = WorkerProcess("w1", env, tmp_path).start()
         try:
             first.wait_ready(client, settings.keys)
-            submitted = producer_cli(settings, *args)
+            submitted = producer_cli(settings, *args, in_process=True)
             assert submitted.returncode == 0, submitted.stderr
             wait_until(lambda: _progress(client, settings, job) >= 30, 240, 0.05, what="30 steps stored")
         finally:
             first.terminate()
-        purged = producer_cli(settings, "purge", job, "--force")
+        purged = producer_cli(settings, "purge", job, "--force", in_process=True)
         assert purged.returncode == 0, purged.stdout + purged.stderr
         second = WorkerProcess("w2", env, tmp_path).start()
         try:
@@ -296,7 +297,7 @@ def test_purge_force_and_resubmit_resume_agentic_step_chains(redis_url: str, tmp
     problems = {k: v for k, v in report.to_dict().items() if v and k not in OK_FIELDS and k != "ok"}
     assert report.ok, json.dumps(report.to_dict())[:3000]
     assert not problems, json.dumps(problems)[:3000]
-    status = producer_cli(settings, "status", job, "--json", "--deep")
+    status = producer_cli(settings, "status", job, "--json", "--deep", in_process=True)
     st = json.loads(status.stdout)
     assert st["finished"] and st["unaccounted"] == 0 and st["conversations"]["in_progress"] == 0, st["conversations"]
 
