@@ -382,7 +382,7 @@ def test_forged_work_is_refused_with_a_reason_and_the_genuine_job_is_stored_exac
     }
     hashless = dataclasses.replace(by_pid["p00009"], content_hash="h-p00009")
     started = time.monotonic()
-    with simulator(tmp_path, "--time-scale", "400") as sim:
+    with simulator(tmp_path, "--time-scale", "1000") as sim:
         env = fast_env(settings, sim, signing_key_file=str(key_file))
         worker = WorkerProcess("w1", env, tmp_path)
         for task_id, (args, _) in forged.items():
@@ -466,7 +466,7 @@ def test_a_turns_all_job_runs_only_with_the_code_and_tokenizer_the_worker_allows
     submitted = producer_cli(
         settings, "submit", str(data), "--job", "chat", "--tokenizer", str(tok_dir), "--processes", "1",
         "--no-progress", "--max-new-tokens", "200", "--context-length", "131072", "--turns", "all",
-        "--trust-remote-code", "--json",
+        "--trust-remote-code", "--json", in_process=True,
     )  # fmt: skip
     assert submitted.returncode == 0, submitted.stderr
     meta = json.loads(client.hget(keys.job("chat"), "turns"))
@@ -491,33 +491,33 @@ def test_a_turns_all_job_runs_only_with_the_code_and_tokenizer_the_worker_allows
     def dead(job: str = "chat") -> dict[str, str]:
         return {pid: d["error_class"] for pid, d in dead_letters(client, keys, job).items()}
 
-    with simulator(tmp_path / "logs", "--time-scale", "400") as sim:
+    # One simulator for the four workers (each a fleet of its own: what it allows is the scenario).
+    with simulator(tmp_path / "logs", "--time-scale", "1000") as sim:
         # A worker that does not allow remote code (the default): the job's turn-0 prompts are dead-lettered, whole.
         log = run("w1", lambda: len(dead()) == 3 and len(dead("forged")) == 1, "remote_code_refused letters")
         assert set(dead().values()) == {"remote_code_refused"}
         assert dead("forged") == {"c0/t0": "unsigned_job"}, "a record without the key is not believed at all"
         assert "THINKFLEET_TRUST_REMOTE_CODE" in log
         # A worker that allows remote code but not loading from that directory: refused again, nothing lost.
-        retried = producer_cli(settings, "retry", "chat", "--json")
+        retried = producer_cli(settings, "retry", "chat", "--json", in_process=True)
         assert json.loads(retried.stdout)["requeued"] == 3, retried.stderr
         elsewhere = str(tmp_path / "elsewhere")
         refused_again = lambda: len(dead()) == 3 and set(dead().values()) == {"tokenizer_refused"}  # noqa: E731
         run("w2", refused_again, "tokenizer_refused letters", trust_remote_code="true", tokenizer_roots=elsewhere)
         # A worker that allows both: after a retry every turn of every conversation is stored, chained by workers
         # that signed each next turn and each answer it was rendered from.
-        retried = producer_cli(settings, "retry", "chat", "--json")
+        retried = producer_cli(settings, "retry", "chat", "--json", in_process=True)
         assert json.loads(retried.stdout)["requeued"] == 3, retried.stderr
         run("w3", lambda: job_progress(client, keys, "chat")["done"] == total, f"{total} turns",
             trust_remote_code="true")  # fmt: skip
-    assert dead() == {}
-    answers = [json.loads(v) for v in client.hvals(keys.turn_answers("chat"))]
-    assert len(answers) == total and all(a["signature"].startswith("v1:") for a in answers)
-    assert not marker.exists(), "the forged record's tokenizer code never ran"
-    # A forged record is still refused by a worker without a key when it asks for remote code (its default).
-    client.delete(keys.dead("forged"))
-    monkeypatch.delenv("THINKFLEET_SIGNING_KEY_FILE")
-    send_tasks(Settings(**{**settings.model_dump(), "signing_key_file": None}), [forged_task])
-    with simulator(tmp_path / "logs", "--time-scale", "400") as sim:
+        assert dead() == {}
+        answers = [json.loads(v) for v in client.hvals(keys.turn_answers("chat"))]
+        assert len(answers) == total and all(a["signature"].startswith("v1:") for a in answers)
+        assert not marker.exists(), "the forged record's tokenizer code never ran"
+        # A forged record is still refused by a worker without a key when it asks for remote code (its default).
+        client.delete(keys.dead("forged"))
+        monkeypatch.delenv("THINKFLEET_SIGNING_KEY_FILE")
+        send_tasks(Settings(**{**settings.model_dump(), "signing_key_file": None}), [forged_task])
         run("w4", lambda: len(dead("forged")) == 1, "the forged job refused")
     assert dead("forged") == {"c0/t0": "remote_code_refused"}
     assert not marker.exists()
