@@ -1,4 +1,6 @@
-"""``producer export`` of a ``--turns all`` job (the e2e run of tests/test_multiturn.py, reused).
+"""``producer export`` of a ``--turns all`` job: 3-turn conversations submitted with the real CLI and the Kimi test
+tokenizer, run to the end by one worker against the simulator (tests/test_multiturn.py runs the same job through a
+worker's SIGKILL; the exports here need only its finished rows).
 
 - ``messages``/``conversations``: each turn's record is the conversation up to that turn, with the model's own
   earlier answers (decoded from the stored rows of the earlier turns) in place of the dataset's, then the
@@ -9,18 +11,67 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
+import redis
 
 from producer.render import load_tokenizer, render_ids
 from storage.conversations import ToolMarkers, output_message
 from storage.exports import export_job
 from storage.reader import read_committed
-from tests import test_multiturn
-from tests.test_multiturn import CONVERSATIONS, TURNS, MultiTurnJob
+from testing.datasets import conversation_rows, write_jsonl
+from testing.fleet import job_progress, stuck_report, wait_until
+from testing.harness import producer_cli
+from testing.module_fleet import fleet
+from testing.services import RedisServer
+from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
+from thinkfleet.settings import Settings
 from thinkfleet.state.job import JobRecord
 from thinkfleet.turns import plan_conversation, turn_messages
 
-multiturn_job = test_multiturn.multiturn_job  # the fixture: one run of the e2e job for this module
+#: Enough conversations for every check to see several; three turns, so a later turn holds two earlier answers.
+CONVERSATIONS, TURNS = 4, 3
+
+
+@dataclass
+class MultiTurnJob:
+    """A finished ``--turns all`` job."""
+
+    settings: Settings
+    client: redis.Redis
+    job: str
+    data: Path
+    tok_dir: Path
+
+
+@pytest.fixture(scope="module")
+def multiturn_job(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiTurnJob]:
+    """The job run once for the module, on its own key prefix on the session's Redis."""
+    tmp = tmp_path_factory.mktemp("multiturn-export")
+    tok_dir = Path(build_test_tokenizer(default_test_tokenizer_dir()))
+    rows = conversation_rows(CONVERSATIONS, TURNS, 10, "You are a careful assistant.", reasoning="x")
+    data = write_jsonl(tmp / "chat.jsonl", rows)
+    job, total = "multi", CONVERSATIONS * TURNS
+    with fleet(redis_server.url(0), tmp, ("--time-scale", "1000"), max_inflight=4) as f:
+        submitted = producer_cli(
+            f.settings, "submit", str(data), "--job", job, "--tokenizer", str(tok_dir), "--processes", "1",
+            "--no-progress", "--max-new-tokens", "300", "--seed", "3", "--context-length", "131072",
+            "--turns", "all", "--json",
+            in_process=True,
+        )  # fmt: skip
+        assert submitted.returncode == 0, submitted.stderr
+        wait_until(
+            lambda: job_progress(f.client, f.settings.keys, job)["done"] == total,
+            180,
+            what=f"{total} turns",
+            explain=lambda: stuck_report(f.client, f.settings, job, f.workers),
+        )
+        client = redis.Redis.from_url(f.settings.redis_url)  # the fleet's closes with it
+    yield MultiTurnJob(f.settings, client, job, data, tok_dir)
+    client.close()
 
 
 def _rows(run: MultiTurnJob) -> dict[str, dict]:
