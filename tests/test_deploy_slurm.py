@@ -421,7 +421,7 @@ def test_slurm_array_job_survives_scancel_and_time_limit_exactly_once(slurm: Slu
     timed_log = (logs / f"{array}_2.out").read_text()
     assert "SIGTERM: draining" in timed_log, timed_log
     assert "worker exited (rc 0)" in timed_log, timed_log  # drained and exited by itself, before the SIGKILL
-    status = producer_cli(settings, "status", second.name)
+    status = producer_cli(settings, "status", second.name, in_process=True)
     assert status.returncode == 0 and joined[0] in status.stdout, status.stdout + status.stderr
 
 
@@ -534,7 +534,9 @@ def _set(client: redis.Redis, key: str, value: str) -> bool:
 
 
 def producer_wait(settings: Settings, job: str) -> subprocess.CompletedProcess[str]:
-    return producer_cli(settings, "wait", job, "--timeout", "120", timeout_s=150)
+    # in this process (click's runner): what is under test is Slurm's elements, not the producer's process (a new
+    # interpreter costs ≈ 1.5 CPU-s on the 2-core CI box)
+    return producer_cli(settings, "wait", job, "--timeout", "120", in_process=True)
 
 
 @pytest.mark.slow
