@@ -4,8 +4,9 @@ cannot read the store at all closes a gate that ``producer status`` names, hands
 dead-lettering any, and goes on with its text prompts while another host does the image work; and a worker's image
 bytes in flight are charged to its budget before any image is read.
 
-Real redis-server, real ``celery worker`` processes, real HTTP to sglang-sim, the CLI for submit, wait, status,
-verify and retry (workers/images.py, workers/image_store.py)."""
+Real redis-server, real ``celery worker`` processes, real HTTP to sglang-sim (one for the module: its answers depend
+only on the prompt), the CLI's commands for submit, wait, status, verify and retry, in this process (click's runner:
+none of these scenarios is about the producer's process) (workers/images.py, workers/image_store.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import asyncio
 import hashlib
 import json
 import shutil
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -52,9 +55,26 @@ def image_dataset(path: Path) -> dict[str, bytes]:
     return images
 
 
+def cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    """A ``producer`` command in this process (a new interpreter costs ≈ 1.5-4 CPU-s on the 2-core CI box)."""
+    return producer_cli(settings, *args, in_process=True)
+
+
+@pytest.fixture(scope="module")
+def tok() -> Path:
+    return build_test_tokenizer(default_test_tokenizer_dir())
+
+
+@pytest.fixture(scope="module")
+def image_sim(tmp_path_factory: pytest.TempPathFactory, tok: Path) -> Iterator[str]:
+    """One simulator for the module's scenarios (each has its own Redis DB and workers; none stops the server)."""
+    with simulator(tmp_path_factory.mktemp("image-sim"), "--time-scale", "400", "--tokenizer", str(tok)) as url:
+        yield url
+
+
 def submit(settings: Settings, data: Path, tok: Path, job: str) -> None:
     args = ("submit", str(data), "--job", job, "--tokenizer", str(tok), "--processes", "1", "--no-progress")
-    done = producer_cli(settings, *args, "--max-new-tokens", "64", "--context-length", "131072")
+    done = cli(settings, *args, "--max-new-tokens", "64", "--context-length", "131072")
     assert done.returncode == 0, done.stderr
 
 
@@ -70,12 +90,12 @@ def image_env(settings: Settings, sim: str, **extra: object) -> dict[str, str]:
 def outcome_of(settings: Settings, job: str, total: int, expected_dead: int) -> Outcome:
     """What verify and status say after the job (the rows' ids are the simulator's: checked by the vision tests)."""
     client = redis.Redis.from_url(settings.redis_url)
-    verify = producer_cli(settings, "verify", job, "--json")
+    verify = cli(settings, "verify", job, "--json")
     try:
         verify_ok = verify.returncode == 0 and bool(json.loads(verify.stdout).get("ok"))
     except ValueError:
         verify_ok = False
-    st = json.loads(producer_cli(settings, "status", job, "--json").stdout or "{}")
+    st = json.loads(cli(settings, "status", job, "--json").stdout or "{}")
     progress = job_progress(client, settings.keys, job)
     want = {"total": total, "done": total - expected_dead, "dead": expected_dead, "finished": True}
     status_agrees = {k: st.get(k) for k in want} == want
@@ -97,7 +117,7 @@ def outcome_of(settings: Settings, job: str, total: int, expected_dead: int) -> 
 
 @pytest.mark.timeout(300)
 def test_an_unreadable_image_is_dead_lettered_only_after_its_bound_and_retried_once_fixed(
-    redis_url: str, tmp_path: Path
+    redis_url: str, tmp_path: Path, tok: Path, image_sim: str
 ) -> None:
     # Given an image job one of whose store files was replaced by a directory after submit (root cannot be refused
     # a read by chmod: a directory in a file's place is unreadable to every user)
@@ -105,44 +125,42 @@ def test_an_unreadable_image_is_dead_lettered_only_after_its_bound_and_retried_o
     (tmp_path / "logs").mkdir()
     settings = isolated_settings(redis_url, str(tmp_path / "out"), alarm_min_rows=2)
     client = redis.Redis.from_url(redis_url)
-    tok = build_test_tokenizer(default_test_tokenizer_dir())
     images = image_dataset(tmp_path / "data.jsonl")
     submit(settings, tmp_path / "data.jsonl", tok, "unr")
     broken = store_file(tmp_path / "out", images["i0"])
     broken.unlink()
     broken.mkdir()
     total = TEXT_ROWS + IMAGE_ROWS
-    with simulator(tmp_path / "logs", "--time-scale", "400", "--tokenizer", str(tok)) as sim:
-        worker = WorkerProcess("w1", image_env(settings, sim), tmp_path / "logs").start()
-        try:
-            # When a worker runs the job
-            wait = producer_cli(settings, "wait", "unr", "--timeout", "180", "--interval", "0.5")
-            dead = dead_letters(client, settings.keys, "unr")
-            logs = worker.log_path.read_text()
-            # one warning a counted hand-back (workers/images.py)
-            tries = sum("data/i0: image" in line and "handed back in" in line for line in logs.splitlines())
-            # Then the job finishes with that one prompt dead-lettered image_unreadable after exactly the bound's
-            # hand-backs, its reason naming the file and what to do; every other prompt is stored
-            assert wait.returncode == 0, wait.stdout + wait.stderr + logs
-            assert list(dead) == ["data/i0"], dead
-            text = json.dumps(dead["data/i0"])
-            assert IMAGE_UNREADABLE in text and str(broken) in text
-            assert "producer retry" in text and "IsADirectoryError" in text
-            assert f"{HANDBACK_MAX} tries" in text and tries == HANDBACK_MAX - 1, logs[-3000:]
-            # and status and verify agree: 7 stored, 1 dead, verify failing on that one image and nothing else
-            first = outcome_of(settings, "unr", total, 1)
-            assert first.status_agrees, first.problems
-            report = json.loads(producer_cli(settings, "verify", "unr", "--json").stdout)
-            assert [p.split(" (prompt ")[0] for p in report["image_problems"]] == [str(broken)], report
-            assert report["permanent_failures"] == ["data/i0"] and report["stored_rows"] == total - 1
-            # When the operator puts the image back and retries the dead letters
-            broken.rmdir()
-            broken.write_bytes(images["i0"])
-            retried = producer_cli(settings, "retry", "unr")
-            assert retried.returncode == 0, retried.stderr
-            wait = producer_cli(settings, "wait", "unr", "--timeout", "120", "--interval", "0.5")
-        finally:
-            worker.terminate()
+    worker = WorkerProcess("w1", image_env(settings, image_sim), tmp_path / "logs").start()
+    try:
+        # When a worker runs the job
+        wait = cli(settings, "wait", "unr", "--timeout", "180", "--interval", "0.5")
+        dead = dead_letters(client, settings.keys, "unr")
+        logs = worker.log_path.read_text()
+        # one warning a counted hand-back (workers/images.py)
+        tries = sum("data/i0: image" in line and "handed back in" in line for line in logs.splitlines())
+        # Then the job finishes with that one prompt dead-lettered image_unreadable after exactly the bound's
+        # hand-backs, its reason naming the file and what to do; every other prompt is stored
+        assert wait.returncode == 0, wait.stdout + wait.stderr + logs
+        assert list(dead) == ["data/i0"], dead
+        text = json.dumps(dead["data/i0"])
+        assert IMAGE_UNREADABLE in text and str(broken) in text
+        assert "producer retry" in text and "IsADirectoryError" in text
+        assert f"{HANDBACK_MAX} tries" in text and tries == HANDBACK_MAX - 1, logs[-3000:]
+        # and status and verify agree: 7 stored, 1 dead, verify failing on that one image and nothing else
+        first = outcome_of(settings, "unr", total, 1)
+        assert first.status_agrees, first.problems
+        report = json.loads(cli(settings, "verify", "unr", "--json").stdout)
+        assert [p.split(" (prompt ")[0] for p in report["image_problems"]] == [str(broken)], report
+        assert report["permanent_failures"] == ["data/i0"] and report["stored_rows"] == total - 1
+        # When the operator puts the image back and retries the dead letters
+        broken.rmdir()
+        broken.write_bytes(images["i0"])
+        retried = cli(settings, "retry", "unr")
+        assert retried.returncode == 0, retried.stderr
+        wait = cli(settings, "wait", "unr", "--timeout", "120", "--interval", "0.5")
+    finally:
+        worker.terminate()
     # Then it is stored, and the job is whole
     assert wait.returncode == 0, wait.stdout + wait.stderr + worker.tail()
     assert dead_letters(client, settings.keys, "unr") == {}
@@ -161,7 +179,7 @@ def test_an_unreadable_image_is_dead_lettered_only_after_its_bound_and_retried_o
 
 @pytest.mark.timeout(360)
 def test_a_host_without_the_store_closes_its_gate_and_the_other_host_does_the_image_work(
-    redis_url: str, tmp_path: Path
+    redis_url: str, tmp_path: Path, tok: Path, image_sim: str
 ) -> None:
     # Given an image job, and a worker "blind" that mounts no image store (THINKFLEET_IMAGE_STORE_MAP points the
     # recorded store path at a directory this host lacks, as a host without the mount sees it)
@@ -170,34 +188,39 @@ def test_a_host_without_the_store_closes_its_gate_and_the_other_host_does_the_im
     settings = isolated_settings(redis_url, str(tmp_path / "out"), alarm_min_rows=2)
     client = redis.Redis.from_url(redis_url)
     keys = settings.keys
-    tok = build_test_tokenizer(default_test_tokenizer_dir())
     images = image_dataset(tmp_path / "data.jsonl")
     submit(settings, tmp_path / "data.jsonl", tok, "gate")
     total = TEXT_ROWS + IMAGE_ROWS
     remap = {"image_store_map": f"{tmp_path / 'out'}={tmp_path / 'not-mounted'}"}
-    with simulator(tmp_path / "logs", "--time-scale", "400", "--tokenizer", str(tok)) as sim:
-        blind = WorkerProcess("blind", image_env(settings, sim, **remap), tmp_path / "logs").start()
-        seeing = WorkerProcess("seeing", image_env(settings, sim), tmp_path / "logs")
-        try:
-            # When the blind worker runs alone first: it stores the text prompts, and hands every image prompt back
-            wait_until(
-                lambda: job_progress(client, keys, "gate")["done"] == TEXT_ROWS,
-                120,
-                what="the blind worker stored the text prompts",
-                explain=blind.tail,
-            )
-            gates = json.loads(producer_cli(settings, "status", "gate", "--json").stdout)["image_store_gates"]
-            text_view = producer_cli(settings, "status", "gate").stdout
-            handed_back = blind.log_path.read_text().count("closed here")
-            assert dead_letters(client, keys, "gate") == {}, "no dead letter while the store's gate is closed"
-            # and a worker that reads the store joins
-            seeing.start()
-            wait = producer_cli(settings, "wait", "gate", "--timeout", "180", "--interval", "0.5")
-            gates_after = json.loads(producer_cli(settings, "status", "gate", "--json").stdout)["image_store_gates"]
-        finally:
-            for w in (blind, seeing):
-                if w.starts:
-                    w.terminate()
+    blind = WorkerProcess("blind", image_env(settings, image_sim, **remap), tmp_path / "logs").start()
+    seeing = WorkerProcess("seeing", image_env(settings, image_sim), tmp_path / "logs")
+    try:
+        # When the blind worker runs alone first: it stores the text prompts, and hands every image prompt back
+        wait_until(
+            lambda: job_progress(client, keys, "gate")["done"] == TEXT_ROWS,
+            120,
+            what="the blind worker stored the text prompts",
+            explain=blind.tail,
+        )
+        # and producer status names its closed gate (the worker publishes it with its heartbeat: a moment after)
+        gates: list[dict[str, Any]] = []
+
+        def gate_shown() -> bool:
+            gates[:] = json.loads(cli(settings, "status", "gate", "--json").stdout)["image_store_gates"]
+            return bool(gates)
+
+        wait_until(gate_shown, 120, what="producer status naming the blind worker's gate", explain=blind.tail)
+        text_view = cli(settings, "status", "gate").stdout
+        handed_back = blind.log_path.read_text().count("closed here")
+        assert dead_letters(client, keys, "gate") == {}, "no dead letter while the store's gate is closed"
+        # and a worker that reads the store joins
+        seeing.start()
+        wait = cli(settings, "wait", "gate", "--timeout", "180", "--interval", "0.5")
+        gates_after = json.loads(cli(settings, "status", "gate", "--json").stdout)["image_store_gates"]
+    finally:
+        for w in (blind, seeing):
+            if w.starts:
+                w.terminate()
     outcome = outcome_of(settings, "gate", total, 0)
     record_result(
         "a host without the image store (one of two workers)",
@@ -338,7 +361,7 @@ def test_image_hand_backs_are_counted_per_prompt_and_per_worker_in_redis(redis_u
 
 @pytest.mark.timeout(360)
 def test_an_image_missing_on_one_host_is_read_on_another_and_missing_on_every_host_is_dead_lettered(
-    redis_url: str, tmp_path: Path
+    redis_url: str, tmp_path: Path, tok: Path, image_sim: str
 ) -> None:
     # Given an image job, a worker "partial" whose copy of the store (THINKFLEET_IMAGE_STORE_MAP) lacks images i0 and
     # i1, and the store itself lacking i1: i0 can be read on one host only, i1 on none
@@ -347,7 +370,6 @@ def test_an_image_missing_on_one_host_is_read_on_another_and_missing_on_every_ho
     settings = isolated_settings(redis_url, str(tmp_path / "out"), alarm_min_rows=2)
     client = redis.Redis.from_url(redis_url)
     keys = settings.keys
-    tok = build_test_tokenizer(default_test_tokenizer_dir())
     images = image_dataset(tmp_path / "data.jsonl")
     submit(settings, tmp_path / "data.jsonl", tok, "miss")
     root = store_file(tmp_path / "out", images["i0"]).parent.parent
@@ -359,28 +381,27 @@ def test_an_image_missing_on_one_host_is_read_on_another_and_missing_on_every_ho
     total = TEXT_ROWS + IMAGE_ROWS
     # (many tries allowed: here the bound that ends i1 is the distinct workers, THINKFLEET_IMAGE_MISSING_WORKERS=2)
     env = {"image_handback_max": 1000, "image_missing_workers": 2}
-    with simulator(tmp_path / "logs", "--time-scale", "400", "--tokenizer", str(tok)) as sim:
-        partial = WorkerProcess(
-            "partial", image_env(settings, sim, image_store_map=f"{root}={copy}", **env), tmp_path / "logs"
-        ).start()
-        seeing = WorkerProcess("seeing", image_env(settings, sim, **env), tmp_path / "logs")
-        try:
-            # When the partial worker runs alone first, and finds both images missing
-            def missed(key: str) -> bool:
-                return f"data/{key}: image" in partial.log_path.read_text()
+    partial = WorkerProcess(
+        "partial", image_env(settings, image_sim, image_store_map=f"{root}={copy}", **env), tmp_path / "logs"
+    ).start()
+    seeing = WorkerProcess("seeing", image_env(settings, image_sim, **env), tmp_path / "logs")
+    try:
+        # When the partial worker runs alone first, and finds both images missing
+        def missed(key: str) -> bool:
+            return f"data/{key}: image" in partial.log_path.read_text()
 
-            wait_until(
-                lambda: missed("i0") and missed("i1"), 120, what="i0 and i1 missing on partial", explain=partial.tail
-            )
-            assert dead_letters(client, keys, "miss") == {}, "one worker's miss dead-letters nothing"
-            # and a worker whose store has i0 (not i1) joins
-            seeing.start()
-            wait = producer_cli(settings, "wait", "miss", "--timeout", "180", "--interval", "0.5")
-            dead = dead_letters(client, keys, "miss")
-        finally:
-            for w in (partial, seeing):
-                if w.starts:
-                    w.terminate()
+        wait_until(
+            lambda: missed("i0") and missed("i1"), 120, what="i0 and i1 missing on partial", explain=partial.tail
+        )
+        assert dead_letters(client, keys, "miss") == {}, "one worker's miss dead-letters nothing"
+        # and a worker whose store has i0 (not i1) joins
+        seeing.start()
+        wait = cli(settings, "wait", "miss", "--timeout", "180", "--interval", "0.5")
+        dead = dead_letters(client, keys, "miss")
+    finally:
+        for w in (partial, seeing):
+            if w.starts:
+                w.terminate()
     outcome = outcome_of(settings, "miss", total, 1)
     outcome.verify_ok = True  # verify fails on i1's missing file, checked below: the dead letter's own cause
     outcome.problems = [p for p in outcome.problems if not p.startswith("producer verify failed")]
@@ -399,7 +420,7 @@ def test_an_image_missing_on_one_host_is_read_on_another_and_missing_on_every_ho
     text = json.dumps(dead["data/i1"])
     assert "image_missing" in text and "by 2 worker(s)" in text and "producer retry" in text
     assert job_progress(client, keys, "miss")["done"] == total - 1
-    report = json.loads(producer_cli(settings, "verify", "miss", "--json").stdout)
+    report = json.loads(cli(settings, "verify", "miss", "--json").stdout)
     assert [p.split(" (prompt ")[0] for p in report["image_problems"]] == [str(store_file_path(root, images["i1"]))]
     outcome.assert_clean()
 
