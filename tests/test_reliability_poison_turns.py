@@ -18,12 +18,15 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import subprocess
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow.dataset as pads
+import pytest
 import redis
 
 from storage.reader import raw_duplicates, read_committed
@@ -39,6 +42,21 @@ from workers.commit_faults import UNKNOWN_ERROR_ATTEMPTS
 from workers.committer import GroupCommitter, RowFailed
 from workers.hooks import CommitGroup, FinalizeWrites, PostCommitHook, PostCommitHooks
 from workers.rows import JobFinalRow
+
+
+@pytest.fixture(scope="module")
+def plain_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One simulator for the scenarios that need no special one (its answers depend only on the prompt; each
+    scenario has its own Redis DB, worker and output; none stops the server)."""
+    with simulator(tmp_path_factory.mktemp("sim"), "--time-scale", "400") as url:
+        yield url
+
+
+def cli(settings: Any, *args: str) -> subprocess.CompletedProcess[str]:
+    """A ``producer`` command in this process (click's runner): none of these scenarios is about the producer's
+    process, and a new interpreter costs ≈ 1.5-4 CPU-s on the 2-core CI box, and the stall scenario polls status."""
+    return producer_cli(settings, *args, in_process=True)
+
 
 #: A chat template rule many real templates have: a system message only at the start.
 SYSTEM_FIRST = (
@@ -166,15 +184,15 @@ def _poison_conversation() -> dict[str, Any]:
 
 
 def _wait_verify_status(settings: Any, job: str) -> tuple[Any, Any, dict[str, Any]]:
-    waited = producer_cli(settings, "wait", job, "--timeout", "180", "--json")
-    verified = producer_cli(settings, "verify", job, "--json")
-    status = producer_cli(settings, "status", job, "--json")
+    waited = cli(settings, "wait", job, "--timeout", "180", "--json")
+    verified = cli(settings, "verify", job, "--json")
+    status = cli(settings, "status", job, "--json")
     assert status.returncode == 0, status.stderr
     return waited, verified, json.loads(status.stdout)
 
 
 def test_a_conversation_the_template_refuses_ends_its_chain_and_the_worker_keeps_consuming(
-    redis_url: str, tmp_path: Path
+    redis_url: str, tmp_path: Path, plain_sim: str
 ) -> None:
     # Given 30 ordinary two-turn conversations and one with a system message after its first answer, submitted
     # with --turns all and a template that allows a system message only first.
@@ -187,29 +205,30 @@ def test_a_conversation_the_template_refuses_ends_its_chain_and_the_worker_keeps
     rows.insert(7, _poison_conversation())  # among the others: its turn shares commit groups with theirs
     data = write_jsonl(tmp_path / "chat.jsonl", rows)
     started = time.monotonic()
-    with simulator(tmp_path / "logs", "--time-scale", "400") as sim:
-        worker = WorkerProcess("w1", fast_env(settings, sim, max_inflight=8, **STEADY_LEASE), tmp_path / "logs").start()
-        try:
-            worker.wait_ready(client, settings.keys)
-            submitted = producer_cli(
-                settings, "submit", str(data), "--job", job, "--tokenizer", str(tok), "--processes", "1",
-                "--no-progress", "--max-new-tokens", "200", "--seed", "3", "--context-length", "131072",
-                "--turns", "all", "--json",
-            )  # fmt: skip
-            assert submitted.returncode == 0, submitted.stderr
-            # When the job runs: then it finishes, and verify passes.
-            waited, verified, st = _wait_verify_status(settings, job)
-            # And the worker still consumes: a job submitted after it is stored too.
-            after = producer_cli(
-                settings, "submit", str(write_jsonl(tmp_path / "after.jsonl", rows[:3])), "--job", "after",
-                "--tokenizer", str(tok), "--processes", "1", "--no-progress", "--max-new-tokens", "50",
-                "--context-length", "131072", "--json",
-            )  # fmt: skip
-            assert after.returncode == 0, after.stderr
-            wait_until(lambda: job_progress(client, settings.keys, "after")["done"] == 3, 120, what="a later job")
-            assert worker.alive()
-        finally:
-            worker.terminate()
+    worker = WorkerProcess(
+        "w1", fast_env(settings, plain_sim, max_inflight=8, **STEADY_LEASE), tmp_path / "logs"
+    ).start()
+    try:
+        worker.wait_ready(client, settings.keys)
+        submitted = cli(
+            settings, "submit", str(data), "--job", job, "--tokenizer", str(tok), "--processes", "1",
+            "--no-progress", "--max-new-tokens", "200", "--seed", "3", "--context-length", "131072",
+            "--turns", "all", "--json",
+        )  # fmt: skip
+        assert submitted.returncode == 0, submitted.stderr
+        # When the job runs: then it finishes, and verify passes.
+        waited, verified, st = _wait_verify_status(settings, job)
+        # And the worker still consumes: a job submitted after it is stored too.
+        after = cli(
+            settings, "submit", str(write_jsonl(tmp_path / "after.jsonl", rows[:3])), "--job", "after",
+            "--tokenizer", str(tok), "--processes", "1", "--no-progress", "--max-new-tokens", "50",
+            "--context-length", "131072", "--json",
+        )  # fmt: skip
+        assert after.returncode == 0, after.stderr
+        wait_until(lambda: job_progress(client, settings.keys, "after")["done"] == 3, 120, what="a later job")
+        assert worker.alive()
+    finally:
+        worker.terminate()
     log = worker.log_path.read_text()
     stored = {r["prompt_id"]: r for r in read_committed(settings.output_uri, job).to_pylist()}
     answers = {k.decode(): json.loads(v) for k, v in client.hgetall(settings.keys.turn_answers(job)).items()}
@@ -251,47 +270,46 @@ def test_a_conversation_the_template_refuses_ends_its_chain_and_the_worker_keeps
 
 # -- a stall is seen ---------------------------------------------------------------------------------------------
 def _status(settings: Any, job: str) -> dict[str, Any]:
-    shown = producer_cli(settings, "status", job, "--json")
+    shown = cli(settings, "status", job, "--json")
     assert shown.returncode == 0, shown.stderr
     return json.loads(shown.stdout)
 
 
 def test_a_worker_whose_commits_fail_while_it_holds_work_is_shown_stalled_with_its_reason(
-    redis_url: str, tmp_path: Path
+    redis_url: str, tmp_path: Path, plain_sim: str
 ) -> None:
     # Given a worker running a job, whose output stops accepting writes (a file where the dataset directory was).
     settings = isolated_settings(redis_url, str(tmp_path / "out"))
     client = redis.Redis.from_url(redis_url)
     keys = settings.keys
     started = time.monotonic()
-    with simulator(tmp_path, "--time-scale", "400") as sim:
-        env = fast_env(settings, sim, max_inflight=4, storage_retry_max_s=1, **STEADY_LEASE)
-        worker = WorkerProcess("w1", env, tmp_path).start()
-        try:
-            worker.wait_ready(client, keys)
-            job = submit_ids(settings, "stall", make_prompts(60))
-            wait_until(lambda: job_progress(client, keys, "stall")["done"] >= 5, 120, what="5 rows stored")
-            dataset_dir = Path(settings.output_uri) / "stall" / "dataset=synthetic"
-            aside = tmp_path / "aside"
-            aside.write_text("blocked")
-            exchange_paths(aside, dataset_dir)
-            # When it holds rows it cannot commit: then status shows it stalled, naming the storage error.
-            stalled: list[dict[str, Any]] = []
+    env = fast_env(settings, plain_sim, max_inflight=4, storage_retry_max_s=1, **STEADY_LEASE)
+    worker = WorkerProcess("w1", env, tmp_path).start()
+    try:
+        worker.wait_ready(client, keys)
+        job = submit_ids(settings, "stall", make_prompts(60))
+        wait_until(lambda: job_progress(client, keys, "stall")["done"] >= 5, 120, what="5 rows stored")
+        dataset_dir = Path(settings.output_uri) / "stall" / "dataset=synthetic"
+        aside = tmp_path / "aside"
+        aside.write_text("blocked")
+        exchange_paths(aside, dataset_dir)
+        # When it holds rows it cannot commit: then status shows it stalled, naming the storage error.
+        stalled: list[dict[str, Any]] = []
 
-            def shown_stalled() -> bool:
-                stalled[:] = _status(settings, "stall").get("stalled_workers") or []
-                return bool(stalled)
+        def shown_stalled() -> bool:
+            stalled[:] = _status(settings, "stall").get("stalled_workers") or []
+            return bool(stalled)
 
-            wait_until(shown_stalled, 120, what="the worker shown stalled")
-            text = producer_cli(settings, "status", "stall")
-            # And once storage takes writes again, the stall is gone and the job finishes clean.
-            exchange_paths(aside, dataset_dir)
-            aside.unlink()
-            wait_until(lambda: not _status(settings, "stall").get("stalled_workers"), 120, what="the stall cleared")
-            waited = producer_cli(settings, "wait", "stall", "--timeout", "180", "--json")
-            assert worker.alive()
-        finally:
-            worker.terminate()
+        wait_until(shown_stalled, 120, what="the worker shown stalled")
+        text = cli(settings, "status", "stall")
+        # And once storage takes writes again, the stall is gone and the job finishes clean.
+        exchange_paths(aside, dataset_dir)
+        aside.unlink()
+        wait_until(lambda: not _status(settings, "stall").get("stalled_workers"), 120, what="the stall cleared")
+        waited = cli(settings, "wait", "stall", "--timeout", "180", "--json")
+        assert worker.alive()
+    finally:
+        worker.terminate()
     outcome = check_job(settings, "stall", job.prompts, job.sampling_params)
     record_result(
         "a worker whose commits fail while it holds work is shown stalled by `producer status`",
@@ -385,7 +403,7 @@ def test_an_executor_result_that_is_not_json_ends_its_chain_and_the_worker_keeps
         worker = WorkerProcess("w1", env, tmp_path / "logs").start()
         try:
             worker.wait_ready(client, settings.keys)
-            submitted = producer_cli(
+            submitted = cli(
                 settings, "submit", str(data), "--job", job, "--tokenizer", str(tok), "--processes", "1",
                 "--no-progress", "--max-new-tokens", "400", "--seed", "5", "--context-length", "131072",
                 "--turns", "all", "--tool-results", "executor", "--tool-executor", executor, "--max-tool-steps", "2",
@@ -456,8 +474,10 @@ def test_a_commit_attempt_that_never_returns_is_shown_stalled_and_ends_the_worke
         commit = asyncio.ensure_future(committer.commit("job", "ds", row, JobFinalRow("p-0", 30, True, False)))
         watch = StallWatch(committer, None, lambda: 1, info, None, 0.01, 1, stuck_exit_s=1.0, exit=exits.append)
         watch.start()
+        # Until the watch names the hung attempt: at the stall bound (10 s) the row has waited a moment longer than
+        # the attempt has run, and one publish may say "1 rows waiting 10 s" first (a loaded box widens that moment)
         async with asyncio.timeout(60):
-            while not (exits and info.get("stalled")):
+            while not (exits and str(info.get("stalled") or "").startswith("commit attempt running for")):
                 await asyncio.sleep(0.1)
         await watch.stop()
         commit.cancel()
