@@ -132,7 +132,7 @@ def killed_run(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFacto
     spec = f"{executor}:execute"
     data = write_jsonl(tmp_path / "chat.jsonl", _rows())
     job = "tool-runs"
-    sim_args = ["--tool-catalogue", str(catalogue), "--time-scale", "400", "--sample-per-request"]
+    sim_args = ["--tool-catalogue", str(catalogue), "--time-scale", "1000", "--sample-per-request"]
     for key, value in SIM_CONTENT.items():
         sim_args += [f"--{key.replace('_', '-')}", str(value)]
     with simulator(logs, *sim_args) as sim:
