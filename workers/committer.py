@@ -441,7 +441,10 @@ class GroupCommitter:
         loc = getattr(self.writer, "loc", None)
         if loc is not None:
             confine_part(loc, job, part, dataset)  # PartPathRefused: nothing outside the job is read
-        writes = await self.hooks.before_orphan_finalize(StoredRow(job, dataset, part, final.prompt_id))
+        # (under the stored run's fence when we hold none: its hooks' own fenced writes, e.g. an agentic step's
+        # executor record, are that run's — Ledger.holding)
+        with self.ledger.holding(job, final.prompt_id, fence):
+            writes = await self.hooks.before_orphan_finalize(StoredRow(job, dataset, part, final.prompt_id))
         if final.part != part or final.row_index < 0:  # the commit log names the row's place (storage/feed.py)
             final = replace(final, part=part, row_index=await asyncio.to_thread(self._row_in_part, part, final))
         fences = {final.prompt_id: fence} if fence is not None else None

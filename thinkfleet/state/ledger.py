@@ -55,12 +55,13 @@ others here, not across files).
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -313,6 +314,24 @@ class Ledger:
     def fence(self, job: str, prompt_id: str) -> Fence | None:
         """The fence this process holds for the prompt's claim (None when it holds none)."""
         return self.held.get((job, prompt_id))
+
+    @contextlib.contextmanager
+    def holding(self, job: str, prompt_id: str, fence: Fence | None) -> Iterator[None]:
+        """Hold ``fence`` for the prompt while the block runs, where this process holds none: a row finalized again
+        from storage (``GroupCommitter.replay`` after a Redis rollback) runs its hooks under the fence of the run that
+        stored it — an agentic step's executor record is fenced by our claim (tool_calls.lua), and with no fence
+        held it would read as fenced and the step's finalize would record no answer and enqueue no next step,
+        stranding its chain. A live run's own fence is left as it is."""
+        key = (job, prompt_id)
+        added = fence is not None and key not in self.held
+        if added:
+            assert fence is not None
+            self.held[key] = fence
+        try:
+            yield
+        finally:
+            if added and self.held.get(key) is fence:
+                self.held.pop(key, None)
 
     def _drop(self, job: str, prompt_id: str) -> None:
         """The run of the prompt ended here (finalized, fenced, released, dead-lettered): its fence goes."""
