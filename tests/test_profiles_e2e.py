@@ -64,8 +64,9 @@ def _dataset(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def fleets(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetPool]:
-    """One simulator per model family (and one that never closes reasoning), each with one worker, started when a
-    test first needs it and shared by the module's jobs (each test submits its own)."""
+    """One simulator per model family (and one that never closes reasoning), each with one worker, shared by the
+    jobs of the tests that use it (each submits its own); one runs at a time, so the tests below are grouped by the
+    simulator they need (the Qwen3 ones first)."""
     pool = FleetPool(redis_server.url(0), tmp_path_factory.mktemp("profiles"))
     yield pool
     pool.close()
@@ -193,6 +194,75 @@ def test_a_qwen3_thinking_2507_job_whose_prompt_opens_reasoning_spans_it_from_th
 
 
 @pytest.mark.timeout(400)
+def test_a_qwen3_job_with_thinking_off_has_no_reasoning_and_no_alarm(tmp_path: Path, fleets: FleetPool) -> None:
+    kwargs = json.dumps({"enable_thinking": False})
+    got = _run(tmp_path, fleets, "qwen3", "qwen3", "qwennothink", "--chat-template-kwargs", kwargs)
+    assert got["record"].chat_template_kwargs == {"enable_thinking": False}
+    for row in got["rows"]:  # the prompt closed an empty reasoning block: the model answers at once
+        assert END_THINK in row["input_ids"][-3:]
+        assert THINK not in row["output_ids"] and END_THINK not in row["output_ids"]
+        assert (row["reasoning_start"], row["reasoning_end"], row["has_think_end"]) == (0, 0, False)
+    verify = verify_job(got["settings"], "qwennothink")
+    assert verify.ok and not verify.reasoning_alarm and verify.thinking_rows == 0
+    # … and the workers' own alarm agrees: no row was expected to reason, none is counted missing.
+    client, keys = got["client"], got["settings"].keys
+    assert not client.exists(keys.alarm("qwennothink")), "a thinking-off job must not raise the workers' alarm"
+    counters = client.hgetall(keys.counters("qwennothink"))
+    assert int(counters.get(b"expected_think_end", 0)) == 0 and int(counters.get(b"missing_think_end", 0)) == 0
+
+
+@pytest.mark.timeout(400)
+def test_a_tokenizer_without_reasoning_markers_is_refused_then_runs_without_reasoning_spans(
+    tmp_path: Path, redis_url: str, fleets: FleetPool
+) -> None:
+    settings = isolated_settings(redis_url, str(tmp_path / "out"))
+    tok = build_test_tokenizer(default_test_tokenizer_dir(family="plain"), family="plain")
+    data = _dataset(tmp_path / "alpha.jsonl")
+    refused = producer_cli(
+        settings, "submit", str(data), "--job", "plain", "--tokenizer", str(tok), "--no-progress", in_process=True
+    )
+    assert refused.returncode == 1
+    assert "'<think>'" in refused.stderr and "--no-reasoning-spans" in refused.stderr
+    assert redis.Redis.from_url(redis_url).llen(settings.queue) == 0
+
+    # The model (Qwen-shaped ids) does think; the job asked for no reasoning spans: none, and no alarm.
+    got = _run(tmp_path, fleets, "plain", "qwen3", "plain", "--no-reasoning-spans")
+    record = got["record"]
+    assert record.model_family == "qwen3" and record.reasoning_spans is False
+    assert record.think_start_id is None and record.think_end_id is None
+    assert any("reasoning spans are off" in w for w in got["submit"]["warnings"])
+    for row in got["rows"]:  # null: not recorded (0:0 would say "no reasoning")
+        assert (row["reasoning_start"], row["reasoning_end"], row["has_think_end"]) == (None, None, None)
+        assert (row["answer_start"], row["answer_end"]) == (None, None)
+        out = row["output_ids"]
+        begins = [i for i, t in enumerate(out) if t == CALL]
+        assert [s for s, _ in _calls(row)] == begins  # tool calls are still spanned
+    counters = got["client"].hgetall(got["settings"].keys.counters("plain"))
+    # Spans are off: no row is expected to reason, none counts as missing </think>, and no alarm.
+    assert int(counters[b"missing_think_end"]) == 0 and int(counters.get(b"expected_think_end", 0)) == 0
+    assert not got["client"].exists(got["settings"].keys.alarm("plain")), "no alarm: spans are off"
+    assert got["report"]["reasoning_spans"] is False and got["report"]["think_end_rate"] is None
+
+
+@pytest.mark.timeout(400)
+def test_a_qwen3_thinking_job_whose_outputs_never_close_reasoning_fails_verify_with_the_alarm(
+    tmp_path: Path, fleets: FleetPool
+) -> None:
+    """Qwen3's prompt does not open reasoning (the model opens ``<think>`` itself), so the prompt cannot tell the
+    alarm these rows should reason; the job's ``enable_thinking`` does."""
+    got = _run(tmp_path, fleets, "qwen3", "qwen3", "qwenlost", sim_flags=("--no-think-end",))
+    assert all(END_THINK not in row["output_ids"] for row in got["rows"])
+    verify = verify_job(got["settings"], "qwenlost")  # in process: the settings' alarm_min_rows (5) apply
+    assert verify.reasoning_alarm and not verify.ok
+    assert (verify.thinking_rows, verify.think_end_rows) == (ROWS, 0)
+    assert not verify.malformed and not verify.missing
+    # … and the workers' own alarm (finalize.lua) agrees: it fired, counting every row as expected to reason.
+    client, keys = got["client"], got["settings"].keys
+    assert client.exists(keys.alarm("qwenlost")), "the workers' alarm must fire too"
+    assert int(client.hget(keys.counters("qwenlost"), "expected_think_end")) == ROWS
+
+
+@pytest.mark.timeout(400)
 def test_a_deepseek_r1_job_spans_reasoning_from_the_first_output_id_and_its_tool_call_section(
     tmp_path: Path, fleets: FleetPool
 ) -> None:
@@ -230,42 +300,6 @@ def test_a_deepseek_r1_job_spans_reasoning_from_the_first_output_id_and_its_tool
     assert 0 < tool_rows < ROWS
     assert not got["client"].exists(got["settings"].keys.alarm("dsr1"))
     assert got["report"]["model_family"] == "deepseek" and got["report"]["think_end_rate"] > 0.8
-
-
-@pytest.mark.timeout(400)
-def test_a_qwen3_thinking_job_whose_outputs_never_close_reasoning_fails_verify_with_the_alarm(
-    tmp_path: Path, fleets: FleetPool
-) -> None:
-    """Qwen3's prompt does not open reasoning (the model opens ``<think>`` itself), so the prompt cannot tell the
-    alarm these rows should reason; the job's ``enable_thinking`` does."""
-    got = _run(tmp_path, fleets, "qwen3", "qwen3", "qwenlost", sim_flags=("--no-think-end",))
-    assert all(END_THINK not in row["output_ids"] for row in got["rows"])
-    verify = verify_job(got["settings"], "qwenlost")  # in process: the settings' alarm_min_rows (5) apply
-    assert verify.reasoning_alarm and not verify.ok
-    assert (verify.thinking_rows, verify.think_end_rows) == (ROWS, 0)
-    assert not verify.malformed and not verify.missing
-    # … and the workers' own alarm (finalize.lua) agrees: it fired, counting every row as expected to reason.
-    client, keys = got["client"], got["settings"].keys
-    assert client.exists(keys.alarm("qwenlost")), "the workers' alarm must fire too"
-    assert int(client.hget(keys.counters("qwenlost"), "expected_think_end")) == ROWS
-
-
-@pytest.mark.timeout(400)
-def test_a_qwen3_job_with_thinking_off_has_no_reasoning_and_no_alarm(tmp_path: Path, fleets: FleetPool) -> None:
-    kwargs = json.dumps({"enable_thinking": False})
-    got = _run(tmp_path, fleets, "qwen3", "qwen3", "qwennothink", "--chat-template-kwargs", kwargs)
-    assert got["record"].chat_template_kwargs == {"enable_thinking": False}
-    for row in got["rows"]:  # the prompt closed an empty reasoning block: the model answers at once
-        assert END_THINK in row["input_ids"][-3:]
-        assert THINK not in row["output_ids"] and END_THINK not in row["output_ids"]
-        assert (row["reasoning_start"], row["reasoning_end"], row["has_think_end"]) == (0, 0, False)
-    verify = verify_job(got["settings"], "qwennothink")
-    assert verify.ok and not verify.reasoning_alarm and verify.thinking_rows == 0
-    # … and the workers' own alarm agrees: no row was expected to reason, none is counted missing.
-    client, keys = got["client"], got["settings"].keys
-    assert not client.exists(keys.alarm("qwennothink")), "a thinking-off job must not raise the workers' alarm"
-    counters = client.hgetall(keys.counters("qwennothink"))
-    assert int(counters.get(b"expected_think_end", 0)) == 0 and int(counters.get(b"missing_think_end", 0)) == 0
 
 
 @pytest.mark.timeout(400)
@@ -307,36 +341,3 @@ def test_a_harmony_job_runs_end_to_end_with_channel_spans(tmp_path: Path, fleets
     assert 0 < tool_rows < ROWS
     assert not got["client"].exists(got["settings"].keys.alarm("gptoss"))
     assert got["report"]["model_family"] == "harmony"
-
-
-@pytest.mark.timeout(400)
-def test_a_tokenizer_without_reasoning_markers_is_refused_then_runs_without_reasoning_spans(
-    tmp_path: Path, redis_url: str, fleets: FleetPool
-) -> None:
-    settings = isolated_settings(redis_url, str(tmp_path / "out"))
-    tok = build_test_tokenizer(default_test_tokenizer_dir(family="plain"), family="plain")
-    data = _dataset(tmp_path / "alpha.jsonl")
-    refused = producer_cli(
-        settings, "submit", str(data), "--job", "plain", "--tokenizer", str(tok), "--no-progress", in_process=True
-    )
-    assert refused.returncode == 1
-    assert "'<think>'" in refused.stderr and "--no-reasoning-spans" in refused.stderr
-    assert redis.Redis.from_url(redis_url).llen(settings.queue) == 0
-
-    # The model (Qwen-shaped ids) does think; the job asked for no reasoning spans: none, and no alarm.
-    got = _run(tmp_path, fleets, "plain", "qwen3", "plain", "--no-reasoning-spans")
-    record = got["record"]
-    assert record.model_family == "qwen3" and record.reasoning_spans is False
-    assert record.think_start_id is None and record.think_end_id is None
-    assert any("reasoning spans are off" in w for w in got["submit"]["warnings"])
-    for row in got["rows"]:  # null: not recorded (0:0 would say "no reasoning")
-        assert (row["reasoning_start"], row["reasoning_end"], row["has_think_end"]) == (None, None, None)
-        assert (row["answer_start"], row["answer_end"]) == (None, None)
-        out = row["output_ids"]
-        begins = [i for i, t in enumerate(out) if t == CALL]
-        assert [s for s, _ in _calls(row)] == begins  # tool calls are still spanned
-    counters = got["client"].hgetall(got["settings"].keys.counters("plain"))
-    # Spans are off: no row is expected to reason, none counts as missing </think>, and no alarm.
-    assert int(counters[b"missing_think_end"]) == 0 and int(counters.get(b"expected_think_end", 0)) == 0
-    assert not got["client"].exists(got["settings"].keys.alarm("plain")), "no alarm: spans are off"
-    assert got["report"]["reasoning_spans"] is False and got["report"]["think_end_rate"] is None
