@@ -12,12 +12,7 @@ __all__ = ["tok_dir"]  # the module's tokenizer fixture, shared
 
 
 def test_operator_nemesis_agentic_executor_short_fixed_seed(tmp_path: Path, tok_dir: Path) -> None:
-    # The operator's commands as CLI processes, a second or more each (the other two runs type them in the test's
-    # process). Typed in this process, pause, purge + re-submit, compact and the rollback came within about four
-    # seconds, and a chain was stranded in 2 of 5 runs: a tool-calling step stored just before Redis was rolled back
-    # was finalized again from storage ("fenced: … the executor is not called") and its next step was never enqueued
-    # (wait exit 3, e.g. alpha/c6/t1s1). That is the workers' finding to fix, not this test's to hide with another
-    # schedule; until then this run keeps the spacing it has passed with.
-    run_operators(
-        tmp_path, tok_dir, CI_SEED, units=8, operations=len(OPERATIONS), turns=2, agentic=True, processes=True
-    )
+    # The operator's commands typed in the test's process, as the other two runs do: they come within a few seconds
+    # of each other. That once stranded a chain in 2 of 5 runs (a tool-calling step finalized again from storage
+    # after the rollback had its executor record refused as fenced: tests/test_reliability_rollback_steps.py).
+    run_operators(tmp_path, tok_dir, CI_SEED, units=8, operations=len(OPERATIONS), turns=2, agentic=True)
