@@ -245,7 +245,8 @@ class SentinelHead:
         for s in self.sentinels:
             try:
                 client = s.client()
-                seen = f"replicas {len(client.sentinel_slaves(MASTER))}, sentinels {len(client.sentinel_sentinels(MASTER))}"
+                replicas, others = client.sentinel_slaves(MASTER), client.sentinel_sentinels(MASTER)
+                seen = f"replicas {len(replicas)}, sentinels {len(others)}"
             except redis.RedisError as exc:
                 seen = f"unreadable ({exc!r})"
             log = s.workdir / "sentinel.log"
