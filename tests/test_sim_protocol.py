@@ -160,7 +160,9 @@ def test_stream_sends_cumulative_chunks_then_done(sim: SimulatorThread) -> None:
     events = sse_events(resp)
     assert events[-1] == b"[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    assert len(chunks) >= 3
+    # (how many chunks depends on how often the simulator's clock ticks while the answer is decoded: at least one
+    # before the final one; a box at load 20 gave 2 where a quiet one gives more)
+    assert len(chunks) >= 2
     final = expected_generation(PROMPT, {"max_new_tokens": 30_000})
     assert chunks[-1]["output_ids"] == final.output_ids
     assert chunks[-1]["meta_info"]["finish_reason"] == final.finish_reason

@@ -586,7 +586,9 @@ def test_the_context_boundary_is_the_servers(redis_url: str, workdir: Path, vers
 def test_aborts_retry_on_5xx_and_dead_letter_on_4xx(redis_url: str, workdir: Path, version: str, status: int) -> None:
     settings = isolated_settings(redis_url, str(workdir / "out"))
     client = redis.Redis.from_url(redis_url)
-    aborts = ("--abort-rate", "0.05", "--abort-status-code", str(status))
+    # A tenth of the generations: which ones is drawn per request id (a claim's epoch is in it), and at 0.05 one
+    # run in 60 drew none of the 80 (0.95^80); at 0.1, one in 4,500.
+    aborts = ("--abort-rate", "0.1", "--abort-status-code", str(status))
     with simulator(workdir / "logs", *FAST, "--sglang-version", version, *aborts) as sim:
         worker = WorkerProcess("w1", fast_env(settings, sim, max_inflight=8), workdir / "logs").start()
         try:
