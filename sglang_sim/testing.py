@@ -176,8 +176,9 @@ class SimulatorProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 20.0, wait: bool = True) -> SimulatorProcess:
-        """Spawn; returns once the port is open (``wait=False``: at once, e.g. to watch ``--load-s``)."""
+    def start(self, timeout_s: float = 180.0, wait: bool = True) -> SimulatorProcess:
+        """Spawn; returns once the port is open (``wait=False``: at once, e.g. to watch ``--load-s``). The bound is
+        generous: a simulator loading a real tokenizer on a loaded 2-core box took over 20 s to open its port."""
         command = [sys.executable, "-m", "sglang_sim.cli", "--port", str(self.port), *self.args]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT)
