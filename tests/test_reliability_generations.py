@@ -18,8 +18,10 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
+from producer import lifecycle
 from sglang_sim.testing import SimulatorProcess
 from testing.fleet import WorkerProcess, job_progress, wait_until
 from testing.harness import _publish, fast_env, isolated_settings, make_prompts, producer_cli, register_ids
@@ -39,7 +41,13 @@ def _submit(settings, job: str, generation: str, **sampling: object):
     return id_job, tasks
 
 
-def test_purge_and_resubmit_under_a_running_worker_never_mixes_generations(redis_url: str, tmp_path: Path) -> None:
+def test_purge_and_resubmit_under_a_running_worker_never_mixes_generations(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # purge --force waits (PURGE_FORCE_WAIT_S, 60 s) for the job's running prompts, then purges anyway: here they run
+    # on the stopped worker, which resumes only after the purge, so no wait can see them end; a short one takes
+    # the same path (the in-process CLI below reads the constant).
+    monkeypatch.setattr(lifecycle, "PURGE_FORCE_WAIT_S", 3.0)
     settings = isolated_settings(redis_url, str(tmp_path / "out"))
     client = redis.Redis.from_url(redis_url)
     keys = settings.keys
@@ -47,7 +55,7 @@ def test_purge_and_resubmit_under_a_running_worker_never_mixes_generations(redis
     fp_dir.mkdir()
     job_name = "regen"
     started = time.monotonic()
-    with SimulatorProcess("--time-scale", "400") as sim:
+    with SimulatorProcess("--time-scale", "1000") as sim:
         env = fast_env(settings, sim.url, max_inflight=4, lease_s=60)
         env.update({failpoints.ENV: "during_generate=stop", failpoints.DIR_ENV: str(fp_dir)})
         env[failpoints.TIMES_ENV] = "1"
