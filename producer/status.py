@@ -100,7 +100,11 @@ class StatusReader:
         # without a recorded end leaves nothing pending, and the job is not finished then — thinkfleet/chain_end.py).
         turns = self._turns(counters, deep or remaining == 0)
         stranded = (turns.get("conversations") or {}).get("stranded")
-        finished = remaining == 0 and totals["total"] > 0 and not stranded
+        # Finished only if the sizes of one moment (read_counts: one MULTI, before any scan) say so too. The deep
+        # scan reads the prompts, then where each is, in several calls: a finalize between them moves the last
+        # pending turns into done and enqueues their successors, which the scan never sees — remaining 0 while
+        # later turns are owed (tests/test_wait_turns_race.py).
+        finished = remaining == 0 and counts.remaining <= 0 and totals["total"] > 0 and not stranded
         rates = self._rates(now, counters, workers, finished)
         mean_out = counters.get("output_tokens", 0) / counters["done"] if counters.get("done") else None
         tok_s = rates["output_tokens_per_s"]

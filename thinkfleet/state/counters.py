@@ -51,9 +51,13 @@ class Counts:
 
 def read_counts(client: redis.Redis, keys: Keys, job: str, datasets: Sequence[str]) -> Counts:
     """The job's counts in one round trip: totals from the sets' sizes, per dataset from the counters
-    (a single dataset takes the exact totals)."""
+    (a single dataset takes the exact totals).
+
+    One MULTI, so the sizes are of one moment: a finalize adds a turn's successor to the prompts and the turn to
+    done in one step, and sizes read across it (the prompts before, done after) say nothing is pending while the
+    successor is (``producer wait`` reads its verdict from them)."""
     names = list(datasets)
-    with client.pipeline(transaction=False) as p:
+    with client.pipeline(transaction=True) as p:
         p.hlen(keys.prompts(job))
         p.scard(keys.done(job))
         p.hlen(keys.dead(job))
