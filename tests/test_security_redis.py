@@ -703,6 +703,7 @@ HELPERS = {
     "sscan_iter": ["SSCAN"],
     "zscan_iter": ["ZSCAN"],
     "delete": ["DEL"],
+    "xinfo_stream": ["XINFO|STREAM"],  # a subcommand (storage/feed.py: where the commit log stands)
 }
 LUA_CALL = re.compile(r"""redis\.p?call\(\s*['"]([A-Za-z]+)['"]""")
 ROLE_SOURCES = {
