@@ -73,11 +73,13 @@ def run_multiturn_job(redis_url: str, tmp_path: Path, job: str = "multi") -> Mul
         env = fast_env(settings, sim, max_inflight=4, **lease)
         doomed_env = {**env, failpoints.ENV: "after_part_write=kill", failpoints.DIR_ENV: str(fp_dir)}
         doomed_env.pop(failpoints.TIMES_ENV, None)
+        # w1 alone until its first part write kills it, then w2: with both consuming from the start, w2 could take
+        # every first turn (and, host-affine, every later one) before w1 wrote anything — the failpoint never fired
+        # in one CI run of the quiet box.
         w1 = WorkerProcess("w1", doomed_env, tmp_path / "logs").start()
-        w2 = WorkerProcess("w2", env, tmp_path / "logs").start()
+        w2 = WorkerProcess("w2", env, tmp_path / "logs")
         try:
             w1.wait_ready(client, settings.keys)
-            w2.wait_ready(client, settings.keys)
             submitted = producer_cli(
                 settings, "submit", str(data), "--job", job, "--tokenizer", str(tok_dir), "--processes", "1",
                 "--no-progress", "--max-new-tokens", "300", "--seed", "3", "--context-length", "131072",
@@ -85,6 +87,8 @@ def run_multiturn_job(redis_url: str, tmp_path: Path, job: str = "multi") -> Mul
                 in_process=True,
             )  # fmt: skip
             assert submitted.returncode == 0, submitted.stderr
+            wait_until((fp_dir / "failpoint-after_part_write-0").exists, 120, what="w1 killed after its part write")
+            w2.start().wait_ready(client, settings.keys)
             wait_until(lambda: job_progress(client, settings.keys, job)["done"] == total, 180, what=f"{total} turns")
         finally:
             for w in (w1, w2):
