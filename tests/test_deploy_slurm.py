@@ -494,7 +494,8 @@ def test_slurm_ha_head_starts_names_its_primary_and_fails_over_behind_its_url(
 
     # Then a Sentinel names task 0's Redis the primary, the URL writes to it (a replica streams from it: the head
     # takes writes once redis.url is there), and its AOF is on.
-    assert primary() == rport
+    # (waited for: the Sentinel names its primary once it has monitored it, later on a loaded box)
+    _wait_for("a Sentinel naming task 0's Redis the primary", lambda: primary() == rport, 120, slurm, logs)
     client = sync_client(settings.redis_url)
     client.set("ha:probe", "1")
     assert client.execute_command("ROLE")[0] == b"master" and client.config_get("appendonly") == {"appendonly": "yes"}
