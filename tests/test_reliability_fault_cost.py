@@ -16,7 +16,7 @@ import redis
 
 from sglang_sim.testing import SimulatorProcess
 from testing.fleet import WorkerProcess, dead_letters, in_flight, job_progress, wait_until
-from testing.harness import fast_env, isolated_settings, make_prompts, submit_ids
+from testing.harness import fast_env, isolated_settings, make_prompts, post_json, submit_ids
 from testing.record import check_job, record_result
 from thinkfleet.keys import Keys
 
@@ -137,13 +137,17 @@ def test_a_worker_paused_past_its_lease_is_charged_no_death(redis_url: str, tmp_
         watched = held & in_flight(client, keys, job_name, "pb")
         charged = _charged(client, keys, job_name)
         assert watched and all(charged.get(pid) == 1 for pid in watched), f"a lapse looks like a death: {charged}"
+        # (B's server answers nothing until A has come back: B holds the prompts however long that takes on a loaded
+        # box — a run of ~25 s once ended before A was seen taking the deaths back)
+        post_json(f"{slow.url}/control/stall", {"seconds": 600})
         os.kill(a.proc.pid, signal.SIGCONT)
         # Then A comes back and takes those deaths back while B still runs the prompts: none stays charged.
         wait_until(
             lambda: not any(_charged(client, keys, job_name).get(pid) for pid in watched)
             and watched <= in_flight(client, keys, job_name, "pb"),
-            60, 0.05, what=f"no death charged to {sorted(watched)} while B holds them",
+            180, 0.05, what=f"no death charged to {sorted(watched)} while B holds them",
         )  # fmt: skip
+        post_json(f"{slow.url}/control/stall", {"seconds": 0})
         wait_until(lambda: job_progress(client, keys, job_name)["done"] == 12, 180, what="all 12 stored")
         assert a.alive(), "A lived through its pause"
     finally:
