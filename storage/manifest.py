@@ -40,7 +40,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -100,6 +99,14 @@ def write_submitted(
     return loc.uri(path)
 
 
+def _dataset(path: str, schema: pa.Schema, fs: Any) -> Any:
+    """One manifest file as a ``pyarrow.dataset`` (imported here, not at the top: it imports pandas, ~0.8 CPU-s,
+    which every worker importing this module would pay)."""
+    import pyarrow.dataset as ds
+
+    return ds.dataset(path, schema=schema, format="parquet", filesystem=fs)
+
+
 def read_submitted(output_uri: str, job: str, s3_endpoint_url: str | None = None) -> pa.Table:
     """Every submitted prompt once, with its latest content hash; empty if no manifest exists."""
     loc = layout.locate(output_uri, s3_endpoint_url)
@@ -108,7 +115,7 @@ def read_submitted(output_uri: str, job: str, s3_endpoint_url: str | None = None
         return MANIFEST_SCHEMA.empty_table()
     tables = []
     for index, path in enumerate(files):  # one per submit call: few files
-        t = ds.dataset(path, schema=MANIFEST_SCHEMA, format="parquet", filesystem=loc.fs).to_table()
+        t = _dataset(path, MANIFEST_SCHEMA, loc.fs).to_table()
         tables.append(t.append_column(_FILE, pa.array(np.full(t.num_rows, index, dtype=np.int32))))
     table = pa.concat_tables(tables)
     # Latest submit wins: newest submitted_at, then the later file (names sort by time).
@@ -130,7 +137,7 @@ def read_sources(
     found: dict[tuple[str, str], tuple[str | None, str | None]] = {}
     wanted = set(datasets) if datasets is not None else None
     for path in files:  # sorted by time: later submits overwrite
-        dataset = ds.dataset(path, schema=SOURCE_SCHEMA, format="parquet", filesystem=loc.fs)
+        dataset = _dataset(path, SOURCE_SCHEMA, loc.fs)
         table = dataset.to_table(columns=columns)
         for pid, name, digest, messages, tools in zip(*(table[c].to_pylist() for c in columns), strict=True):
             if messages is not None and (wanted is None or name in wanted):
@@ -157,7 +164,7 @@ class SourceLookup:
             return found
         wanted = pc.field(PROMPT_ID).isin(pa.array(list(dict.fromkeys(prompt_ids)), pa.string()))
         for path in self.files:  # sorted by time: later submits overwrite
-            dataset = ds.dataset(path, schema=SOURCE_SCHEMA, format="parquet", filesystem=self.loc.fs)
+            dataset = _dataset(path, SOURCE_SCHEMA, self.loc.fs)
             table = dataset.to_table(columns=columns, filter=wanted)
             for pid, name, digest, messages, tools in zip(*(table[c].to_pylist() for c in columns), strict=True):
                 if messages is not None and (self.wanted is None or name in self.wanted):

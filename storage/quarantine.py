@@ -35,7 +35,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -47,9 +46,6 @@ log = logging.getLogger(__name__)
 QUARANTINE_DIR = "_quarantine"
 #: Suffix of the record written next to a quarantined part.
 RECORD_SUFFIX = ".json"
-#: Verify every page's CRC on read (pages written without one — parts before schema 6 — are read unchecked).
-CHECKED = ds.ParquetFragmentScanOptions(page_checksum_verification=True)
-_FORMAT = ds.ParquetFileFormat(default_fragment_scan_options=CHECKED)
 _NAMES = frozenset(SCHEMA.names)
 _REQUIRED = tuple(f.name for f in SCHEMA if not f.nullable)
 _VERSION_KEY = b"thinkfleet.schema_version"
@@ -142,17 +138,49 @@ def read_bytes(loc: layout.Location, path: str) -> pa.Buffer:
         raise
 
 
+def open_checked(buf: pa.Buffer) -> pq.ParquetFile:
+    """One part's bytes as a Parquet file whose every page's CRC is verified as it is read (pages written without
+    one — parts before schema 6 — are read unchecked).
+
+    ``pyarrow.parquet``, not ``pyarrow.dataset``, reads a single part: importing the dataset module imports pandas
+    (~0.8 CPU-s), which every worker would pay at start for the parts it checks one at a time."""
+    return pq.ParquetFile(pa.BufferReader(buf), page_checksum_verification=True)
+
+
+def conformed_batches(part: pq.ParquetFile, columns: Sequence[str]) -> Iterator[pa.RecordBatch]:
+    """``columns`` of ``part`` batch by batch as :data:`SCHEMA` types: a column an older part lacks reads as nulls
+    (columns were added over the versions, never removed), one stored as another type is cast — what a dataset
+    scan with ``schema=SCHEMA`` gives."""
+    fields = [SCHEMA.field(c) for c in columns]
+    schema = pa.schema(fields)
+    stored = set(part.schema_arrow.names)
+    present = [c for c in columns if c in stored]
+    if not present:  # a batch without columns has no length: the footer's row count gives it
+        if part.metadata.num_rows:
+            yield pa.RecordBatch.from_arrays([pa.nulls(part.metadata.num_rows, f.type) for f in fields], schema=schema)
+        return
+    for batch in part.iter_batches(columns=present, use_pandas_metadata=False):
+        arrays = []
+        for f in fields:
+            if f.name not in stored:
+                arrays.append(pa.nulls(batch.num_rows, f.type))
+                continue
+            column = batch.column(f.name)
+            arrays.append(column if column.type == f.type else column.cast(f.type))
+        yield pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
 def decode(buf: pa.Buffer, columns: Sequence[str] | None = None) -> Iterator[pa.RecordBatch]:
     """The part's rows (``columns``, default all, as :data:`SCHEMA` types) batch by batch, page CRCs verified
     (and the rows' ``ids_crc32`` when both id columns are read); raises :class:`Damaged` saying what is wrong.
     Decoding bytes held in memory: no I/O can fail here."""
     try:
-        fragment = _FORMAT.make_fragment(pa.BufferReader(buf))
-        problem = schema_problem(fragment.physical_schema)
+        part = open_checked(buf)
+        problem = schema_problem(part.schema_arrow)
         if problem:
             raise Damaged(problem)
         want = list(columns or SCHEMA.names)
-        for batch in fragment.to_batches(schema=SCHEMA, columns=with_crc(want)):
+        for batch in conformed_batches(part, with_crc(want)):
             problem = null_problem(batch) or crc_problem(batch)
             if problem:
                 raise Damaged(problem)
@@ -265,10 +293,10 @@ def _what_it_held(buf: pa.Buffer) -> tuple[int | None, list[str] | None]:
 def _column(buf: pa.Buffer, name: str) -> pa.ChunkedArray | None:
     """One column of a (damaged) part, its pages checked; None when it does not decode or is not there."""
     try:
-        fragment = _FORMAT.make_fragment(pa.BufferReader(buf))
-        if name not in fragment.physical_schema.names:
+        part = open_checked(buf)
+        if name not in part.schema_arrow.names:
             return None
-        return fragment.to_table(schema=SCHEMA, columns=[name])[name]
+        return pa.Table.from_batches(list(conformed_batches(part, [name])))[name]
     except Exception:
         return None
 

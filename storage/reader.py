@@ -39,7 +39,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 
 from storage import layout, listing, quarantine
 from storage.schema import CREATED_AT, EPOCH, PROMPT_ID, REVISION, SCHEMA, WORKER
@@ -293,6 +292,14 @@ def release_freed_memory() -> None:
         _MALLOC_TRIM(0)
 
 
+def checked_scan() -> Any:
+    """A dataset scan's options that verify every page's CRC (pages written without one — parts before schema 6 —
+    are read unchecked)."""
+    import pyarrow.dataset as ds
+
+    return ds.ParquetFragmentScanOptions(page_checksum_verification=True)
+
+
 def _read_some(
     loc: layout.Location,
     paths: list[str],
@@ -313,13 +320,15 @@ def _read_some(
     quarantined, I/O errors raise."""
     if not paths:
         return []
+    import pyarrow.dataset as ds  # here, not at the top: it imports pandas (~0.8 CPU-s) in every importer
+
     held: dict[str, list[pa.RecordBatch]] = {}
     suspects: set[str] = set()
     try:
         dataset = ds.dataset(paths, schema=SCHEMA, format="parquet", filesystem=loc.fs)
         checked: set[str] = set()
         # scan_batches tags each batch with its file and still reads files in parallel.
-        scanner = dataset.scanner(columns=quarantine.with_crc(columns), fragment_scan_options=quarantine.CHECKED)
+        scanner = dataset.scanner(columns=quarantine.with_crc(columns), fragment_scan_options=checked_scan())
         for tagged in scanner.scan_batches():
             path, batch = tagged.fragment.path, tagged.record_batch
             if path not in checked:
