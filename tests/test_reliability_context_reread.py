@@ -62,6 +62,10 @@ def test_retry_after_a_restart_with_a_longer_context_inside_one_health_interval_
         sim.kill()
         sim.args = ["--time-scale", "400"]
         sim.start()
+        # (The gate reads the info again at most once per REREAD_MIN_AGE_S, so a stream of refused prompts costs one
+        # read: a restart that fast is by design not seen. A real one takes far longer; the simulator's can take
+        # 0.5 s, and the worker read its info just before the first refusals.)
+        time.sleep(REREAD_MIN_AGE_S + 0.1)
         retry = producer_cli(settings, "retry", "reread", "--json", in_process=True)
         assert retry.returncode == 0, retry.stderr
         assert set(json.loads(retry.stdout)["prompt_ids"]) == long_ids
