@@ -483,9 +483,13 @@ def test_an_auto_worker_bounds_itself_by_the_server_and_starts_again_after_its_r
         assert shown["mode"] == "auto" and shown["cap"] == 40 and shown["reason"]
         status = producer_cli(settings, "status", "auto", in_process=True)
         assert status.returncode == 0 and "in-flight bound per worker" in status.stdout, status.stdout + status.stderr
-        # When the server restarts with 3 slots
+        # When the server restarts with 3 slots, and the worker sees it gone (a probe, or a request in flight failing)
+        # before the new one answers: at time-scale 400 the job can be done by now, and a restart quicker than a
+        # probe, with nothing in flight, is one no worker can tell from no restart
+        closed = worker.gate_closures()
         sim.kill()
         sim.wait(10)
+        wait_until(lambda: worker.gate_closures() > closed, 60, what="the worker's gate closed on the dead server")
         sim = _sim(port, tmp_path / "sim.log", "--max-running-requests", "3")
         # Then the bound starts again from the new limits, and the job still completes
         wait_until(lambda: int(info().get("inflight_bound", 99)) <= 3 + 4, 60, what="bound from the new limits")
