@@ -21,9 +21,12 @@ import redis
 
 from thinkfleet.chain_end import COMPLETE
 from thinkfleet.keys import Keys
+from thinkfleet.tool_steps import END_TOOL_ERROR
 
 #: Fields per HSCAN page of the chain-state hash (each a few dozen bytes).
 SCAN_COUNT = 5000
+#: The counters' field of the chains whose end is an executor failure (finalize.lua counts each end once).
+TOOL_ERRORS_FIELD = f"chains_ended:{END_TOOL_ERROR}"
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from typing import Any
 import redis
 
 from producer.bounds import inflight_bounds
-from producer.chain_state import ended_counts, keeps_chain_state, waiting_states
+from producer.chain_state import TOOL_ERRORS_FIELD, ended_counts, keeps_chain_state, waiting_states
 from producer.clocks import clock_warnings
 from producer.image_gates import image_store_gates
 from producer.job import JobRecord
@@ -320,7 +320,8 @@ class StatusReader:
                 stranded_ids.append(next_id)
         total = max(len(counts), int(meta.get("conversations") or 0))
         turns_done = sum(1 for pid in done if split_turn_id(pid) is not None)
-        tools = {"tool_errors": counters.get("tool_errors", 0)} if agentic else {}  # executor failures: tool_error
+        # executor failures: the chains that end tool_error, counted once by the finalize that stores the end
+        tools = {"tool_errors": counters.get(TOOL_ERRORS_FIELD, 0)} if agentic else {}
         return {
             "conversations": {
                 "total": total,
@@ -380,7 +381,7 @@ class StatusReader:
             turns_done = sum(1 for m in r.sscan_iter(keys.done(job), count=5000) if split_turn_id(m.decode()))
         else:  # every prompt of a plain --turns all job is a turn
             turns_done = int(r.scard(keys.done(job)))
-        tools = {"tool_errors": counters.get("tool_errors", 0)} if agentic else {}
+        tools = {"tool_errors": counters.get(TOOL_ERRORS_FIELD, 0)} if agentic else {}
         return {
             "conversations": {
                 "total": total,

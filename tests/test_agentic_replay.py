@@ -337,7 +337,7 @@ def test_executor_results_feed_the_next_step_and_it_runs_at_most_once_per_step_r
     assert (run.fp_dir / "failpoint-after_tool_call-0").exists()
     assert any("no recorded outcome" in a.get("tool_error", "") for a in ended)
     counters = run.client.hgetall(run.settings.keys.counters(run.executor_job))
-    assert int(counters.get(b"tool_errors", 0)) == len(ended)
+    assert int(counters.get(b"chains_ended:tool_error", 0)) == len(ended)
     # producer status shows them, and every conversation is settled: complete, or ended with its reason.
     status = producer_cli(run.settings, "status", run.executor_job, "--deep", "--json", in_process=True)
     assert status.returncode == 0, status.stderr

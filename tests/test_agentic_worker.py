@@ -215,7 +215,7 @@ def test_the_workers_timeout_and_retry_flags_bound_each_executor_call(qwen3_run:
     assert tries and set(tries.values()) == {1 + RETRIES}, tries
     assert {i.split("@")[0] for i in tries} == set(ended)
     counters = run.client.hgetall(run.settings.keys.counters(run.slow_job))
-    assert int(counters.get(b"tool_errors", 0)) == len(ended)
+    assert int(counters.get(b"chains_ended:tool_error", 0)) == len(ended)
 
 
 def test_the_executor_flags_reach_the_workers_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

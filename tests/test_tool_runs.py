@@ -216,7 +216,7 @@ def test_a_step_regenerated_after_its_tool_ran_runs_its_own_calls_and_never_ends
         field = record_field(pid, int(a.get("revision") or 0), calls_digest(answer_message(a)["tool_calls"]))
         assert field in run.frozen and "no recorded outcome" in a["tool_error"], (pid, a.get("tool_error"))
     counters = run.client.hgetall(run.settings.keys.counters(run.job))
-    assert int(counters.get(b"tool_errors", 0)) == len(ended)
+    assert int(counters.get(b"chains_ended:tool_error", 0)) == len(ended)
 
     # Every step's recorded results answer the calls of the step as stored (decoded from its committed row).
     record = JobRecord.load(run.client, run.settings.keys, run.job)

@@ -80,7 +80,8 @@ async def next_step(
                 log.warning("fenced: %s/%s: %s", job, pid, exc)
                 return NextTurn(pid, "")
             except ToolExecError as exc:
-                await chainer.r.hincrby(chainer.keys.counters(job), "tool_errors", 1)
+                # (counted by the finalize that stores this end, once: chains_ended:tool_error. A count here ran
+                # again whenever the commit group was replayed — another row's worker killed, a commit retried.)
                 recorded["tool_error"] = str(exc)
                 return end(END_TOOL_ERROR)
             next_id = step_id(conv_id, turn, step + 1)
