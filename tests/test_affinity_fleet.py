@@ -26,7 +26,7 @@ from sglang_sim.testing import SimulatorProcess
 from storage.reader import read_committed
 from testing.datasets import conversation_rows, write_jsonl
 from testing.fleet import WorkerProcess, job_progress, stuck_report, wait_for_port, wait_until
-from testing.harness import fast_env, isolated_settings, producer_cli
+from testing.harness import fast_env, isolated_settings, post_json, producer_cli
 from testing.tokenizer import build_test_tokenizer, default_test_tokenizer_dir
 from thinkfleet.broker.keys import host_glob
 from thinkfleet.settings import Settings
@@ -54,14 +54,24 @@ def _submit(settings: Settings, tmp_path: Path, job: str) -> None:
     assert done.returncode == 0, done.stderr
 
 
-def _fleet(stack: ExitStack, settings: Settings, tmp_path: Path, **env: object) -> list[WorkerProcess]:
-    """HOSTS workers, each driving its own simulator; started and heartbeating."""
+def _fleet(
+    stack: ExitStack,
+    settings: Settings,
+    tmp_path: Path,
+    sims_out: list[SimulatorProcess] | None = None,
+    time_scale: int = 300,
+    **env: object,
+) -> list[WorkerProcess]:
+    """HOSTS workers, each driving its own simulator (in ``sims_out`` when given, in the same order); started and
+    heartbeating."""
     logs = tmp_path / "logs"
     logs.mkdir(exist_ok=True)
     client = redis.Redis.from_url(settings.redis_url)
-    sims = [SimulatorProcess("--time-scale", "300").start(wait=False) for _ in range(HOSTS)]  # all at once
+    sims = [SimulatorProcess("--time-scale", str(time_scale)).start(wait=False) for _ in range(HOSTS)]  # all at once
     for sim in sims:
         stack.callback(sim.kill)
+    if sims_out is not None:
+        sims_out.extend(sims)
     workers = []
     for i, sim in enumerate(sims):
         wait_for_port(sim.port, 30)
@@ -146,13 +156,16 @@ def test_a_killed_hosts_conversations_move_on_and_nothing_is_lost(redis_url: str
     job = "affine-kill"
     total = CONVERSATIONS * TURNS
     with ExitStack() as stack:
-        workers = _fleet(stack, settings, tmp_path, affinity_wait_s=3, lease_s=3, reaper_interval_s=0.5)
+        sims: list[SimulatorProcess] = []
+        # (time-scale 60: at 300 a fast box ran the whole job, ~2 s, between two looks of the wait below)
+        workers = _fleet(stack, settings, tmp_path, sims, 60, affinity_wait_s=3, lease_s=3, reaper_interval_s=0.5)
         _submit(settings, tmp_path, job)
         # mid-run: once a quarter of the turns are stored, some by it, the last host dies with its conversations' next
         # turns held, in transit or offered on its host list
         doomed = workers[-1]
 
         at_kill: dict = {}
+        stalled: list[bool] = []
 
         def mid_chain() -> bool:
             """A quarter of the turns stored, and the doomed host's last stored turn of some conversation waiting on
@@ -161,6 +174,10 @@ def test_a_killed_hosts_conversations_move_on_and_nothing_is_lost(redis_url: str
             stored_by_doomed = client.hget(settings.keys.worker_counters(job), doomed.name)
             if job_progress(client, settings.keys, job)["done"] < total // 4 or not stored_by_doomed:
                 return False
+            if not stalled:
+                # its server answers nothing from now on: the turns it holds stay unfinished until it dies
+                post_json(f"{sims[-1].url}/control/stall", {"seconds": 600})
+                stalled.append(True)
             assert doomed.proc is not None
             os.kill(doomed.proc.pid, signal.SIGSTOP)
             rows = _turn_rows(settings, job)
@@ -170,7 +187,7 @@ def test_a_killed_hosts_conversations_move_on_and_nothing_is_lost(redis_url: str
             doomed.cont()
             return False
 
-        wait_until(mid_chain, 240, interval_s=0.5, what="the doomed host mid-chain")
+        wait_until(mid_chain, 240, interval_s=0.1, what="the doomed host mid-chain")
         doomed.kill()
         waited = producer_cli(settings, "wait", job, "--timeout", "240", timeout_s=300)
         assert waited.returncode == 0, waited.stdout + waited.stderr
