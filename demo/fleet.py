@@ -32,6 +32,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports nothing listens on right now: each picked while the others are still held, so two
+    of them can never be the same one (n calls of :func:`free_port` can be, when nothing has bound it meanwhile)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def wait_for_port(port: int, timeout_s: float = 60.0) -> None:
     """Until something accepts connections on ``port``. The bound is generous: a start that takes 15 s on a busy
     2-core box is slow, not failed (the caller returns as soon as it listens)."""

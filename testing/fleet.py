@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 
-from demo.fleet import WorkerProcess, free_port, wait_for_port, worker_env
+from demo.fleet import WorkerProcess, free_port, free_ports, wait_for_port, worker_env
 from thinkfleet.keys import Keys
 from thinkfleet.redis_client import sync_client
 
@@ -29,6 +29,7 @@ __all__ = [
     "WorkerProcess",
     "dead_letters",
     "free_port",
+    "free_ports",
     "in_flight",
     "job_progress",
     "job_settled",

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from testing.fleet import free_port, wait_for_port
+from testing.fleet import free_ports, wait_for_port
 from testing.services import RedisServer
 from thinkfleet.redis_client import sync_client
 from thinkfleet.settings import Settings
@@ -113,10 +113,11 @@ def test_the_deployed_head_replicates_and_fails_over_with_its_own_users(tmp_path
     secrets = tmp_path / "secrets"
     passwords = _secrets(secrets)
     assert {"redis_replica_password", "redis_sentinel_password"} <= set(passwords)
-    ports = [free_port() for _ in range(3)]
+    # (six distinct ports: two free_port() calls can name the same one, and a Sentinel given a Redis's never ran)
+    *ports, sport0, sport1, sport2 = free_ports(6)
     procs = [_redis(tmp_path / "r0", secrets, ports[0], None)]
     procs += [_redis(tmp_path / f"r{i}", secrets, ports[i], ports[0]) for i in (1, 2)]
-    sports = [free_port() for _ in range(3)]
+    sports = [sport0, sport1, sport2]
     try:
         admin = [
             redis.Redis(port=p, username="admin", password=passwords["redis_admin_password"], socket_timeout=5)
@@ -183,7 +184,8 @@ def test_a_kubernetes_head_s_old_primary_restarts_as_a_replica_of_the_promoted_o
     RedisServer(tmp_path / "probe")
     secrets = tmp_path / "secrets"
     passwords = _secrets(secrets)
-    ports, sports = [free_port() for _ in range(3)], [free_port() for _ in range(3)]
+    picked = free_ports(6)  # distinct: a Sentinel once got a replica's port and never ran
+    ports, sports = picked[:3], picked[3:]
     k8s = {
         "REDIS_FIRST_PRIMARY": f"localhost:{ports[0]}",
         "HEAD_SENTINELS": ",".join(f"localhost:{p}" for p in sports),
