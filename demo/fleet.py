@@ -27,9 +27,7 @@ from thinkfleet.keys import Keys
 
 def free_port() -> int:
     """A TCP port nothing listens on right now (for a simulator, a Redis, a metrics server)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def free_ports(n: int) -> list[int]:

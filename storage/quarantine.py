@@ -296,7 +296,7 @@ def _column(buf: pa.Buffer, name: str) -> pa.ChunkedArray | None:
         part = open_checked(buf)
         if name not in part.schema_arrow.names:
             return None
-        return pa.Table.from_batches(list(conformed_batches(part, [name])))[name]
+        return pa.Table.from_batches(list(conformed_batches(part, [name])), pa.schema([SCHEMA.field(name)]))[name]
     except Exception:
         return None
 

@@ -33,10 +33,14 @@ _MODULE = re.compile(r"(?:^|\s)-m\s+(\S+)")
 
 
 def sample(out: Path, stop: Path, period_s: float = 0.2) -> None:
-    """Until ``stop`` exists: every live process's last non-empty command line, by pid, into ``out`` (JSON)."""
+    """Until ``stop`` exists: every live process's last non-empty command line, by pid, into ``out`` (JSON).
+
+    Bound: scripts/ci_processes.sh creates ``stop`` when its run ends, however it ends (an EXIT trap); a script
+    killed past its trap (SIGKILL) orphans this sampler, which then sees its parent gone and returns too."""
     seen: dict[str, str] = {}
     me = str(os.getpid())
-    while not stop.exists():
+    parent = os.getppid()
+    while not stop.exists() and os.getppid() == parent:
         for entry in os.scandir("/proc"):
             if not entry.name.isdigit() or entry.name == me:
                 continue

@@ -114,10 +114,10 @@ def test_the_deployed_head_replicates_and_fails_over_with_its_own_users(tmp_path
     passwords = _secrets(secrets)
     assert {"redis_replica_password", "redis_sentinel_password"} <= set(passwords)
     # (six distinct ports: two free_port() calls can name the same one, and a Sentinel given a Redis's never ran)
-    *ports, sport0, sport1, sport2 = free_ports(6)
+    picked = free_ports(6)
+    ports, sports = picked[:3], picked[3:]
     procs = [_redis(tmp_path / "r0", secrets, ports[0], None)]
     procs += [_redis(tmp_path / f"r{i}", secrets, ports[i], ports[0]) for i in (1, 2)]
-    sports = [sport0, sport1, sport2]
     try:
         admin = [
             redis.Redis(port=p, username="admin", password=passwords["redis_admin_password"], socket_timeout=5)
